@@ -1,0 +1,43 @@
+"""Next-token choice: greedy, or temperature + nucleus (top-p) sampling with a seed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 0.0
+    """0 means greedy (argmax); otherwise logits are divided by it before sampling."""
+    top_p: float = 1.0
+    """Keep the smallest set of tokens whose probability mass reaches top_p."""
+    seed: int | None = None
+    """Seed for reproducible sampling; None draws from torch's global generator."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.temperature <= 10.0:
+            raise ValueError(f"temperature must be in [0, 10], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+class Sampler:
+    def __init__(self, config: SamplingConfig):
+        self.config = config
+        self.generator = None
+        if config.seed is not None:
+            self.generator = torch.Generator().manual_seed(config.seed)
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        if self.config.temperature == 0.0:
+            return int(logits.argmax())
+        probs = torch.softmax(logits.float() / self.config.temperature, dim=-1)
+        if self.config.top_p < 1.0:
+            sorted_probs, order = probs.sort(descending=True)
+            # Drop a token when the mass before it already reaches top_p; the first always stays.
+            drop = sorted_probs.cumsum(-1) - sorted_probs >= self.config.top_p
+            sorted_probs[drop] = 0.0
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        return int(torch.multinomial(probs.cpu(), 1, generator=self.generator))
