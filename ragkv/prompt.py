@@ -19,6 +19,8 @@ _SENTINEL = "\u2063RAGKV-SENTINEL\u2063"
 class RagSegments:
     prefix_ids: list[int]
     question_ids: list[int]
+    question_text_span: tuple[int, int]
+    """[start, end) of the question's own tokens inside question_ids."""
 
 
 class ChatPrompt:
@@ -53,7 +55,10 @@ class ChatPrompt:
         return list(self._prefix_ids)
 
     def rag_segments(self, question: str) -> RagSegments:
-        return RagSegments(self.prefix_ids, self.encode("\n\nQuestion: " + question.strip() + self._after_user))
+        lead = self.encode("\n\nQuestion: ")
+        words = self.encode(question.strip())
+        closing = self.encode(self._after_user)
+        return RagSegments(self.prefix_ids, lead + words + closing, (len(lead), len(lead) + len(words)))
 
     def turn_ids(self, user_message: str, previous_answer: str | None) -> list[int]:
         """Tokens that extend a chat cache by one user turn: the previous answer (when there

@@ -1,0 +1,1 @@
+"""Benchmarks behind `ragkv bench store | fusion | sparse`."""

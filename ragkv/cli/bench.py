@@ -1,0 +1,89 @@
+"""`ragkv bench store | fusion`: argument parsing and result tables."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ragkv.cli.commands import runtime_config
+
+
+def add_bench_parser(commands, global_options) -> None:
+    bench = commands.add_parser("bench", help="benchmarks (store throughput, fusion quality and TTFT)")
+    kinds = bench.add_subparsers(dest="bench", required=True)
+
+    store = kinds.add_parser("store", help="chunk store write/read throughput vs a raw file read")
+    global_options(store)
+    store.add_argument("--chunks", type=int, default=64, help="chunks written and read (default: 64)")
+    store.add_argument("--tokens-per-chunk", type=int, default=512)
+    store.add_argument("--redis", default=None, help="also bench this redis URL (e.g. redis://127.0.0.1:6379/0)")
+    store.add_argument("--json", type=Path, default=None, help="write all figures to this file")
+
+    fusion = kinds.add_parser("fusion", help="fusion strategies vs full prefill: fidelity and TTFT")
+    global_options(fusion)
+    fusion.add_argument("--data", type=Path, required=True, help="CacheBlend-style JSON or LongBench JSONL")
+    fusion.add_argument("--limit", type=int, default=12, help="examples (default: 12)")
+    fusion.add_argument("--passages", type=int, default=None, help="passages per example (default: all)")
+    fusion.add_argument("--strategies", nargs="+", default=["full_reuse", "pie", "epic", "cacheblend", "a3"],
+                        help="strategy names, or name:option=value,... for variants")
+    fusion.add_argument("--ratio", type=float, default=0.15, help="recompute ratio r (default: 0.15)")
+    fusion.add_argument("--max-new-tokens", type=int, default=32)
+    fusion.add_argument("--json", type=Path, default=None, help="write all figures to this file")
+
+
+def run_bench_command(args: argparse.Namespace) -> int:
+    results = _run_store(args) if args.bench == "store" else _run_fusion(args)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _run_store(args: argparse.Namespace) -> dict:
+    from ragkv.model_files import resolve_model_dir
+    from ragkv.model_spec import ModelSpec
+    from store.bench import run_store_bench
+    from store.url import open_store
+    from transformers import AutoConfig
+
+    spec = ModelSpec.from_hf_config(AutoConfig.from_pretrained(resolve_model_dir(args.model)))
+    with tempfile.TemporaryDirectory(prefix="ragkv-bench-", dir=args.data_dir) as scratch:
+        stores = {"lmdb": open_store(f"lmdb://{Path(scratch, 'lmdb').resolve()}")}
+        if args.redis:
+            stores["redis"] = open_store(args.redis)
+        try:
+            results = run_store_bench(
+                stores, chunks=args.chunks, tokens_per_chunk=args.tokens_per_chunk, layers=spec.num_layers,
+                kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, dtype=torch.float16, tmp_dir=Path(scratch),
+            )
+        finally:
+            for store in stores.values():
+                store.close()
+    print(json.dumps(results, indent=2))
+    return results
+
+
+def _run_fusion(args: argparse.Namespace) -> dict:
+    from ragkv.bench.datasets import load_examples
+    from ragkv.bench.fusion_bench import parse_strategy, run_fusion_bench
+    from ragkv.runtime import Runtime
+
+    examples = load_examples(args.data, args.limit, args.passages)
+    strategies = [parse_strategy(spec, args.ratio) for spec in args.strategies]
+    with Runtime(runtime_config(args, show_progress=False)) as runtime:
+        results = run_fusion_bench(runtime, examples, strategies, max_new_tokens=args.max_new_tokens,
+                                   progress=lambda message: print(message, file=sys.stderr, flush=True))
+    header = f"{'strategy':<44} {'TTFT s':>7} {'speedup':>7} {'KL':>6} {'top1':>5} {'F1 full':>7} {'F1 gold':>7} {'recomp':>6}"
+    print(f"{results['examples']} examples, {results['passages_per_example']:.0f} passages, "
+          f"{results['strategies']['full']['prompt_tokens']:.0f} prompt tokens on average")
+    print(header)
+    for label, row in results["strategies"].items():
+        print(f"{label:<44} {row['ttft_s']:>7.2f} {row['speedup']:>7.2f} {row['first_token_kl']:>6.3f} "
+              f"{row['top1_agreement']:>5.2f} {row['agreement_f1']:>7.2f} {row['gold_f1']:>7.2f} {row['recomputed_tokens']:>6.0f}")
+    return results

@@ -1,0 +1,105 @@
+"""`a3`: attention-aware selective recompute (the A3 paper), with the variants measured
+for ragkv's default.
+
+Layers below the check layer run for every token. At the check layer the true K of every
+token is formed and each document token d is scored by the attention the question pays
+it, s(d) = sum over question rows j of softmax(q_j K^T / sqrt(D))[d]; the top r·n document
+tokens are recomputed from then on. Variants (all off reproduce the paper):
+  query_tokens      'segment' scores with every question-segment row; 'text' with the
+                    question's own words only (not the chat template's closing)
+  head_aggregation  'sum' adds heads; 'max' takes each token's best head; 'normalized'
+                    gives each head an equal vote over the document tokens
+  exclude_sinks     drop the prefix (attention-sink) columns from the softmax
+  boundary_tokens   always spend part of the budget on the first/last N tokens of each chunk
+  deviation_share   spend this share of the budget on CacheBlend's KV-deviation ranking
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ragkv.fusion.base import FusionStrategy, SelectionContext, check_ratio, ratio_budget, top_k_rows
+from ragkv.fusion.cacheblend import kv_deviation
+from ragkv.fusion.epic import boundary_rows
+from ragkv.fusion.layout import Layout
+
+QUERY_TOKENS = ("segment", "text")
+HEAD_AGGREGATIONS = ("sum", "max", "normalized")
+
+
+@dataclass
+class A3(FusionStrategy):
+    name = "a3"
+    ratio: float = 0.15
+    """r: fraction of document tokens recomputed past the check layer."""
+    check_layer: int = 1
+    query_tokens: str = "segment"
+    head_aggregation: str = "sum"
+    exclude_sinks: bool = False
+    boundary_tokens: int = 0
+    deviation_share: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_ratio(self.ratio)
+        if self.check_layer < 0:
+            raise ValueError("check_layer must be >= 0")
+        if self.query_tokens not in QUERY_TOKENS:
+            raise ValueError(f"query_tokens must be one of {QUERY_TOKENS}")
+        if self.head_aggregation not in HEAD_AGGREGATIONS:
+            raise ValueError(f"head_aggregation must be one of {HEAD_AGGREGATIONS}")
+        if self.boundary_tokens < 0:
+            raise ValueError("boundary_tokens must be >= 0")
+        if not 0.0 <= self.deviation_share <= 1.0:
+            raise ValueError("deviation_share must be in [0, 1]")
+
+    def initial_rows(self, layout: Layout) -> torch.Tensor:
+        return torch.arange(layout.prefix_len, layout.length)
+
+    def select(self, context: SelectionContext) -> torch.Tensor:
+        layout, rows = context.layout, context.rows
+        budget = ratio_budget(self.ratio, layout)
+        chosen = torch.zeros(rows.numel(), dtype=torch.bool, device=rows.device)
+        if self.boundary_tokens:
+            chosen[torch.isin(rows, boundary_rows(layout, self.boundary_tokens).to(rows.device))] = True
+        attention_budget = budget - int(chosen.sum())
+        deviation_budget = int(round(self.deviation_share * attention_budget))
+        attention_budget -= deviation_budget
+        is_document = (rows >= layout.prefix_len) & (rows < layout.question_start)
+        for scores, share in ((self.question_attention(context), attention_budget), (kv_deviation(context, "v"), deviation_budget)):
+            if share > 0:
+                scores = scores.masked_fill(chosen | ~is_document, float("-inf"))
+                available = int(torch.isfinite(scores).sum())
+                chosen[top_k_rows(scores, min(share, available))] = True
+        return chosen.nonzero().flatten()
+
+    def question_attention(self, context: SelectionContext) -> torch.Tensor:
+        """s(d) for every row in `context.rows` (-inf for non-document rows)."""
+        layout, rows, projection = context.layout, context.rows, context.projection
+        first, end = self._scoring_rows(layout)
+        question_index = ((rows >= first) & (rows < end)).nonzero().flatten()
+        q = projection.q[:, question_index]  # [Hq, Nq, D]
+        keys = context.cache.keys[context.layer, :, : layout.length].clone()
+        keys[:, rows] = projection.k
+        first_column = layout.prefix_len if self.exclude_sinks else 0
+        keys = keys[:, first_column:]
+        group = context.model.spec.group_size
+        logits = torch.einsum("hqd,hkd->hqk", q, keys.repeat_interleave(group, dim=0)) * context.model.scale
+        columns = torch.arange(first_column, layout.length, device=rows.device)
+        causal = columns[None, :] <= rows[question_index][:, None]
+        weights = logits.masked_fill(~causal, float("-inf")).softmax(dim=-1).sum(dim=1)  # [Hq, columns]
+        document = weights[:, layout.prefix_len - first_column : layout.question_start - first_column]
+        if self.head_aggregation == "normalized":
+            document = document / document.sum(dim=1, keepdim=True).clamp_min(1e-12)
+        per_token = document.max(dim=0).values if self.head_aggregation == "max" else document.sum(dim=0)
+        scores = torch.full((rows.numel(),), float("-inf"), device=rows.device)
+        is_document = (rows >= layout.prefix_len) & (rows < layout.question_start)
+        scores[is_document] = per_token[rows[is_document] - layout.prefix_len]
+        return scores
+
+    def _scoring_rows(self, layout: Layout) -> tuple[int, int]:
+        if self.query_tokens == "text" and layout.question_text_span is not None:
+            start, end = layout.question_text_span
+            return layout.question_start + start, layout.question_start + end
+        return layout.question_start, layout.length

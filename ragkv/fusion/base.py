@@ -1,0 +1,144 @@
+"""Fusion: turn stored chunk KV plus a question into a cache that decodes like a full prefill.
+
+The shared procedure (template method) is:
+  1. place the prefix KV (exact, cached per engine) and every chunk's stored KV, keys
+     rotated to their global positions (position recovery), into one preallocated cache;
+  2. run the rows the strategy names through layer 0 onward; at the strategy's check
+     layer (if any) it sees the fresh projections of the current rows and keeps a subset;
+     every computed row's K/V overwrites the cached K/V of that row at that layer;
+  3. the last question row's output gives the first token's logits.
+Each strategy supplies only its rows and its selection rule.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+from ragkv.fusion.layout import FusionInput, Layout
+from ragkv.kv_cache import KVCache
+from ragkv.model import CausalLM, Projection
+
+
+@dataclass
+class FusionResult:
+    cache: KVCache
+    logits: torch.Tensor
+    layout: Layout
+    recomputed_tokens: int
+    """Document tokens recomputed beyond the check layer (the budget the ratio sets)."""
+    reused_tokens: int
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SelectionContext:
+    """What a check-layer rule may look at."""
+
+    model: CausalLM
+    layer: int
+    layout: Layout
+    rows: torch.Tensor  # the rows (positions) whose projections are given
+    projection: Projection  # fresh q/k/v of `rows` at `layer`
+    cache: KVCache  # still holds the reused K/V of `rows` at `layer`
+
+
+class FusionStrategy(ABC):
+    """One way to choose which rows are recomputed. Subclasses are small dataclasses."""
+
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        """Subclasses validate their fields here."""
+
+    # -- what strategies define --------------------------------------------------------
+
+    @abstractmethod
+    def initial_rows(self, layout: Layout) -> torch.Tensor:
+        """Rows recomputed from layer 0 (the question rows must be among them)."""
+
+    check_layer: int | None = None
+    """Layer at which `select` narrows the rows; None = the initial rows go all the way."""
+
+    def select(self, context: SelectionContext) -> torch.Tensor:
+        """Indices into `context.rows` that continue past the check layer (the question
+        rows are always added by the caller)."""
+        raise NotImplementedError(f"{self.name} has no check layer")
+
+    def chunk_key_positions(self, layout: Layout, fusion_input: FusionInput, chunk: int) -> torch.Tensor:
+        """Positions the chunk's stored keys are rotated to: global by default."""
+        start, end = layout.chunk_spans[chunk]
+        return torch.arange(start, end)
+
+    # -- the shared procedure ------------------------------------------------------------
+
+    @torch.inference_mode()
+    def fuse(self, model: CausalLM, fusion_input: FusionInput, prefix_cache: KVCache | None, extra_capacity: int = 0) -> FusionResult:
+        timings: dict[str, float] = {}
+        started = time.perf_counter()
+        layout = Layout.of(fusion_input)
+        cache = model.new_cache(layout.length + extra_capacity)
+        self._place_reused_kv(model, cache, layout, fusion_input, prefix_cache)
+        cache.length = cache.next_position = layout.length
+        timings["place_kv"] = time.perf_counter() - started
+
+        rows = self.initial_rows(layout).to(model.device)
+        hidden = model.embed(layout.token_ids.to(model.device)[rows])
+        recomputed_after_check = None
+        for layer in range(model.spec.num_layers):
+            projection = model.project(layer, hidden, rows)
+            if layer == self.check_layer:
+                chosen = self.select(SelectionContext(model, layer, layout, rows, projection, cache))
+                question = (rows >= layout.question_start).nonzero().flatten()
+                keep = torch.cat((chosen.to(rows.device), question)).unique(sorted=True)
+                cache.keys[layer, :, rows] = projection.k
+                cache.values[layer, :, rows] = projection.v
+                rows, hidden = rows[keep], hidden[keep]
+                projection = Projection(projection.q[:, keep], projection.k[:, keep], projection.k_pre_rope[:, keep], projection.v[:, keep])
+                recomputed_after_check = rows
+            else:
+                cache.keys[layer, :, rows] = projection.k
+                cache.values[layer, :, rows] = projection.v
+            attention = model.attend(layer, projection, rows, cache, layout.length)
+            hidden = model.finish_layer(layer, hidden, attention)
+        if int(rows[-1]) != layout.length - 1:
+            raise RuntimeError(f"{self.name}: the last question row must be recomputed")
+        logits = model.logits(hidden[-1:])[0]
+        timings["recompute"] = time.perf_counter() - started - timings["place_kv"]
+
+        final_rows = recomputed_after_check if recomputed_after_check is not None else rows
+        document = ((final_rows >= layout.prefix_len) & (final_rows < layout.question_start)).sum()
+        return FusionResult(cache, logits, layout, int(document), layout.num_document_tokens - int(document), timings)
+
+    def _place_reused_kv(self, model, cache, layout, fusion_input, prefix_cache) -> None:
+        if layout.prefix_len:
+            if prefix_cache is None or prefix_cache.length != layout.prefix_len:
+                raise ValueError("the prefix KV must be given and match the prefix length")
+            cache.keys[:, :, : layout.prefix_len] = prefix_cache.keys[:, :, : layout.prefix_len]
+            cache.values[:, :, : layout.prefix_len] = prefix_cache.values[:, :, : layout.prefix_len]
+        spec = model.spec
+        for index, chunk in enumerate(fusion_input.chunks):
+            start, end = layout.chunk_spans[index]
+            positions = self.chunk_key_positions(layout, fusion_input, index).to(model.device)
+            keys = chunk.keys.to(device=model.device, dtype=model.dtype)
+            rotated = model.rotary.rotate(keys.reshape(-1, end - start, spec.head_dim), positions)
+            cache.keys[:, :, start:end] = rotated.view(spec.num_layers, spec.num_kv_heads, end - start, spec.head_dim)
+            cache.values[:, :, start:end] = chunk.values.to(device=model.device, dtype=model.dtype)
+
+
+def top_k_rows(scores: torch.Tensor, budget: int) -> torch.Tensor:
+    """Indices of the `budget` largest scores, in ascending (position) order."""
+    budget = max(0, min(budget, scores.numel()))
+    return scores.topk(budget).indices.sort().values
+
+
+def ratio_budget(ratio: float, layout: Layout) -> int:
+    return int(round(ratio * layout.num_document_tokens))
+
+
+def check_ratio(ratio: float) -> None:
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"recompute ratio must be in [0, 1], got {ratio}")

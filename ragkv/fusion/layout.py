@@ -1,0 +1,75 @@
+"""The fused prompt [prefix | chunk 1 ... chunk k | question] and where each piece sits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class LoadedChunk:
+    """A chunk as read from the store: token ids and pre-RoPE K/V [layers, kv_heads, T, D]."""
+
+    token_ids: list[int]
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.keys.shape != self.values.shape or self.keys.shape[2] != len(self.token_ids):
+            raise ValueError("chunk keys/values must be [layers, kv_heads, len(token_ids), head_dim]")
+
+
+@dataclass(frozen=True)
+class FusionInput:
+    prefix_ids: list[int]
+    chunks: list[LoadedChunk]
+    question_ids: list[int]
+    chunk_precompute_offset: int = 0
+    """Position of a chunk's first token when its KV was computed (the precompute prefix
+    length); strategies that keep local positions (full_reuse) rotate keys to it."""
+    question_text_span: tuple[int, int] | None = None
+    """Where the question's own words sit inside question_ids (the rest is template)."""
+
+    def __post_init__(self) -> None:
+        if not self.question_ids:
+            raise ValueError("the question segment is empty")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Row positions of each segment in the fused cache (row j = position j)."""
+
+    token_ids: torch.Tensor
+    prefix_len: int
+    chunk_spans: list[tuple[int, int]]
+    question_start: int
+    question_text_span: tuple[int, int] | None = None
+
+    @classmethod
+    def of(cls, fusion_input: FusionInput) -> "Layout":
+        ids = list(fusion_input.prefix_ids)
+        spans = []
+        for chunk in fusion_input.chunks:
+            spans.append((len(ids), len(ids) + len(chunk.token_ids)))
+            ids.extend(chunk.token_ids)
+        question_start = len(ids)
+        ids.extend(fusion_input.question_ids)
+        return cls(torch.tensor(ids), len(fusion_input.prefix_ids), spans, question_start, fusion_input.question_text_span)
+
+    @property
+    def length(self) -> int:
+        return self.token_ids.numel()
+
+    @property
+    def document_rows(self) -> torch.Tensor:
+        """Rows of chunk tokens (between the prefix and the question)."""
+        return torch.arange(self.prefix_len, self.question_start)
+
+    @property
+    def question_rows(self) -> torch.Tensor:
+        return torch.arange(self.question_start, self.length)
+
+    @property
+    def num_document_tokens(self) -> int:
+        return self.question_start - self.prefix_len

@@ -1,0 +1,72 @@
+"""Counters a store reports, as typed snapshots that serialize to plain dicts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+def _check_counts(obj: object, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"{type(obj).__name__}.{name} must be a non-negative int; got {value!r}")
+
+
+@dataclass(frozen=True)
+class LRUStats:
+    """Snapshot of an in-process LRU (see :class:`store.lru.ByteLRU`)."""
+
+    entries: int
+    bytes: int
+    capacity_bytes: int
+    hits: int
+    misses: int
+    evictions: int
+
+    def __post_init__(self) -> None:
+        _check_counts(self, tuple(f.name for f in fields(self)))
+
+    def to_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """Snapshot of a store's counters since it was opened.
+
+    ``hits``/``misses`` count keys looked up; a corrupt blob counts as a miss
+    *and* in ``corrupt``.  ``errors`` counts backend operations that failed
+    and were absorbed (a dead Redis).  ``entries``/``bytes`` describe what the
+    backend holds right now, or are ``None`` when it cannot be asked.
+    """
+
+    backend: str
+    entries: int | None
+    bytes: int | None
+    hits: int
+    misses: int
+    corrupt: int
+    errors: int
+    lru: LRUStats | None = None
+    tiers: tuple[StoreStats, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.backend, str) or not self.backend:
+            raise ValueError(f"StoreStats.backend must be a non-empty str; got {self.backend!r}")
+        _check_counts(self, ("entries", "bytes", "hits", "misses", "corrupt", "errors"))
+        if self.lru is not None and not isinstance(self.lru, LRUStats):
+            raise TypeError("StoreStats.lru must be an LRUStats or None")
+        if not isinstance(self.tiers, tuple) or not all(isinstance(t, StoreStats) for t in self.tiers):
+            raise TypeError("StoreStats.tiers must be a tuple of StoreStats")
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-ready form; ``lru``/``tiers`` appear only for composite stores."""
+        out: dict[str, object] = {
+            name: getattr(self, name)
+            for name in ("backend", "entries", "bytes", "hits", "misses", "corrupt", "errors")
+        }
+        if self.lru is not None:
+            out["lru"] = self.lru.to_dict()
+        if self.tiers:
+            out["tiers"] = [tier.to_dict() for tier in self.tiers]
+        return out

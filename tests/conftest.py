@@ -1,0 +1,35 @@
+"""Shared fixtures: a real redis-server for the store tests (no mocks)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from redis_server import RedisServer  # pytest puts tests/ on sys.path (no tests/__init__.py)
+
+
+def _started_server() -> RedisServer:
+    try:
+        server = RedisServer()
+    except FileNotFoundError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    server.start()
+    return server
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """URL of a redis-server shared by the whole session.  Never kill it; tests
+    that need a clean database flush it themselves."""
+    server = _started_server()
+    yield server.url
+    server.cleanup()
+
+
+@pytest.fixture
+def killable_redis() -> Iterator[RedisServer]:
+    """A private redis-server for this test, which it may ``stop()`` and ``start()`` again."""
+    server = _started_server()
+    yield server
+    server.cleanup()

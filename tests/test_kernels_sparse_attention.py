@@ -1,0 +1,153 @@
+"""sparse_decode_attention: Triton vs torch reference, dense equivalence, FlashInfer layout."""
+
+import os
+
+# Must precede any triton import: triton.jit picks the CPU interpreter when a kernel
+# is defined. Set here rather than in tests/conftest.py (owned elsewhere); it leaks to
+# the rest of the pytest process, which is harmless on CPU-only machines.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import BackendUnavailableError, reference, sparse_decode_attention
+from kernels.dispatch import importable
+from kernels.flashinfer.sparse_attention import paged_layout
+
+TOL = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+    # The interpreter rounds float32 -> bfloat16 toward zero, torch to nearest: 1 ulp apart.
+    torch.bfloat16: dict(atol=1e-2, rtol=1.6e-2),
+}
+LSE_TOL = dict(atol=1e-4, rtol=1e-5)
+
+
+def make_inputs(hkv, group, t, d, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(hkv * group, d, generator=g).to(dtype)
+    k = torch.randn(hkv, t, d, generator=g).to(dtype)
+    v = torch.randn(hkv, t, d, generator=g).to(dtype)
+    return q, k, v, g
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("num_sel", [1, 37])  # 37: not a multiple of any block size
+@pytest.mark.parametrize("ragged", [False, True])
+@pytest.mark.parametrize("hkv,group", [(2, 1), (2, 3)])
+def test_triton_matches_reference(hkv, group, ragged, num_sel, d, dtype):
+    t = 77
+    q, k, v, g = make_inputs(hkv, group, t, d, dtype, seed=hkv * group * 1000 + num_sel + d)
+    indices = torch.randint(0, t, (hkv, num_sel), generator=g)
+    lengths = torch.randint(1, num_sel + 1, (hkv,), generator=g) if ragged else None
+    scale = 1.0 / math.sqrt(d)
+    out, lse = sparse_decode_attention(q, k, v, indices, scale, lengths, return_lse=True, backend="triton")
+    ref_out, ref_lse = reference.sparse_decode_attention(q, k, v, indices, scale, lengths)
+    assert out.shape == q.shape and out.dtype == dtype and lse.shape == (hkv * group,)
+    torch.testing.assert_close(out, ref_out, **TOL[dtype])
+    torch.testing.assert_close(lse, ref_lse, **LSE_TOL)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("hkv,group", [(2, 1), (1, 3)])
+def test_all_rows_equals_dense_sdpa(hkv, group, backend):
+    t, d = 45, 64
+    q, k, v, _ = make_inputs(hkv, group, t, d, torch.float32, seed=3)
+    scale = 0.3  # not 1/sqrt(d), so a dropped scale would show
+    indices = torch.arange(t).expand(hkv, t)
+    out, lse = sparse_decode_attention(q, k, v, indices, scale, return_lse=True, backend=backend)
+    dense = F.scaled_dot_product_attention(q.unsqueeze(1), k, v, scale=scale, enable_gqa=True).squeeze(1)
+    torch.testing.assert_close(out, dense, atol=1e-5, rtol=1e-5)
+    logits = torch.einsum("hd,htd->ht", q, k.repeat_interleave(group, dim=0)) * scale
+    torch.testing.assert_close(lse, torch.logsumexp(logits, dim=-1), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_lengths_ignore_padding(backend):
+    """Padding past lengths[h] points at a row that would dominate the softmax if read."""
+    hkv, group, t, d = 2, 3, 40, 64
+    q, k, v, g = make_inputs(hkv, group, t, d, torch.float32, seed=5)
+    k[:, 0] = q.view(hkv, group, d).sum(1) * 10  # row 0 aligns with every query head
+    v[:, 0] = 100.0
+    lengths = torch.tensor([5, 12])
+    indices = torch.zeros(hkv, 16, dtype=torch.int64)
+    for h, n in enumerate(lengths.tolist()):
+        indices[h, :n] = torch.randperm(t - 1, generator=g)[:n] + 1
+    out = sparse_decode_attention(q, k, v, indices, 0.125, lengths, backend=backend)
+    for h, n in enumerate(lengths.tolist()):
+        heads = slice(h * group, (h + 1) * group)
+        alone = sparse_decode_attention(q[heads], k[h : h + 1], v[h : h + 1], indices[h : h + 1, :n], 0.125, backend=backend)
+        torch.testing.assert_close(out[heads], alone, atol=1e-5, rtol=1e-5)
+    assert out.abs().max() < 10
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_row_order_does_not_matter(backend):
+    hkv, group, t, d = 2, 3, 60, 128
+    q, k, v, g = make_inputs(hkv, group, t, d, torch.float32, seed=8)
+    indices = torch.stack([torch.randperm(t, generator=g)[:33] for _ in range(hkv)])
+    shuffled = indices[:, torch.randperm(33, generator=g)]
+    a, lse_a = sparse_decode_attention(q, k, v, indices, 0.1, return_lse=True, backend=backend)
+    b, lse_b = sparse_decode_attention(q, k, v, shuffled, 0.1, return_lse=True, backend=backend)
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse_a, lse_b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_flashinfer_page_table_addresses_selected_rows(ragged):
+    """The page_size=1 layout handed to FlashInfer reads exactly indices[h, :lengths[h]] per head."""
+    hkv, t, d = 3, 20, 8
+    _, k, v, g = make_inputs(hkv, 1, t, d, torch.float32, seed=9)
+    indices = torch.randint(0, t, (hkv, 7), generator=g)
+    lengths = torch.tensor([7, 2, 5]) if ragged else None
+    k_pages, v_pages, kv_indptr, kv_indices, last_page_len = paged_layout(k, v, indices, lengths)
+    assert k_pages.shape == v_pages.shape == (hkv * t, 1, 1, d)
+    assert kv_indptr.dtype == kv_indices.dtype == last_page_len.dtype == torch.int32
+    assert torch.equal(last_page_len, torch.ones(hkv, dtype=torch.int32))
+    for h in range(hkv):
+        n = 7 if lengths is None else int(lengths[h])
+        pages = kv_indices[kv_indptr[h] : kv_indptr[h + 1]].long()
+        assert torch.equal(k_pages[pages, 0, 0], k[h, indices[h, :n]])
+        assert torch.equal(v_pages[pages, 0, 0], v[h, indices[h, :n]])
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and importable("flashinfer")), reason="needs CUDA and flashinfer")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_flashinfer_matches_reference(dtype):
+    hkv, group, t, d = 2, 3, 300, 128
+    q, k, v, g = make_inputs(hkv, group, t, d, dtype, seed=10)
+    q, k, v = q.cuda(), k.cuda(), v.cuda()
+    indices = torch.randint(0, t, (hkv, 64), generator=g).cuda()
+    lengths = torch.tensor([64, 17]).cuda()
+    out, lse = sparse_decode_attention(q, k, v, indices, 0.09, lengths, return_lse=True, backend="flashinfer")
+    ref_out, ref_lse = reference.sparse_decode_attention(q, k, v, indices, 0.09, lengths)
+    torch.testing.assert_close(out, ref_out, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-2, rtol=1e-3)
+
+
+def test_backend_errors():
+    q, k, v, _ = make_inputs(1, 2, 10, 64, torch.float32, seed=0)
+    indices = torch.zeros(1, 3, dtype=torch.int64)
+    with pytest.raises(BackendUnavailableError, match="no flashinfer backend for these inputs"):
+        sparse_decode_attention(q, k, v, indices, 0.1, backend="flashinfer")  # float32
+    with pytest.raises(BackendUnavailableError, match="CUDA"):
+        sparse_decode_attention(q.half(), k.half(), v.half(), indices, 0.1, backend="flashinfer")
+
+
+def test_rejects_bad_arguments():
+    q, k, v, _ = make_inputs(2, 2, 10, 64, torch.float32, seed=0)
+    indices = torch.zeros(2, 3, dtype=torch.int64)
+    with pytest.raises(ValueError, match="multiple"):
+        sparse_decode_attention(q[:3], k, v, indices, 0.1)
+    with pytest.raises(ValueError, match="indices"):
+        sparse_decode_attention(q, k, v, indices[:1], 0.1)
+    with pytest.raises(ValueError, match="share a dtype"):
+        sparse_decode_attention(q, k.half(), v, indices, 0.1)
+    with pytest.raises(ValueError, match="lengths"):
+        sparse_decode_attention(q, k, v, indices, 0.1, lengths=torch.ones(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="v_cache"):
+        sparse_decode_attention(q, k, v[:, :5], indices, 0.1)
