@@ -31,7 +31,18 @@ class FusionResult:
     recomputed_tokens: int
     """Document tokens recomputed beyond the check layer (the budget the ratio sets)."""
     reused_tokens: int
+    initial_rows: torch.Tensor
+    """Rows recomputed at layers below the check layer (all layers when there is none)."""
+    final_rows: torch.Tensor
+    """Rows recomputed from the check layer on; rows in neither kept their stored K/V."""
+    check_layer: int | None
     timings: dict[str, float] = field(default_factory=dict)
+
+    def recomputed_rows(self, layer: int) -> torch.Tensor:
+        """Rows whose K/V at `layer` were computed for this prompt (not reused)."""
+        if self.check_layer is None or layer < self.check_layer:
+            return self.initial_rows
+        return self.initial_rows if layer == self.check_layer else self.final_rows
 
 
 @dataclass(frozen=True)
@@ -85,7 +96,7 @@ class FusionStrategy(ABC):
         cache.length = cache.next_position = layout.length
         timings["place_kv"] = time.perf_counter() - started
 
-        rows = self.initial_rows(layout).to(model.device)
+        rows = initial_rows = self.initial_rows(layout).to(model.device)
         hidden = model.embed(layout.token_ids.to(model.device)[rows])
         recomputed_after_check = None
         for layer in range(model.spec.num_layers):
@@ -111,7 +122,8 @@ class FusionStrategy(ABC):
 
         final_rows = recomputed_after_check if recomputed_after_check is not None else rows
         document = ((final_rows >= layout.prefix_len) & (final_rows < layout.question_start)).sum()
-        return FusionResult(cache, logits, layout, int(document), layout.num_document_tokens - int(document), timings)
+        return FusionResult(cache, logits, layout, int(document), layout.num_document_tokens - int(document),
+                            initial_rows, final_rows, self.check_layer, timings)
 
     def _place_reused_kv(self, model, cache, layout, fusion_input, prefix_cache) -> None:
         if layout.prefix_len:
