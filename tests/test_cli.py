@@ -1,0 +1,67 @@
+"""The `ragkv` command end to end in subprocesses, on a fresh data folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+CORPUS = Path(__file__).resolve().parents[1] / "examples" / "corpus"
+
+
+def ragkv(home: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "RAGKV_HOME": str(home), "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "ragkv", *args], capture_output=True, text=True, env=env, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    home = tmp_path_factory.mktemp("ragkv-home")
+    result = ragkv(home, "ingest", str(CORPUS), "--no-progress")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("doc_") == 3
+    return home
+
+
+def test_docs_list_shows_the_corpus(home):
+    result = ragkv(home, "docs", "list")
+    assert result.returncode == 0
+    assert {"lighthouses.md", "orchard.txt", "observatory.md"} <= {Path(line.split()[-1]).name for line in result.stdout.splitlines()}
+
+
+def test_ask_answers_with_citations_and_timings(home):
+    result = ragkv(home, "ask", "When was Gull Point Light automated?", "--json", "--max-new-tokens", "24", "--top-k", "2")
+    assert result.returncode == 0, result.stderr
+    answer = json.loads(result.stdout)
+    assert answer["strategy"] == "a3"
+    assert answer["citations"][0]["name"].endswith("lighthouses.md")
+    assert "automated in 1987" in answer["citations"][0]["text"]
+    assert answer["usage"]["reused_tokens"] > answer["usage"]["recomputed_tokens"] > 0
+    assert answer["timings"]["ttft"] > 0 and answer["text"]
+
+
+def test_reingest_reuses_and_delete_removes(home):
+    again = ragkv(home, "ingest", str(CORPUS / "orchard.txt"), "--no-progress")
+    assert "identical text already ingested" in again.stdout
+    doc_id = again.stdout.split()[0]
+    deleted = ragkv(home, "docs", "delete", doc_id)
+    assert deleted.returncode == 0 and doc_id in deleted.stdout
+    shown = ragkv(home, "docs", "show", doc_id)
+    assert shown.returncode == 2 and "no document" in shown.stderr
+
+
+def test_errors_are_messages_not_tracebacks(tmp_path):
+    empty_home = tmp_path / "empty"
+    asked = ragkv(empty_home, "ask", "anything?")
+    assert asked.returncode == 2 and "ingest some first" in asked.stderr
+    assert "Traceback" not in asked.stderr
+    binary = tmp_path / "blob.txt"
+    binary.write_bytes(b"\x00\x01\x02\x03" * 64)
+    ingested = ragkv(empty_home, "ingest", str(binary), "--no-progress")
+    assert ingested.returncode == 1 and "binary" in ingested.stderr and "Traceback" not in ingested.stderr
+    bad_ratio = ragkv(empty_home, "ask", "q?", "--ratio", "2")
+    assert bad_ratio.returncode == 2 and "ratio" in bad_ratio.stderr

@@ -1,0 +1,90 @@
+"""Generation on the packaged SmolLM2 against transformers generate, and the generation
+controls (stop strings, EOS, token limit, seeded sampling, top-p)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from ragkv.generation import GenerationConfig
+from ragkv.sampling import Sampler, SamplingConfig
+
+MESSAGES = [{"role": "user", "content": "Name three colours of the rainbow."}]
+
+
+def _generate(engine, config):
+    return list(engine.chat(MESSAGES, config))
+
+
+def test_greedy_matches_transformers_generate_token_for_token(engine):
+    prompt = engine.prompt.encode_messages(MESSAGES)
+    reference = AutoModelForCausalLM.from_pretrained(engine.model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):].tolist()
+    events = _generate(engine, GenerationConfig(max_new_tokens=24))
+    got = [event.token_id for event in events]
+    # transformers keeps the EOS token in its output; so does the stream's last event.
+    assert got == expected[: len(got)]
+    assert len(got) == len(expected) or events[-1].finish_reason == "eos"
+
+
+def test_chat_template_is_applied(engine):
+    text = engine.tokenizer.decode(engine.prompt.encode_messages(MESSAGES))
+    assert text.startswith("<|im_start|>system\n")
+    assert text.endswith("<|im_start|>user\nName three colours of the rainbow.<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_max_new_tokens_and_finish_reason(engine):
+    events = _generate(engine, GenerationConfig(max_new_tokens=3))
+    assert len(events) == 3
+    assert events[-1].finish_reason == "length"
+    assert all(event.finish_reason is None for event in events[:-1])
+
+
+def test_stop_string_ends_generation_and_is_not_returned(engine):
+    full = "".join(e.text for e in _generate(engine, GenerationConfig(max_new_tokens=24)))
+    words = full.split()
+    assert len(words) >= 3, full
+    stop = words[2]
+    events = _generate(engine, GenerationConfig(max_new_tokens=24, stop=(stop,)))
+    text = "".join(e.text for e in events)
+    assert events[-1].finish_reason == "stop"
+    assert stop not in text
+    assert full.startswith(text)
+
+
+def test_streamed_text_equals_decoding_all_tokens(engine):
+    events = _generate(engine, GenerationConfig(max_new_tokens=20))
+    ids = [e.token_id for e in events if e.finish_reason != "eos"]
+    assert "".join(e.text for e in events) == engine.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_seeded_sampling_is_reproducible_and_differs_from_greedy(engine):
+    sampled = SamplingConfig(temperature=1.2, top_p=0.95, seed=7)
+    first = [e.token_id for e in _generate(engine, GenerationConfig(max_new_tokens=12, sampling=sampled))]
+    second = [e.token_id for e in _generate(engine, GenerationConfig(max_new_tokens=12, sampling=sampled))]
+    assert first == second
+    others = [[e.token_id for e in _generate(engine, GenerationConfig(max_new_tokens=12, sampling=SamplingConfig(1.2, 0.95, seed)))]
+              for seed in (8, 9, 10)]
+    assert any(other != first for other in others)
+
+
+def test_top_p_keeps_only_the_nucleus():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    sampler = Sampler(SamplingConfig(temperature=1.0, top_p=0.7, seed=0))
+    draws = {sampler(logits) for _ in range(300)}
+    assert draws == {0, 1}
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5)])
+def test_bad_sampling_settings_are_refused(bad):
+    with pytest.raises(ValueError):
+        SamplingConfig(**bad)
+
+
+def test_bad_generation_settings_are_refused():
+    with pytest.raises(ValueError):
+        GenerationConfig(max_new_tokens=0)
+    with pytest.raises(ValueError):
+        GenerationConfig(stop=("",))

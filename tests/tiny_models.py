@@ -1,0 +1,52 @@
+"""Tiny random-weight checkpoints of each supported family, written as Hugging Face
+folders, so the forward loop can be compared with transformers in seconds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+_COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=112,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+CONFIGS = {
+    "llama": lambda: LlamaConfig(**_COMMON),
+    "llama3-rope": lambda: LlamaConfig(
+        **_COMMON,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    ),
+    "mistral": lambda: MistralConfig(**_COMMON, sliding_window=None),
+    "qwen2": lambda: Qwen2Config(**_COMMON),
+    "qwen3": lambda: Qwen3Config(**_COMMON, head_dim=16),
+    "qwen3-yarn": lambda: Qwen3Config(
+        **_COMMON, head_dim=16,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128},
+    ),
+}
+
+
+def make_tiny_model(family: str, folder: Path, seed: int = 0) -> Path:
+    """Write a random tiny model of `family` to `folder`; return the folder."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(CONFIGS[family](), dtype=torch.float32)
+    with torch.no_grad():
+        # Larger-than-init weights make logits spread out, so greedy ties are unlikely.
+        for parameter in model.parameters():
+            parameter.mul_(4.0 if parameter.dim() > 1 else 1.0)
+    model.save_pretrained(folder)
+    return folder
