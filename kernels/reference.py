@@ -91,6 +91,6 @@ def selective_attention(
     t = k_cache.shape[1]
     mask = torch.arange(t, device=q_rows.device).unsqueeze(0) <= row_positions.unsqueeze(1)  # [N, T]
     out = F.scaled_dot_product_attention(
-        q_rows.float(), k_cache.float(), v_cache.float(), attn_mask=mask, scale=scale, enable_gqa=True
+        q_rows.float()[None], k_cache.float()[None], v_cache.float()[None], attn_mask=mask, scale=scale, enable_gqa=True
     )
-    return out.to(q_rows.dtype)
+    return out[0].to(q_rows.dtype)

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from kernels import reference
+from kernels import torch_cpu
 from kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check_dtype, check_shape, common_device, require
 from kernels.dispatch import Backend, select_backend
 
@@ -65,7 +65,7 @@ def selective_attention(
 
     chosen = select_backend("selective_attention", backend, device, kernels=("triton",))
     if chosen == "torch":
-        return reference.selective_attention(q_rows, k_cache, v_cache, row_positions, scale)
+        return torch_cpu.selective_attention(q_rows, k_cache, v_cache, row_positions, scale)
 
     import triton
 

@@ -18,7 +18,7 @@ from transformers import AutoConfig
 
 from kernels.rope import apply_rope
 
-from ragkv.attention import causal_attention
+from ragkv.attention import causal_attention, decode_attention
 from ragkv.kv_cache import KVCache
 from ragkv.model_spec import ModelSpec
 from ragkv.rope import Rotary
@@ -159,7 +159,7 @@ class CausalLM:
             cache.length = row + 1
             if attention is None:
                 keys, values = cache.layer(layer)
-                out = F.scaled_dot_product_attention(projection.q, keys, values, scale=self.scale, enable_gqa=True)
+                out = decode_attention(projection.q, keys, values, self.scale)
             else:
                 out = attention(layer, projection.q, cache, self.scale)
             hidden = self.finish_layer(layer, hidden, out)

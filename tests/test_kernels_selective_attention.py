@@ -93,3 +93,13 @@ def test_rejects_bad_arguments():
         selective_attention(q[:3], k, v, positions, 0.1)
     with pytest.raises(ValueError, match="k_cache"):
         selective_attention(q, k[..., :32], v, positions, 0.1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_grouped_torch_path_matches_reference_on_many_unsorted_rows(dtype):
+    """The CPU path groups rows by position (enough rows to trigger grouping, any order)."""
+    hkv, group, t, d = 3, 3, 700, 64
+    q, k, v, g = make_inputs(hkv, group, 300, t, d, dtype, seed=21)
+    positions = torch.randperm(t, generator=g)[:300]
+    out = selective_attention(q, k, v, positions, 0.125, backend="torch")
+    torch.testing.assert_close(out, reference.selective_attention(q, k, v, positions, 0.125), **TOL[dtype])
