@@ -6,6 +6,9 @@ Sub-databases (keys are UTF-8):
   texts       {tenant}/{doc_id}              -> the document's UTF-8 text (citations, recompute)
   chunk_refs  {chunk_hash}                   -> number of documents that use the chunk
   embeddings  {tenant}/{doc_id}/{index:06d}  -> float32 embedding of one chunk
+  registry_meta generation/{tenant}          -> counter bumped by every add/remove of the
+                                                tenant's documents (other processes sharing
+                                                the environment see their cache is stale)
 
 A document's record, text, embeddings and chunk references change in one write
 transaction, so a failure leaves the registry as it was.
@@ -89,8 +92,10 @@ class Registry:
         self._texts = env.db("texts")
         self._refs = env.db("chunk_refs")
         self._embeddings = env.db("embeddings")
-        # Per-tenant embedding matrices, rebuilt when the tenant's documents change.
-        self._matrix_cache: dict[str, tuple[list[tuple[str, int]], np.ndarray]] = {}
+        self._meta = env.db("registry_meta")
+        # Per-tenant embedding matrices with the generation they were built at, rebuilt when
+        # the tenant's documents change (here or in another process on the same environment).
+        self._matrix_cache: dict[str, tuple[int, list[tuple[str, int]], np.ndarray]] = {}
         self._lock = threading.Lock()
 
     # -- reads -----------------------------------------------------------------------
@@ -152,6 +157,7 @@ class Registry:
                 raw = txn.get(chunk_hash.encode(), db=self._refs)
                 count = int(bytes(raw)) if raw is not None else 0
                 txn.put(chunk_hash.encode(), str(count + 1).encode(), db=self._refs)
+            self._bump_generation(txn, record.tenant)
 
         self.env.write(write)
         self._invalidate(record.tenant)
@@ -179,6 +185,7 @@ class Registry:
                 else:
                     txn.delete(chunk_hash.encode(), db=self._refs)
                     orphans.append(chunk_hash)
+            self._bump_generation(txn, tenant)
             return record, orphans
 
         result = self.env.write(write)
@@ -187,18 +194,28 @@ class Registry:
 
     # -- retrieval -------------------------------------------------------------------
 
+    def _generation(self, txn, tenant: str) -> int:
+        raw = txn.get(f"generation/{tenant}".encode(), db=self._meta)
+        return int(bytes(raw)) if raw is not None else 0
+
+    def _bump_generation(self, txn, tenant: str) -> None:
+        txn.put(f"generation/{tenant}".encode(), str(self._generation(txn, tenant) + 1).encode(), db=self._meta)
+
     def _invalidate(self, tenant: str) -> None:
         with self._lock:
             self._matrix_cache.pop(tenant, None)
 
     def _matrix(self, tenant: str) -> tuple[list[tuple[str, int]], np.ndarray]:
+        with self.env.read() as txn:
+            generation = self._generation(txn, tenant)
         with self._lock:
             cached = self._matrix_cache.get(tenant)
-        if cached is not None:
-            return cached
+        if cached is not None and cached[0] == generation:
+            return cached[1], cached[2]
         owners, vectors = [], []
         prefix = f"{tenant}/".encode()
         with self.env.read() as txn:
+            generation = self._generation(txn, tenant)
             cursor = txn.cursor(db=self._embeddings)
             if cursor.set_range(prefix):
                 for key, value in cursor:
@@ -210,7 +227,7 @@ class Registry:
                     vectors.append(np.frombuffer(bytes(value), dtype=np.float32))
         matrix = np.stack(vectors) if vectors else np.zeros((0, 0), dtype=np.float32)
         with self._lock:
-            self._matrix_cache[tenant] = (owners, matrix)
+            self._matrix_cache[tenant] = (generation, owners, matrix)
         return owners, matrix
 
     def search(self, tenant: str, query_vector: np.ndarray, top_k: int, doc_ids: set[str] | None = None) -> list[SearchHit]:

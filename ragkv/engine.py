@@ -66,6 +66,9 @@ class Engine:
         )
         self.load_seconds = time.perf_counter() - started
         self._chunk_prefix_cache: KVCache | None = None
+        self.codebook = None
+        """A2ATS codebook (ragkv.sparse.A2ATSCodebook) of this model, when one is attached:
+        encode_chunk then stores each chunk's codes with it."""
         log.info("engine ready in %.1f s (fingerprint %s)", self.load_seconds, self.fingerprint)
 
     @property
@@ -87,13 +90,18 @@ class Engine:
 
     def encode_chunk(self, token_ids: list[int]) -> dict[str, torch.Tensor]:
         """The stored form of a chunk: pre-RoPE keys/values [layers, kv_heads, T, D] in the
-        storage dtype, and the token ids they were computed from."""
+        storage dtype, the token ids they were computed from, and with a codebook attached
+        its A2ATS codes [layers, kv_heads, T] int16."""
         keys, values = self.model.chunk_kv(torch.tensor(token_ids), self.chunk_prefix_cache())
-        return {
+        tensors = {
             "keys": keys.to(self.storage_dtype).contiguous(),
             "values": values.to(self.storage_dtype).contiguous(),
             "tokens": torch.tensor(token_ids, dtype=torch.int32),
         }
+        if self.codebook is not None:
+            # "codes" + "codebook_id", from the keys as stored (what a query will read back)
+            tensors.update(self.codebook.chunk_tensors(tensors["keys"].to(self.model.dtype)))
+        return tensors
 
     def stream(
         self,

@@ -66,11 +66,11 @@ class ChatPrompt:
         assistant turn's opening."""
         text = ""
         if previous_answer is not None:
-            text += previous_answer + self._between_turns
+            text += previous_answer + self.between_turns
         return self.encode(text + user_message.strip() + self._after_user)
 
     @property
-    def _between_turns(self) -> str:
+    def between_turns(self) -> str:
         """Template text from the end of an assistant message to the start of the next user message."""
         answer, question = _SENTINEL + "A", _SENTINEL + "Q"
         rendered = self.render(

@@ -18,6 +18,8 @@ from ragkv.engine import Engine
 from ragkv.fingerprint import KV_FORMAT_VERSION
 from ragkv.fusion import FusionConfig, FusionInput, FusionResult, LoadedChunk
 from ragkv.generation import GenerationConfig, TokenEvent
+from ragkv.sparse import SparseConfig
+from ragkv.sparse.wiring import sparse_attention, sparse_chunk_codes
 from store.base import ChunkStore
 from store.keys import ChunkKey
 
@@ -32,6 +34,8 @@ class QueryConfig:
     """Restrict retrieval to these documents (all of their chunks when top_k allows)."""
     fusion: FusionConfig = field(default_factory=FusionConfig)
     generation: GenerationConfig = field(default_factory=lambda: GenerationConfig(max_new_tokens=128))
+    sparse: SparseConfig | None = None
+    """Sparse decode (selector, budget, SnapKV eviction); None = dense decode."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= 64:
@@ -72,6 +76,8 @@ class PreparedQuery:
     citations: list[Citation]
     timings: dict[str, float]
     strategy: str
+    chunk_codes: list | None = None
+    """Per chunk, its A2ATS codes under the engine's codebook (sparse a2ats only)."""
 
 
 class RagPipeline:
@@ -98,9 +104,11 @@ class RagPipeline:
         # Most relevant last: nearest the question.
         return sorted(found, key=lambda item: item[2])
 
-    def load_chunks(self, tenant: str, retrieved: list[tuple[DocumentRecord, ChunkRecord, float]]) -> tuple[list[LoadedChunk], int]:
+    def load_chunks(self, tenant: str, retrieved: list[tuple[DocumentRecord, ChunkRecord, float]],
+                    stored: list | None = None) -> tuple[list[LoadedChunk], int]:
         """KV of the retrieved chunks; a chunk missing from the store (evicted, corrupt,
-        another model) is recomputed from the document text and written back."""
+        another model) is recomputed from the document text and written back. `stored`,
+        when given, receives each chunk's tensors as read (sparse decode uses its codes)."""
         entries = self.store.get_many([self.chunk_key(chunk.chunk_hash) for _, chunk, _ in retrieved])
         loaded, recomputed = [], 0
         for (record, chunk, _), tensors in zip(retrieved, entries):
@@ -110,6 +118,8 @@ class RagPipeline:
                 self.store.put(self.chunk_key(chunk.chunk_hash), tensors)
                 recomputed += 1
             loaded.append(LoadedChunk(tensors["tokens"].tolist(), tensors["keys"], tensors["values"]))
+            if stored is not None:
+                stored.append(tensors)
         if recomputed:
             log.warning("recomputed %d chunk(s) missing from the store", recomputed)
         return loaded, recomputed
@@ -129,7 +139,8 @@ class RagPipeline:
             raise InputError("no_documents", "no documents to answer from: ingest some first")
         timings["retrieve"] = time.perf_counter() - started
         load_started = time.perf_counter()
-        chunks, missing = self.load_chunks(tenant, retrieved)
+        stored: list = []
+        chunks, missing = self.load_chunks(tenant, retrieved, stored)
         timings["load"] = time.perf_counter() - load_started
         segments = self.engine.prompt.rag_segments(question)
         fusion_input = FusionInput(
@@ -147,11 +158,13 @@ class RagPipeline:
             text = texts.get(record.doc_id) or texts.setdefault(record.doc_id, self.registry.text(tenant, record.doc_id))
             citations.append(Citation(record.doc_id, record.name, chunk.index, chunk.char_start, chunk.char_end, round(score, 4),
                                       text[chunk.char_start : chunk.char_end]))
-        return PreparedQuery(result, citations, timings, strategy.name)
+        chunk_codes = sparse_chunk_codes(self.engine, config.sparse, chunks, stored)
+        return PreparedQuery(result, citations, timings, strategy.name, chunk_codes)
 
     def stream(self, prepared: PreparedQuery, config: QueryConfig) -> Iterator[TokenEvent]:
         fusion = prepared.fusion
-        return self.engine.stream(fusion.cache, fusion.logits, config.generation)
+        attention = sparse_attention(self.engine, config.sparse, fusion, prepared.chunk_codes)
+        return self.engine.stream(fusion.cache, fusion.logits, config.generation, attention)
 
     def ask(self, question: str, tenant: str = "default", config: QueryConfig = QueryConfig()) -> Answer:
         prepared = self.prepare(question, tenant, config)

@@ -1,4 +1,4 @@
-"""`ragkv bench store | fusion`: argument parsing and result tables."""
+"""`ragkv bench store | fusion | sparse`: argument parsing and result tables (sparse: ragkv.cli.sparse_cli)."""
 
 from __future__ import annotations
 
@@ -35,9 +35,18 @@ def add_bench_parser(commands, global_options) -> None:
     fusion.add_argument("--max-new-tokens", type=int, default=32)
     fusion.add_argument("--json", type=Path, default=None, help="write all figures to this file")
 
+    from ragkv.cli.sparse_cli import add_sparse_bench_parser
+
+    add_sparse_bench_parser(kinds, global_options)
+
 
 def run_bench_command(args: argparse.Namespace) -> int:
-    results = _run_store(args) if args.bench == "store" else _run_fusion(args)
+    if args.bench == "sparse":
+        from ragkv.cli.sparse_cli import run_sparse_bench_command
+
+        results = run_sparse_bench_command(args)
+    else:
+        results = _run_store(args) if args.bench == "store" else _run_fusion(args)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2))

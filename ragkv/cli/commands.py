@@ -107,4 +107,10 @@ def run_bench(args: argparse.Namespace) -> int:
     return run_bench_command(args)
 
 
-__all__ = ["run_ingest", "run_ask", "run_docs", "run_bench"]
+def run_serve(args: argparse.Namespace) -> int:
+    from ragkv.cli.serve import run_serve_command
+
+    return run_serve_command(args)
+
+
+__all__ = ["run_ingest", "run_ask", "run_docs", "run_bench", "run_serve"]

@@ -54,8 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
     docs.add_argument("doc_id", nargs="?")
 
     from ragkv.cli.bench import add_bench_parser
+    from ragkv.cli.serve import add_serve_parser
+    from ragkv.cli.sparse_cli import add_sparse_parsers
 
     add_bench_parser(commands, _global_options)
+    add_sparse_parsers(commands, _global_options)
+    add_serve_parser(commands, _global_options)
     return parser
 
 

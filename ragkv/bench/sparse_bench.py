@@ -1,0 +1,266 @@
+"""`ragkv bench sparse`: retrieval-based sparse decode selectors against dense decode.
+
+Quality, per example (prompt = [prefix | passages | question], plain prefill): every
+selector decodes its own answer greedily; at every step, layer and KV head its choice
+is compared with the oracle's (the top-k rows by exact attention mass, summed over the
+head's query heads) among the same candidate rows:
+
+    recall = mass on the selector's retrieved rows / mass on the oracle's retrieved rows
+
+(sinks and the recent window are excluded from both, so recall is not inflated by the
+rows every selector keeps). Also reported: `kept_mass`, the share of the exact attention
+mass on all attended rows (sinks and window included); answer F1 against the dense
+answer and against the gold answers.
+
+Speed, per context length: passages are concatenated (repeated when short) to the
+longest length and prefilled once; each shorter context is a prefix of that cache
+(causal, so exactly its own prefill). Every selector then decodes `timing_steps` tokens
+(teacher-forced on the text); ms/token is the mean after `warmup_steps`, speed-up is
+over the engine's default dense decode. Setup (per-request k-means, factor fits, codes
+of fresh rows) is timed apart.
+
+Auxiliary memory: bytes per cached token held by the selector (codes, factors) over all
+layers and KV heads, as a fraction of the KV bytes per token in fp16; fixed state
+(codebooks, centroids) is reported apart.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ragkv.bench.datasets import Example
+from ragkv.bench.metrics import token_f1
+from ragkv.engine import Engine
+from ragkv.generation import GenerationConfig
+from ragkv.kv_cache import KVCache
+from ragkv.sparse import PromptState, SparseConfig
+from ragkv.sparse.base import Selector
+from ragkv.sparse.oracle import attention_mass
+
+DEFAULT_SELECTORS = ("dense", "oracle", "a2ats", "pqcache", "lrqk")
+QUESTION_WINDOW = 32
+
+
+@dataclass
+class RecallMeter:
+    """Observer for a selector: recall of the oracle's top-k mass and mass kept, per step."""
+
+    scale: float
+    recalls: list[float] = field(default_factory=list)
+    kept: list[float] = field(default_factory=list)
+
+    def __call__(self, layer: int, q: torch.Tensor, cache: KVCache, indices: torch.Tensor, start: int, end: int) -> None:
+        keys, _ = cache.layer(layer)
+        mass = attention_mass(q, keys, self.scale)  # [Hkv, T], rows sum to the group size
+        group = q.shape[0] // keys.shape[0]
+        chosen = torch.zeros_like(mass, dtype=torch.bool).scatter_(1, indices.long(), True)
+        self.kept.extend((mass * chosen).sum(1).div(group).tolist())
+        retrieved = chosen[:, start:end]
+        k = int(retrieved[0].sum())
+        if k == 0 or k == end - start:  # nothing retrieved, or every candidate: no choice was made
+            return
+        candidates = mass[:, start:end]
+        best = candidates.topk(k, dim=-1).values.sum(-1)
+        got = (candidates * retrieved).sum(-1)
+        self.recalls.extend((got / best.clamp(min=1e-30)).tolist())
+
+
+def mean(values: Sequence[float]) -> float:
+    return float(statistics.fmean(values)) if values else float("nan")
+
+
+def rag_prompt(engine: Engine, example: Example) -> tuple[list[int], int, int]:
+    """(token ids, prefix length, question start) of [prefix | passages | question]."""
+    segments = engine.prompt.rag_segments(example.question)
+    document = [token for passage in example.passages for token in engine.tokenize(passage)]
+    ids = segments.prefix_ids + document + segments.question_ids
+    return ids, len(segments.prefix_ids), len(segments.prefix_ids) + len(document)
+
+
+def build(config: SparseConfig | None, engine: Engine, cache: KVCache, ids, prefix_len: int, question_start: int) -> Selector | None:
+    if config is None:
+        return None
+    prompt = PromptState.from_prefill(engine.model, cache, ids, prefix_len, question_start)
+    return config.build(prompt, engine.codebook)
+
+
+def decode_answer(engine: Engine, cache: KVCache, logits: torch.Tensor, attention, max_new_tokens: int) -> str:
+    events = engine.stream(cache, logits, GenerationConfig(max_new_tokens=max_new_tokens), attention)
+    return "".join(event.text for event in events).strip()
+
+
+def selector_config(name: str, budget: float, base: SparseConfig) -> SparseConfig:
+    from dataclasses import replace
+
+    return replace(base, selector=name, budget=budget)
+
+
+def run_quality(engine: Engine, examples: Sequence[Example], configs: dict[str, SparseConfig], max_new_tokens: int,
+                progress: Callable[[str], None]) -> dict:
+    model = engine.model
+    rows: dict[str, dict[str, list[float]]] = {name: {"recall": [], "kept_mass": [], "f1_dense": [], "f1_gold": []} for name in configs}
+    prompt_tokens = []
+    for number, example in enumerate(examples, start=1):
+        ids, prefix_len, question_start = rag_prompt(engine, example)
+        prompt_tokens.append(len(ids))
+        progress(f"quality: example {number}/{len(examples)} ({len(ids)} tokens): prefill")
+        cache, logits = engine.prefill(ids, max_new_tokens + 1)
+        dense_answer = decode_answer(engine, cache.clone(max_new_tokens + 1), logits, None, max_new_tokens)
+        for name, config in configs.items():
+            progress(f"quality: example {number}/{len(examples)}: {name}")
+            work = cache.clone(max_new_tokens + 1)
+            attention = build(config, engine, work, ids, prefix_len, question_start)
+            meter = RecallMeter(model.scale)
+            attention.observer = meter
+            answer = decode_answer(engine, work, logits, attention, max_new_tokens)
+            row = rows[name]
+            row["recall"].append(mean(meter.recalls))
+            row["kept_mass"].append(mean(meter.kept))
+            row["f1_dense"].append(token_f1(answer, [dense_answer]))
+            row["f1_gold"].append(token_f1(answer, example.answers))
+        rows.setdefault("_dense_gold", {"f1_gold": []})["f1_gold"].append(token_f1(dense_answer, example.answers))
+    summary = {name: {key: mean([v for v in values if not math.isnan(v)]) for key, values in row.items()}
+               for name, row in rows.items() if not name.startswith("_")}
+    return {"examples": len(examples), "prompt_tokens": mean(prompt_tokens),
+            "dense_f1_gold": mean(rows["_dense_gold"]["f1_gold"]) if "_dense_gold" in rows else float("nan"),
+            "selectors": summary}
+
+
+def long_context_ids(engine: Engine, examples: Sequence[Example], length: int) -> list[int]:
+    """[prefix | passages, concatenated and repeated | ...] of at least `length` tokens."""
+    ids = list(engine.prompt.prefix_ids)
+    passages = [engine.tokenize(passage) for example in examples for passage in example.passages]
+    if not any(passages):
+        raise ValueError("the examples hold no passage text")
+    while len(ids) < length:
+        for passage in passages:
+            ids.extend(passage)
+            if len(ids) >= length:
+                break
+    return ids
+
+
+@torch.inference_mode()
+def prefill_chunked(engine: Engine, ids: list[int], capacity: int, piece: int = 1024) -> KVCache:
+    """Plain prefill in pieces (same result as one prefill; bounded attention memory)."""
+    cache = engine.model.new_cache(capacity)
+    for start in range(0, len(ids), piece):
+        engine.model.prefill(torch.tensor(ids[start : start + piece]), cache)
+    return cache
+
+
+def prefix_cache(cache: KVCache, rows: int, extra: int) -> KVCache:
+    keys = cache.keys.new_empty(cache.keys.shape[:2] + (rows + extra,) + cache.keys.shape[3:])
+    values = torch.empty_like(keys)
+    keys[:, :, :rows] = cache.keys[:, :, :rows]
+    values[:, :, :rows] = cache.values[:, :, :rows]
+    return KVCache(keys, values, rows, rows)
+
+
+def run_speed(engine: Engine, examples: Sequence[Example], configs: dict[str, SparseConfig], lengths: Sequence[int],
+              timing_steps: int, warmup_steps: int, progress: Callable[[str], None]) -> dict:
+    model = engine.model
+    steps = timing_steps + warmup_steps
+    longest = max(lengths)
+    ids = long_context_ids(engine, examples, longest + steps)
+    progress(f"speed: prefill of {longest} tokens")
+    started = time.perf_counter()
+    full = prefill_chunked(engine, ids[:longest], longest)
+    prefill_s = time.perf_counter() - started
+    results: dict[str, dict] = {}
+    for length in sorted(lengths):
+        per_length: dict[str, dict] = {}
+        prefix_len = len(engine.prompt.prefix_ids)
+        for name, config in [("engine_dense", None), *configs.items()]:
+            progress(f"speed: {length} tokens, {name}")
+            cache = prefix_cache(full, length, steps + 1)
+            setup_started = time.perf_counter()
+            # the last `window` rows stand in for the question window (SnapKV, LRQK's query sample)
+            attention = build(config, engine, cache, ids[:length], prefix_len, length - QUESTION_WINDOW)
+            setup_s = time.perf_counter() - setup_started
+            times = []
+            for step in range(steps):
+                token = ids[length + step]
+                t0 = time.perf_counter()
+                model.decode_step(token, cache, attention)
+                times.append(time.perf_counter() - t0)
+            measured = times[warmup_steps:]
+            per_length[name] = {"ms_per_token": 1000 * mean(measured),
+                                "ms_per_token_median": 1000 * statistics.median(measured),
+                                "setup_s": setup_s}
+        dense_ms = per_length["engine_dense"]["ms_per_token"]
+        for row in per_length.values():
+            row["speedup"] = dense_ms / row["ms_per_token"]
+        results[str(length)] = per_length
+    return {"prefill_s": prefill_s, "context_lengths": results}
+
+
+def aux_memory(engine: Engine, configs: dict[str, SparseConfig], examples: Sequence[Example]) -> dict:
+    """Per-token and fixed auxiliary bytes of each selector, built on a short prompt."""
+    ids, prefix_len, question_start = rag_prompt(engine, examples[0])
+    ids = ids[-min(len(ids), 512):]
+    cache, _ = engine.prefill(ids, 1)
+    kv = engine.spec.kv_bytes_per_token
+    out = {}
+    for name, config in configs.items():
+        work = cache.clone(1)
+        selector = build(config, engine, work, ids, 0, len(ids) - 1)
+        out[name] = {"aux_bytes_per_token": selector.aux_bytes_per_token,
+                     "aux_fraction_of_kv_fp16": selector.aux_bytes_per_token / kv,
+                     "fixed_bytes": selector.fixed_bytes}
+    return {"kv_bytes_per_token_fp16": kv, "selectors": out}
+
+
+def run_sparse_bench(engine: Engine, examples: Sequence[Example], speed_examples: Sequence[Example], *, selectors: Sequence[str],
+                     budget: float, base: SparseConfig = SparseConfig(), context_lengths: Sequence[int] = (2048, 4096, 8192),
+                     max_new_tokens: int = 32, timing_steps: int = 16, warmup_steps: int = 2,
+                     progress: Callable[[str], None] = lambda message: None) -> dict:
+    configs = {name: selector_config(name, budget, base) for name in selectors}
+    results = {
+        "budget": budget,
+        "sinks": base.sinks,
+        "window": base.window,
+        "codebook": {"id": engine.codebook.id, "size": engine.codebook.size, **engine.codebook.info} if engine.codebook else None,
+        "memory": aux_memory(engine, configs, examples or speed_examples),
+    }
+    if examples:
+        results["quality"] = run_quality(engine, examples, configs, max_new_tokens, progress)
+    if context_lengths:
+        results["speed"] = run_speed(engine, speed_examples, configs, context_lengths, timing_steps, warmup_steps, progress)
+    return results
+
+
+def format_table(results: dict) -> str:
+    lines = []
+    quality = results.get("quality", {}).get("selectors", {})
+    speed = results.get("speed", {}).get("context_lengths", {})
+    memory = results["memory"]["selectors"]
+    lengths = list(speed)
+    header = f"{'selector':<10} {'recall':>6} {'kept':>6} {'F1 dense':>8} {'F1 gold':>7} {'aux %KV':>7}"
+    for length in lengths:
+        header += f" {'ms@' + length:>9} {'x@' + length:>7}"
+    if "quality" in results:
+        q = results["quality"]
+        lines.append(f"budget {results['budget']} (sinks {results['sinks']} + window {results['window']} included); "
+                     f"{q['examples']} examples, {q['prompt_tokens']:.0f} prompt tokens on average; dense F1 gold {q['dense_f1_gold']:.3f}")
+    lines.append(header)
+    names = list(memory)
+    if speed:
+        names = ["engine_dense", *names]
+    for name in names:
+        row = quality.get(name, {})
+        mem = memory.get(name)
+        line = (f"{name:<10} {row.get('recall', float('nan')):>6.3f} {row.get('kept_mass', float('nan')):>6.3f} "
+                f"{row.get('f1_dense', float('nan')):>8.3f} {row.get('f1_gold', float('nan')):>7.3f} "
+                f"{(100 * mem['aux_fraction_of_kv_fp16']) if mem else 0.0:>7.2f}")
+        for length in lengths:
+            cell = speed[length].get(name)
+            line += f" {cell['ms_per_token']:>9.1f} {cell['speedup']:>7.2f}" if cell else f" {'':>9} {'':>7}"
+        lines.append(line)
+    return "\n".join(lines)

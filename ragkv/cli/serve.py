@@ -1,0 +1,73 @@
+"""`ragkv serve`: the HTTP API under uvicorn; `ragkv serve bench`: its load benchmark.
+
+    ragkv serve [--host 127.0.0.1] [--port 8000] [--store URL] [--data-dir DIR] [--api-keys keys.json] ...
+    ragkv serve bench [--url http://HOST:PORT] [--clients 1 4 16] [--requests 32] [--max-tokens 16] [--json out.json]
+
+Every ServeConfig field is an option (its docstring is the help).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ragkv.cli.config_args import add_config_options, config_from_args
+
+
+def add_serve_parser(commands, global_options) -> None:
+    from api.config import ServeConfig
+
+    serve = commands.add_parser("serve", help="serve the HTTP API (FastAPI + uvicorn); `ragkv serve bench` benchmarks it",
+                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    serve.add_argument("action", nargs="?", choices=("bench",), default=None,
+                       help="bench: measure chat TTFT (turn 1 vs 2) and /v1/query throughput/latency")
+    global_options(serve)
+    add_config_options(serve, ServeConfig)
+    serve.add_argument("--api-keys", type=Path, default=None, dest="api_keys_file",
+                       help='JSON file {"key": "tenant", ...}; also $RAGKV_API_KEYS="key:tenant,..." (default: no keys)')
+    serve.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
+    bench = serve.add_argument_group("bench (ragkv serve bench)")
+    bench.add_argument("--url", default=None, help="benchmark this running server instead of starting one")
+    bench.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16], help="concurrency levels (default: 1 4 16)")
+    bench.add_argument("--requests", type=int, default=None, help="requests per level (default: max(16, 2 x clients))")
+    bench.add_argument("--max-tokens", type=int, default=16, help="max_tokens of each request (default: 16)")
+    bench.add_argument("--sessions", type=int, default=3, help="chat sessions for the turn-1 vs turn-2 TTFT (default: 3)")
+    bench.add_argument("--corpus", type=Path, default=None, help="documents to ingest first (default: examples/corpus)")
+    bench.add_argument("--bench-key", default=None, help="API key the benchmark client sends")
+    bench.add_argument("--json", type=Path, default=None, help="write the figures to this file")
+
+
+def serve_config(args: argparse.Namespace):
+    from api.config import ServeConfig
+    from ragkv.cli.commands import runtime_config
+
+    return config_from_args(ServeConfig, args, runtime=runtime_config(args, show_progress=False),
+                            api_keys_file=args.api_keys_file)
+
+
+def run_serve_command(args: argparse.Namespace) -> int:
+    if args.action == "bench":
+        return _run_bench(args)
+    import uvicorn
+
+    from api.app import create_app
+
+    config = serve_config(args)
+    app = create_app(config)
+    uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level, timeout_graceful_shutdown=10,
+                access_log=args.log_level in ("info", "debug"))
+    return 0
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from ragkv.bench.serve_bench import run_serve_bench
+
+    results = run_serve_bench(args, progress=lambda message: print(message, file=sys.stderr, flush=True))
+    print(json.dumps(results, indent=2))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2))
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0

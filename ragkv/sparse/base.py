@@ -1,0 +1,167 @@
+"""Retrieval-based sparse decode attention: the shared procedure (template method).
+
+Every decode step, per layer and per KV head:
+  1. the first `sinks` rows and the last `window` rows (plus a selector's extra recent
+     rows) are always attended exactly;
+  2. the selector scores the rows in between and keeps the top k, where k is what the
+     budget (see :mod:`ragkv.sparse.config`: it counts every attended row) leaves;
+  3. exact attention runs over the chosen rows with kernels.sparse_decode_attention.
+
+GQA: selection is per KV head, shared by its query heads. The approximate selectors
+aggregate the group's query heads by SUMMING their scores (q_g . k summed over g, i.e.
+the group-summed query against the key); the oracle sums the heads' exact attention
+probabilities, which makes it the mass-optimal choice the recall metric is measured
+against.
+
+A selector is a per-request object (built on a :class:`PromptState`). Per-row state
+(codes, low-rank key factors) lives in :class:`RowBuffer` s: built for the prompt's rows,
+extended lazily as decoded rows leave the recent window, and compacted with the cache
+when SnapKV evicts rows.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+import torch
+
+from kernels import sparse_decode_attention
+from ragkv.kv_cache import KVCache
+from ragkv.sparse.config import SparseConfig
+from ragkv.sparse.prompt import PromptState, RowPositions
+
+Observer = Callable[[int, torch.Tensor, KVCache, torch.Tensor, int, int], None]
+"""Called as (layer, q, cache, indices [Hkv, K], start, end) on every step (benchmarks)."""
+
+
+class RowBuffer:
+    """Per-row state [layers, kv_heads, rows, *trailing] that grows by doubling."""
+
+    def __init__(self, data: torch.Tensor):
+        self.data = data
+
+    def ensure(self, rows: int) -> None:
+        capacity = self.data.shape[2]
+        if rows > capacity:
+            grown = self.data.new_zeros(self.data.shape[:2] + (max(rows, 2 * capacity),) + self.data.shape[3:])
+            grown[:, :, :capacity] = self.data
+            self.data = grown
+
+    def write(self, layer: int, start: int, values: torch.Tensor) -> None:
+        """values [kv_heads, n, *trailing] into rows [start, start + n) of `layer`."""
+        self.ensure(start + values.shape[1])
+        self.data[layer, :, start : start + values.shape[1]] = values
+
+    def rows(self, layer: int, start: int, end: int) -> torch.Tensor:
+        return self.data[layer, :, start:end]
+
+    def compact(self, kept: torch.Tensor) -> None:
+        """Keep rows `kept` [layers, kv_heads, C] in that order."""
+        index = kept.view(kept.shape + (1,) * (self.data.dim() - 3)).expand(kept.shape + self.data.shape[3:])
+        self.data = torch.gather(self.data, 2, index.to(self.data.device))
+
+    @property
+    def bytes_per_row(self) -> int:
+        """Bytes one row costs over all layers and KV heads."""
+        trailing = 1
+        for size in self.data.shape[3:]:
+            trailing *= size
+        return self.data.shape[0] * self.data.shape[1] * trailing * self.data.element_size()
+
+
+class Selector(ABC):
+    """One way to score cache rows for a decode query. Subclasses write only their state
+    and their `select`; this class owns budget, sinks/window, bookkeeping and attention."""
+
+    name: str = ""
+    extra_recent: int = 0
+    """Rows beyond the common window this selector always keeps exact (LRQK's lite set)."""
+
+    def __init__(self, config: SparseConfig, prompt: PromptState, codebook=None):
+        self.config = config
+        self.model = prompt.model
+        self.spec = prompt.model.spec
+        self.positions = RowPositions(prompt.length)
+        self.buffers: list[RowBuffer] = []
+        self.ready = [prompt.length] * self.spec.num_layers
+        """Per layer: rows [0, ready) have per-row state."""
+        self.observer: Observer | None = None
+        self.prepare(prompt, codebook)
+
+    # -- what selectors define ------------------------------------------------------------
+
+    def prepare(self, prompt: PromptState, codebook) -> None:
+        """Build per-request state for the prompt's rows (default: none)."""
+
+    def extend(self, layer: int, cache: KVCache, start: int, end: int) -> None:
+        """Per-row state for rows [start, end) of `layer`, decoded after the prompt."""
+
+    @abstractmethod
+    def select(self, layer: int, q: torch.Tensor, cache: KVCache, start: int, end: int, k: int) -> torch.Tensor:
+        """The k rows [Hkv, k] (absolute, int64) of [start, end) to attend, for query q [Hq, 1, D]."""
+
+    @property
+    def fixed_bytes(self) -> int:
+        """Auxiliary bytes that do not grow with the context (codebooks, factors)."""
+        return 0
+
+    # -- the shared procedure ----------------------------------------------------------
+
+    @property
+    def aux_bytes_per_token(self) -> int:
+        """Auxiliary bytes per cached token over all layers and KV heads, as held."""
+        return sum(buffer.bytes_per_row for buffer in self.buffers)
+
+    def compact(self, kept: torch.Tensor, next_position: int) -> None:
+        """Follow a cache compaction: row i of every layer/head is old row kept[l, h, i]."""
+        for buffer in self.buffers:
+            buffer.compact(kept)
+        self.positions.compact(kept, next_position)
+        self.ready = [kept.shape[2]] * self.spec.num_layers
+
+    def span(self, rows: int) -> tuple[int, int, int]:
+        """(start, end, k): rows [start, end) are scored and k of them kept."""
+        head = min(self.config.sinks, rows)
+        tail = min(self.config.window + self.extra_recent, rows - head)
+        start, end = head, rows - tail
+        k = min(max(self.config.budget_rows(rows) - head - tail, 0), end - start)
+        return start, end, k
+
+    def indices(self, layer: int, q: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, int, int]:
+        rows, heads = cache.length, self.spec.num_kv_heads
+        start, end, k = self.span(rows)
+        if k == end - start:
+            return torch.arange(rows, device=q.device).expand(heads, rows), start, end
+        if end > self.ready[layer]:
+            self.extend(layer, cache, self.ready[layer], end)
+            self.ready[layer] = end
+        parts = [torch.arange(start, device=q.device).expand(heads, start)]
+        if k:
+            parts.append(self.select(layer, q, cache, start, end, k).to(q.device))
+        parts.append(torch.arange(end, rows, device=q.device).expand(heads, rows - end))
+        return torch.cat(parts, dim=1), start, end
+
+    def __call__(self, layer: int, q: torch.Tensor, cache: KVCache, scale: float) -> torch.Tensor:
+        indices, start, end = self.indices(layer, q, cache)
+        if self.observer is not None:
+            self.observer(layer, q, cache, indices, start, end)
+        keys, values = cache.layer(layer)
+        out = sparse_decode_attention(q[:, 0], keys, values, indices, scale, backend=self.config.backend)
+        return out.unsqueeze(1)
+
+    # -- helpers for subclasses ------------------------------------------------------------
+
+    def group_query(self, q: torch.Tensor) -> torch.Tensor:
+        """q [Hq, 1, D] -> the sum of each KV head's query heads [Hkv, D] (the GQA aggregation)."""
+        return q[:, 0].reshape(self.spec.num_kv_heads, self.spec.group_size, -1).sum(1)
+
+    def current_position(self, cache: KVCache) -> int:
+        """RoPE position of the token being decoded (decode_step advances next_position
+        only after the last layer, so during attention it is the current token's)."""
+        return cache.next_position
+
+
+def top_rows(scores: torch.Tensor, k: int, start: int) -> torch.Tensor:
+    """Absolute rows [Hkv, k] of the k largest scores [Hkv, n] of rows [start, start + n)."""
+    return scores.topk(k, dim=-1, sorted=False).indices + start

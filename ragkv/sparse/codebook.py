@@ -1,0 +1,176 @@
+"""The A2ATS codebook: one shared, query-aware VQ codebook per layer and KV head over
+pre-RoPE keys, and where it is kept.
+
+Query-aware VQ minimises the error of the attention score rather than of the key:
+E_q[(q.k - q.c)^2] = (k - c)^T S (k - c) with S = E[q q^T] the second moment of the
+(WRoPE-rotated, GQA-group-summed) queries. With S = L L^T (Cholesky), that is
+|(k - c) L|^2, so keys are clustered in the space x = k L and centroids mapped back.
+
+Because the keys are pre-RoPE, a chunk's codes do not depend on where the chunk lands in
+a prompt: ingestion computes them once and stores them with the chunk's KV.
+
+Staleness: a chunk records the id (content hash) of the codebook its codes were made
+with ("codebook_id"), and codes are used only when that id equals the active
+codebook's; otherwise they are recomputed from the chunk's stored keys at query time. The
+id is deliberately NOT part of the chunk key fingerprint: the KV does not depend on the
+codebook, so recalibrating must not turn every stored chunk into a miss and force its KV
+to be recomputed; only the small codes go stale, and they are checked per chunk.
+
+Storage: sub-database ``sparse_codebooks`` of the shared LMDB environment, key
+``a2ats/<model fingerprint>``, value a checksummed safetensors blob (store.blob).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+
+from store.blob import decode_blob, encode_blob
+from store.lmdb_env import LMDBEnvironment
+
+CODEBOOK_DB = "sparse_codebooks"
+CODES_KEY = "codes"
+CODEBOOK_ID_KEY = "codebook_id"
+_ID_BYTES = 16
+_BLOCK = 2048
+
+
+@dataclass(eq=False)
+class A2ATSCodebook:
+    centroids: torch.Tensor
+    """[layers, kv_heads, C, D] float32, in pre-RoPE key space."""
+    transform: torch.Tensor
+    """[layers, kv_heads, D, D] float32, lower-triangular L with L L^T = E[q q^T] (distance transform)."""
+    offset: int = 2048
+    """WRoPE b: the query is rotated to relative position b for keys outside the window."""
+    info: dict[str, str] = field(default_factory=dict)
+    """Free-form provenance (calibration sources, token counts)."""
+
+    def __post_init__(self) -> None:
+        if self.centroids.dim() != 4 or self.transform.dim() != 4:
+            raise ValueError("centroids must be [layers, kv_heads, C, D] and transform [layers, kv_heads, D, D]")
+        layers, heads, size, dim = self.centroids.shape
+        if self.transform.shape != (layers, heads, dim, dim):
+            raise ValueError("transform must be [layers, kv_heads, D, D] matching the centroids")
+        if not 2 <= size <= 32767:
+            raise ValueError("a codebook holds 2..32767 centroids (codes are int16)")
+        self.centroids = self.centroids.float().contiguous()
+        self.transform = self.transform.float().contiguous()
+
+    @property
+    def size(self) -> int:
+        return self.centroids.shape[2]
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(layers, kv_heads, head_dim) the codebook was built for."""
+        layers, heads, _, dim = self.centroids.shape
+        return layers, heads, dim
+
+    @cached_property
+    def id(self) -> str:
+        """Content hash: changes whenever the centroids, the transform or b change."""
+        digest = hashlib.blake2b(digest_size=_ID_BYTES)
+        digest.update(str(self.offset).encode())
+        for tensor in (self.centroids, self.transform):
+            digest.update(str(tuple(tensor.shape)).encode())
+            digest.update(tensor.detach().cpu().numpy().tobytes())
+        return digest.hexdigest()
+
+    @cached_property
+    def _transformed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        mapped = self.centroids @ self.transform  # c L: [layers, kv_heads, C, D]
+        return mapped, mapped.pow(2).sum(-1)
+
+    def check_model(self, spec) -> None:
+        if self.shape != (spec.num_layers, spec.num_kv_heads, spec.head_dim):
+            raise ValueError(f"the A2ATS codebook was built for (layers, kv_heads, head_dim) = {self.shape}, "
+                             f"the model has {(spec.num_layers, spec.num_kv_heads, spec.head_dim)}")
+
+    def to(self, device: torch.device | str) -> "A2ATSCodebook":
+        return A2ATSCodebook(self.centroids.to(device), self.transform.to(device), self.offset, dict(self.info))
+
+    # -- encoding ------------------------------------------------------------------------
+
+    def encode_layer(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
+        """Codes [Hkv, n] int16 of pre-RoPE keys [Hkv, n, D] at `layer`."""
+        mapped, norms = self._transformed
+        transform = self.transform[layer].to(keys.device)
+        mapped, norms = mapped[layer].to(keys.device), norms[layer].to(keys.device).unsqueeze(1)
+        codes = torch.empty(keys.shape[:2], dtype=torch.int16, device=keys.device)
+        for start in range(0, keys.shape[1], _BLOCK):
+            x = keys[:, start : start + _BLOCK].float() @ transform
+            # argmin |x - c|^2 = argmax 2 x.c - |c|^2
+            scores = torch.baddbmm(norms, x, mapped.transpose(1, 2), alpha=2.0, beta=-1.0)
+            codes[:, start : start + _BLOCK] = scores.argmax(-1).to(torch.int16)
+        return codes
+
+    def encode(self, keys: torch.Tensor) -> torch.Tensor:
+        """Codes [layers, Hkv, n] int16 of pre-RoPE keys [layers, Hkv, n, D]."""
+        return torch.stack([self.encode_layer(layer, keys[layer]) for layer in range(keys.shape[0])])
+
+    def chunk_tensors(self, keys: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What a stored chunk carries: its codes and the id of this codebook."""
+        return {CODES_KEY: self.encode(keys).contiguous(), CODEBOOK_ID_KEY: self.id_tensor()}
+
+    def id_tensor(self) -> torch.Tensor:
+        return torch.frombuffer(bytearray(bytes.fromhex(self.id)), dtype=torch.uint8).clone()
+
+    def codes_of(self, tensors: dict[str, torch.Tensor] | None) -> torch.Tensor | None:
+        """A stored chunk's codes when they were made with this codebook, else None."""
+        if not tensors or CODES_KEY not in tensors or CODEBOOK_ID_KEY not in tensors:
+            return None
+        if bytes(tensors[CODEBOOK_ID_KEY].cpu().numpy().tobytes()).hex() != self.id:
+            return None
+        return tensors[CODES_KEY]
+
+    def centroid_scores(self, layer: int, query: torch.Tensor) -> torch.Tensor:
+        """query [Hkv, D] (already WRoPE-rotated) -> q.c for every centroid [Hkv, C] float32."""
+        return torch.bmm(self.centroids[layer], query.float().unsqueeze(-1)).squeeze(-1)
+
+    # -- serialisation ---------------------------------------------------------------------
+
+    def to_blob(self) -> bytes:
+        metadata = {"offset": str(self.offset), "id": self.id, "info": json.dumps(self.info, sort_keys=True)}
+        return encode_blob({"centroids": self.centroids.cpu(), "transform": self.transform.cpu()}, metadata)
+
+    @classmethod
+    def from_blob(cls, raw) -> "A2ATSCodebook":
+        tensors, metadata = decode_blob(raw)
+        codebook = cls(tensors["centroids"].clone(), tensors["transform"].clone(), int(metadata["offset"]),
+                       json.loads(metadata.get("info", "{}")))
+        if codebook.id != metadata.get("id"):
+            raise ValueError("stored codebook id does not match its content")
+        return codebook
+
+
+def _key(fingerprint: str) -> bytes:
+    return f"a2ats/{fingerprint}".encode()
+
+
+def save_codebook(env: LMDBEnvironment, fingerprint: str, codebook: A2ATSCodebook) -> None:
+    """Store `codebook` as the A2ATS codebook of the model with `fingerprint` (replacing any)."""
+    db = env.db(CODEBOOK_DB)
+    blob = codebook.to_blob()
+    env.write(lambda txn: txn.put(_key(fingerprint), blob, db=db))
+
+
+def load_codebook(env: LMDBEnvironment, fingerprint: str) -> A2ATSCodebook | None:
+    """The stored A2ATS codebook of the model with `fingerprint`, or None."""
+    db = env.db(CODEBOOK_DB)
+    with env.read() as txn:
+        raw = txn.get(_key(fingerprint), db=db)
+        return None if raw is None else A2ATSCodebook.from_blob(raw)
+
+
+def attach_codebook(engine, env: LMDBEnvironment) -> A2ATSCodebook | None:
+    """Give `engine` its model's stored codebook (if any): encode_chunk then stores codes."""
+    codebook = load_codebook(env, engine.fingerprint)
+    if codebook is not None:
+        codebook.check_model(engine.spec)
+    engine.codebook = codebook
+    return codebook

@@ -1,0 +1,24 @@
+"""`dense`: the reference. Every row, exact: the same computation as the engine's default
+decode path (the budget is ignored)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ragkv.kv_cache import KVCache
+from ragkv.sparse.base import Selector
+
+
+class Dense(Selector):
+    name = "dense"
+
+    def select(self, layer, q, cache, start, end, k):  # pragma: no cover - never reached
+        raise AssertionError("dense attends to every row")
+
+    def __call__(self, layer: int, q: torch.Tensor, cache: KVCache, scale: float) -> torch.Tensor:
+        keys, values = cache.layer(layer)
+        if self.observer is not None:
+            rows = cache.length
+            self.observer(layer, q, cache, torch.arange(rows).expand(self.spec.num_kv_heads, rows), 0, rows)
+        return F.scaled_dot_product_attention(q, keys, values, scale=scale, enable_gqa=True)

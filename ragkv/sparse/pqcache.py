@@ -1,0 +1,74 @@
+"""`pqcache`: per-request product quantisation of the post-prefill keys.
+
+After the prefill, each layer and KV head splits the head dimension into m sub-spaces
+and fits 2**bits centroids per sub-space by k-means (bounded iterations, on at most
+`pq_train_rows` sampled keys); every key is stored as m codes. A step's score of a row
+is the inner product (MIPS) of the group-summed query with the key's reconstruction:
+sum over sub-spaces of q_m . centroid_m[code_m], a [Hkv, m, C] table looked up by
+kernels.code_score_topk. Keys are post-RoPE (the cache's own), so no position handling
+is needed; decoded rows are encoded with the same centroids as they leave the window.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import code_score_topk
+from ragkv.kv_cache import KVCache
+from ragkv.sparse.base import RowBuffer, Selector
+from ragkv.sparse.kmeans import kmeans, nearest
+from ragkv.sparse.prompt import PromptState
+
+
+class PQCache(Selector):
+    name = "pqcache"
+
+    def prepare(self, prompt: PromptState, codebook) -> None:
+        spec, config = self.spec, self.config
+        m = config.pq_subspaces
+        if spec.head_dim % m:
+            raise ValueError(f"pq_subspaces ({m}) must divide head_dim ({spec.head_dim})")
+        self.sub_dim = spec.head_dim // m
+        clusters = 2**config.pq_bits
+        generator = torch.Generator().manual_seed(config.seed)
+        rows, heads = prompt.length, spec.num_kv_heads
+        centroids, codes = [], []
+        for layer in range(spec.num_layers):
+            keys = self._split(prompt.cache.keys[layer, :, :rows])  # [Hkv*m, T, d]
+            train = keys
+            if rows > config.pq_train_rows:
+                sample = torch.randperm(rows, generator=generator)[: config.pq_train_rows].to(keys.device)
+                train = keys[:, sample]
+            fitted, _ = kmeans(train, clusters, config.pq_iterations, generator)
+            centroids.append(fitted.view(heads, m, clusters, self.sub_dim))
+            codes.append(self._encode(keys, fitted))
+        self.centroids = torch.stack(centroids)  # [L, Hkv, m, C, d]
+        self.codes = RowBuffer(torch.stack(codes))  # [L, Hkv, T, m]
+        self.buffers.append(self.codes)
+
+    def _split(self, keys: torch.Tensor) -> torch.Tensor:
+        """[Hkv, n, D] -> [Hkv * m, n, d] float32 (one k-means problem per head and sub-space)."""
+        heads, n, _ = keys.shape
+        m = self.config.pq_subspaces
+        return keys.float().reshape(heads, n, m, self.sub_dim).permute(0, 2, 1, 3).reshape(heads * m, n, self.sub_dim)
+
+    def _encode(self, split_keys: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+        """[Hkv*m, n, d] against [Hkv*m, C, d] -> codes [Hkv, n, m] int16."""
+        heads, m = self.spec.num_kv_heads, self.config.pq_subspaces
+        assignment = nearest(split_keys, centroids)  # [Hkv*m, n]
+        return assignment.view(heads, m, -1).transpose(1, 2).to(torch.int16)
+
+    def extend(self, layer: int, cache: KVCache, start: int, end: int) -> None:
+        centroids = self.centroids[layer].reshape(-1, *self.centroids.shape[-2:])
+        self.codes.write(layer, start, self._encode(self._split(cache.keys[layer, :, start:end]), centroids))
+
+    def select(self, layer: int, q: torch.Tensor, cache: KVCache, start: int, end: int, k: int) -> torch.Tensor:
+        heads, m = self.spec.num_kv_heads, self.config.pq_subspaces
+        query = self.group_query(q).float().view(heads, m, 1, self.sub_dim)
+        table = (self.centroids[layer] * query).sum(-1)  # [Hkv, m, C]: q_m . centroid
+        _, rows = code_score_topk(table, self.codes.rows(layer, start, end), k, backend=self.config.backend)
+        return rows + start
+
+    @property
+    def fixed_bytes(self) -> int:
+        return self.centroids.nbytes

@@ -1,0 +1,36 @@
+"""The two calls the query path (ragkv.rag) makes into sparse decode."""
+
+from __future__ import annotations
+
+import torch
+
+from ragkv.sparse.config import SparseConfig
+from ragkv.sparse.prompt import PromptState
+
+
+def sparse_chunk_codes(engine, config: SparseConfig | None, chunks, stored: list[dict] | None) -> list[torch.Tensor] | None:
+    """Per retrieved chunk, its A2ATS codes under the engine's codebook: the stored codes
+    when their codebook id matches the active codebook, else computed now from the
+    chunk's stored pre-RoPE keys (never stale). None unless the selector is a2ats."""
+    if config is None or config.selector != "a2ats":
+        return None
+    codebook = engine.codebook
+    if codebook is None:
+        raise ValueError("the a2ats selector needs an A2ATS codebook for this model: run `ragkv calibrate` first")
+    stored = stored or [None] * len(chunks)
+    codes = []
+    for chunk, tensors in zip(chunks, stored):
+        found = codebook.codes_of(tensors)
+        if found is None:
+            found = codebook.encode(chunk.keys.to(device=engine.model.device, dtype=engine.model.dtype))
+        codes.append(found)
+    return codes
+
+
+def sparse_attention(engine, config: SparseConfig | None, fusion, chunk_codes=None):
+    """The DecodeAttention for a fused prompt (None = dense). SnapKV, when configured,
+    compacts fusion.cache here: the first token's logits are already computed."""
+    if config is None:
+        return None
+    prompt = PromptState.from_fusion(engine.model, fusion, chunk_codes or ())
+    return config.build(prompt, engine.codebook)
