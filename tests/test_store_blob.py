@@ -137,7 +137,7 @@ def test_encode_validates_inputs() -> None:
     with pytest.raises(TypeError):
         encode_blob({"a": torch.zeros(1)}, {"n": 3})  # type: ignore[dict-item]
     with pytest.raises(ValueError, match="reserved"):
-        encode_blob({"a": torch.zeros(1)}, {"ragkv.blake2b": "x"})
+        encode_blob({"a": torch.zeros(1)}, {"ragkv.crc32": "x"})
     with pytest.raises(ValueError):
         encode_blob({"": torch.zeros(1)})
     with pytest.raises(ValueError, match="dtype"):

@@ -27,10 +27,16 @@ class FusionConfig:
     boundary_tokens: int = 16
     """EPIC's N: tokens recomputed at each end of every chunk."""
     a3_query_tokens: str = "segment"
+    """Question rows that score document tokens: 'segment' (all) or 'text' (its words)."""
     a3_head_aggregation: str = "sum"
+    """How a3 combines heads: sum, max, or normalized (each head an equal vote)."""
     a3_exclude_sinks: bool = False
+    """Leave the prefix (attention-sink) columns out of a3's softmax."""
     a3_boundary_tokens: int = 0
-    a3_deviation_share: float = 0.0
+    """Part of a3's budget always spent on the first/last N tokens of each chunk."""
+    a3_deviation_share: float = 0.5
+    """Share of a3's budget chosen by KV deviation (0 = the A3 paper; 0.5 measured best,
+    see BENCHMARKS.md)."""
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGY_NAMES:
