@@ -16,8 +16,9 @@ from ragkv.model_files import cache_root
 from ragkv.model_spec import ModelSpec
 from ragkv.weights import weight_files
 
-KV_FORMAT_VERSION = 1
-"""Bump when the stored blob layout changes; old blobs then read as misses."""
+KV_FORMAT_VERSION = 2
+"""Bump when the stored blob layout changes; old blobs then read as misses.
+2: CRC-32 blob checksum (was blake2b)."""
 
 
 def _file_digest(path: Path) -> str:

@@ -138,7 +138,7 @@ class FusionStrategy(ABC):
             keys = chunk.keys.to(device=model.device, dtype=model.dtype)
             rotated = model.rotary.rotate(keys.reshape(-1, end - start, spec.head_dim), positions)
             cache.keys[:, :, start:end] = rotated.view(spec.num_layers, spec.num_kv_heads, end - start, spec.head_dim)
-            cache.values[:, :, start:end] = chunk.values.to(device=model.device, dtype=model.dtype)
+            cache.values[:, :, start:end].copy_(chunk.values)  # converts dtype in place, no temporary
 
 
 def top_k_rows(scores: torch.Tensor, budget: int) -> torch.Tensor:

@@ -3,9 +3,19 @@
 WRoPE: for keys outside the recent window the relative position is replaced by a fixed
 offset b, so q_t . k_i ~ (R(b) q_pre) . k_pre: the key side no longer depends on its
 position and one code per (layer, KV head, token) of its pre-RoPE key suffices. A step
-rotates the group-summed query by b once, scores it against the C centroids
-(a [Hkv, C] table) and looks every candidate row's score up through its code
-(kernels.code_score_topk). Keys inside the window are attended exactly anyway.
+rotates the query by b once, scores it against the C centroids (a [Hkv, G, C] table)
+and looks every candidate row's score up through its code. Keys inside the window are
+attended exactly anyway.
+
+Mean-key correction (a2ats_mean_key, default on): with k = m + r (m the calibration mean
+pre-RoPE key of the layer/head), q . R(p) k = q . R(p) m + q . R(p) r. The first term
+is computed EXACTLY for every row from its true position (it needs no per-row state:
+one [rows, D] x [D, G] product against a [cos | sin] table of positions); only the
+residual goes through WRoPE and the codes. On SmolLM2-135M plain WRoPE loses most
+of the positional signal (strict recall ~0.5 at a 6% budget); the exact mean-key term
+is what brings it back (measured by `ragkv bench sparse`). With
+mean key off and head_aggregation='logits' the score is a pure table lookup and runs
+in kernels.code_score_topk.
 
 Codes come from the chunk store when the chunk was encoded with the active codebook;
 rows a fusion recomputed at a layer (their K/V are new), the prefix, the question and
@@ -30,8 +40,9 @@ class A2ATS(Selector):
         if codebook is None:
             raise ValueError("the a2ats selector needs an A2ATS codebook for this model: run `ragkv calibrate` first")
         codebook.check_model(self.spec)
-        self.codebook = codebook.to(self.model.device) if codebook.centroids.device != self.model.device else codebook
+        self.codebook = codebook.on(self.model.device)
         self._rotation: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        self._table: torch.Tensor | None = None
         layers, heads, rows = self.spec.num_layers, self.spec.num_kv_heads, prompt.length
         codes = torch.zeros((layers, heads, rows), dtype=torch.int16, device=self.model.device)
         for layer in range(layers):
@@ -59,21 +70,68 @@ class A2ATS(Selector):
         self.codes.write(layer, start, self.codebook.encode_layer(layer, pre))
 
     def wrope_query(self, q: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """The group-summed query rotated to relative position b: R(b - p) q_post = R(b) q_pre."""
+        """Every query head rotated to relative position b: R(b - p) q_post = R(b) q_pre, [Hq, D]."""
         position = self.current_position(cache)
         if self._rotation is None or self._rotation[0] != position:  # once per step, not per layer
             cos, sin = self.model.rotary.cos_sin(torch.tensor([self.codebook.offset - position], device=q.device))
             self._rotation = (position, cos, sin)
         _, cos, sin = self._rotation
-        summed = self.group_query(q)  # rotation is linear: rotating the sum = summing the rotations
-        x1, x2 = summed.chunk(2, dim=-1)
-        return summed * cos + torch.cat((-x2, x1), dim=-1) * sin
+        x1, x2 = q[:, 0].chunk(2, dim=-1)
+        return q[:, 0] * cos + torch.cat((-x2, x1), dim=-1) * sin
 
     def select(self, layer: int, q: torch.Tensor, cache: KVCache, start: int, end: int, k: int) -> torch.Tensor:
-        table = self.codebook.centroid_scores(layer, self.wrope_query(q, cache))
+        if self.config.head_aggregation == "probs" or self.config.a2ats_mean_key:
+            return super().select(layer, q, cache, start, end, k)
+        # plain WRoPE, scores summed over the group: a pure table lookup (the kernel's op)
+        heads = self.spec.num_kv_heads
+        query = self.wrope_query(q, cache).reshape(heads, self.spec.group_size, -1).sum(1)
+        table = self.codebook.centroid_scores(layer, query)
         _, rows = code_score_topk(table, self.codes.rows(layer, start, end), k, backend=self.config.backend)
         return rows + start
 
+    def head_scores(self, layer: int, q: torch.Tensor, cache: KVCache, start: int, end: int) -> torch.Tensor:
+        heads, group = self.spec.num_kv_heads, self.spec.group_size
+        query = self.wrope_query(q, cache).reshape(heads, group, -1).float()
+        centroids = self.codebook.centroids[layer]
+        if self.config.a2ats_mean_key:
+            centroids = centroids - self.codebook.key_mean[layer].unsqueeze(1)  # WRoPE on the residual only
+        table = torch.einsum("hgd,hcd->hgc", query, centroids)  # [Hkv, G, C]
+        codes = self.codes.rows(layer, start, end).long()
+        scores = torch.gather(table, 2, codes.unsqueeze(1).expand(heads, group, codes.shape[1]))
+        if self.config.a2ats_mean_key:
+            scores = scores + self.mean_key_term(layer, q, start, end)
+        return scores * self.model.scale
+
+    def mean_key_term(self, layer: int, q: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """q_g . R(p_t) mean_key for rows [start, end) with their true positions p_t, [Hkv, G, n].
+
+        Per rotation pair i with the mean key's (x_i, y_i) and the query's (q1_i, q2_i):
+        q . R(p) m = sum_i cos(p w_i)(q1 x + q2 y)_i + sin(p w_i)(q2 x - q1 y)_i, one small
+        GEMM against the rows' [cos | sin] table (a function of position only).
+        """
+        heads, group, half = self.spec.num_kv_heads, self.spec.group_size, self.spec.head_dim // 2
+        mean = self.codebook.key_mean[layer].repeat_interleave(group, 0)  # [Hq, D]
+        q1, q2 = q[:, 0].float().split(half, dim=-1)
+        x, y = mean.split(half, dim=-1)
+        coefficients = torch.cat((q1 * x + q2 * y, q2 * x - q1 * y), dim=-1)  # [Hq, D]
+        if self.positions.table is None:  # rows are positions
+            table = self.rotary_table(end)[start:end]  # [n, D]
+            return (table @ coefficients.T).T.reshape(heads, group, end - start)
+        positions = self.positions.of(layer, start, end, heads)  # per-head positions after eviction
+        table = self.rotary_table(int(positions.max()) + 1)[positions]  # [Hkv, n, D]
+        return torch.bmm(coefficients.view(heads, group, -1), table.transpose(1, 2))
+
+    def rotary_table(self, positions: int) -> torch.Tensor:
+        """[cos | sin] of every rotation pair at positions [0, positions) (grown on demand)."""
+        if self._table is None or self._table.shape[0] < positions:
+            size = max(positions, 2 * (0 if self._table is None else self._table.shape[0]))
+            cos, sin = self.model.rotary.cos_sin(torch.arange(size, device=self.model.device))
+            half = self.spec.head_dim // 2
+            self._table = torch.cat((cos[:, :half], sin[:, :half]), dim=-1).float()
+        return self._table
+
     @property
     def fixed_bytes(self) -> int:
-        return self.codebook.centroids.nbytes + self.codebook.transform.nbytes
+        """The codebook, and the rotary [cos | sin] table (a function of position only)."""
+        table = 0 if self._table is None else self._table.nbytes
+        return self.codebook.centroids.nbytes + self.codebook.transform.nbytes + self.codebook.key_mean.nbytes + table

@@ -7,11 +7,13 @@ Every decode step, per layer and per KV head:
      budget (see :mod:`ragkv.sparse.config`: it counts every attended row) leaves;
   3. exact attention runs over the chosen rows with kernels.sparse_decode_attention.
 
-GQA: selection is per KV head, shared by its query heads. The approximate selectors
-aggregate the group's query heads by SUMMING their scores (q_g . k summed over g, i.e.
-the group-summed query against the key); the oracle sums the heads' exact attention
+GQA: selection is per KV head, shared by its query heads, and aggregates the heads by a
+SUM. By default (head_aggregation='probs') what is summed is each query head's estimated
+attention probability: its approximate logits over the candidates, normalised together
+with the exact logits of the sinks and window rows. The oracle sums the exact
 probabilities, which makes it the mass-optimal choice the recall metric is measured
-against.
+against. head_aggregation='logits' sums the raw approximate logits instead (equivalent to
+scoring the group-summed query; cheaper, less accurate).
 
 A selector is a per-request object (built on a :class:`PromptState`). Per-row state
 (codes, low-rank key factors) lives in :class:`RowBuffer` s: built for the prompt's rows,
@@ -97,9 +99,23 @@ class Selector(ABC):
     def extend(self, layer: int, cache: KVCache, start: int, end: int) -> None:
         """Per-row state for rows [start, end) of `layer`, decoded after the prompt."""
 
-    @abstractmethod
+    def head_scores(self, layer: int, q: torch.Tensor, cache: KVCache, start: int, end: int) -> torch.Tensor:
+        """Approximate attention logits (scaled like the real ones) [Hkv, G, end - start]
+        of every query head for rows [start, end)."""
+        raise NotImplementedError(f"{self.name} defines no head_scores")
+
     def select(self, layer: int, q: torch.Tensor, cache: KVCache, start: int, end: int, k: int) -> torch.Tensor:
-        """The k rows [Hkv, k] (absolute, int64) of [start, end) to attend, for query q [Hq, 1, D]."""
+        """The k rows [Hkv, k] (absolute, int64) of [start, end) to attend, for query q [Hq, 1, D]:
+        the top k of the head-aggregated `head_scores` (subclasses may override)."""
+        scores = self.head_scores(layer, q, cache, start, end)
+        if self.config.head_aggregation == "logits":
+            return top_rows(scores.sum(1), k, start)
+        # each head's softmax over all rows: exact logits for the fixed rows, approximate for the candidates
+        keys, _ = cache.layer(layer)
+        fixed = torch.cat((keys[:, :start], keys[:, end:]), dim=1).float()
+        exact = torch.einsum("hgd,htd->hgt", q[:, 0].reshape(*scores.shape[:2], -1).float(), fixed) * self.model.scale
+        lse = torch.logsumexp(torch.cat((exact, scores), dim=-1), dim=-1, keepdim=True)
+        return top_rows((scores - lse).exp().sum(1), k, start)
 
     @property
     def fixed_bytes(self) -> int:

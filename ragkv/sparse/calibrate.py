@@ -3,10 +3,12 @@
 The text (user files and/or documents already ingested) is mixed with random UUID
 strings (high-entropy tokens whose keys plain prose never produces) and run through the
 model in sequences, each after the engine's chunk precompute prefix, as chunks are at
-ingestion. Per layer and KV head this collects the pre-RoPE keys and the second moment
-of the WRoPE queries (rotated to relative position b and summed over the GQA group, as
-the selector scores them); the Cholesky factor of that moment is the distance
-transform, and k-means in the transformed key space gives the centroids.
+ingestion. Per layer and KV head this collects the pre-RoPE keys, their mean, and the
+second moment of the WRoPE queries (rotated to relative position b) pooled over the
+head's GQA group (each query head is scored on its own); the Cholesky factor of that
+moment is the distance transform, and k-means in the transformed key space gives the
+centroids (k-means is translation invariant, so the same codes serve the mean-centred
+residual the selector scores).
 """
 
 from __future__ import annotations
@@ -86,7 +88,8 @@ def calibration_sequences(encode: Callable[[str], list[int]], texts: Sequence[st
 def collect(model: CausalLM, sequences: Sequence[list[int]], prefix_ids: Sequence[int], offset: int,
             progress: Callable[[str], None] = lambda message: None) -> tuple[list[torch.Tensor], torch.Tensor, int]:
     """Pre-RoPE keys per layer ([Hkv, N, D] each) of the sequences' tokens, and the WRoPE
-    group-summed query second moments [layers, Hkv, D, D] (sums) over N queries."""
+    query second moments pooled over each GQA group [layers, Hkv, D, D] (sums over N
+    positions, averaged over the group's heads)."""
     spec = model.spec
     keys: list[list[torch.Tensor]] = [[] for _ in range(spec.num_layers)]
     moments = torch.zeros((spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.head_dim), dtype=torch.float64)
@@ -105,8 +108,8 @@ def collect(model: CausalLM, sequences: Sequence[list[int]], prefix_ids: Sequenc
             keys[layer].append(projection.k_pre_rope[:, skip:].float().cpu())
             # R(b - p) q_post = R(b) q_pre, then the GQA group sum the selector uses.
             wrope = model.rotary.rotate(projection.q[:, skip:], offset - positions[skip:])
-            summed = wrope.float().reshape(spec.num_kv_heads, spec.group_size, n - skip, spec.head_dim).sum(1)
-            moments[layer] += torch.einsum("hnd,hne->hde", summed.double(), summed.double()).cpu()
+            pooled = wrope.double().reshape(spec.num_kv_heads, spec.group_size * (n - skip), spec.head_dim)
+            moments[layer] += torch.einsum("hnd,hne->hde", pooled, pooled).cpu() / spec.group_size
             if layer + 1 < spec.num_layers:
                 hidden = model.finish_layer(layer, hidden, model.attend(layer, projection, positions, cache, n))
         count += n - skip
@@ -142,6 +145,7 @@ def calibrate(model: CausalLM, encode: Callable[[str], list[int]], texts: Sequen
     sequences = calibration_sequences(encode, texts, config)
     keys, moments, count = collect(model, sequences, prefix_ids, config.offset, progress)
     centroids, transform = fit_codebook(keys, moments, count, config, progress)
+    key_mean = torch.stack([layer_keys.mean(1) for layer_keys in keys])
     info = {
         "tokens": str(count),
         "sequences": str(len(sequences)),
@@ -149,4 +153,4 @@ def calibrate(model: CausalLM, encode: Callable[[str], list[int]], texts: Sequen
         "iterations": str(config.iterations),
         "seconds": f"{time.perf_counter() - started:.1f}",
     }
-    return A2ATSCodebook(centroids, transform, config.offset, info)
+    return A2ATSCodebook(centroids, transform, config.offset, key_mean, info)

@@ -3,7 +3,7 @@ pre-RoPE keys, and where it is kept.
 
 Query-aware VQ minimises the error of the attention score rather than of the key:
 E_q[(q.k - q.c)^2] = (k - c)^T S (k - c) with S = E[q q^T] the second moment of the
-(WRoPE-rotated, GQA-group-summed) queries. With S = L L^T (Cholesky), that is
+(WRoPE-rotated, pooled over the KV head's GQA group) queries. With S = L L^T (Cholesky), that is
 |(k - c) L|^2, so keys are clustered in the space x = k L and centroids mapped back.
 
 Because the keys are pre-RoPE, a chunk's codes do not depend on where the chunk lands in
@@ -47,6 +47,9 @@ class A2ATSCodebook:
     """[layers, kv_heads, D, D] float32, lower-triangular L with L L^T = E[q q^T] (distance transform)."""
     offset: int = 2048
     """WRoPE b: the query is rotated to relative position b for keys outside the window."""
+    key_mean: torch.Tensor | None = None
+    """[layers, kv_heads, D] mean pre-RoPE key of the calibration text (scored with exact
+    RoPE by the selector; None = zeros)."""
     info: dict[str, str] = field(default_factory=dict)
     """Free-form provenance (calibration sources, token counts)."""
 
@@ -60,6 +63,11 @@ class A2ATSCodebook:
             raise ValueError("a codebook holds 2..32767 centroids (codes are int16)")
         self.centroids = self.centroids.float().contiguous()
         self.transform = self.transform.float().contiguous()
+        if self.key_mean is None:
+            self.key_mean = self.centroids.new_zeros((layers, heads, dim))
+        if self.key_mean.shape != (layers, heads, dim):
+            raise ValueError("key_mean must be [layers, kv_heads, D] matching the centroids")
+        self.key_mean = self.key_mean.float().contiguous()
 
     @property
     def size(self) -> int:
@@ -73,10 +81,10 @@ class A2ATSCodebook:
 
     @cached_property
     def id(self) -> str:
-        """Content hash: changes whenever the centroids, the transform or b change."""
+        """Content hash: changes whenever the centroids, the transform, the mean key or b change."""
         digest = hashlib.blake2b(digest_size=_ID_BYTES)
         digest.update(str(self.offset).encode())
-        for tensor in (self.centroids, self.transform):
+        for tensor in (self.centroids, self.transform, self.key_mean):
             digest.update(str(tuple(tensor.shape)).encode())
             digest.update(tensor.detach().cpu().numpy().tobytes())
         return digest.hexdigest()
@@ -91,8 +99,16 @@ class A2ATSCodebook:
             raise ValueError(f"the A2ATS codebook was built for (layers, kv_heads, head_dim) = {self.shape}, "
                              f"the model has {(spec.num_layers, spec.num_kv_heads, spec.head_dim)}")
 
-    def to(self, device: torch.device | str) -> "A2ATSCodebook":
-        return A2ATSCodebook(self.centroids.to(device), self.transform.to(device), self.offset, dict(self.info))
+    def on(self, device: torch.device | str) -> "A2ATSCodebook":
+        """This codebook with its tensors on `device` (the copy is made once and kept)."""
+        device = torch.device(device)
+        if self.centroids.device == device:
+            return self
+        copies = self.__dict__.setdefault("_copies", {})
+        if device not in copies:
+            copies[device] = A2ATSCodebook(self.centroids.to(device), self.transform.to(device), self.offset,
+                                           self.key_mean.to(device), dict(self.info))
+        return copies[device]
 
     # -- encoding ------------------------------------------------------------------------
 
@@ -136,12 +152,14 @@ class A2ATSCodebook:
 
     def to_blob(self) -> bytes:
         metadata = {"offset": str(self.offset), "id": self.id, "info": json.dumps(self.info, sort_keys=True)}
-        return encode_blob({"centroids": self.centroids.cpu(), "transform": self.transform.cpu()}, metadata)
+        tensors = {"centroids": self.centroids.cpu(), "transform": self.transform.cpu(), "key_mean": self.key_mean.cpu()}
+        return encode_blob(tensors, metadata)
 
     @classmethod
     def from_blob(cls, raw) -> "A2ATSCodebook":
         tensors, metadata = decode_blob(raw)
         codebook = cls(tensors["centroids"].clone(), tensors["transform"].clone(), int(metadata["offset"]),
+                       tensors["key_mean"].clone() if "key_mean" in tensors else None,
                        json.loads(metadata.get("info", "{}")))
         if codebook.id != metadata.get("id"):
             raise ValueError("stored codebook id does not match its content")

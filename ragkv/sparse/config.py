@@ -31,6 +31,11 @@ class SparseConfig:
     """First rows (attention sinks) always attended exactly."""
     window: int = 64
     """Most recent rows always attended exactly (also A2ATS's WRoPE window w)."""
+    head_aggregation: str = "probs"
+    """How a KV head combines its query heads' approximate scores (GQA): 'probs' sums each
+    head's softmax over the rows (exact logits for sinks/window in the normaliser), 'logits'
+    sums the raw scores (= scoring the group-summed query; a pure table lookup for
+    a2ats without mean key and for pqcache, which then run in kernels.code_score_topk)."""
     backend: str = "auto"
     """Kernel backend for scoring and sparse attention: auto, torch, triton, flashinfer."""
     snapkv_capacity: int | None = None
@@ -40,6 +45,9 @@ class SparseConfig:
     """SnapKV: max-pool kernel over positions applied to the question window's attention."""
     a2ats_offset: int = 2048
     """A2ATS WRoPE: relative position b at which the query is rotated for keys outside the window."""
+    a2ats_mean_key: bool = True
+    """A2ATS: score the calibration mean key with its exact RoPE and only the residual
+    (k - mean) with WRoPE; False = plain WRoPE on the whole key (the paper's form)."""
     a2ats_codebook_size: int = 1024
     """A2ATS: centroids per layer and KV head when calibrating (the stored codebook decides at query time)."""
     pq_subspaces: int = 2
@@ -68,6 +76,8 @@ class SparseConfig:
             raise ValueError("sinks must be >= 0")
         if self.window < 1:
             raise ValueError("window must be >= 1 (the new token's own row is always attended)")
+        if self.head_aggregation not in ("probs", "logits"):
+            raise ValueError(f"head_aggregation must be 'probs' or 'logits', got {self.head_aggregation!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.snapkv_capacity is not None and self.snapkv_capacity < 1:

@@ -6,7 +6,7 @@ best rank-r approximation of Q K^T is U_q X_r S_r Y_r^T U_k^T, where Q = U_q S_q
 K = U_k S_k V_k^T and X S Y^T is the SVD of S_q V_q^T V_k S_k. It factors as
 (Q W_q)(K W_k)^T with W_q = V_q S_q^-1 X_r S_r^1/2 and W_k = V_k S_k^-1 Y_r S_r^1/2,
 both [D, r]. Each row stores its r key factors; a step's proxy scores are
-(q_sum W_q) . (k W_k) for the candidate rows, O(r) per row instead of O(D). The most
+(q_g W_q) . (k W_k) for each query head and candidate row, O(r) per row instead of O(D). The most
 recent `lrqk_lite` rows beyond the window are kept exact as well (the 'lite' set).
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ragkv.kv_cache import KVCache
-from ragkv.sparse.base import RowBuffer, Selector, top_rows
+from ragkv.sparse.base import RowBuffer, Selector
 from ragkv.sparse.prompt import PromptState
 
 _RELATIVE_CUTOFF = 1e-5
@@ -68,11 +68,11 @@ class LRQK(Selector):
         keys = cache.keys[layer, :, start:end].float()
         self.factors.write(layer, start, torch.bmm(keys, self.w_k[layer]).to(self.factors.data.dtype))
 
-    def select(self, layer: int, q: torch.Tensor, cache: KVCache, start: int, end: int, k: int) -> torch.Tensor:
-        query = torch.bmm(self.group_query(q).float().unsqueeze(1), self.w_q[layer])  # [Hkv, 1, r]
-        factors = self.factors.rows(layer, start, end)
-        scores = torch.bmm(factors.float(), query.transpose(1, 2)).squeeze(-1)  # [Hkv, n]
-        return top_rows(scores, k, start)
+    def head_scores(self, layer: int, q: torch.Tensor, cache: KVCache, start: int, end: int) -> torch.Tensor:
+        heads, group = self.spec.num_kv_heads, self.spec.group_size
+        query = torch.bmm(q[:, 0].float().view(heads, group, -1), self.w_q[layer])  # [Hkv, G, r]
+        factors = self.factors.rows(layer, start, end).float()  # [Hkv, n, r]
+        return torch.bmm(query, factors.transpose(1, 2)) * self.model.scale
 
     @property
     def fixed_bytes(self) -> int:

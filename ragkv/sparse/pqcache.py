@@ -3,9 +3,10 @@
 After the prefill, each layer and KV head splits the head dimension into m sub-spaces
 and fits 2**bits centroids per sub-space by k-means (bounded iterations, on at most
 `pq_train_rows` sampled keys); every key is stored as m codes. A step's score of a row
-is the inner product (MIPS) of the group-summed query with the key's reconstruction:
-sum over sub-spaces of q_m . centroid_m[code_m], a [Hkv, m, C] table looked up by
-kernels.code_score_topk. Keys are post-RoPE (the cache's own), so no position handling
+is the inner product (MIPS) of the query with the key's reconstruction: sum over
+sub-spaces of q_m . centroid_m[code_m], a [Hkv, G, m, C] table looked up per code (with
+head_aggregation='logits', the group-summed query's [Hkv, m, C] table in
+kernels.code_score_topk). Keys are post-RoPE (the cache's own), so no position handling
 is needed; decoded rows are encoded with the same centroids as they leave the window.
 """
 
@@ -63,11 +64,25 @@ class PQCache(Selector):
         self.codes.write(layer, start, self._encode(self._split(cache.keys[layer, :, start:end]), centroids))
 
     def select(self, layer: int, q: torch.Tensor, cache: KVCache, start: int, end: int, k: int) -> torch.Tensor:
+        if self.config.head_aggregation == "probs":
+            return super().select(layer, q, cache, start, end, k)
+        # scores summed over the group: the group-summed query's table, looked up by the kernel
         heads, m = self.spec.num_kv_heads, self.config.pq_subspaces
         query = self.group_query(q).float().view(heads, m, 1, self.sub_dim)
         table = (self.centroids[layer] * query).sum(-1)  # [Hkv, m, C]: q_m . centroid
         _, rows = code_score_topk(table, self.codes.rows(layer, start, end), k, backend=self.config.backend)
         return rows + start
+
+    def head_scores(self, layer: int, q: torch.Tensor, cache: KVCache, start: int, end: int) -> torch.Tensor:
+        heads, group, m = self.spec.num_kv_heads, self.spec.group_size, self.config.pq_subspaces
+        query = q[:, 0].float().view(heads, group, m, self.sub_dim)
+        table = torch.einsum("hgmd,hmcd->hgmc", query, self.centroids[layer])  # [Hkv, G, m, C]
+        codes = self.codes.rows(layer, start, end).long()  # [Hkv, n, m]
+        n = codes.shape[1]
+        scores = torch.gather(table[:, :, 0], 2, codes[:, :, 0].unsqueeze(1).expand(heads, group, n))
+        for sub in range(1, m):
+            scores = scores + torch.gather(table[:, :, sub], 2, codes[:, :, sub].unsqueeze(1).expand(heads, group, n))
+        return scores * self.model.scale
 
     @property
     def fixed_bytes(self) -> int:

@@ -1,0 +1,209 @@
+"""A2ATS codebooks: calibration, storage in LMDB, codes stored at ingestion versus codes
+computed at query time, staleness, fresh codes for recomputed rows, and the RAG wiring."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from ragkv.engine import Engine, EngineConfig
+from ragkv.fusion import FusionConfig, FusionInput, LoadedChunk
+from ragkv.generation import GenerationConfig
+from ragkv.rag import PreparedQuery, QueryConfig, RagPipeline
+from ragkv.sparse import A2ATSCodebook, PromptState, SparseConfig, attach_codebook, load_codebook, save_codebook
+from ragkv.sparse.calibrate import CalibrationConfig, calibrate
+from ragkv.sparse.codebook import CODEBOOK_DB
+from ragkv.sparse.prompt import unrotate_keys
+from ragkv.sparse.wiring import sparse_chunk_codes
+from store.errors import CorruptBlobError
+from store.lmdb_env import LMDBEnvironment
+from store.url import open_store
+from test_sparse_support import write_tiny_llama
+
+TEXT = ("Calibration text about rivers, mountains and the cities built along them. "
+        "Numbers 12 345 6789 and names like Exeter College appear here too. ") * 12
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    folder = write_tiny_llama(tmp_path_factory.mktemp("tiny-llama-tok"), with_tokenizer=True)
+    previous = os.environ.get("RAGKV_CACHE")
+    os.environ["RAGKV_CACHE"] = str(tmp_path_factory.mktemp("ragkv-cache"))  # weight digests stay out of ~/.cache
+    try:
+        yield Engine(EngineConfig(model=str(folder)))
+    finally:
+        if previous is None:
+            os.environ.pop("RAGKV_CACHE", None)
+        else:
+            os.environ["RAGKV_CACHE"] = previous
+
+
+def make_codebook(engine, seed=0, size=32) -> A2ATSCodebook:
+    config = CalibrationConfig(codebook_size=size, tokens=512, sequence_tokens=128, iterations=4, seed=seed)
+    return calibrate(engine.model, engine.tokenize, [TEXT], engine.chunk_prefix_ids, config)
+
+
+@pytest.fixture(scope="module")
+def codebook(engine):
+    return make_codebook(engine)
+
+
+def test_calibration_shapes_and_uuid_mix(engine, codebook):
+    spec = engine.spec
+    assert codebook.centroids.shape == (spec.num_layers, spec.num_kv_heads, 32, spec.head_dim)
+    assert codebook.transform.shape == (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.head_dim)
+    assert torch.equal(codebook.transform, codebook.transform.tril())  # a Cholesky factor
+    assert int(codebook.info["tokens"]) == 512 and codebook.info["uuid_share"] == "0.1"
+    # deterministic for a seed, different for another
+    assert make_codebook(engine).id == codebook.id
+    assert make_codebook(engine, seed=1).id != codebook.id
+
+
+def test_codebook_round_trips_through_lmdb(tmp_path, engine, codebook):
+    with LMDBEnvironment(tmp_path / "db") as env:
+        assert load_codebook(env, engine.fingerprint) is None
+        save_codebook(env, engine.fingerprint, codebook)
+        loaded = load_codebook(env, engine.fingerprint)
+        assert loaded.id == codebook.id and loaded.offset == codebook.offset and loaded.info == codebook.info
+        for name in ("centroids", "transform", "key_mean"):
+            assert torch.equal(getattr(loaded, name), getattr(codebook, name))
+        assert load_codebook(env, "another-model") is None
+        other = make_codebook(engine, seed=2)
+        save_codebook(env, engine.fingerprint, other)  # recalibrating replaces it
+        assert load_codebook(env, engine.fingerprint).id == other.id
+        attached = attach_codebook(engine, env)
+        assert engine.codebook is attached and attached.id == other.id
+        engine.codebook = None
+        # a damaged blob is refused, never half-read
+        db = env.db(CODEBOOK_DB)
+        key = f"a2ats/{engine.fingerprint}".encode()
+        with env.read() as txn:
+            raw = bytearray(txn.get(key, db=db))
+        raw[-5] ^= 0xFF
+        env.write(lambda txn: txn.put(key, bytes(raw), db=db))
+        with pytest.raises(CorruptBlobError):
+            load_codebook(env, engine.fingerprint)
+
+
+def ingest_chunks(engine, tmp_path, codebook, count=3):
+    """Encode chunks with `codebook` attached, write them to an LMDB store and read them back."""
+    engine.codebook = codebook
+    try:
+        store = open_store(f"lmdb://{tmp_path / 'store'}")
+        generator = torch.Generator().manual_seed(4)
+        texts = [" ".join(str(int(x)) for x in torch.randint(0, 10_000, (40,), generator=generator)) for _ in range(count)]
+        stored = []
+        for index, text in enumerate(texts):
+            tokens = engine.tokenize(text)
+            tensors = engine.encode_chunk(tokens)
+            from store.keys import ChunkKey, hash_tokens
+
+            key = ChunkKey(engine.fingerprint, hash_tokens(tokens), 1)
+            store.put(key, tensors)
+            stored.append(store.get(key))
+        store.close()
+    finally:
+        engine.codebook = None
+    chunks = [LoadedChunk(t["tokens"].tolist(), t["keys"], t["values"]) for t in stored]
+    return chunks, stored
+
+
+def fuse(engine, chunks, strategy, ratio=0.3):
+    segments = engine.prompt.rag_segments("Which number comes first?")
+    fusion_input = FusionInput(segments.prefix_ids, chunks, segments.question_ids, len(engine.chunk_prefix_ids),
+                               segments.question_text_span)
+    return FusionConfig(strategy=strategy, ratio=ratio).build().fuse(engine.model, fusion_input, engine.chunk_prefix_cache(), 8)
+
+
+def test_codes_stored_at_ingestion_equal_codes_at_query_time(tmp_path, engine, codebook):
+    chunks, stored = ingest_chunks(engine, tmp_path, codebook)
+    for chunk, tensors in zip(chunks, stored):
+        assert tensors["codes"].dtype == torch.int16
+        assert tensors["codes"].shape == chunk.keys.shape[:3]
+        # the codes of the keys exactly as a query reads them back from the store
+        assert torch.equal(tensors["codes"], codebook.encode(chunk.keys.float()))
+    config = SparseConfig(selector="a2ats", budget=1.0)
+    engine.codebook = codebook
+    try:
+        codes = sparse_chunk_codes(engine, config, chunks, stored)
+        assert all(torch.equal(c, t["codes"]) for c, t in zip(codes, stored))
+        result = fuse(engine, chunks, "pie")  # chunk rows keep their stored K/V at every layer
+        selector = config.build(PromptState.from_fusion(engine.model, result, codes), codebook)
+        model, spec = engine.model, engine.spec
+        for layer in range(spec.num_layers):
+            for (start, end), tensors in zip(result.layout.chunk_spans, stored):
+                assert torch.equal(selector.codes.rows(layer, start, end), tensors["codes"][layer])
+                # recomputing from the fused cache (keys rotated to their global positions) agrees
+                pre = unrotate_keys(model, result.cache.keys[layer, :, start:end], torch.arange(start, end))
+                agree = (codebook.encode_layer(layer, pre) == tensors["codes"][layer]).float().mean()
+                assert agree >= 0.99
+    finally:
+        engine.codebook = None
+
+
+def test_changed_codebook_never_serves_stale_codes(tmp_path, engine, codebook):
+    chunks, stored = ingest_chunks(engine, tmp_path, codebook)
+    newer = make_codebook(engine, seed=7)
+    assert newer.id != codebook.id
+    assert newer.codes_of(stored[0]) is None and codebook.codes_of(stored[0]) is not None
+    engine.codebook = newer
+    try:
+        codes = sparse_chunk_codes(engine, SparseConfig(selector="a2ats"), chunks, stored)
+    finally:
+        engine.codebook = None
+    for chunk, got in zip(chunks, codes):
+        assert torch.equal(got, newer.encode(chunk.keys.float()))
+    # chunks stored without codes (ingested before calibration) get them computed too
+    bare = [{k: v for k, v in t.items() if k not in ("codes", "codebook_id")} for t in stored]
+    engine.codebook = codebook
+    try:
+        codes = sparse_chunk_codes(engine, SparseConfig(selector="a2ats"), chunks, bare)
+    finally:
+        engine.codebook = None
+    assert all(torch.equal(got, t["codes"]) for got, t in zip(codes, stored))
+
+
+def test_recomputed_rows_get_fresh_codes(tmp_path, engine, codebook):
+    chunks, stored = ingest_chunks(engine, tmp_path, codebook)
+    result = fuse(engine, chunks, "a3", ratio=0.3)
+    codes = [t["codes"] for t in stored]
+    selector = SparseConfig(selector="a2ats", budget=1.0).build(PromptState.from_fusion(engine.model, result, codes), codebook)
+    model = engine.model
+    changed = 0
+    for layer in range(engine.spec.num_layers):
+        recomputed = set(result.recomputed_rows(layer).tolist())
+        for (start, end), stored_codes in zip(result.layout.chunk_spans, codes):
+            for row in range(start, end):
+                got = selector.codes.rows(layer, row, row + 1)[:, 0]
+                if row in recomputed:
+                    pre = unrotate_keys(model, result.cache.keys[layer, :, row : row + 1], torch.tensor([row]))
+                    assert torch.equal(got, codebook.encode_layer(layer, pre)[:, 0])
+                    changed += int(not torch.equal(got, stored_codes[layer, :, row - start]))
+                else:
+                    assert torch.equal(got, stored_codes[layer, :, row - start])
+    assert changed > 0  # recomputation really changed some keys' codes
+
+
+def test_rag_stream_decodes_with_the_configured_selector(tmp_path, engine, codebook):
+    chunks, stored = ingest_chunks(engine, tmp_path, codebook)
+    rag = RagPipeline(engine, store=None, registry=None, embedder=None)
+    generation = GenerationConfig(max_new_tokens=6)
+
+    def answer(sparse):
+        result = fuse(engine, chunks, "a3")
+        codes = sparse_chunk_codes(engine, sparse, chunks, stored)
+        prepared = PreparedQuery(result, [], {}, "a3", codes)
+        return [event.token_id for event in rag.stream(prepared, QueryConfig(generation=generation, sparse=sparse))]
+
+    engine.codebook = codebook
+    try:
+        dense = answer(None)
+        for selector in ("dense", "oracle", "a2ats", "pqcache", "lrqk"):
+            assert answer(SparseConfig(selector=selector, budget=1.0, window=8)) == dense, selector
+        assert len(answer(SparseConfig(selector="a2ats", budget=0.3, window=8, snapkv_capacity=80))) >= 1
+    finally:
+        engine.codebook = None
+    with pytest.raises(ValueError, match="calibrate"):
+        sparse_chunk_codes(engine, SparseConfig(selector="a2ats"), chunks, stored)
