@@ -60,10 +60,12 @@ def test_rotation_preserves_relative_scores():
     """q·k after RoPE depends only on the position difference (the property WRoPE and
     position recovery use)."""
     rotary = Rotary(ModelSpec.from_hf_config(_config(VARIANTS["default"])).rope, dtype=torch.float32)
-    q, k = torch.randn(1, 1, 64), torch.randn(1, 1, 64)
+    generator = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 1, 64, generator=generator), torch.randn(1, 1, 64, generator=generator)
     near = (rotary.rotate(q, torch.tensor([110])) * rotary.rotate(k, torch.tensor([100]))).sum()
     far = (rotary.rotate(q, torch.tensor([5010])) * rotary.rotate(k, torch.tensor([5000]))).sum()
-    torch.testing.assert_close(near, far, rtol=1e-4, atol=1e-4)
+    # float32 angles at position 5000 carry ~5e-4 rad of rounding.
+    torch.testing.assert_close(near, far, rtol=2e-3, atol=2e-3)
 
 
 def test_unknown_rope_type_is_refused():

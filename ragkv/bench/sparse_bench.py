@@ -16,9 +16,12 @@ on all attended rows; answer F1 against the dense answer and against the gold an
 Speed, per context length: passages are concatenated (repeated when short) to the
 longest length and prefilled once; each shorter context is a prefix of that cache
 (causal, so exactly its own prefill). Every selector then decodes `timing_steps` tokens
-(teacher-forced on the text); ms/token is the mean after `warmup_steps`, speed-up is
-over the engine's default dense decode. Setup (per-request k-means, factor fits, codes
-of fresh rows) is timed apart.
+(teacher-forced on the text), interleaved step by step with the others; ms/token is the
+median after `warmup_steps`, both for the whole decode step and for the attention alone
+(the part a selector changes); speed-ups are over the engine's default dense decode
+attention. Setup (per-request k-means, factor fits, codes of fresh rows) is timed apart.
+On a small shared CPU run it with `--threads 1`: torch's thread pool otherwise spends
+milliseconds per op waiting for descheduled threads.
 
 Auxiliary memory: bytes per cached token held by the selector (codes, factors) over all
 layers and KV heads, as a fraction of the KV bytes per token in fp16; fixed state
@@ -27,15 +30,18 @@ layers and KV heads, as a fraction of the KV bytes per token in fp16; fixed stat
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import time
+import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from ragkv.bench.datasets import Example
+from ragkv.attention import decode_attention
 from ragkv.bench.metrics import token_f1
 from ragkv.engine import Engine
 from ragkv.generation import GenerationConfig
@@ -99,10 +105,24 @@ def decode_answer(engine: Engine, cache: KVCache, logits: torch.Tensor, attentio
     return "".join(event.text for event in events).strip()
 
 
-def selector_config(name: str, budget: float, base: SparseConfig) -> SparseConfig:
-    from dataclasses import replace
-
-    return replace(base, selector=name, budget=budget)
+def selector_config(spec: str, budget: float, base: SparseConfig = SparseConfig()) -> SparseConfig:
+    """'a2ats' or a variant 'a2ats:head_aggregation=logits,a2ats_mean_key=false' (fields of SparseConfig)."""
+    name, _, options = spec.partition(":")
+    hints = typing.get_type_hints(SparseConfig)
+    values: dict[str, object] = {"selector": name, "budget": budget}
+    for option in filter(None, options.split(",")):
+        key, _, raw = option.partition("=")
+        key = key.strip()
+        if key not in hints or key in ("selector", "budget"):
+            raise ValueError(f"unknown option {key!r} in selector spec {spec!r}")
+        kind = hints[key]
+        if kind is bool:
+            values[key] = raw.strip().lower() in ("1", "true", "yes")
+        elif kind in (int, float, str):
+            values[key] = kind(raw)
+        else:  # int | None
+            values[key] = None if raw.strip().lower() == "none" else int(raw)
+    return dataclasses.replace(base, **values)
 
 
 def run_quality(engine: Engine, examples: Sequence[Example], configs: dict[str, SparseConfig], max_new_tokens: int,
@@ -169,8 +189,30 @@ def prefix_cache(cache: KVCache, rows: int, extra: int) -> KVCache:
     return KVCache(keys, values, rows, rows)
 
 
+class TimedAttention:
+    """Wraps a DecodeAttention (None = the engine's dense decode attention) and adds up the
+    seconds spent inside it."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.seconds = 0.0
+
+    def __call__(self, layer: int, q: torch.Tensor, cache: KVCache, scale: float) -> torch.Tensor:
+        started = time.perf_counter()
+        if self.inner is None:
+            keys, values = cache.layer(layer)
+            out = decode_attention(q, keys, values, scale)
+        else:
+            out = self.inner(layer, q, cache, scale)
+        self.seconds += time.perf_counter() - started
+        return out
+
+
 def run_speed(engine: Engine, examples: Sequence[Example], configs: dict[str, SparseConfig], lengths: Sequence[int],
               timing_steps: int, warmup_steps: int, progress: Callable[[str], None]) -> dict:
+    """Per length, every configuration decodes the same tokens; steps are interleaved
+    (step i of every configuration, then step i + 1) so that load drift on a shared
+    machine hits all of them alike; figures are medians over the timed steps."""
     model = engine.model
     steps = timing_steps + warmup_steps
     longest = max(lengths)
@@ -179,32 +221,38 @@ def run_speed(engine: Engine, examples: Sequence[Example], configs: dict[str, Sp
     started = time.perf_counter()
     full = prefill_chunked(engine, ids[:longest], longest)
     prefill_s = time.perf_counter() - started
+    prefix_len = len(engine.prompt.prefix_ids)
     results: dict[str, dict] = {}
     for length in sorted(lengths):
-        per_length: dict[str, dict] = {}
-        prefix_len = len(engine.prompt.prefix_ids)
+        progress(f"speed: {length} tokens: setup")
+        runs = {}
         for name, config in [("engine_dense", None), *configs.items()]:
-            progress(f"speed: {length} tokens, {name}")
             cache = prefix_cache(full, length, steps + 1)
             setup_started = time.perf_counter()
-            # the last `window` rows stand in for the question window (SnapKV, LRQK's query sample)
+            # the last rows stand in for the question window (SnapKV, LRQK's query sample)
             attention = build(config, engine, cache, ids[:length], prefix_len, length - QUESTION_WINDOW)
-            setup_s = time.perf_counter() - setup_started
-            times = []
-            for step in range(steps):
-                token = ids[length + step]
+            runs[name] = (cache, TimedAttention(attention), time.perf_counter() - setup_started, [], [])
+        progress(f"speed: {length} tokens: {steps} interleaved decode steps")
+        for step in range(steps):
+            for name, (cache, timed, _, step_times, attention_times) in runs.items():
+                timed.seconds = 0.0
                 t0 = time.perf_counter()
-                model.decode_step(token, cache, attention)
-                times.append(time.perf_counter() - t0)
-            measured = times[warmup_steps:]
-            per_length[name] = {"ms_per_token": 1000 * mean(measured),
-                                "ms_per_token_median": 1000 * statistics.median(measured),
-                                "setup_s": setup_s}
-        dense_ms = per_length["engine_dense"]["ms_per_token"]
+                model.decode_step(ids[length + step], cache, timed)
+                if step >= warmup_steps:
+                    step_times.append(time.perf_counter() - t0)
+                    attention_times.append(timed.seconds)
+        per_length = {name: {"ms_per_token": 1000 * statistics.median(step_times),
+                             "attention_ms_per_token": 1000 * statistics.median(attention_times),
+                             "ms_per_token_mean": 1000 * mean(step_times),
+                             "setup_s": setup_s}
+                      for name, (_, _, setup_s, step_times, attention_times) in runs.items()}
+        runs.clear()
+        dense = per_length["engine_dense"]
         for row in per_length.values():
-            row["speedup"] = dense_ms / row["ms_per_token"]
+            row["speedup"] = dense["ms_per_token"] / row["ms_per_token"]
+            row["attention_speedup"] = dense["attention_ms_per_token"] / row["attention_ms_per_token"]
         results[str(length)] = per_length
-    return {"prefill_s": prefill_s, "context_lengths": results}
+    return {"prefill_s": prefill_s, "threads": torch.get_num_threads(), "context_lengths": results}
 
 
 def aux_memory(engine: Engine, configs: dict[str, SparseConfig], examples: Sequence[Example]) -> dict:
@@ -248,26 +296,28 @@ def format_table(results: dict) -> str:
     speed = results.get("speed", {}).get("context_lengths", {})
     memory = results["memory"]["selectors"]
     lengths = list(speed)
-    header = f"{'selector':<12} {'recall':>6} {'mass_r':>6} {'kept':>6} {'F1 dense':>8} {'F1 gold':>7} {'aux %KV':>7}"
+    names = list(memory)
+    if speed:
+        names = ["engine_dense", *names]
+    width = max(12, *(len(name) for name in names))
+    header = f"{'selector':<{width}} {'recall':>6} {'mass_r':>6} {'kept':>6} {'F1 dense':>8} {'F1 gold':>7} {'aux %KV':>7}"
     for length in lengths:
-        header += f" {'ms@' + length:>9} {'x@' + length:>7}"
+        header += f" {'ms@' + length:>8} {'x':>5} {'attn ms':>7} {'x':>5}"
     if "quality" in results:
         q = results["quality"]
         lines.append(f"budget {results['budget']} (sinks {results['sinks']} + window {results['window']} included); "
                      f"{q['examples']} examples, {q['prompt_tokens']:.0f} prompt tokens on average; dense F1 gold {q['dense_f1_gold']:.3f}")
     lines.append(header)
-    names = list(memory)
-    if speed:
-        names = ["engine_dense", *names]
     for name in names:
         row = quality.get(name, {})
         mem = memory.get(name)
-        line = (f"{name:<12} {row.get('recall', float('nan')):>6.3f} {row.get('mass_recall', float('nan')):>6.3f} "
+        line = (f"{name:<{width}} {row.get('recall', float('nan')):>6.3f} {row.get('mass_recall', float('nan')):>6.3f} "
                 f"{row.get('kept_mass', float('nan')):>6.3f} "
                 f"{row.get('f1_dense', float('nan')):>8.3f} {row.get('f1_gold', float('nan')):>7.3f} "
                 f"{(100 * mem['aux_fraction_of_kv_fp16']) if mem else 0.0:>7.2f}")
         for length in lengths:
             cell = speed[length].get(name)
-            line += f" {cell['ms_per_token']:>9.1f} {cell['speedup']:>7.2f}" if cell else f" {'':>9} {'':>7}"
+            line += (f" {cell['ms_per_token']:>8.1f} {cell['speedup']:>5.2f} {cell['attention_ms_per_token']:>7.1f} "
+                     f"{cell['attention_speedup']:>5.2f}") if cell else f" {'':>8} {'':>5} {'':>7} {'':>5}"
         lines.append(line)
     return "\n".join(lines)

@@ -95,7 +95,8 @@ def add_sparse_bench_parser(kinds, global_options) -> None:
     sparse.add_argument("--passages", type=int, default=None, help="passages per example (default: all)")
     sparse.add_argument("--budget", type=float, default=0.06,
                         help="rows attended per KV head, sinks and window included: fraction or count (default: 0.06)")
-    sparse.add_argument("--selectors", nargs="+", default=list(DEFAULT_SELECTORS), help="selector names")
+    sparse.add_argument("--selectors", nargs="+", default=list(DEFAULT_SELECTORS),
+                        help="selector names, or name:field=value,... for variants (fields of SparseConfig)")
     sparse.add_argument("--context-lengths", nargs="*", type=int, default=[2048, 4096, 8192],
                         help="synthetic context lengths for ms/token (default: 2048 4096 8192; none = skip)")
     sparse.add_argument("--max-new-tokens", type=int, default=32)
@@ -116,7 +117,7 @@ def run_sparse_bench_command(args: argparse.Namespace) -> dict:
     from ragkv.sparse.codebook import load_codebook
     from store.lmdb_env import LMDBEnvironment
 
-    unknown = [name for name in args.selectors if name not in SELECTOR_NAMES]
+    unknown = [name for name in args.selectors if name.partition(":")[0] not in SELECTOR_NAMES]
     if unknown:
         raise ValueError(f"unknown selector(s) {', '.join(unknown)}; choose from {', '.join(SELECTOR_NAMES)}")
     everything = load_examples(args.data, None, args.passages)
@@ -127,7 +128,7 @@ def run_sparse_bench_command(args: argparse.Namespace) -> dict:
     if lmdb_path.is_dir():
         with LMDBEnvironment(lmdb_path) as env:
             engine.codebook = load_codebook(env, engine.fingerprint)
-    if engine.codebook is None and "a2ats" in args.selectors:
+    if engine.codebook is None and any(name.startswith("a2ats") for name in args.selectors):
         _progress("no stored A2ATS codebook for this model: calibrating on held-out passages (not stored)")
         texts = [passage for example in held_out[:40] for passage in example.passages]
         config = CalibrationConfig(codebook_size=args.codebook_size, tokens=args.calibration_tokens)

@@ -114,8 +114,8 @@ class Selector(ABC):
         keys, _ = cache.layer(layer)
         fixed = torch.cat((keys[:, :start], keys[:, end:]), dim=1).float()
         exact = torch.einsum("hgd,htd->hgt", q[:, 0].reshape(*scores.shape[:2], -1).float(), fixed) * self.model.scale
-        lse = torch.logsumexp(torch.cat((exact, scores), dim=-1), dim=-1, keepdim=True)
-        return top_rows((scores - lse).exp().sum(1), k, start)
+        lse = torch.logaddexp(torch.logsumexp(exact, dim=-1, keepdim=True), torch.logsumexp(scores, dim=-1, keepdim=True))
+        return top_rows((scores - lse).exp_().sum(1), k, start)
 
     @property
     def fixed_bytes(self) -> int:

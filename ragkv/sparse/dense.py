@@ -4,8 +4,8 @@ decode path (the budget is ignored)."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from ragkv.attention import decode_attention
 from ragkv.kv_cache import KVCache
 from ragkv.sparse.base import Selector
 
@@ -21,4 +21,4 @@ class Dense(Selector):
         if self.observer is not None:
             rows = cache.length
             self.observer(layer, q, cache, torch.arange(rows).expand(self.spec.num_kv_heads, rows), 0, rows)
-        return F.scaled_dot_product_attention(q, keys, values, scale=scale, enable_gqa=True)
+        return decode_attention(q, keys, values, scale)
