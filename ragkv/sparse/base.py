@@ -23,7 +23,7 @@ when SnapKV evicts rows.
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import ABC
 from collections.abc import Callable
 
 import torch

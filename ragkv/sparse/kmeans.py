@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 _BLOCK = 4096
-_SEED_POOL = 4
+_SEED_POOL = 8
 
 
 def nearest(points: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
@@ -56,7 +56,7 @@ def kmeans(points: torch.Tensor, clusters: int, iterations: int, generator: torc
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fit `clusters` centroids to each of B point sets [B, N, d].
 
-    k-means++ seeding (from at most 4 C random points), then `iterations` Lloyd steps; a cluster that empties keeps its
+    k-means++ seeding (from at most 8 C random points), then `iterations` Lloyd steps; a cluster that empties keeps its
     centroid. Returns (centroids [B, C, d], assignment [B, N] int64).
     """
     if points.dim() != 3:
