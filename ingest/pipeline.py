@@ -33,6 +33,11 @@ Progress = Callable[[int, int], None]
 """Called with (chunks done, chunks total) as ingestion advances."""
 
 
+def chunk_key(engine: Engine, chunk_hash: str) -> ChunkKey:
+    """Where `engine`'s KV of a chunk lives in the store."""
+    return ChunkKey(engine.fingerprint, chunk_hash, KV_FORMAT_VERSION)
+
+
 @dataclass(frozen=True)
 class IngestConfig:
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
@@ -75,7 +80,7 @@ class Ingestor:
         self.config = config
 
     def chunk_key(self, chunk_hash: str) -> ChunkKey:
-        return ChunkKey(self.engine.fingerprint, chunk_hash, KV_FORMAT_VERSION)
+        return chunk_key(self.engine, chunk_hash)
 
     def ingest_text(
         self,

@@ -13,9 +13,9 @@ from dataclasses import asdict, dataclass, field
 
 from ingest.embedder import Embedder
 from ingest.errors import InputError
+from ingest.pipeline import chunk_key
 from ingest.registry import ChunkRecord, DocumentRecord, Registry, check_tenant
 from ragkv.engine import Engine
-from ragkv.fingerprint import KV_FORMAT_VERSION
 from ragkv.fusion import FusionConfig, FusionInput, FusionResult, LoadedChunk
 from ragkv.generation import GenerationConfig, TokenEvent
 from ragkv.sparse import SparseConfig
@@ -88,7 +88,7 @@ class RagPipeline:
         self.embedder = embedder
 
     def chunk_key(self, chunk_hash: str) -> ChunkKey:
-        return ChunkKey(self.engine.fingerprint, chunk_hash, KV_FORMAT_VERSION)
+        return chunk_key(self.engine, chunk_hash)
 
     def retrieve(self, question: str, tenant: str, top_k: int, doc_ids: tuple[str, ...] | None) -> list[tuple[DocumentRecord, ChunkRecord, float]]:
         if doc_ids is not None:
