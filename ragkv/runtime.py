@@ -12,6 +12,7 @@ from ingest.pipeline import IngestConfig, Ingestor
 from ingest.registry import Registry
 from ragkv.engine import Engine, EngineConfig
 from ragkv.rag import RagPipeline
+from ragkv.sparse import attach_codebook
 from store.base import ChunkStore
 from store.lmdb_env import LMDBEnvironment
 from store.url import open_store
@@ -49,6 +50,7 @@ class Runtime:
         self.store: ChunkStore = open_store(config.resolved_store_url)
         self.registry = Registry(self.env)
         self.engine = Engine(config.engine)
+        attach_codebook(self.engine, self.env)  # a calibrated A2ATS codebook makes ingestion store codes
         self.embedder = Embedder()
         self.ingestor = Ingestor(self.engine, self.store, self.registry, self.embedder, config.ingest)
         self.rag = RagPipeline(self.engine, self.store, self.registry, self.embedder)

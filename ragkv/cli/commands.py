@@ -113,4 +113,10 @@ def run_serve(args: argparse.Namespace) -> int:
     return run_serve_command(args)
 
 
-__all__ = ["run_ingest", "run_ask", "run_docs", "run_bench", "run_serve"]
+def run_calibrate(args: argparse.Namespace) -> int:
+    from ragkv.cli.sparse_cli import run_calibrate as calibrate
+
+    return calibrate(args)
+
+
+__all__ = ["run_ingest", "run_ask", "run_docs", "run_bench", "run_serve", "run_calibrate"]

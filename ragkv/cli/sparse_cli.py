@@ -26,12 +26,6 @@ def add_sparse_parsers(commands, global_options) -> None:
     calibrate.add_argument("--no-backfill", action="store_true",
                            help="do not add codes to the tenant's chunks already in the store")
     add_config_options(calibrate, CalibrationConfig)
-    # main() dispatches by name through ragkv.cli.commands; register the handler there
-    # (until commands.py grows its own `run_calibrate` like the other subcommands).
-    import ragkv.cli.commands as handlers
-
-    if not hasattr(handlers, "run_calibrate"):
-        handlers.run_calibrate = run_calibrate
 
 
 def run_calibrate(args: argparse.Namespace) -> int:

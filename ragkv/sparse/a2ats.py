@@ -43,6 +43,9 @@ class A2ATS(Selector):
         self.codebook = codebook.on(self.model.device)
         self._rotation: tuple[int, torch.Tensor, torch.Tensor] | None = None
         self._table: torch.Tensor | None = None
+        self.centroids = self.codebook.centroids  # [L, Hkv, C, D]; WRoPE scores the residual to the mean key
+        if self.config.a2ats_mean_key:
+            self.centroids = self.centroids - self.codebook.key_mean.unsqueeze(2)
         layers, heads, rows = self.spec.num_layers, self.spec.num_kv_heads, prompt.length
         codes = torch.zeros((layers, heads, rows), dtype=torch.int16, device=self.model.device)
         for layer in range(layers):
@@ -90,12 +93,14 @@ class A2ATS(Selector):
         return rows + start
 
     def head_scores(self, layer: int, q: torch.Tensor, cache: KVCache, start: int, end: int) -> torch.Tensor:
-        heads, group = self.spec.num_kv_heads, self.spec.group_size
+        """[Hkv, G, n]; with head_aggregation='logits' the group is summed first ([Hkv, 1, n],
+        the same sum, G times cheaper)."""
+        heads = self.spec.num_kv_heads
+        if self.config.head_aggregation == "logits":
+            q = q.reshape(heads, self.spec.group_size, 1, -1).sum(1)  # [Hkv, 1, D]: one summed query per KV head
+        group = q.shape[0] // heads
         query = self.wrope_query(q, cache).reshape(heads, group, -1).float()
-        centroids = self.codebook.centroids[layer]
-        if self.config.a2ats_mean_key:
-            centroids = centroids - self.codebook.key_mean[layer].unsqueeze(1)  # WRoPE on the residual only
-        table = torch.einsum("hgd,hcd->hgc", query, centroids)  # [Hkv, G, C]
+        table = torch.bmm(query, self.centroids[layer].transpose(1, 2))  # [Hkv, G, C]
         codes = self.codes.rows(layer, start, end).long()
         scores = torch.gather(table, 2, codes.unsqueeze(1).expand(heads, group, codes.shape[1]))
         if self.config.a2ats_mean_key:
@@ -103,14 +108,16 @@ class A2ATS(Selector):
         return scores * self.model.scale
 
     def mean_key_term(self, layer: int, q: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        """q_g . R(p_t) mean_key for rows [start, end) with their true positions p_t, [Hkv, G, n].
+        """q_g . R(p_t) mean_key for rows [start, end) with their true positions p_t, [Hkv, G, n]
+        (q: [Hkv * G, 1, D], G the query heads scored per KV head).
 
         Per rotation pair i with the mean key's (x_i, y_i) and the query's (q1_i, q2_i):
         q . R(p) m = sum_i cos(p w_i)(q1 x + q2 y)_i + sin(p w_i)(q2 x - q1 y)_i, one small
         GEMM against the rows' [cos | sin] table (a function of position only).
         """
-        heads, group, half = self.spec.num_kv_heads, self.spec.group_size, self.spec.head_dim // 2
-        mean = self.codebook.key_mean[layer].repeat_interleave(group, 0)  # [Hq, D]
+        heads, half = self.spec.num_kv_heads, self.spec.head_dim // 2
+        group = q.shape[0] // heads
+        mean = self.codebook.key_mean[layer].repeat_interleave(group, 0)  # [heads * group, D]
         q1, q2 = q[:, 0].float().split(half, dim=-1)
         x, y = mean.split(half, dim=-1)
         coefficients = torch.cat((q1 * x + q2 * y, q2 * x - q1 * y), dim=-1)  # [Hq, D]

@@ -17,8 +17,9 @@ scoring the group-summed query; cheaper, less accurate).
 
 A selector is a per-request object (built on a :class:`PromptState`). Per-row state
 (codes, low-rank key factors) lives in :class:`RowBuffer` s: built for the prompt's rows,
-extended lazily as decoded rows leave the recent window, and compacted with the cache
-when SnapKV evicts rows.
+extended as decoded rows leave the recent window (EXTEND_BATCH rows at a time; until
+then they stay exact, inside the budget), and compacted with the cache when SnapKV
+evicts rows.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ from kernels import sparse_decode_attention
 from ragkv.kv_cache import KVCache
 from ragkv.sparse.config import SparseConfig
 from ragkv.sparse.prompt import PromptState, RowPositions
+
+EXTEND_BATCH = 16
+"""Decoded rows get their per-row state (codes, factors) this many at a time."""
 
 Observer = Callable[[int, torch.Tensor, KVCache, torch.Tensor, int, int], None]
 """Called as (layer, q, cache, indices [Hkv, K], start, end) on every step (benchmarks)."""
@@ -149,9 +153,16 @@ class Selector(ABC):
         start, end, k = self.span(rows)
         if k == end - start:
             return torch.arange(rows, device=q.device).expand(heads, rows), start, end
-        if end > self.ready[layer]:
-            self.extend(layer, cache, self.ready[layer], end)
-            self.ready[layer] = end
+        ready = self.ready[layer]
+        if end > ready:
+            if end - ready >= EXTEND_BATCH or ready <= start:
+                self.extend(layer, cache, ready, end)
+                self.ready[layer] = end
+            else:
+                # rows that left the window since the last extension stay exact a little
+                # longer (their state is built EXTEND_BATCH rows at a time); the budget still holds
+                end = ready
+                k = min(max(self.config.budget_rows(rows) - start - (rows - end), 0), end - start)
         parts = [torch.arange(start, device=q.device).expand(heads, start)]
         if k:
             parts.append(self.select(layer, q, cache, start, end, k).to(q.device))
