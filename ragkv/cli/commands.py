@@ -16,6 +16,7 @@ from ragkv.generation import GenerationConfig
 from ragkv.rag import QueryConfig
 from ragkv.runtime import Runtime, RuntimeConfig, default_data_dir
 from ragkv.sampling import SamplingConfig
+from ragkv.sparse import SparseConfig
 
 
 def runtime_config(args: argparse.Namespace, **ingest_overrides) -> RuntimeConfig:
@@ -61,6 +62,7 @@ def run_ask(args: argparse.Namespace) -> int:
         doc_ids=tuple(args.doc) if args.doc else None,
         fusion=config_from_args(FusionConfig, args),
         generation=generation,
+        sparse=config_from_args(SparseConfig, args, prefix="sparse_") if args.sparse_selector else None,
     )
     with Runtime(runtime_config(args, show_progress=False)) as runtime:
         answer = runtime.rag.ask(args.question, args.tenant, query)

@@ -13,6 +13,7 @@ from ragkv.engine import EngineConfig
 from ragkv.fusion import FusionConfig
 from ragkv.generation import GenerationConfig
 from ragkv.sampling import SamplingConfig
+from ragkv.sparse import SparseConfig
 
 
 def _global_options(parser: argparse.ArgumentParser) -> None:
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--doc", action="append", default=None, help="restrict retrieval to this document id (repeatable)")
     ask.add_argument("--json", action="store_true", help="print the whole answer as JSON")
     add_config_options(ask, FusionConfig)
+    add_config_options(ask, SparseConfig, prefix="sparse_")
     _generation_options(ask)
 
     docs = commands.add_parser("docs", help="list, show or delete documents")
