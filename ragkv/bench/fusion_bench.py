@@ -11,12 +11,12 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ragkv.bench.datasets import Example
 from ragkv.bench.metrics import kl_divergence, token_f1
+from ragkv.bench.specs import parse_variant
 from ragkv.fusion import FusionConfig, FusionInput, FusionResult
 from ragkv.generation import GenerationConfig
 from ragkv.runtime import Runtime
@@ -26,18 +26,8 @@ BENCH_TENANT = "bench"
 
 def parse_strategy(spec: str, ratio: float) -> tuple[str, FusionConfig]:
     """'a3' or 'a3:head_aggregation=normalized,exclude_sinks=true' -> (label, config)."""
-    name, _, options = spec.partition(":")
-    hints = typing.get_type_hints(FusionConfig)
-    values: dict[str, object] = {"strategy": name, "ratio": ratio}
-    for option in filter(None, options.split(",")):
-        key, _, raw = option.partition("=")
-        key = key.strip()
-        field_name = key if key in hints else f"{name}_{key}"
-        if field_name not in hints:
-            raise ValueError(f"unknown option {key!r} in strategy spec {spec!r}")
-        kind = hints[field_name]
-        values[field_name] = raw.lower() in ("1", "true", "yes") if kind is bool else kind(raw)
-    return spec, FusionConfig(**values)
+    name, values = parse_variant(spec, FusionConfig, name_prefix=True)
+    return spec, FusionConfig(**{"strategy": name, "ratio": ratio, **values})
 
 
 @dataclass

@@ -34,7 +34,6 @@ import dataclasses
 import math
 import statistics
 import time
-import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -42,6 +41,7 @@ import torch
 
 from ragkv.bench.datasets import Example
 from ragkv.attention import decode_attention
+from ragkv.bench.specs import parse_variant
 from ragkv.bench.metrics import token_f1
 from ragkv.engine import Engine
 from ragkv.generation import GenerationConfig
@@ -107,22 +107,8 @@ def decode_answer(engine: Engine, cache: KVCache, logits: torch.Tensor, attentio
 
 def selector_config(spec: str, budget: float, base: SparseConfig = SparseConfig()) -> SparseConfig:
     """'a2ats' or a variant 'a2ats:head_aggregation=logits,a2ats_mean_key=false' (fields of SparseConfig)."""
-    name, _, options = spec.partition(":")
-    hints = typing.get_type_hints(SparseConfig)
-    values: dict[str, object] = {"selector": name, "budget": budget}
-    for option in filter(None, options.split(",")):
-        key, _, raw = option.partition("=")
-        key = key.strip()
-        if key not in hints or key in ("selector", "budget"):
-            raise ValueError(f"unknown option {key!r} in selector spec {spec!r}")
-        kind = hints[key]
-        if kind is bool:
-            values[key] = raw.strip().lower() in ("1", "true", "yes")
-        elif kind in (int, float, str):
-            values[key] = kind(raw)
-        else:  # int | None
-            values[key] = None if raw.strip().lower() == "none" else int(raw)
-    return dataclasses.replace(base, **values)
+    name, values = parse_variant(spec, SparseConfig, reserved=("selector", "budget"))
+    return dataclasses.replace(base, selector=name, budget=budget, **values)
 
 
 def run_quality(engine: Engine, examples: Sequence[Example], configs: dict[str, SparseConfig], max_new_tokens: int,
