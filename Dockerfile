@@ -26,13 +26,9 @@ RUN if [ -n "$TORCH_INDEX" ]; then pip install "torch==${TORCH_VERSION}" --index
 
 COPY pyproject.toml README.md* ./
 COPY ragkv ragkv
-COPY store store
-COPY kernels kernels
-COPY api api
-COPY ingest ingest
 COPY examples examples
 RUN pip install . \
- && python -c "from ragkv.model_files import resolve_model_dir; print(resolve_model_dir(None))"
+ && python -c "from ragkv.engine.model_files import resolve_model_dir; print(resolve_model_dir(None))"
 
 VOLUME /data
 EXPOSE 8000

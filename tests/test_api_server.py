@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from api.launcher import ServerProcess
+from ragkv.api.launcher import ServerProcess
 from redis_server import RedisServer
 
 pytestmark = [pytest.mark.model, pytest.mark.redis]

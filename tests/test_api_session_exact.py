@@ -9,12 +9,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from api.config import ServeConfig
-from api.metrics import Metrics
-from api.service import Service
-from api.sessions import MemorySessions
-from ragkv.generation import GenerationConfig
-from ragkv.rag import QueryConfig
+from ragkv.api.config import ServeConfig
+from ragkv.api.metrics import Metrics
+from ragkv.api.service import Service
+from ragkv.api.sessions import MemorySessions
+from ragkv.engine.generation import GenerationConfig
+from ragkv.app.rag import QueryConfig
 
 pytestmark = pytest.mark.model
 

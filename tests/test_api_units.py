@@ -11,15 +11,15 @@ import pytest
 import redis
 import torch
 
-from api.auth import Authenticator, load_api_keys
-from api.config import ServeConfig
-from api.errors import ApiError, QueueFullError
-from api.jobs import SUCCEEDED, JobRegistry
-from api.schemas import ChatRequest, QueryRequest, generation_config, query_config
-from api.sessions import MemorySessions, RedisSessions, Session, SessionBusyError, decode_session, encode_session
-from api.worker import Job, JobCancelled, ModelWorker
-from ragkv.kv_cache import KVCache
-from store.errors import CorruptBlobError
+from ragkv.api.auth import Authenticator, load_api_keys
+from ragkv.api.config import ServeConfig
+from ragkv.api.errors import ApiError, QueueFullError
+from ragkv.api.jobs import SUCCEEDED, JobRegistry
+from ragkv.api.schemas import ChatRequest, QueryRequest, generation_config, query_config
+from ragkv.api.sessions import MemorySessions, RedisSessions, Session, SessionBusyError, decode_session, encode_session
+from ragkv.api.worker import Job, JobCancelled, ModelWorker
+from ragkv.engine.kv_cache import KVCache
+from ragkv.store.errors import CorruptBlobError
 
 
 def _session(session_id: str, rows: int = 8, tenant: str = "t1", turns: int = 1) -> Session:
@@ -228,8 +228,8 @@ def test_worker_interleaves_cancels_and_bounds_its_queue():
 def test_registry_of_another_replica_sees_new_documents(tmp_path):
     import numpy as np
 
-    from ingest.registry import ChunkRecord, DocumentRecord, Registry
-    from store.lmdb_env import LMDBEnvironment
+    from ragkv.ingest.registry import ChunkRecord, DocumentRecord, Registry
+    from ragkv.store.lmdb_env import LMDBEnvironment
 
     env = LMDBEnvironment(tmp_path / "db")
     replica_a, replica_b = Registry(env), Registry(env)  # separate caches, as in two processes

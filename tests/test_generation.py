@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from ragkv.generation import GenerationConfig
-from ragkv.sampling import Sampler, SamplingConfig
+from ragkv.engine.generation import GenerationConfig
+from ragkv.engine.sampling import Sampler, SamplingConfig
 
 MESSAGES = [{"role": "user", "content": "Name three colours of the rainbow."}]
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from ingest.chunker import chunk_document
-from ingest.embedder import Embedder
-from ingest.errors import InputError, NotFoundError
-from ingest.loaders import document_text
-from ingest.pipeline import IngestConfig, Ingestor
-from ingest.registry import Registry
-from store.lmdb_env import LMDBEnvironment
-from store.lmdb_store import LMDBStore
+from ragkv.ingest.chunker import chunk_document
+from ragkv.ingest.embedder import Embedder
+from ragkv.ingest.errors import InputError, NotFoundError
+from ragkv.ingest.loaders import document_text
+from ragkv.ingest.pipeline import IngestConfig, Ingestor
+from ragkv.ingest.registry import Registry
+from ragkv.store.lmdb_env import LMDBEnvironment
+from ragkv.store.lmdb_store import LMDBStore
 
 LIGHTHOUSE = "Gull Point Light was first lit in 1851 and automated in 1987. " * 12
 ORCHARD = "Linden Hill Orchard grows nineteen apple varieties on M9 rootstock. " * 12

@@ -10,7 +10,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest
 import torch
 
-from kernels import code_score_topk, reference
+from ragkv.kernels import code_score_topk, reference
 
 TOL = {torch.float32: dict(atol=1e-6, rtol=1e-6), torch.float16: dict(atol=1e-3, rtol=1e-3)}
 

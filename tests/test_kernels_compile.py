@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels.dispatch import importable
+from ragkv.kernels.dispatch import importable
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -21,10 +21,10 @@ SCRIPT = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels.triton.code_scores import code_scores_kernel
-from kernels.triton.rope import rope_kernel
-from kernels.triton.selective_attention import selective_attention_kernel
-from kernels.triton.sparse_attention import sparse_decode_kernel
+from ragkv.kernels.triton.code_scores import code_scores_kernel
+from ragkv.kernels.triton.rope import rope_kernel
+from ragkv.kernels.triton.selective_attention import selective_attention_kernel
+from ragkv.kernels.triton.sparse_attention import sparse_decode_kernel
 
 def compile_for_h100(fn, pointer_types, constexprs):
     # Unlisted runtime arguments are sizes/strides (i32); scales are fp32.

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import BackendUnavailableError, apply_rope
-from kernels.dispatch import importable, select_backend
+from ragkv.kernels import BackendUnavailableError, apply_rope
+from ragkv.kernels.dispatch import importable, select_backend
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda")  # only compared, never allocated on
@@ -63,7 +63,7 @@ import sys
 sys.modules["triton"] = None
 sys.modules["flashinfer"] = None
 import torch
-import kernels
+from ragkv import kernels
 x = torch.randn(2, 3, 8)
 assert kernels.apply_rope(x, torch.ones(3, 8), torch.zeros(3, 8)).equal(x)
 kernels.code_score_topk(torch.randn(2, 4), torch.randint(0, 4, (2, 6)), 2)

@@ -10,7 +10,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest
 import torch
 
-from kernels import apply_rope, reference
+from ragkv.kernels import apply_rope, reference
 
 TOL = {
     torch.float32: dict(atol=1e-5, rtol=1e-5),

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import reference, selective_attention
+from ragkv.kernels import reference, selective_attention
 
 # bfloat16 is absent: the interpreter's tl.dot multiplies bfloat16 as raw uint16 bits
 # (numpy has no bfloat16), so only a GPU can check that path.

@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import BackendUnavailableError, reference, sparse_decode_attention
-from kernels.dispatch import importable
-from kernels.flashinfer.sparse_attention import paged_layout
+from ragkv.kernels import BackendUnavailableError, reference, sparse_decode_attention
+from ragkv.kernels.dispatch import importable
+from ragkv.kernels.flashinfer.sparse_attention import paged_layout
 
 TOL = {
     torch.float32: dict(atol=1e-5, rtol=1e-5),

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from ragkv.model import CausalLM
+from ragkv.engine.model import CausalLM
 from tiny_models import CONFIGS, make_tiny_model
 
 

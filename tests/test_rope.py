@@ -8,8 +8,8 @@ import torch
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from ragkv.model_spec import ModelSpec
-from ragkv.rope import Rotary
+from ragkv.engine.model_spec import ModelSpec
+from ragkv.engine.rope import Rotary
 
 VARIANTS = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},

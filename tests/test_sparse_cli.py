@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from ragkv.cli.main import build_parser, main
-from ragkv.runtime import Runtime, RuntimeConfig
+from ragkv.app.runtime import Runtime, RuntimeConfig
 from ragkv.engine import EngineConfig
-from ragkv.sparse import load_codebook
+from ragkv.app.codebooks import load_codebook
 from test_sparse_support import write_tiny_llama
 
 CORPUS = Path(__file__).resolve().parents[1] / "examples" / "corpus"

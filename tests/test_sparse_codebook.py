@@ -10,16 +10,17 @@ import torch
 
 from ragkv.engine import Engine, EngineConfig
 from ragkv.fusion import FusionConfig, FusionInput, LoadedChunk
-from ragkv.generation import GenerationConfig
-from ragkv.rag import PreparedQuery, QueryConfig, RagPipeline
-from ragkv.sparse import A2ATSCodebook, PromptState, SparseConfig, attach_codebook, load_codebook, save_codebook
+from ragkv.engine.generation import GenerationConfig
+from ragkv.app.rag import PreparedQuery, QueryConfig, RagPipeline
+from ragkv.app.codebooks import attach_codebook, load_codebook, save_codebook
+from ragkv.sparse import A2ATSCodebook, PromptState, SparseConfig
 from ragkv.sparse.calibrate import CalibrationConfig, calibrate
-from ragkv.sparse.codebook import CODEBOOK_DB
+from ragkv.app.codebooks import CODEBOOK_DB
 from ragkv.sparse.prompt import unrotate_keys
 from ragkv.sparse.wiring import sparse_chunk_codes
-from store.errors import CorruptBlobError
-from store.lmdb_env import LMDBEnvironment
-from store.url import open_store
+from ragkv.store.errors import CorruptBlobError
+from ragkv.store.lmdb_env import LMDBEnvironment
+from ragkv.store.url import open_store
 from test_sparse_support import write_tiny_llama
 
 TEXT = ("Calibration text about rivers, mountains and the cities built along them. "
@@ -98,7 +99,7 @@ def ingest_chunks(engine, tmp_path, codebook, count=3):
         for index, text in enumerate(texts):
             tokens = engine.tokenize(text)
             tensors = engine.encode_chunk(tokens)
-            from store.keys import ChunkKey, hash_tokens
+            from ragkv.store.keys import ChunkKey, hash_tokens
 
             key = ChunkKey(engine.fingerprint, hash_tokens(tokens), 1)
             store.put(key, tensors)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
 from ragkv.fusion import FusionConfig, FusionInput, LoadedChunk
-from ragkv.model import CausalLM
+from ragkv.engine.model import CausalLM
 from ragkv.sparse import PromptState, SnapKV, SparseConfig
 from test_sparse_support import write_tiny_llama
 

@@ -10,15 +10,15 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from ragkv.kv_cache import KVCache
-from ragkv.model import CausalLM
+from ragkv.engine.kv_cache import KVCache
+from ragkv.engine.model import CausalLM
 from ragkv.sparse.kmeans import kmeans
 
 
 def write_tiny_llama(folder: Path, layers: int = 2, vocab: int = 512, with_tokenizer: bool = False, seed: int = 0) -> Path:
     """A random Llama checkpoint (GQA: 4 query heads over 2 KV heads, head_dim 16)."""
     if with_tokenizer:
-        from ragkv.model_files import resolve_model_dir
+        from ragkv.engine.model_files import resolve_model_dir
 
         packaged = resolve_model_dir(None)
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels.dispatch import importable
+from ragkv.kernels.dispatch import importable
 
 ROWS = 160
 CASES = (("a2ats", "logits"), ("pqcache", "logits"), ("lrqk", "probs"), ("oracle", "probs"))

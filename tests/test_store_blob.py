@@ -10,7 +10,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from store import CorruptBlobError, decode_blob, encode_blob
+from ragkv.store import CorruptBlobError, decode_blob, encode_blob
 
 
 def small_blob() -> tuple[bytes, dict[str, torch.Tensor]]:

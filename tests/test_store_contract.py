@@ -11,7 +11,7 @@ import pytest
 import redis
 import torch
 
-from store import (
+from ragkv.store import (
     ChunkKey,
     ChunkStore,
     LMDBStore,

@@ -8,7 +8,7 @@ import struct
 import pytest
 import torch
 
-from store import ChunkKey, hash_tokens, key_prefix
+from ragkv.store import ChunkKey, hash_tokens, key_prefix
 
 
 def test_key_bytes_round_trip() -> None:

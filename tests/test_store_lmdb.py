@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from store import ChunkKey, LMDBEnvironment, LMDBStore, StoreError, hash_tokens, open_store
+from ragkv.store import ChunkKey, LMDBEnvironment, LMDBStore, StoreError, hash_tokens, open_store
 
 MIB = 1 << 20
 

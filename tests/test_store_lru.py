@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from store import ByteLRU
+from ragkv.store import ByteLRU
 
 
 def test_evicts_least_recently_used_by_bytes() -> None:

@@ -10,7 +10,7 @@ import pytest
 import redis
 import torch
 
-from store import ChunkKey, LMDBStore, RedisStore, TieredStore, hash_tokens, open_store
+from ragkv.store import ChunkKey, LMDBStore, RedisStore, TieredStore, hash_tokens, open_store
 from redis_server import RedisServer  # pytest puts tests/ on sys.path (no tests/__init__.py)
 
 pytestmark = pytest.mark.redis

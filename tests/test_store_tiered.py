@@ -6,7 +6,7 @@ import pytest
 import redis
 import torch
 
-from store import ChunkKey, LMDBStore, RedisStore, TieredStore, hash_tokens
+from ragkv.store import ChunkKey, LMDBStore, RedisStore, TieredStore, hash_tokens
 
 pytestmark = pytest.mark.redis
 

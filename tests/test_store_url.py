@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from store import LMDBStore, RedisStore, TieredStore, open_store
+from ragkv.store import LMDBStore, RedisStore, TieredStore, open_store
 
 
 def test_lmdb_absolute_and_relative(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:

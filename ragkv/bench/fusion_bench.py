@@ -18,8 +18,8 @@ from ragkv.bench.datasets import Example
 from ragkv.bench.metrics import kl_divergence, token_f1
 from ragkv.bench.specs import parse_variant
 from ragkv.fusion import FusionConfig, FusionInput, FusionResult
-from ragkv.generation import GenerationConfig
-from ragkv.runtime import Runtime
+from ragkv.engine.generation import GenerationConfig
+from ragkv.app.runtime import Runtime
 
 BENCH_TENANT = "bench"
 

@@ -146,7 +146,7 @@ def bench_load(base_url: str, headers: dict, levels: list[int], requests: int | 
 
 
 def run_serve_bench(args: argparse.Namespace, progress: Callable[[str], None] = print) -> dict:
-    from api.launcher import ServerProcess
+    from ragkv.api.launcher import ServerProcess
 
     headers = {"Authorization": f"Bearer {args.bench_key}"} if args.bench_key else {}
     server = None

@@ -40,12 +40,12 @@ from dataclasses import dataclass, field
 import torch
 
 from ragkv.bench.datasets import Example
-from ragkv.attention import decode_attention
+from ragkv.engine.attention import decode_attention
 from ragkv.bench.specs import parse_variant
 from ragkv.bench.metrics import token_f1
 from ragkv.engine import Engine
-from ragkv.generation import GenerationConfig
-from ragkv.kv_cache import KVCache
+from ragkv.engine.generation import GenerationConfig
+from ragkv.engine.kv_cache import KVCache
 from ragkv.sparse import PromptState, SparseConfig
 from ragkv.sparse.base import Selector
 from ragkv.sparse.oracle import attention_mass

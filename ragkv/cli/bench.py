@@ -55,10 +55,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
 
 def _run_store(args: argparse.Namespace) -> dict:
-    from ragkv.model_files import resolve_model_dir
-    from ragkv.model_spec import ModelSpec
-    from store.bench import run_store_bench
-    from store.url import open_store
+    from ragkv.engine.model_files import resolve_model_dir
+    from ragkv.engine.model_spec import ModelSpec
+    from ragkv.store.bench import run_store_bench
+    from ragkv.store.url import open_store
     from transformers import AutoConfig
 
     spec = ModelSpec.from_hf_config(AutoConfig.from_pretrained(resolve_model_dir(args.model)))
@@ -81,7 +81,7 @@ def _run_store(args: argparse.Namespace) -> dict:
 def _run_fusion(args: argparse.Namespace) -> dict:
     from ragkv.bench.datasets import load_examples
     from ragkv.bench.fusion_bench import parse_strategy, run_fusion_bench
-    from ragkv.runtime import Runtime
+    from ragkv.app.runtime import Runtime
 
     examples = load_examples(args.data, args.limit, args.passages)
     strategies = [parse_strategy(spec, args.ratio) for spec in args.strategies]

@@ -6,16 +6,16 @@ import argparse
 import json
 import sys
 
-from ingest.errors import InputError
-from ingest.loaders import expand_paths, read_document
-from ingest.pipeline import IngestConfig
+from ragkv.ingest.errors import InputError
+from ragkv.ingest.loaders import expand_paths, read_document
+from ragkv.ingest.pipeline import IngestConfig
 from ragkv.cli.config_args import config_from_args
 from ragkv.engine import EngineConfig
 from ragkv.fusion import FusionConfig
-from ragkv.generation import GenerationConfig
-from ragkv.rag import QueryConfig
-from ragkv.runtime import Runtime, RuntimeConfig, default_data_dir
-from ragkv.sampling import SamplingConfig
+from ragkv.engine.generation import GenerationConfig
+from ragkv.app.rag import QueryConfig
+from ragkv.app.runtime import Runtime, RuntimeConfig, default_data_dir
+from ragkv.engine.sampling import SamplingConfig
 from ragkv.sparse import SparseConfig
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 from ragkv.cli.config_args import add_config_options
 from ragkv.engine import EngineConfig
 from ragkv.fusion import FusionConfig
-from ragkv.generation import GenerationConfig
-from ragkv.sampling import SamplingConfig
+from ragkv.engine.generation import GenerationConfig
+from ragkv.engine.sampling import SamplingConfig
 from ragkv.sparse import SparseConfig
 
 

@@ -17,7 +17,7 @@ from ragkv.cli.config_args import add_config_options, config_from_args
 
 
 def add_serve_parser(commands, global_options) -> None:
-    from api.config import ServeConfig
+    from ragkv.api.config import ServeConfig
 
     serve = commands.add_parser("serve", help="serve the HTTP API (FastAPI + uvicorn); `ragkv serve bench` benchmarks it",
                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -40,7 +40,7 @@ def add_serve_parser(commands, global_options) -> None:
 
 
 def serve_config(args: argparse.Namespace):
-    from api.config import ServeConfig
+    from ragkv.api.config import ServeConfig
     from ragkv.cli.commands import runtime_config
 
     return config_from_args(ServeConfig, args, runtime=runtime_config(args, show_progress=False),
@@ -52,7 +52,7 @@ def run_serve_command(args: argparse.Namespace) -> int:
         return _run_bench(args)
     import uvicorn
 
-    from api.app import create_app
+    from ragkv.api.app import create_app
 
     config = serve_config(args)
     app = create_app(config)

@@ -29,11 +29,11 @@ def add_sparse_parsers(commands, global_options) -> None:
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
-    from ingest.loaders import expand_paths, read_document
+    from ragkv.ingest.loaders import expand_paths, read_document
     from ragkv.cli.commands import runtime_config
-    from ragkv.runtime import Runtime
+    from ragkv.app.runtime import Runtime
     from ragkv.sparse.calibrate import calibrate
-    from ragkv.sparse.codebook import save_codebook
+    from ragkv.app.codebooks import save_codebook
 
     config = config_from_args(CalibrationConfig, args)
     texts = [read_document(path) for path in expand_paths(args.paths)] if args.paths else []
@@ -107,8 +107,8 @@ def run_sparse_bench_command(args: argparse.Namespace) -> dict:
     from ragkv.engine import Engine, EngineConfig
     from ragkv.sparse import SELECTOR_NAMES
     from ragkv.sparse.calibrate import calibrate
-    from ragkv.sparse.codebook import load_codebook
-    from store.lmdb_env import LMDBEnvironment
+    from ragkv.app.codebooks import load_codebook
+    from ragkv.store.lmdb_env import LMDBEnvironment
 
     unknown = [name for name in args.selectors if name.partition(":")[0] not in SELECTOR_NAMES]
     if unknown:

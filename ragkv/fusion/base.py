@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ragkv.fusion.layout import FusionInput, Layout
-from ragkv.kv_cache import KVCache
-from ragkv.model import CausalLM, Projection
+from ragkv.engine.kv_cache import KVCache
+from ragkv.engine.model import CausalLM, Projection
 
 
 @dataclass

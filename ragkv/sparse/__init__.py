@@ -10,7 +10,7 @@ See config.py for the budget's definition and base.py for the shared procedure.
 from __future__ import annotations
 
 from ragkv.sparse.base import Selector
-from ragkv.sparse.codebook import A2ATSCodebook, attach_codebook, load_codebook, save_codebook
+from ragkv.sparse.codebook import A2ATSCodebook
 from ragkv.sparse.config import DEFAULT_SELECTOR, SELECTOR_NAMES, SparseConfig
 from ragkv.sparse.prompt import PromptState
 from ragkv.sparse.snapkv import SnapKV
@@ -23,7 +23,4 @@ __all__ = [
     "Selector",
     "SnapKV",
     "SparseConfig",
-    "attach_codebook",
-    "load_codebook",
-    "save_codebook",
 ]

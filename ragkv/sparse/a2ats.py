@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels import code_score_topk
-from ragkv.kv_cache import KVCache
+from ragkv.kernels import code_score_topk
+from ragkv.engine.kv_cache import KVCache
 from ragkv.sparse.base import RowBuffer, Selector
 from ragkv.sparse.codebook import A2ATSCodebook
 from ragkv.sparse.prompt import PromptState, unrotate_keys

@@ -29,8 +29,8 @@ from collections.abc import Callable
 
 import torch
 
-from kernels import sparse_decode_attention
-from ragkv.kv_cache import KVCache
+from ragkv.kernels import sparse_decode_attention
+from ragkv.engine.kv_cache import KVCache
 from ragkv.sparse.config import SparseConfig
 from ragkv.sparse.prompt import PromptState, RowPositions
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ragkv.model import CausalLM
+from ragkv.engine.model import CausalLM
 from ragkv.sparse.codebook import A2ATSCodebook
 from ragkv.sparse.kmeans import kmeans
 

@@ -1,5 +1,5 @@
 """The A2ATS codebook: one shared, query-aware VQ codebook per layer and KV head over
-pre-RoPE keys, and where it is kept.
+pre-RoPE keys.
 
 Query-aware VQ minimises the error of the attention score rather than of the key:
 E_q[(q.k - q.c)^2] = (k - c)^T S (k - c) with S = E[q q^T] the second moment of the
@@ -15,9 +15,6 @@ codebook's; otherwise they are recomputed from the chunk's stored keys at query 
 id is deliberately NOT part of the chunk key fingerprint: the KV does not depend on the
 codebook, so recalibrating must not turn every stored chunk into a miss and force its KV
 to be recomputed; only the small codes go stale, and they are checked per chunk.
-
-Storage: sub-database ``sparse_codebooks`` of the shared LMDB environment, key
-``a2ats/<model fingerprint>``, value a checksummed safetensors blob (store.blob).
 """
 
 from __future__ import annotations
@@ -29,10 +26,6 @@ from functools import cached_property
 
 import torch
 
-from store.blob import decode_blob, encode_blob
-from store.lmdb_env import LMDBEnvironment
-
-CODEBOOK_DB = "sparse_codebooks"
 CODES_KEY = "codes"
 CODEBOOK_ID_KEY = "codebook_id"
 _ID_BYTES = 16
@@ -148,47 +141,18 @@ class A2ATSCodebook:
         """query [Hkv, D] (already WRoPE-rotated) -> q.c for every centroid [Hkv, C] float32."""
         return torch.bmm(self.centroids[layer], query.float().unsqueeze(-1)).squeeze(-1)
 
-    # -- serialisation ---------------------------------------------------------------------
+    # -- serialisation (the application layer stores these; see ragkv.app.codebooks) ------
 
-    def to_blob(self) -> bytes:
+    def to_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         metadata = {"offset": str(self.offset), "id": self.id, "info": json.dumps(self.info, sort_keys=True)}
         tensors = {"centroids": self.centroids.cpu(), "transform": self.transform.cpu(), "key_mean": self.key_mean.cpu()}
-        return encode_blob(tensors, metadata)
+        return tensors, metadata
 
     @classmethod
-    def from_blob(cls, raw) -> "A2ATSCodebook":
-        tensors, metadata = decode_blob(raw)
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> "A2ATSCodebook":
         codebook = cls(tensors["centroids"].clone(), tensors["transform"].clone(), int(metadata["offset"]),
                        tensors["key_mean"].clone() if "key_mean" in tensors else None,
                        json.loads(metadata.get("info", "{}")))
         if codebook.id != metadata.get("id"):
             raise ValueError("stored codebook id does not match its content")
         return codebook
-
-
-def _key(fingerprint: str) -> bytes:
-    return f"a2ats/{fingerprint}".encode()
-
-
-def save_codebook(env: LMDBEnvironment, fingerprint: str, codebook: A2ATSCodebook) -> None:
-    """Store `codebook` as the A2ATS codebook of the model with `fingerprint` (replacing any)."""
-    db = env.db(CODEBOOK_DB)
-    blob = codebook.to_blob()
-    env.write(lambda txn: txn.put(_key(fingerprint), blob, db=db))
-
-
-def load_codebook(env: LMDBEnvironment, fingerprint: str) -> A2ATSCodebook | None:
-    """The stored A2ATS codebook of the model with `fingerprint`, or None."""
-    db = env.db(CODEBOOK_DB)
-    with env.read() as txn:
-        raw = txn.get(_key(fingerprint), db=db)
-        return None if raw is None else A2ATSCodebook.from_blob(raw)
-
-
-def attach_codebook(engine, env: LMDBEnvironment) -> A2ATSCodebook | None:
-    """Give `engine` its model's stored codebook (if any): encode_chunk then stores codes."""
-    codebook = load_codebook(env, engine.fingerprint)
-    if codebook is not None:
-        codebook.check_model(engine.spec)
-    engine.codebook = codebook
-    return codebook

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kernels.dispatch import BACKENDS
+from ragkv.kernels.dispatch import BACKENDS
 
 SELECTOR_NAMES = ("dense", "oracle", "a2ats", "pqcache", "lrqk")
 DEFAULT_SELECTOR = "a2ats"

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ragkv.attention import decode_attention
-from ragkv.kv_cache import KVCache
+from ragkv.engine.attention import decode_attention
+from ragkv.engine.kv_cache import KVCache
 from ragkv.sparse.base import Selector
 
 

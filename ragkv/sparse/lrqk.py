@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ragkv.kv_cache import KVCache
+from ragkv.engine.kv_cache import KVCache
 from ragkv.sparse.base import RowBuffer, Selector
 from ragkv.sparse.prompt import PromptState
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ragkv.kv_cache import KVCache
+from ragkv.engine.kv_cache import KVCache
 from ragkv.sparse.base import Selector, top_rows
 
 

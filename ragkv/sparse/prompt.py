@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ragkv.kv_cache import KVCache
-from ragkv.model import CausalLM
+from ragkv.engine.kv_cache import KVCache
+from ragkv.engine.model import CausalLM
 
 
 @dataclass

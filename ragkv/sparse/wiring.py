@@ -1,4 +1,4 @@
-"""The two calls the query path (ragkv.rag) makes into sparse decode."""
+"""The two calls the query path (ragkv.app.rag) makes into sparse decode."""
 
 from __future__ import annotations
 

@@ -1,0 +1,125 @@
+"""The FastAPI application: `create_app(ServeConfig)`; `ragkv serve` runs it under uvicorn.
+
+Startup (lifespan) opens the Runtime (store, registry, engine, embedder) in a thread,
+starts the model worker and opens the session store; shutdown stops the worker (queued
+and running jobs are cancelled) and closes everything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from collections.abc import Iterator
+from contextlib import asynccontextmanager
+from urllib.parse import parse_qsl, urlsplit
+
+from fastapi import FastAPI
+
+from ragkv.api.auth import Authenticator, load_api_keys
+from ragkv.api.config import ServeConfig
+from ragkv.api.errors import install_error_handlers
+from ragkv.api.jobs import JobRegistry
+from ragkv.api.metrics import Metrics, Reading
+from ragkv.api.middleware import ServingMiddleware
+from ragkv.api.routes import chat, documents, query, system
+from ragkv.api.service import Service
+from ragkv.api.sessions import RedisSessions, open_sessions
+from ragkv.api.state import AppState, redis_tiers
+from ragkv.api.worker import ModelWorker
+from ragkv.app.runtime import Runtime
+
+log = logging.getLogger("ragkv.api")
+
+
+def redis_url_of_store(store_url: str | None) -> str | None:
+    """The Redis server a chunk store URL names (redis://... or tiered+lmdb://...?redis=...)."""
+    if not store_url:
+        return None
+    parts = urlsplit(store_url)
+    if parts.scheme in ("redis", "rediss"):
+        return f"{parts.scheme}://{parts.netloc}{parts.path}"
+    if parts.scheme == "tiered+lmdb":
+        nested = dict(parse_qsl(parts.query)).get("redis")
+        if nested:
+            inner = urlsplit(nested)
+            return f"{inner.scheme}://{inner.netloc}{inner.path}"
+    return None
+
+
+def _readings(state: AppState) -> Iterator[Reading]:
+    stats = state.runtime.store.stats()
+    tiers = list(stats.tiers) or [stats]
+    for index, tier in enumerate(tiers):
+        labels = {"tier": f"{index}:{tier.backend}"}
+        yield "gauge", "ragkv_store_entries", "Chunks held by each store tier", labels, tier.entries
+        yield "gauge", "ragkv_store_bytes", "Bytes held by each store tier", labels, tier.bytes
+        yield "counter", "ragkv_store_hits", "Chunk lookups each tier answered", labels, tier.hits
+        yield "counter", "ragkv_store_misses", "Chunk lookups each tier missed", labels, tier.misses
+        yield "counter", "ragkv_store_errors", "Backend operations that failed and were absorbed (Redis down)", labels, tier.errors
+    if stats.lru is not None:
+        yield "gauge", "ragkv_store_lru_bytes", "Bytes in the in-process chunk LRU", {}, stats.lru.bytes
+    redis_up = [tier.healthy() for tier in redis_tiers(state.runtime.store)]
+    if redis_up:
+        yield "gauge", "ragkv_redis_up", "1 if Redis answers PING", {"role": "chunks"}, float(all(redis_up))
+    sessions = state.sessions.stats()
+    if isinstance(state.sessions, RedisSessions):
+        yield "gauge", "ragkv_redis_up", "1 if Redis answers PING", {"role": "sessions"}, float(sessions["redis_up"])
+    yield "gauge", "ragkv_sessions", "Chat sessions in this process's memory", {}, sessions["sessions"]
+    yield "gauge", "ragkv_session_bytes", "Bytes of session KV in this process's memory", {}, sessions["bytes"]
+    yield "counter", "ragkv_sessions_evicted", "Sessions dropped from memory for space", {}, sessions["evicted"]
+    degraded = (redis_up and not all(redis_up)) or sessions.get("redis_up") is False
+    yield "gauge", "ragkv_degraded", "1 while a fallback is in use (Redis unreachable)", {}, float(bool(degraded))
+    for status, count in state.jobs.counts().items():
+        yield "gauge", "ragkv_ingest_jobs", "Ingestion jobs by status", {"status": status}, count
+    state.metrics.queue_depth.set(state.worker.queued)
+    state.metrics.active_jobs.set(state.worker.active)
+
+
+def _build_state(config: ServeConfig, metrics: Metrics) -> AppState:
+    runtime = Runtime(config.runtime)
+    try:
+        session_url = config.session_store or redis_url_of_store(config.runtime.store_url)
+        sessions = open_sessions(session_url, int(config.session_memory_mb * (1 << 20)), config.session_ttl_s)
+        worker = ModelWorker(max_active=config.max_active, max_queued=config.max_queued,
+                             on_finished=lambda job: metrics.jobs.labels(job.kind, job.outcome or "unknown").inc())
+        service = Service(runtime, config, metrics, sessions)
+        model_id = config.model_id or runtime.engine.model_dir.name
+        state = AppState(config, runtime, worker, sessions, JobRegistry(), metrics, service, model_id)
+    except BaseException:
+        runtime.close()
+        raise
+    return state
+
+
+def create_app(config: ServeConfig = ServeConfig()) -> FastAPI:
+    metrics = Metrics()
+    authenticator = Authenticator(load_api_keys(config.api_keys_file))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state = await asyncio.to_thread(_build_state, config, metrics)
+        metrics.add_scrape_time(lambda: _readings(state))
+        state.worker.start()
+        app.state.ragkv = state
+        tenants = ", ".join(sorted(authenticator.tenants)) if authenticator.enabled else "default (no API keys)"
+        print(f"ragkv: serving {state.model_id} on http://{config.host}:{config.port}; store {state.runtime.store.backend}, "
+              f"sessions {state.sessions.backend}, tenants {tenants}", file=sys.stderr, flush=True)
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(state.worker.stop)
+            if isinstance(state.sessions, RedisSessions):
+                state.sessions.close()
+            state.runtime.close()
+
+    app = FastAPI(title="ragkv", version="0.1.0", lifespan=lifespan,
+                  description="RAG serving over precomputed chunk KV caches: documents, questions, OpenAI-compatible chat.")
+    app.state.authenticator = authenticator
+    install_error_handlers(app)
+    for module in (system, documents, query, chat):
+        app.include_router(module.router)
+    app.add_middleware(ServingMiddleware, metrics=metrics, authenticator=authenticator,
+                       max_body_bytes=int(config.max_body_kb * 1024),
+                       max_document_body_bytes=int(config.max_document_body_mb * (1 << 20)))
+    return app

@@ -1,0 +1,62 @@
+"""Typed configuration of the API server; `ragkv serve` fills it from its options."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ragkv.app.runtime import RuntimeConfig
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    host: str = DEFAULT_HOST
+    """Address uvicorn binds (0.0.0.0 inside a container)."""
+    port: int = DEFAULT_PORT
+    """TCP port uvicorn listens on."""
+    api_keys_file: Path | None = None
+    """JSON file mapping API key -> tenant; also $RAGKV_API_KEYS ("key:tenant,key:tenant").
+    Without keys every request is tenant "default" and no Authorization is needed."""
+    model_id: str | None = None
+    """Model name served on /v1/models; None = the model folder's name."""
+    session_store: str | None = None
+    """redis://HOST:PORT/DB for shared chat sessions; None = the Redis of --store when it
+    has one, else sessions live only in this process's memory. "memory" forces memory."""
+    session_ttl_s: float = 1800.0
+    """Idle seconds after which a chat session expires."""
+    session_memory_mb: float = 512.0
+    """Bytes of session KV kept in process memory (least recently used are dropped)."""
+    max_document_body_mb: float = 20.0
+    """Largest request body on /v1/documents (413 above)."""
+    max_body_kb: float = 1024.0
+    """Largest request body on every other route (413 above)."""
+    max_new_tokens: int = 1024
+    """Largest max_tokens a request may ask for."""
+    max_input_tokens: int = 4096
+    """Largest question / chat message, in tokens."""
+    max_top_k: int = 16
+    """Largest top_k a request may ask for (16 x 512-token chunks fill 8k positions)."""
+    background_ingest_bytes: int = 32_768
+    """Documents larger than this ingest as a background job (202 + /v1/jobs/{id})."""
+    max_active: int = 4
+    """Requests the model worker interleaves token by token; more wait in the queue."""
+    max_queued: int = 64
+    """Requests waiting for the model worker; beyond this the API answers 503."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        for name in ("session_ttl_s", "session_memory_mb", "max_document_body_mb", "max_body_kb"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        for name in ("max_new_tokens", "max_input_tokens", "max_top_k", "max_active", "max_queued"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.background_ingest_bytes < 0:
+            raise ValueError("background_ingest_bytes must be >= 0")
+        if self.session_store not in (None, "memory") and not self.session_store.startswith(("redis://", "rediss://")):
+            raise ValueError("session_store must be 'memory' or a redis:// URL")

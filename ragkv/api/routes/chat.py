@@ -1,0 +1,152 @@
+"""OpenAI-compatible chat: POST /v1/chat/completions (plain and SSE), GET /v1/models,
+and the session routes.
+
+Extensions (the openai client sends them with `extra_body=`):
+  rag         {"enabled", "top_k", "document_ids", "strategy", "ratio", "session_id"}
+  session_id  continue this session (also rag.session_id); a new id is made when absent.
+              With a session, only the last message is new: earlier messages are already
+              in the session's KV. The answer carries `session_id` and a `rag` object
+              (citations, timings, turn) and the X-Session-Id header.
+temperature defaults to 0 (greedy) when not given.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from ragkv.api.auth import tenant_of
+from ragkv.api.errors import ApiError
+from ragkv.api.routes.query import SSE_HEADERS
+from ragkv.api.schemas import DEFAULT_MAX_TOKENS, ChatRag, ChatRequest, generation_config, query_config
+from ragkv.api.service import TurnOutcome
+from ragkv.api.sessions import check_session_id, new_session_id
+from ragkv.api.state import app_state
+from ragkv.api.streaming import JobStream, run_job, sse, sse_events
+from ragkv.api.worker import Job
+
+router = APIRouter(tags=["chat"])
+
+_FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
+
+
+def _messages(body: ChatRequest) -> list[dict[str, str]]:
+    messages = []
+    for message in body.messages:
+        role = "system" if message.role == "developer" else message.role
+        messages.append({"role": role, "content": message.text()})
+    if messages[-1]["role"] != "user":
+        raise ApiError(400, "last_message_not_user", "the last message must have role 'user'", param="messages")
+    if not messages[-1]["content"].strip():
+        raise ApiError(400, "empty_message", "the last user message is empty", param="messages")
+    return messages
+
+
+def _rag_extension(outcome: TurnOutcome, session_id: str) -> dict:
+    return {"session_id": session_id, "turn": (outcome.session or {}).get("turns"), "strategy": outcome.strategy,
+            "new_chunks": outcome.new_chunks, "citations": outcome.citations, "timings": outcome.timings,
+            "session": outcome.session}
+
+
+def _usage(outcome: TurnOutcome) -> dict:
+    usage = outcome.usage
+    return {"prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"],
+            "total_tokens": usage["total_tokens"], "reused_tokens": usage["reused_tokens"],
+            "recomputed_tokens": usage["recomputed_tokens"], "computed_tokens": usage["computed_tokens"]}
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request, body: ChatRequest):
+    state = app_state(request)
+    tenant = tenant_of(request)
+    body.refuse_unsupported()
+    if body.model not in (state.model_id, "ragkv"):
+        raise ApiError(404, "model_not_found", f"the model {body.model!r} does not exist; this server serves {state.model_id!r}",
+                       param="model")
+    messages = _messages(body)
+    rag = body.rag or ChatRag()
+    if body.session_id and rag.session_id and body.session_id != rag.session_id:
+        raise ApiError(400, "conflicting_session_id", "session_id and rag.session_id differ", param="session_id")
+    session_id = check_session_id(body.session_id or rag.session_id or new_session_id())
+    if rag.wants_sparse:
+        raise ApiError(400, "unsupported_parameter", "chat decodes dense (a session keeps and extends its exact KV); "
+                       "sparse selectors, budgets and SnapKV apply to /v1/query", param="rag.selector")
+    max_tokens = body.max_completion_tokens or body.max_tokens or DEFAULT_MAX_TOKENS
+    generation = generation_config(max_tokens, body.temperature, body.top_p, body.seed, body.stop, state.config)
+    config = query_config(rag, generation, state.config)
+    job = Job("chat", state.service.chat_body(tenant, session_id, messages, rag.enabled, config))
+    completion_id = "chatcmpl-" + uuid.uuid4().hex[:24]
+    created = int(time.time())
+    headers = {"X-Session-Id": session_id}
+
+    if not body.stream:
+        outcome: TurnOutcome = await run_job(request, state.worker, job)
+        return JSONResponse(
+            {"id": completion_id, "object": "chat.completion", "created": created, "model": state.model_id,
+             "choices": [{"index": 0, "message": {"role": "assistant", "content": outcome.text},
+                          "finish_reason": _FINISH.get(outcome.finish_reason, "stop"), "logprobs": None}],
+             "usage": _usage(outcome), "session_id": session_id, "rag": _rag_extension(outcome, session_id)},
+            headers=headers)
+
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    stream = await JobStream.start(request, state.worker, job)
+
+    def chunk(delta: dict, finish_reason: str | None = None, **extra) -> dict:
+        return {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": state.model_id,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}], **extra}
+
+    def render(kind: str, value):
+        return [chunk({"content": value})] if kind == "token" else []
+
+    def finish(outcome: TurnOutcome):
+        events = [chunk({}, _FINISH.get(outcome.finish_reason, "stop"), session_id=session_id,
+                        rag=_rag_extension(outcome, session_id))]
+        if include_usage:
+            events.append({"id": completion_id, "object": "chat.completion.chunk", "created": created,
+                           "model": state.model_id, "choices": [], "usage": _usage(outcome)})
+        return events
+
+    async def events():
+        try:
+            yield sse(chunk({"role": "assistant", "content": ""}, session_id=session_id))
+            async for item in sse_events(request, stream, render, finish):
+                yield item
+        finally:
+            stream.job.cancel()
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+
+
+@router.get("/v1/models")
+def list_models(request: Request):
+    state = app_state(request)
+    tenant_of(request)
+    return {"object": "list", "data": [{"id": state.model_id, "object": "model", "created": int(state.started),
+                                        "owned_by": "ragkv"}]}
+
+
+@router.get("/v1/models/{model_id}")
+def get_model(request: Request, model_id: str):
+    state = app_state(request)
+    tenant_of(request)
+    if model_id not in (state.model_id, "ragkv"):
+        raise ApiError(404, "model_not_found", f"the model {model_id!r} does not exist")
+    return {"id": state.model_id, "object": "model", "created": int(state.started), "owned_by": "ragkv"}
+
+
+@router.get("/v1/sessions")
+def list_sessions(request: Request):
+    """Sessions of this tenant held in this process's memory."""
+    state = app_state(request)
+    return {"object": "list", "data": [s.summary() for s in state.sessions.list(tenant_of(request))]}
+
+
+@router.delete("/v1/sessions/{session_id}")
+def delete_session(request: Request, session_id: str):
+    state = app_state(request)
+    if not state.sessions.delete(tenant_of(request), check_session_id(session_id)):
+        raise ApiError(404, "not_found", f"no session {session_id!r}")
+    return {"id": session_id, "object": "session", "deleted": True}

@@ -1,0 +1,175 @@
+"""Documents and ingestion jobs: POST/GET/DELETE /v1/documents, GET /v1/jobs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.datastructures import UploadFile
+
+from ragkv.api.auth import tenant_of
+from ragkv.api.errors import ApiError, as_api_error
+from ragkv.api.jobs import CANCELLED, FAILED, SUCCEEDED, JobRecord
+from ragkv.api.schemas import DocumentCreate, check_metadata
+from ragkv.api.state import AppState, app_state
+from ragkv.api.streaming import run_job
+from ragkv.api.worker import Job, JobCancelled
+from ragkv.ingest.loaders import document_text
+from ragkv.ingest.pipeline import IngestResult
+from ragkv.ingest.validation import check_text
+
+log = logging.getLogger("ragkv.api")
+router = APIRouter(tags=["documents"])
+
+_DOC_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+
+
+def check_doc_id(doc_id: str) -> str:
+    if not _DOC_ID.match(doc_id):
+        raise ApiError(400, "bad_document_id", "document ids are 1-128 characters of [A-Za-z0-9_.-]", param="document_id")
+    return doc_id
+
+
+def ingest_summary(result: IngestResult) -> dict:
+    return {"chunks": result.chunks, "tokens": result.tokens, "computed_chunks": result.computed_chunks,
+            "reused_chunks": result.reused_chunks, "seconds": round(result.seconds, 3),
+            "duplicate_of_existing": result.duplicate_of_existing}
+
+
+def _pydantic_message(error: ValidationError) -> str:
+    parts = []
+    for problem in error.errors()[:5]:
+        where = ".".join(str(p) for p in problem.get("loc", ())) or "body"
+        parts.append(f"{where}: {problem.get('msg')}")
+    return "; ".join(parts)
+
+
+async def _read_document(request: Request, state: AppState) -> tuple[str, str, dict | None, bool | None]:
+    """(text, name, metadata, background) from a JSON body or a multipart upload."""
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    limit = state.config.runtime.ingest.max_document_bytes
+    if content_type == "multipart/form-data":
+        form = await request.form(max_files=1, max_fields=16)
+        upload = form.get("file")
+        if not isinstance(upload, UploadFile):
+            raise ApiError(400, "missing_file", "multipart uploads need a 'file' field holding the document", param="file")
+        name = str(form.get("name") or upload.filename or "upload.txt")
+        data = await upload.read()
+        text = document_text(data, name, limit)
+        background = form.get("background")
+        flag = None if background is None else str(background).lower() in ("1", "true", "yes")
+        return text, name, check_metadata(form.get("metadata")), flag
+    if content_type not in ("application/json", ""):
+        raise ApiError(415, "unsupported_media_type",
+                       "send the document as JSON {\"text\": ..., \"name\": ...} or as multipart/form-data with a 'file' field")
+    raw = await request.body()
+    if not raw:
+        raise ApiError(400, "empty_body", "the request body is empty; send {\"text\": ..., \"name\": ...}")
+    try:
+        payload = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ApiError(400, "malformed_json", f"the request body is not valid JSON: {error}") from None
+    try:
+        document = DocumentCreate.model_validate(payload)
+    except ValidationError as error:
+        raise ApiError(422, "invalid_parameters", _pydantic_message(error)) from None
+    return check_text(document.text, document.name, limit), document.name, check_metadata(document.metadata), document.background
+
+
+@router.post("/v1/documents", status_code=201)
+async def create_document(request: Request):
+    """Ingest a document (JSON {text, name, metadata} or a multipart 'file' upload). Small
+    documents answer 201 when ingested; large ones (or background=true) answer 202 with a
+    job whose progress GET /v1/jobs/{id} reports."""
+    state = app_state(request)
+    tenant = tenant_of(request)
+    text, name, metadata, background = await _read_document(request, state)
+    if background is None:
+        background = len(text.encode("utf-8", errors="surrogatepass")) > state.config.background_ingest_bytes
+    service = state.service
+    if not background:
+        job = Job("ingest", service.ingest_body(text, name, tenant, metadata, checkpoint=state.worker.checkpoint),
+                  interactive=False)
+        result: IngestResult = await run_job(request, state.worker, job)
+        record = state.runtime.registry.get(tenant, result.doc_id)
+        return {"document": record.summary(), "ingest": ingest_summary(result)}
+
+    record = state.jobs.create(tenant, "ingest", name)
+    body = service.ingest_body(text, name, tenant, metadata,
+                               progress=lambda done, total: state.jobs.progress(record, done, total),
+                               checkpoint=state.worker.checkpoint)
+    job = Job("ingest", _tracked(state, record, body), interactive=False)
+    state.worker.submit(job)
+    return JSONResponse(status_code=202, content={"job": record.to_dict(), "status_url": f"/v1/jobs/{record.id}"},
+                        headers={"Location": f"/v1/jobs/{record.id}"})
+
+
+def _tracked(state: AppState, record: JobRecord, body):
+    """Wrap an ingestion body so the job record follows it (nobody awaits a background job)."""
+
+    def tracked(job: Job):
+        state.jobs.start(record)
+        try:
+            result = yield from body(job)
+        except JobCancelled:
+            state.jobs.finish(record, CANCELLED, error={"code": "cancelled", "message": "the job was cancelled"})
+            raise
+        except Exception as error:
+            mapped = as_api_error(error)
+            if mapped is None:
+                log.error("ingestion job %s failed", record.id, exc_info=error)
+                mapped = ApiError(500, "internal_error", f"ingestion failed; quote job id {record.id} to the operator")
+            state.jobs.finish(record, FAILED, error={"code": mapped.code, "message": mapped.message})
+            raise
+        document = state.runtime.registry.get(record.tenant, result.doc_id).summary()
+        state.jobs.finish(record, SUCCEEDED, result={"document": document, "ingest": ingest_summary(result)})
+        return result
+
+    return tracked
+
+
+@router.get("/v1/documents")
+def list_documents(request: Request):
+    state = app_state(request)
+    records = state.runtime.registry.list(tenant_of(request))
+    return {"object": "list", "data": [record.summary() for record in records]}
+
+
+@router.get("/v1/documents/{doc_id}")
+def get_document(request: Request, doc_id: str, include_text: bool = False):
+    state = app_state(request)
+    tenant = tenant_of(request)
+    record = state.runtime.registry.get(tenant, check_doc_id(doc_id))
+    out = {**record.summary(), "fingerprint": record.fingerprint,
+           "chunks": [{"index": c.index, "tokens": c.token_end - c.token_start, "char_start": c.char_start,
+                       "char_end": c.char_end} for c in record.chunks]}
+    if include_text:
+        out["text"] = state.runtime.registry.text(tenant, record.doc_id)
+    return out
+
+
+@router.delete("/v1/documents/{doc_id}")
+async def delete_document(request: Request, doc_id: str):
+    state = app_state(request)
+    job = Job("delete", state.service.delete_body(check_doc_id(doc_id), tenant_of(request)))
+    record = await run_job(request, state.worker, job)
+    return {"id": record.doc_id, "object": "document", "deleted": True}
+
+
+@router.get("/v1/jobs")
+def list_jobs(request: Request):
+    state = app_state(request)
+    return {"object": "list", "data": [job.to_dict() for job in state.jobs.list(tenant_of(request))]}
+
+
+@router.get("/v1/jobs/{job_id}")
+def get_job(request: Request, job_id: str):
+    state = app_state(request)
+    record = state.jobs.get(tenant_of(request), job_id)
+    if record is None:
+        raise ApiError(404, "not_found", f"no job {job_id!r}")
+    return record.to_dict()

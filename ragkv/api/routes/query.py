@@ -1,0 +1,68 @@
+"""POST /v1/query: one RAG question, answered with citations, token usage and timings."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from ragkv.api.auth import tenant_of
+from ragkv.api.schemas import QueryRequest, generation_config, query_config
+from ragkv.api.service import TurnOutcome
+from ragkv.api.state import app_state
+from ragkv.api.streaming import JobStream, run_job, sse, sse_events
+from ragkv.api.worker import Job
+
+router = APIRouter(tags=["query"])
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def outcome_body(query_id: str, outcome: TurnOutcome) -> dict:
+    return {"id": query_id, "object": "query", "answer": outcome.text, "finish_reason": outcome.finish_reason,
+            "strategy": outcome.strategy, "citations": outcome.citations, "usage": outcome.usage, "timings": outcome.timings}
+
+
+@router.post("/v1/query")
+async def query(request: Request, body: QueryRequest):
+    """Retrieve, fuse and answer. With `stream: true` the answer comes as server-sent events:
+    {"type": "retrieval", citations, timings}, then {"type": "token", "text"} per token, then
+    {"type": "done", answer, usage, timings, ...}, then [DONE]."""
+    state = app_state(request)
+    tenant = tenant_of(request)
+    limits = state.config
+    generation = generation_config(body.max_tokens, body.temperature, body.top_p, body.seed, body.stop, limits)
+    config = query_config(body, generation, limits)
+    query_id = "q_" + uuid.uuid4().hex[:20]
+    job = Job("query", state.service.query_body(body.question, tenant, config))
+    started = time.perf_counter()
+    if not body.stream:
+        outcome: TurnOutcome = await run_job(request, state.worker, job)
+        result = outcome_body(query_id, outcome)
+        result["timings"]["total"] = round(time.perf_counter() - started, 4)
+        return result
+
+    stream = await JobStream.start(request, state.worker, job)
+
+    def render(kind: str, value):
+        if kind == "token":
+            return [{"type": "token", "text": value}]
+        return []
+
+    def finish(outcome: TurnOutcome):
+        result = outcome_body(query_id, outcome)
+        result["timings"]["total"] = round(time.perf_counter() - started, 4)
+        return [{"type": "done", **result}]
+
+    async def events():
+        try:
+            _, info = stream.first
+            yield sse({"type": "retrieval", "id": query_id, **info})
+            async for chunk in sse_events(request, stream, render, finish):
+                yield chunk
+        finally:
+            stream.job.cancel()
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)

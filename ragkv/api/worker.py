@@ -1,0 +1,245 @@
+"""The model worker: one thread owns the engine; requests reach it through a queue.
+
+A job's body is a generator function run on the worker thread. Each `next()` is one unit
+of model work (a retrieval + fusion, one decode step, ...); what it yields is handed to
+the event loop through the job's asyncio queue, and its return value ends the job.
+
+Scheduling: up to `max_active` interactive jobs (queries, chat turns, deletes) are
+interleaved one step at a time, so a long answer does not hold back the first token of
+the next request. Background jobs (ingestion) run one at a time when no interactive job
+is active; while one runs, its progress callback calls `checkpoint()`, which serves the
+interactive jobs first (for up to `checkpoint_budget_s` between two chunks).
+
+A job whose client went away is cancelled: the worker checks the flag before every step
+and closes the generator, which frees its KV cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Generator
+from typing import Any
+
+from ragkv.api.errors import QueueFullError
+
+log = logging.getLogger("ragkv.api.worker")
+
+_ITEM, _DONE, _ERROR = "item", "done", "error"
+_ids = itertools.count(1)
+
+
+class JobCancelled(Exception):
+    """Raised inside a job body (or into its awaiter) when the job was cancelled."""
+
+
+class Job:
+    """One unit of work for the worker, created on the event loop thread."""
+
+    def __init__(self, kind: str, body: Callable[["Job"], Generator[Any, None, Any]], *, interactive: bool = True):
+        self.id = next(_ids)
+        self.kind = kind
+        self.interactive = interactive
+        self._body = body
+        self._generator: Generator[Any, None, Any] | None = None
+        self._cancelled = threading.Event()
+        self._loop = asyncio.get_running_loop()
+        self._events: asyncio.Queue = asyncio.Queue()
+        self.submitted = time.perf_counter()
+        self.started: float | None = None
+        self.finished = False
+        self.outcome: str | None = None
+
+    # -- event loop side -----------------------------------------------------------
+
+    def cancel(self) -> None:
+        """Ask the worker to stop this job at its next step (thread-safe, idempotent)."""
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    @property
+    def queue_seconds(self) -> float:
+        return (self.started or time.perf_counter()) - self.submitted
+
+    async def items(self) -> AsyncIterator[Any]:
+        """What the body yields, in order; raises what the body raised. The body's return
+        value is left in `self.result`."""
+        while True:
+            kind, value = await self._events.get()
+            if kind == _ITEM:
+                yield value
+            elif kind == _DONE:
+                self.result = value
+                return
+            else:
+                raise value
+
+    async def wait(self) -> Any:
+        """Run to the end, discarding yielded items; the body's return value."""
+        async for _ in self.items():
+            pass
+        return self.result
+
+    # -- worker side ---------------------------------------------------------------
+
+    def _emit(self, kind: str, value: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._events.put_nowait, (kind, value))
+        except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
+            pass
+
+    def _step(self) -> bool:
+        """Advance one unit of work on the worker thread; False when the job ended."""
+        if self._cancelled.is_set():
+            self._finish("cancelled", _ERROR, JobCancelled(f"{self.kind} job {self.id} was cancelled"))
+            return False
+        try:
+            if self._generator is None:
+                self.started = time.perf_counter()
+                self._generator = self._body(self)
+            item = next(self._generator)
+        except StopIteration as stop:
+            self._finish("ok", _DONE, stop.value)
+            return False
+        except JobCancelled as error:
+            self._finish("cancelled", _ERROR, error)
+            return False
+        except BaseException as error:  # handed to the awaiting request, which maps it
+            self._finish("error", _ERROR, error)
+            return False
+        self._emit(_ITEM, item)
+        return True
+
+    def _finish(self, outcome: str, kind: str, value: Any) -> None:
+        if self._generator is not None:
+            try:
+                self._generator.close()  # runs the body's finally blocks, drops its tensors
+            except BaseException:  # a body that fails while closing must not kill the worker
+                log.exception("%s job %d failed while closing", self.kind, self.id)
+        self._generator = None
+        self.finished = True
+        self.outcome = outcome
+        self._emit(kind, value)
+
+    def check_cancelled(self) -> None:
+        """For long bodies (ingestion) to call between units of work."""
+        if self._cancelled.is_set():
+            raise JobCancelled(f"{self.kind} job {self.id} was cancelled")
+
+
+class ModelWorker:
+    def __init__(self, *, max_active: int = 4, max_queued: int = 64, checkpoint_budget_s: float = 5.0,
+                 on_finished: Callable[[Job], None] | None = None):
+        self.max_active = max_active
+        self.max_queued = max_queued
+        self.checkpoint_budget_s = checkpoint_budget_s
+        self._on_finished = on_finished
+        self._cond = threading.Condition()
+        self._interactive: deque[Job] = deque()
+        self._background: deque[Job] = deque()
+        self._active: list[Job] = []
+        self._stopping = False
+        self._in_background = False
+        self._thread = threading.Thread(target=self._run, name="ragkv-model-worker", daemon=True)
+
+    # -- any thread ----------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            for job in itertools.chain(self._interactive, self._background, self._active):
+                job.cancel()
+            self._cond.notify_all()
+        self._thread.join(timeout)
+
+    def submit(self, job: Job) -> Job:
+        with self._cond:
+            if self._stopping:
+                raise QueueFullError(0)
+            waiting = len(self._interactive) + len(self._background)
+            if waiting >= self.max_queued:
+                raise QueueFullError(waiting)
+            (self._interactive if job.interactive else self._background).append(job)
+            self._cond.notify_all()
+        return job
+
+    @property
+    def queued(self) -> int:
+        with self._cond:
+            return len(self._interactive) + len(self._background)
+
+    @property
+    def active(self) -> int:
+        with self._cond:
+            return len(self._active) + (1 if self._in_background else 0)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # -- worker thread -------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._stopping or self._interactive or self._background or self._active):
+                    self._cond.wait()
+                if self._stopping and not self._active and not self._interactive and not self._background:
+                    return
+                self._admit()
+                background = self._background.popleft() if not self._active and self._background else None
+            if background is not None:
+                self._run_background(background)
+            else:
+                self._round()
+
+    def _admit(self) -> None:
+        """Move interactive jobs from the queue to the active set (caller holds the lock)."""
+        while self._interactive and len(self._active) < self.max_active:
+            self._active.append(self._interactive.popleft())
+
+    def _round(self) -> None:
+        for job in list(self._active):
+            if not job._step():
+                with self._cond:
+                    self._active.remove(job)
+                self._finished(job)
+
+    def _run_background(self, job: Job) -> None:
+        self._in_background = True
+        try:
+            while job._step():
+                pass
+        finally:
+            self._in_background = False
+        self._finished(job)
+
+    def _finished(self, job: Job) -> None:
+        if self._on_finished is not None:
+            try:
+                self._on_finished(job)
+            except Exception:
+                log.exception("job-finished hook failed")
+
+    def checkpoint(self) -> None:
+        """Serve interactive jobs now; called by a background job between its chunks, on
+        the worker thread. Returns when none is left or the time budget is spent."""
+        if threading.current_thread() is not self._thread:
+            return
+        deadline = time.perf_counter() + self.checkpoint_budget_s
+        while time.perf_counter() < deadline:
+            with self._cond:
+                self._admit()
+                if not self._active:
+                    return
+            self._round()

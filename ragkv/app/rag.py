@@ -1,0 +1,196 @@
+"""The query path: retrieve chunks, load their KV, fuse with the question, decode.
+
+This module wires the engine to the store and the registry (it is not part of the
+engine proper, which knows neither).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+
+from ragkv.ingest.embedder import Embedder
+from ragkv.ingest.errors import InputError
+from ragkv.ingest.pipeline import chunk_key
+from ragkv.ingest.registry import ChunkRecord, DocumentRecord, Registry, check_tenant
+from ragkv.engine import Engine
+from ragkv.fusion import FusionConfig, FusionInput, FusionResult, LoadedChunk
+from ragkv.engine.generation import GenerationConfig, TokenEvent
+from ragkv.sparse import SparseConfig
+from ragkv.sparse.wiring import sparse_attention, sparse_chunk_codes
+from ragkv.store.base import ChunkStore
+from ragkv.store.keys import ChunkKey
+
+log = logging.getLogger("ragkv.app.rag")
+
+
+@dataclass(frozen=True)
+class QueryConfig:
+    top_k: int = 5
+    """Chunks retrieved for the question."""
+    doc_ids: tuple[str, ...] | None = None
+    """Restrict retrieval to these documents (all of their chunks when top_k allows)."""
+    fusion: FusionConfig = field(default_factory=FusionConfig)
+    generation: GenerationConfig = field(default_factory=lambda: GenerationConfig(max_new_tokens=128))
+    sparse: SparseConfig | None = None
+    """Sparse decode (selector, budget, SnapKV eviction); None = dense decode."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= 64:
+            raise ValueError(f"top_k must be in [1, 64], got {self.top_k}")
+        if self.doc_ids is not None and not self.doc_ids:
+            raise ValueError("doc_ids, when given, must name at least one document")
+
+
+@dataclass(frozen=True)
+class Citation:
+    doc_id: str
+    name: str
+    chunk_index: int
+    char_start: int
+    char_end: int
+    score: float
+    text: str
+
+
+@dataclass
+class Answer:
+    text: str
+    finish_reason: str
+    citations: list[Citation]
+    usage: dict[str, int]
+    timings: dict[str, float]
+    strategy: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class PreparedQuery:
+    """A fused cache ready to decode, plus what the answer reports."""
+
+    fusion: FusionResult
+    citations: list[Citation]
+    timings: dict[str, float]
+    strategy: str
+    chunk_codes: list | None = None
+    """Per chunk, its A2ATS codes under the engine's codebook (sparse a2ats only)."""
+
+
+class RagPipeline:
+    def __init__(self, engine: Engine, store: ChunkStore, registry: Registry, embedder: Embedder):
+        self.engine = engine
+        self.store = store
+        self.registry = registry
+        self.embedder = embedder
+
+    def chunk_key(self, chunk_hash: str) -> ChunkKey:
+        return chunk_key(self.engine, chunk_hash)
+
+    def retrieve(self, question: str, tenant: str, top_k: int, doc_ids: tuple[str, ...] | None) -> list[tuple[DocumentRecord, ChunkRecord, float]]:
+        if doc_ids is not None:
+            for doc_id in doc_ids:
+                self.registry.get(tenant, doc_id)  # NotFoundError for unknown ids
+        query_vector = self.embedder.embed_queries([question])[0]
+        hits = self.registry.search(tenant, query_vector, top_k, set(doc_ids) if doc_ids else None)
+        records: dict[str, DocumentRecord] = {}
+        found = []
+        for hit in hits:
+            record = records.get(hit.doc_id) or records.setdefault(hit.doc_id, self.registry.get(tenant, hit.doc_id))
+            found.append((record, record.chunks[hit.chunk_index], hit.score))
+        # Most relevant last: nearest the question.
+        return sorted(found, key=lambda item: item[2])
+
+    def load_chunks(self, tenant: str, retrieved: list[tuple[DocumentRecord, ChunkRecord, float]],
+                    stored: list | None = None) -> tuple[list[LoadedChunk], int]:
+        """KV of the retrieved chunks; a chunk missing from the store (evicted, corrupt,
+        another model) is recomputed from the document text and written back. `stored`,
+        when given, receives each chunk's tensors as read (sparse decode uses its codes)."""
+        entries = self.store.get_many([self.chunk_key(chunk.chunk_hash) for _, chunk, _ in retrieved])
+        loaded, recomputed = [], 0
+        for (record, chunk, _), tensors in zip(retrieved, entries):
+            if tensors is None:
+                token_ids = self._chunk_tokens(tenant, record, chunk)
+                tensors = self.engine.encode_chunk(token_ids)
+                self.store.put(self.chunk_key(chunk.chunk_hash), tensors)
+                recomputed += 1
+            loaded.append(LoadedChunk(tensors["tokens"].tolist(), tensors["keys"], tensors["values"]))
+            if stored is not None:
+                stored.append(tensors)
+        if recomputed:
+            log.warning("recomputed %d chunk(s) missing from the store", recomputed)
+        return loaded, recomputed
+
+    def _chunk_tokens(self, tenant: str, record: DocumentRecord, chunk: ChunkRecord) -> list[int]:
+        text = self.registry.text(tenant, record.doc_id)
+        return self.engine.tokenize(text)[chunk.token_start : chunk.token_end]
+
+    def prepare(self, question: str, tenant: str, config: QueryConfig) -> PreparedQuery:
+        check_tenant(tenant)
+        if not question or not question.strip():
+            raise InputError("empty_question", "the question is empty")
+        timings: dict[str, float] = {}
+        started = time.perf_counter()
+        retrieved = self.retrieve(question, tenant, config.top_k, config.doc_ids)
+        if not retrieved:
+            raise InputError("no_documents", "no documents to answer from: ingest some first")
+        timings["retrieve"] = time.perf_counter() - started
+        load_started = time.perf_counter()
+        stored: list = []
+        chunks, missing = self.load_chunks(tenant, retrieved, stored)
+        timings["load"] = time.perf_counter() - load_started
+        segments = self.engine.prompt.rag_segments(question)
+        fusion_input = FusionInput(
+            segments.prefix_ids, chunks, segments.question_ids, len(self.engine.chunk_prefix_ids), segments.question_text_span
+        )
+        fuse_started = time.perf_counter()
+        strategy = config.fusion.build()
+        result = strategy.fuse(self.engine.model, fusion_input, self.engine.chunk_prefix_cache(), config.generation.max_new_tokens)
+        timings["fuse"] = time.perf_counter() - fuse_started
+        timings["ttft"] = timings["load"] + timings["fuse"]
+        timings["missing_chunks_recomputed"] = missing
+        texts: dict[str, str] = {}
+        citations = []
+        for record, chunk, score in reversed(retrieved):
+            text = texts.get(record.doc_id) or texts.setdefault(record.doc_id, self.registry.text(tenant, record.doc_id))
+            citations.append(Citation(record.doc_id, record.name, chunk.index, chunk.char_start, chunk.char_end, round(score, 4),
+                                      text[chunk.char_start : chunk.char_end]))
+        chunk_codes = sparse_chunk_codes(self.engine, config.sparse, chunks, stored)
+        return PreparedQuery(result, citations, timings, strategy.name, chunk_codes)
+
+    def stream(self, prepared: PreparedQuery, config: QueryConfig) -> Iterator[TokenEvent]:
+        fusion = prepared.fusion
+        attention = sparse_attention(self.engine, config.sparse, fusion, prepared.chunk_codes)
+        return self.engine.stream(fusion.cache, fusion.logits, config.generation, attention)
+
+    def ask(self, question: str, tenant: str = "default", config: QueryConfig = QueryConfig()) -> Answer:
+        prepared = self.prepare(question, tenant, config)
+        decode_started = time.perf_counter()
+        pieces, finish, generated = [], "length", 0
+        for event in self.stream(prepared, config):
+            pieces.append(event.text)
+            generated += 1
+            finish = event.finish_reason or finish
+        prepared.timings["decode"] = time.perf_counter() - decode_started
+        return Answer(
+            text="".join(pieces).strip(),
+            finish_reason=finish,
+            citations=prepared.citations,
+            usage=usage_of(prepared.fusion, generated),
+            timings={k: round(v, 4) for k, v in prepared.timings.items()},
+            strategy=prepared.strategy,
+        )
+
+
+def usage_of(fusion: FusionResult, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": fusion.layout.length,
+        "document_tokens": fusion.layout.num_document_tokens,
+        "reused_tokens": fusion.reused_tokens,
+        "recomputed_tokens": fusion.recomputed_tokens,
+        "completion_tokens": completion_tokens,
+    }
+

@@ -1,0 +1,124 @@
+"""The engine: a loaded model, its tokenizer and prompt layout, and chunk encoding.
+
+Knows no HTTP, no store and no ingestion; those layers call it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoTokenizer
+
+from ragkv.engine.fingerprint import model_fingerprint
+from ragkv.engine.generation import GenerationConfig, TokenEvent, stream_tokens
+from ragkv.engine.kv_cache import KVCache
+from ragkv.engine.model import CausalLM, DecodeAttention
+from ragkv.engine.model_files import resolve_model_dir
+from ragkv.engine.prompt import DEFAULT_SYSTEM_PROMPT, ChatPrompt
+
+log = logging.getLogger("ragkv.engine")
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None
+    """Local Hugging Face folder (Llama, Mistral, Qwen2, Qwen3); None = packaged SmolLM2."""
+    dtype: str = "float32"
+    """Compute dtype. float32 is fastest on CPUs without bf16 matrix units."""
+    kv_storage_dtype: str = "float16"
+    """dtype of chunk K/V in the store (halves the bytes of float32)."""
+    device: str = "cpu"
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT
+    precompute_prefix: bool = True
+    """Compute each chunk's KV after the RAG prefix (system prompt + instruction), so the
+    chunk's first token is not an attention sink; the prefix is then stripped."""
+    threads: int | None = None
+    """torch intra-op threads; None keeps torch's default (all cores)."""
+
+    def __post_init__(self) -> None:
+        for name in ("dtype", "kv_storage_dtype"):
+            if getattr(self, name) not in _DTYPES:
+                raise ValueError(f"{name} must be one of {sorted(_DTYPES)}, got {getattr(self, name)!r}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError("threads must be >= 1")
+
+
+class Engine:
+    def __init__(self, config: EngineConfig = EngineConfig()):
+        self.config = config
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        started = time.perf_counter()
+        self.model_dir = resolve_model_dir(config.model)
+        self.model = CausalLM.load(self.model_dir, _DTYPES[config.dtype], config.device)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.prompt = ChatPrompt(self.tokenizer, config.system_prompt)
+        self.storage_dtype = _DTYPES[config.kv_storage_dtype]
+        self.chunk_prefix_ids = self.prompt.prefix_ids if config.precompute_prefix else []
+        self.fingerprint = model_fingerprint(
+            self.model_dir, self.model.spec, config.kv_storage_dtype, self.chunk_prefix_ids
+        )
+        self.load_seconds = time.perf_counter() - started
+        self._chunk_prefix_cache: KVCache | None = None
+        self.codebook = None
+        """A2ATS codebook (ragkv.sparse.A2ATSCodebook) of this model, when one is attached:
+        encode_chunk then stores each chunk's codes with it."""
+        log.info("engine ready in %.1f s (fingerprint %s)", self.load_seconds, self.fingerprint)
+
+    @property
+    def spec(self):
+        return self.model.spec
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.prompt.encode(text)
+
+    def chunk_prefix_cache(self) -> KVCache | None:
+        """KV of the shared precompute prefix (computed once per engine)."""
+        if not self.chunk_prefix_ids:
+            return None
+        if self._chunk_prefix_cache is None:
+            cache = self.model.new_cache(len(self.chunk_prefix_ids))
+            self.model.prefill(torch.tensor(self.chunk_prefix_ids), cache)
+            self._chunk_prefix_cache = cache
+        return self._chunk_prefix_cache
+
+    def encode_chunk(self, token_ids: list[int]) -> dict[str, torch.Tensor]:
+        """The stored form of a chunk: pre-RoPE keys/values [layers, kv_heads, T, D] in the
+        storage dtype, the token ids they were computed from, and with a codebook attached
+        its A2ATS codes [layers, kv_heads, T] int16."""
+        keys, values = self.model.chunk_kv(torch.tensor(token_ids), self.chunk_prefix_cache())
+        tensors = {
+            "keys": keys.to(self.storage_dtype).contiguous(),
+            "values": values.to(self.storage_dtype).contiguous(),
+            "tokens": torch.tensor(token_ids, dtype=torch.int32),
+        }
+        if self.codebook is not None:
+            # "codes" + "codebook_id", from the keys as stored (what a query will read back)
+            tensors.update(self.codebook.chunk_tensors(tensors["keys"].to(self.model.dtype)))
+        return tensors
+
+    def stream(
+        self,
+        cache: KVCache,
+        first_logits: torch.Tensor,
+        config: GenerationConfig,
+        attention: DecodeAttention | None = None,
+    ) -> Iterator[TokenEvent]:
+        return stream_tokens(self.model, self.tokenizer, cache, first_logits, config, attention)
+
+    def prefill(self, token_ids: list[int], extra_capacity: int = 0) -> tuple[KVCache, torch.Tensor]:
+        """Plain full prefill of a prompt into a fresh cache sized for the answer too."""
+        cache = self.model.new_cache(len(token_ids) + extra_capacity)
+        logits = self.model.prefill(torch.tensor(token_ids), cache)
+        return cache, logits
+
+    def chat(self, messages: list[dict[str, str]], config: GenerationConfig = GenerationConfig()) -> Iterator[TokenEvent]:
+        """Stream an answer to chat messages with a plain prefill (no retrieval)."""
+        cache, logits = self.prefill(self.prompt.encode_messages(messages), config.max_new_tokens)
+        return self.stream(cache, logits, config)

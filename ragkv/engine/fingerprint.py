@@ -1,0 +1,55 @@
+"""Model fingerprints: what makes one model's chunk KV differ from another's.
+
+The chunk store keys every blob by this value, so KV computed by other weights, another
+storage dtype, another architecture or another precompute prefix is never served.
+RoPE parameters are left out: keys are stored before rotation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from ragkv.engine.model_files import cache_root
+from ragkv.engine.model_spec import ModelSpec
+from ragkv.engine.weights import weight_files
+
+KV_FORMAT_VERSION = 2
+"""Bump when the stored blob layout changes; old blobs then read as misses.
+2: CRC-32 blob checksum (was blake2b)."""
+
+
+def _file_digest(path: Path) -> str:
+    """blake2b of a weights file, remembered by (path, size, mtime) so starts stay fast."""
+    stat = path.stat()
+    memo_path = cache_root() / "weight-digests.json"
+    memo_key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    try:
+        memo = json.loads(memo_path.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    if memo_key in memo:
+        return memo[memo_key]
+    digest = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as handle:
+        while block := handle.read(1 << 24):
+            digest.update(block)
+    memo[memo_key] = digest.hexdigest()
+    memo_path.parent.mkdir(parents=True, exist_ok=True)
+    staging = memo_path.with_suffix(f".{os.getpid()}.tmp")
+    staging.write_text(json.dumps(memo))
+    staging.replace(memo_path)
+    return memo[memo_key]
+
+
+def model_fingerprint(model_dir: Path, spec: ModelSpec, storage_dtype: str, precompute_prefix: list[int]) -> str:
+    payload = {
+        "weights": [_file_digest(path) for path in weight_files(model_dir)],
+        "spec": spec.fingerprint_fields(),
+        "storage_dtype": storage_dtype,
+        "precompute_prefix": precompute_prefix,
+        "format": KV_FORMAT_VERSION,
+    }
+    return hashlib.blake2b(json.dumps(payload, sort_keys=True).encode(), digest_size=12).hexdigest()

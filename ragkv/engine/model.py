@@ -1,0 +1,167 @@
+"""The forward loop over a decoder-only model's weights.
+
+One loop serves ingestion (pre-RoPE K/V of a chunk), prefill, selective recompute (any
+subset of rows against the whole cache) and decode (one row, optionally with a sparse
+attention that reads selected cache rows). Nothing here patches transformers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig
+
+from ragkv.kernels.rope import apply_rope
+
+from ragkv.engine.attention import causal_attention, decode_attention
+from ragkv.engine.kv_cache import KVCache
+from ragkv.engine.model_spec import ModelSpec
+from ragkv.engine.rope import Rotary
+from ragkv.engine.weights import ModelWeights, load_weights
+
+
+@dataclass
+class Projection:
+    """One layer's projections of some rows: q and k rotated to their positions, plus the
+    pre-RoPE keys that the chunk store keeps."""
+
+    q: torch.Tensor  # [Hq, N, D]
+    k: torch.Tensor  # [Hkv, N, D]
+    k_pre_rope: torch.Tensor  # [Hkv, N, D]
+    v: torch.Tensor  # [Hkv, N, D]
+
+
+class DecodeAttention(Protocol):
+    """Attention for one decode row; sparse selectors implement this to read fewer rows."""
+
+    def __call__(self, layer: int, q: torch.Tensor, cache: KVCache, scale: float) -> torch.Tensor: ...
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    variance = x.pow(2).mean(-1, keepdim=True)
+    return weight * (x * torch.rsqrt(variance + eps))
+
+
+class CausalLM:
+    def __init__(self, spec: ModelSpec, weights: ModelWeights, dtype: torch.dtype, device: torch.device | str):
+        self.spec = spec
+        self.weights = weights
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.rotary = Rotary(spec.rope, device=self.device, dtype=dtype)
+        self.scale = 1.0 / math.sqrt(spec.head_dim)
+
+    @classmethod
+    def load(cls, model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> "CausalLM":
+        spec = ModelSpec.from_hf_config(AutoConfig.from_pretrained(model_dir))
+        return cls(spec, load_weights(model_dir, spec, dtype, device), dtype, device)
+
+    # -- building blocks -------------------------------------------------------------
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.weights.embed[token_ids]
+
+    def project(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor) -> Projection:
+        """Input norm and q/k/v projections of `hidden` [N, hidden] at `positions` [N]."""
+        spec, w = self.spec, self.weights.layers[layer]
+        x = rms_norm(hidden, w.input_norm, spec.rms_norm_eps)
+        qkv = x @ w.qkv
+        if w.qkv_bias is not None:
+            qkv = qkv + w.qkv_bias
+        n, d = hidden.shape[0], spec.head_dim
+        q, k, v = qkv.split((spec.num_heads * d, spec.num_kv_heads * d, spec.num_kv_heads * d), dim=-1)
+        q = q.view(n, spec.num_heads, d).transpose(0, 1)
+        k = k.view(n, spec.num_kv_heads, d).transpose(0, 1)
+        v = v.view(n, spec.num_kv_heads, d).transpose(0, 1)
+        if w.q_norm is not None:
+            q = rms_norm(q, w.q_norm, spec.rms_norm_eps)
+            k = rms_norm(k, w.k_norm, spec.rms_norm_eps)
+        cos, sin = self.rotary.cos_sin(positions)
+        return Projection(q=apply_rope(q, cos, sin), k=apply_rope(k, cos, sin), k_pre_rope=k, v=v)
+
+    def finish_layer(self, layer: int, hidden: torch.Tensor, attention_out: torch.Tensor) -> torch.Tensor:
+        """o_proj + residual, then post-attention norm, MLP and residual. attention_out: [Hq, N, D]."""
+        w = self.weights.layers[layer]
+        n = hidden.shape[0]
+        hidden = hidden + attention_out.transpose(0, 1).reshape(n, -1) @ w.o_proj
+        x = rms_norm(hidden, w.post_attention_norm, self.spec.rms_norm_eps)
+        gate, up = (x @ w.gate_up).chunk(2, dim=-1)
+        return hidden + (F.silu(gate) * up) @ w.down
+
+    def attend(self, layer: int, projection: Projection, positions: torch.Tensor, cache: KVCache, rows: int) -> torch.Tensor:
+        keys, values = cache.layer(layer, rows)
+        return causal_attention(projection.q, keys, values, positions, self.scale)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return rms_norm(hidden, self.weights.final_norm, self.spec.rms_norm_eps) @ self.weights.lm_head
+
+    def new_cache(self, capacity: int) -> KVCache:
+        return KVCache.allocate(self.spec, capacity, self.dtype, self.device)
+
+    # -- whole passes ----------------------------------------------------------------
+
+    def layer_forward(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache, rows: int) -> torch.Tensor:
+        """Run one layer for `hidden` rows at `positions`, writing their K/V into cache rows
+        `positions` and attending to the first `rows` cache rows."""
+        projection = self.project(layer, hidden, positions)
+        cache.keys[layer, :, positions] = projection.k
+        cache.values[layer, :, positions] = projection.v
+        return self.finish_layer(layer, hidden, self.attend(layer, projection, positions, cache, rows))
+
+    @torch.inference_mode()
+    def prefill(self, token_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Append `token_ids` [N] to `cache` and return the logits of the last token [vocab]."""
+        start, n = cache.length, token_ids.numel()
+        cache.reserve(start + n)
+        positions = torch.arange(start, start + n, device=self.device)
+        hidden = self.embed(token_ids.to(self.device))
+        for layer in range(self.spec.num_layers):
+            hidden = self.layer_forward(layer, hidden, positions, cache, start + n)
+        cache.length = cache.next_position = start + n
+        return self.logits(hidden[-1:])[0]
+
+    @torch.inference_mode()
+    def chunk_kv(self, token_ids: torch.Tensor, prefix: KVCache | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-RoPE keys and values [layers, kv_heads, N, D] of `token_ids` computed after
+        `prefix` (whose rows are read, never modified)."""
+        spec, n = self.spec, token_ids.numel()
+        start = prefix.length if prefix is not None else 0
+        cache = prefix.clone(extra_capacity=n) if prefix is not None else self.new_cache(n)
+        positions = torch.arange(start, start + n, device=self.device)
+        keys = torch.empty((spec.num_layers, spec.num_kv_heads, n, spec.head_dim), dtype=self.dtype, device=self.device)
+        values = torch.empty_like(keys)
+        hidden = self.embed(token_ids.to(self.device))
+        for layer in range(spec.num_layers):
+            projection = self.project(layer, hidden, positions)
+            keys[layer], values[layer] = projection.k_pre_rope, projection.v
+            cache.keys[layer, :, positions] = projection.k
+            cache.values[layer, :, positions] = projection.v
+            if layer + 1 < spec.num_layers:
+                hidden = self.finish_layer(layer, hidden, self.attend(layer, projection, positions, cache, start + n))
+        return keys, values
+
+    @torch.inference_mode()
+    def decode_step(self, token_id: int, cache: KVCache, attention: DecodeAttention | None = None) -> torch.Tensor:
+        """Append one token and return next-token logits [vocab]."""
+        row, position = cache.length, cache.next_position
+        cache.reserve(row + 1)
+        positions = torch.tensor([position], device=self.device)
+        hidden = self.embed(torch.tensor([token_id], device=self.device))
+        for layer in range(self.spec.num_layers):
+            projection = self.project(layer, hidden, positions)
+            cache.keys[layer, :, row] = projection.k[:, 0]
+            cache.values[layer, :, row] = projection.v[:, 0]
+            cache.length = row + 1
+            if attention is None:
+                keys, values = cache.layer(layer)
+                out = decode_attention(projection.q, keys, values, self.scale)
+            else:
+                out = attention(layer, projection.q, cache, self.scale)
+            hidden = self.finish_layer(layer, hidden, out)
+        cache.next_position = position + 1
+        return self.logits(hidden)[0]

@@ -1,0 +1,78 @@
+"""Reading documents from files. Plain text formats are read as they are; HTML has its
+markup removed. Anything else is refused with a message naming what is supported."""
+
+from __future__ import annotations
+
+from html.parser import HTMLParser
+from pathlib import Path
+
+from ragkv.ingest.errors import InputError
+from ragkv.ingest.validation import DEFAULT_MAX_DOCUMENT_BYTES, check_text, decode_document
+
+TEXT_SUFFIXES = (".txt", ".text", ".md", ".markdown", ".rst", ".csv", ".tsv", ".log")
+HTML_SUFFIXES = (".html", ".htm")
+SUPPORTED_SUFFIXES = TEXT_SUFFIXES + HTML_SUFFIXES
+
+
+class _TextOfHTML(HTMLParser):
+    _SKIPPED = {"script", "style", "head"}
+    _BLOCKS = {"p", "div", "br", "li", "h1", "h2", "h3", "h4", "h5", "h6", "tr", "section", "article"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.parts: list[str] = []
+        self._skip_depth = 0
+
+    def handle_starttag(self, tag, attrs):
+        if tag in self._SKIPPED:
+            self._skip_depth += 1
+        elif tag in self._BLOCKS:
+            self.parts.append("\n")
+
+    def handle_endtag(self, tag):
+        if tag in self._SKIPPED and self._skip_depth:
+            self._skip_depth -= 1
+
+    def handle_data(self, data):
+        if not self._skip_depth:
+            self.parts.append(data)
+
+
+def html_to_text(html: str) -> str:
+    parser = _TextOfHTML()
+    parser.feed(html)
+    lines = (" ".join(line.split()) for line in "".join(parser.parts).splitlines())
+    return "\n".join(line for line in lines if line)
+
+
+def document_text(data: bytes, name: str, max_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES) -> str:
+    """Text of a document given as bytes; `name`'s suffix picks the format."""
+    suffix = Path(name).suffix.lower()
+    if suffix and suffix not in SUPPORTED_SUFFIXES:
+        raise InputError(
+            "unsupported_type", f"{name}: unsupported file type {suffix!r}; supported: {', '.join(SUPPORTED_SUFFIXES)}"
+        )
+    text = decode_document(data, name, max_bytes)
+    if suffix in HTML_SUFFIXES:
+        text = check_text(html_to_text(text), name, max_bytes)
+    return text
+
+
+def read_document(path: Path, max_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES) -> str:
+    if not path.is_file():
+        raise InputError("missing", f"{path}: no such file")
+    size = path.stat().st_size
+    if size > max_bytes:
+        raise InputError("too_large", f"{path}: {size} bytes exceeds the limit of {max_bytes} bytes")
+    return document_text(path.read_bytes(), str(path), max_bytes)
+
+
+def expand_paths(paths: list[Path]) -> list[Path]:
+    """Files named directly, plus supported files found under named folders (sorted)."""
+    found: list[Path] = []
+    for path in paths:
+        if path.is_dir():
+            found.extend(sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in SUPPORTED_SUFFIXES))
+        else:
+            found.append(path)
+    return found

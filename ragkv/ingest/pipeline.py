@@ -1,0 +1,171 @@
+"""Ingestion: validate, chunk, precompute each new chunk's KV, store it, register the document.
+
+Failure policy: input is validated before any work. Chunk blobs are written as they are
+computed (memory stays bounded by one chunk); the registry commit that makes the
+document visible is one LMDB transaction at the end. If anything fails before that
+commit, the chunk blobs this ingestion added and no document references are deleted
+again, so the store is left as it was.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tqdm import tqdm
+
+from ragkv.ingest.chunker import DEFAULT_CHUNK_TOKENS, chunk_document
+from ragkv.ingest.embedder import Embedder
+from ragkv.ingest.errors import InputError
+from ragkv.ingest.registry import ChunkRecord, DocumentRecord, Registry, check_tenant
+from ragkv.ingest.validation import DEFAULT_MAX_DOCUMENT_BYTES, check_text
+from ragkv.engine import Engine
+from ragkv.engine.fingerprint import KV_FORMAT_VERSION
+from ragkv.store.base import ChunkStore
+from ragkv.store.keys import ChunkKey, hash_tokens
+
+log = logging.getLogger("ragkv.ingest")
+
+Progress = Callable[[int, int], None]
+"""Called with (chunks done, chunks total) as ingestion advances."""
+
+
+def chunk_key(engine: Engine, chunk_hash: str) -> ChunkKey:
+    """Where `engine`'s KV of a chunk lives in the store."""
+    return ChunkKey(engine.fingerprint, chunk_hash, KV_FORMAT_VERSION)
+
+
+@dataclass(frozen=True)
+class IngestConfig:
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    """Tokens per chunk; the last chunk of a document may be shorter."""
+    max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES
+    """Larger documents are refused with a clear error."""
+    show_progress: bool = True
+    """Draw a progress bar on stderr while chunks are precomputed."""
+
+    def __post_init__(self) -> None:
+        if not 16 <= self.chunk_tokens <= 8192:
+            raise ValueError(f"chunk_tokens must be in [16, 8192], got {self.chunk_tokens}")
+        if self.max_document_bytes < 1:
+            raise ValueError("max_document_bytes must be positive")
+
+
+@dataclass
+class IngestResult:
+    doc_id: str
+    name: str
+    chunks: int
+    tokens: int
+    computed_chunks: int
+    reused_chunks: int
+    seconds: float
+    duplicate_of_existing: bool = False
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+class Ingestor:
+    def __init__(self, engine: Engine, store: ChunkStore, registry: Registry, embedder: Embedder, config: IngestConfig = IngestConfig()):
+        self.engine = engine
+        self.store = store
+        self.registry = registry
+        self.embedder = embedder
+        self.config = config
+
+    def chunk_key(self, chunk_hash: str) -> ChunkKey:
+        return chunk_key(self.engine, chunk_hash)
+
+    def ingest_text(
+        self,
+        text: str,
+        name: str,
+        *,
+        tenant: str = "default",
+        metadata: dict | None = None,
+        progress: Progress | None = None,
+    ) -> IngestResult:
+        started = time.perf_counter()
+        check_tenant(tenant)
+        text = check_text(text, name, self.config.max_document_bytes)
+        if metadata is not None and not isinstance(metadata, dict):
+            raise InputError("bad_metadata", "metadata must be a JSON object")
+        text_hash = hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+        existing = self.registry.find_by_text(tenant, text_hash)
+        if existing is not None:
+            record = self.registry.get(tenant, existing)
+            return IngestResult(record.doc_id, record.name, len(record.chunks), record.num_tokens, 0, len(record.chunks),
+                                time.perf_counter() - started, duplicate_of_existing=True)
+
+        chunks = chunk_document(self.engine.tokenizer, text, self.config.chunk_tokens)
+        hashes = [hash_tokens(chunk.token_ids) for chunk in chunks]
+        added: list[ChunkKey] = []
+        timings = {"precompute": 0.0, "store_write": 0.0}
+        try:
+            computed = self._precompute_missing(name, chunks, hashes, added, timings, progress)
+            embed_started = time.perf_counter()
+            embeddings = self.embedder.embed_passages([text[c.char_start : c.char_end] for c in chunks])
+            timings["embed"] = time.perf_counter() - embed_started
+            record = DocumentRecord(
+                doc_id="doc_" + text_hash[:16],
+                tenant=tenant,
+                name=name,
+                text_hash=text_hash,
+                num_tokens=sum(c.num_tokens for c in chunks),
+                chunk_tokens=self.config.chunk_tokens,
+                fingerprint=self.engine.fingerprint,
+                created=time.time(),
+                chunks=[
+                    ChunkRecord(c.index, h, c.index * self.config.chunk_tokens,
+                                c.index * self.config.chunk_tokens + c.num_tokens, c.char_start, c.char_end)
+                    for c, h in zip(chunks, hashes)
+                ],
+                metadata=dict(metadata or {}),
+            )
+            self.registry.add(record, text, embeddings)
+        except BaseException:
+            self._roll_back(added)
+            raise
+        return IngestResult(record.doc_id, name, len(chunks), record.num_tokens, computed, len(chunks) - computed,
+                            time.perf_counter() - started, timings=timings)
+
+    def _precompute_missing(self, name, chunks, hashes, added, timings, progress) -> int:
+        todo = [(chunk, h) for chunk, h in zip(chunks, hashes) if not self.store.contains(self.chunk_key(h))]
+        # The same chunk can repeat inside one document; compute it once.
+        unique = list({h: (chunk, h) for chunk, h in todo}.values())
+        bar = tqdm(total=len(unique), desc=f"precompute {name}", unit="chunk", disable=not self.config.show_progress or not unique)
+        for done, (chunk, chunk_hash) in enumerate(unique, start=1):
+            t0 = time.perf_counter()
+            tensors = self.engine.encode_chunk(chunk.token_ids)
+            t1 = time.perf_counter()
+            key = self.chunk_key(chunk_hash)
+            self.store.put(key, tensors)
+            added.append(key)
+            timings["precompute"] += t1 - t0
+            timings["store_write"] += time.perf_counter() - t1
+            bar.update(1)
+            if progress is not None:
+                progress(done, len(unique))
+        bar.close()
+        return len(unique)
+
+    def _roll_back(self, added: list[ChunkKey]) -> None:
+        for key in added:
+            if self.registry.refcount(key.chunk_hash) == 0:
+                self.store.delete(key)
+        if added:
+            log.warning("ingestion failed; removed %d chunk blobs it had written", len(added))
+
+    def delete(self, doc_id: str, tenant: str = "default") -> DocumentRecord:
+        record, orphans = self.registry.remove(check_tenant(tenant), doc_id)
+        fingerprints = {record.fingerprint, self.engine.fingerprint}
+        for chunk_hash in orphans:
+            for fingerprint in fingerprints:
+                self.store.delete(ChunkKey(fingerprint, chunk_hash, KV_FORMAT_VERSION))
+        return record

@@ -1,0 +1,21 @@
+"""Attention-side kernels for ragkv: tensors in, tensors out, no model code.
+
+Every op has a torch reference (:mod:`kernels.reference`) and a Triton kernel;
+sparse decode also has a FlashInfer path. Each launcher takes
+``backend="auto"|"torch"|"triton"|"flashinfer"``; see :mod:`kernels.dispatch`
+for how "auto" chooses. triton and flashinfer are optional imports.
+"""
+
+from ragkv.kernels.code_scores import code_score_topk
+from ragkv.kernels.dispatch import BackendUnavailableError
+from ragkv.kernels.rope import apply_rope
+from ragkv.kernels.selective_attention import selective_attention
+from ragkv.kernels.sparse_attention import sparse_decode_attention
+
+__all__ = [
+    "BackendUnavailableError",
+    "apply_rope",
+    "code_score_topk",
+    "selective_attention",
+    "sparse_decode_attention",
+]

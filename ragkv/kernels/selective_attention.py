@@ -1,0 +1,88 @@
+"""Attention for an arbitrary subset of query rows against a full KV cache.
+
+Selective recompute re-runs only the ~15% of prompt tokens whose cached KV
+deviates most after chunk concatenation; those rows still attend causally to
+every earlier cache row, which is what this op computes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ragkv.kernels import torch_cpu
+from ragkv.kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check_dtype, check_shape, common_device, require
+from ragkv.kernels.dispatch import Backend, select_backend
+
+
+def _tile_sizes(dtype: torch.dtype, head_dim: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) that compile without register spills for sm_90.
+
+    Chosen from ``ptxas -v`` at num_warps=4: float32 inputs use "ieee" FMA dots,
+    whose working set is far larger than 16-bit tensor-core dots, and head dims
+    above 128 double every tile.
+    """
+    if dtype == torch.float32:
+        return (32, 32) if head_dim <= 128 else (16, 16)
+    return (64, 32) if head_dim <= 128 else (32, 32)
+
+
+def selective_attention(
+    q_rows: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    row_positions: torch.Tensor,
+    scale: float,
+    *,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """Causal-by-position attention for selected query rows.
+
+    Args:
+        q_rows: [Hq, N, D]; Hq = Hkv * group, query head h reads KV head h // group.
+        k_cache, v_cache: [Hkv, T, D], same dtype as q_rows; cache row j holds position j.
+        row_positions: [N] int, absolute position of each query row, in [0, T)
+            (precondition, unchecked); any order, duplicates allowed.
+        scale: softmax scale, usually 1/sqrt(D).
+        backend: "auto", "torch" or "triton".
+
+    Returns out [Hq, N, D] in q_rows' dtype: row i attends to rows j <= row_positions[i].
+    """
+    check_dtype("q_rows", q_rows, FLOAT_DTYPES)
+    check_dtype("row_positions", row_positions, INDEX_DTYPES)
+    require(q_rows.dim() == 3, f"q_rows must be [Hq, N, D], got {tuple(q_rows.shape)}")
+    require(k_cache.dim() == 3, f"k_cache must be [Hkv, T, D], got {tuple(k_cache.shape)}")
+    hq, n, d = q_rows.shape
+    hkv, t, _ = k_cache.shape
+    check_shape("k_cache", k_cache, (hkv, t, d))
+    check_shape("v_cache", v_cache, (hkv, t, d))
+    check_shape("row_positions", row_positions, (n,))
+    require(k_cache.dtype == q_rows.dtype and v_cache.dtype == q_rows.dtype,
+            "q_rows, k_cache and v_cache must share a dtype")
+    require(hkv > 0 and t > 0 and hq % hkv == 0, f"need T > 0 and Hq ({hq}) a multiple of Hkv ({hkv})")
+    device = common_device(q_rows=q_rows, k_cache=k_cache, v_cache=v_cache, row_positions=row_positions)
+
+    chosen = select_backend("selective_attention", backend, device, kernels=("triton",))
+    if chosen == "torch":
+        return torch_cpu.selective_attention(q_rows, k_cache, v_cache, row_positions, scale)
+
+    import triton
+
+    from ragkv.kernels.triton.selective_attention import selective_attention_kernel
+
+    out = torch.empty((hq, n, d), dtype=q_rows.dtype, device=device)
+    if n == 0:
+        return out
+    # int32 positions keep the kernel's loop bound the same type as its counter.
+    positions = row_positions.int()
+    block_m, block_n = _tile_sizes(q_rows.dtype, d)
+    grid = (triton.cdiv(n, block_m), hq)
+    selective_attention_kernel[grid](
+        q_rows, k_cache, v_cache, positions, out,
+        float(scale) * math.log2(math.e), n, t, d, hq // hkv,
+        *q_rows.stride(), *k_cache.stride(), *v_cache.stride(), *positions.stride(), *out.stride(),
+        DOT_PRECISION="ieee" if q_rows.dtype == torch.float32 else "tf32",
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(d),
+    )
+    return out

@@ -1,0 +1,136 @@
+"""Shared chunk cache in Redis, for several serving replicas.
+
+Redis is treated as a cache that may vanish at any moment: every Redis error
+is a miss on read and a dropped write, counted in ``stats().errors`` and
+logged once per outage (see :class:`store.base.ChunkStore`).  Timeouts are
+short, redis-py's own retries are off, and after a connection failure the
+store stops calling Redis for ``retry_after_s``, so a dead or unreachable
+server costs a request at most one short timeout, not one per lookup.
+
+Use a dedicated Redis database: ``stats().entries`` is its ``DBSIZE``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from urllib.parse import urlsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from ragkv.store.base import BlobStore, RawBlob, Usage
+from ragkv.store.errors import StoreUnavailableError
+
+_SCHEMES = ("redis", "rediss", "unix")
+_SCAN_BATCH = 1000
+
+
+def _check_positive(name: str, value: float | None, *, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be a positive number of seconds; got {value!r}")
+
+
+def _glob_escape(prefix: bytes) -> bytes:
+    for char in (b"\\", b"*", b"?", b"[", b"]"):
+        prefix = prefix.replace(char, b"\\" + char)
+    return prefix
+
+
+class RedisStore(BlobStore):
+    """Chunk store in the Redis server at ``url`` (``redis://host:port/db``).
+
+    ``ttl_s`` expires entries that long after they were written (``None``:
+    never; rely on Redis' ``maxmemory-policy`` instead).
+    """
+
+    backend = "redis"
+    _transient_errors = (redis.RedisError, StoreUnavailableError)
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        ttl_s: float | None = None,
+        connect_timeout_s: float = 0.5,
+        op_timeout_s: float = 1.0,
+        retry_after_s: float = 1.0,
+    ) -> None:
+        if not isinstance(url, str) or urlsplit(url).scheme not in _SCHEMES:
+            shown = urlsplit(url).scheme + "://..." if isinstance(url, str) else repr(url)  # URLs may hold passwords
+            raise ValueError(f"RedisStore needs a redis://, rediss:// or unix:// URL; got {shown}")
+        _check_positive("ttl_s", ttl_s, optional=True)
+        _check_positive("connect_timeout_s", connect_timeout_s)
+        _check_positive("op_timeout_s", op_timeout_s)
+        _check_positive("retry_after_s", retry_after_s)
+        self._ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
+        self._retry_after_s = retry_after_s
+        self._down_until = 0.0
+        parts = urlsplit(url)
+        self._where = parts.path if parts.scheme == "unix" else f"{parts.hostname}:{parts.port or 6379}{parts.path}"
+        self._client = redis.Redis.from_url(
+            url,
+            socket_connect_timeout=connect_timeout_s,
+            socket_timeout=op_timeout_s,
+            retry=Retry(NoBackoff(), 0),  # the default retries with backoff would hang a request
+        )
+        super().__init__()
+
+    def __repr__(self) -> str:
+        return f"RedisStore({self._where!r})"  # never the URL: it may hold a password
+
+    def healthy(self) -> bool:
+        """PING the server now (ignoring any back-off); ``True`` if it answered."""
+        try:
+            self._client.ping()
+        except redis.RedisError:
+            return False
+        self._down_until = 0.0
+        return True
+
+    @contextmanager
+    def _call(self) -> Iterator[None]:
+        """Fail fast while backing off; start backing off on a connection failure."""
+        if time.monotonic() < self._down_until:
+            raise StoreUnavailableError(f"redis at {self._where} is down; not retried yet")
+        try:
+            yield
+        except (redis.ConnectionError, redis.TimeoutError):
+            self._down_until = time.monotonic() + self._retry_after_s
+            raise
+
+    def _get_raw_many(self, keys: list[bytes]) -> list[RawBlob | None]:
+        with self._call():
+            return self._client.mget(keys)
+
+    def _put_raw_many(self, pairs: list[tuple[bytes, RawBlob]]) -> None:
+        with self._call():
+            pipe = self._client.pipeline(transaction=False)
+            for key, blob in pairs:
+                # redis-py sends memoryviews as-is (no copy) but rejects bytearray.
+                pipe.set(key, memoryview(blob), px=self._ttl_ms)
+            pipe.execute()
+
+    def _delete_raw(self, key: bytes) -> bool:
+        with self._call():
+            return bool(self._client.delete(key))
+
+    def _contains_raw(self, key: bytes) -> bool:
+        with self._call():
+            return bool(self._client.exists(key))
+
+    def _usage(self) -> Usage:
+        with self._call():
+            return Usage(entries=self._client.dbsize(), bytes=self._client.info("memory")["used_memory"])
+
+    def _iter_raw_keys(self, prefix: bytes) -> Iterator[bytes]:
+        # SCAN may list a key twice; acceptable for garbage collection.
+        with self._call():
+            yield from self._client.scan_iter(match=_glob_escape(prefix) + b"*", count=_SCAN_BATCH)
+
+    def _close(self) -> None:
+        self._client.close()

@@ -1,0 +1,152 @@
+"""Open a chunk store from one configuration string.
+
+URL forms (query parameters are optional; keyword ``options`` to
+:func:`open_store` take the same names and override the query)::
+
+    lmdb:///abs/path/to/dir          LMDB directory, absolute path
+    lmdb://relative/path             ... relative to the working directory
+        ?map_size=BYTES              initial LMDB map size (grows on demand)
+
+    redis://host:6379/0              Redis database 0 (rediss:// for TLS)
+        ?ttl=SECONDS                 expire entries after SECONDS
+        &connect_timeout=SECONDS     default 0.5
+        &timeout=SECONDS             per-operation socket timeout, default 1
+
+    tiered+lmdb:///abs/path          in-process LRU over LMDB [over Redis]
+        ?lru_mb=256                  LRU size in MiB (0 disables it)
+        &redis=redis://host:6379/0   optional Redis tier below LMDB
+        &redis_ttl=SECONDS           TTL for that Redis tier
+        &map_size=BYTES              as for lmdb://
+
+Example: ``tiered+lmdb:///var/lib/ragkv/kv?lru_mb=512&redis=redis://cache:6379/2``.
+A Redis URL nested in ``redis=`` containing ``&`` must be percent-encoded.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
+
+from ragkv.store.base import ChunkStore
+from ragkv.store.lmdb_env import DEFAULT_MAP_SIZE
+from ragkv.store.lmdb_store import LMDBStore
+from ragkv.store.redis_store import RedisStore
+from ragkv.store.tiered import DEFAULT_LRU_BYTES, TieredStore
+
+_Params = dict[str, object]
+_PASSWORD_RE = re.compile(r"(//[^/:@]*:)[^@/]*@")
+
+
+def _redact(text: object) -> str:
+    """``repr`` for error messages, with any ``//user:password@`` password masked."""
+    return repr(_PASSWORD_RE.sub(r"\1***@", text) if isinstance(text, str) else text)
+
+
+def _float(value: object) -> float:
+    if isinstance(value, bool):
+        raise ValueError("expected a number")
+    return float(value)  # type: ignore[arg-type]
+
+
+def _int(value: object) -> int:
+    if isinstance(value, bool):
+        raise ValueError("expected an integer")
+    return int(value)  # type: ignore[arg-type]
+
+
+def _redis_url(value: object) -> str:
+    if not isinstance(value, str) or urlsplit(value).scheme not in ("redis", "rediss"):
+        raise ValueError("expected a redis:// or rediss:// URL")
+    return value
+
+
+_LMDB_PARAMS: dict[str, Callable[[object], object]] = {"map_size": _int}
+_REDIS_PARAMS: dict[str, Callable[[object], object]] = {
+    "ttl": _float,
+    "connect_timeout": _float,
+    "timeout": _float,
+}
+_TIERED_PARAMS: dict[str, Callable[[object], object]] = {
+    "lru_mb": _float,
+    "redis": _redis_url,
+    "redis_ttl": _float,
+    "map_size": _int,
+}
+
+
+def open_store(url: str, **options: object) -> ChunkStore:
+    """Open the store ``url`` describes (see the module docstring for the forms)."""
+    if not isinstance(url, str):
+        raise TypeError(f"store URL must be a str, not {type(url).__name__}")
+    parts = urlsplit(url)
+    if parts.fragment:
+        raise ValueError(f"store URL {_redact(url)} must not have a #fragment")
+    if parts.scheme == "lmdb":
+        params = _params(url, parts.query, options, _LMDB_PARAMS)
+        return _open_lmdb(url, parts.netloc, parts.path, params)
+    if parts.scheme in ("redis", "rediss"):
+        return _open_redis(url, options)
+    if parts.scheme == "tiered+lmdb":
+        params = _params(url, parts.query, options, _TIERED_PARAMS)
+        tiers: list[ChunkStore] = [_open_lmdb(url, parts.netloc, parts.path, params)]
+        try:
+            if "redis" in params:
+                ttl = {"ttl": params["redis_ttl"]} if "redis_ttl" in params else {}
+                tiers.append(_open_redis(params["redis"], ttl))
+            elif "redis_ttl" in params:
+                raise ValueError(f"store URL {_redact(url)}: redis_ttl given without redis=")
+            lru_mb = params.get("lru_mb", DEFAULT_LRU_BYTES / (1 << 20))
+            if lru_mb < 0:
+                raise ValueError(f"store URL {_redact(url)}: lru_mb must be >= 0")
+            return TieredStore(tiers, lru_bytes=int(lru_mb * (1 << 20)))
+        except BaseException:
+            for tier in tiers:
+                tier.close()
+            raise
+    raise ValueError(
+        f"unknown store URL scheme {parts.scheme!r} in {_redact(url)}; expected lmdb:///abs/path, "
+        "lmdb://relative/path, redis://host:port/db or tiered+lmdb:///path?redis=redis://host:port/db&lru_mb=N"
+    )
+
+
+def _params(
+    url: str, query: str, options: dict[str, object], allowed: dict[str, Callable[[object], object]]
+) -> _Params:
+    raw: dict[str, object] = {}
+    for name, value in parse_qsl(query, keep_blank_values=True):
+        if name in raw:
+            raise ValueError(f"store URL {_redact(url)} repeats the parameter {name!r}")
+        raw[name] = value
+    raw.update(options)
+    params: _Params = {}
+    for name, value in raw.items():
+        if name not in allowed:
+            raise ValueError(
+                f"unknown parameter {name!r} for store URL {_redact(url)}; allowed: {', '.join(sorted(allowed))}"
+            )
+        try:
+            params[name] = allowed[name](value)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"bad value {_redact(value)} for {name!r} in store URL {_redact(url)}: {exc}") from exc
+    return params
+
+
+def _open_lmdb(url: str, netloc: str, path: str, params: _Params) -> LMDBStore:
+    location = unquote(netloc + path)
+    if not location or location == "/":
+        raise ValueError(f"store URL {_redact(url)} names no LMDB directory")
+    return LMDBStore(os.path.expanduser(location), map_size=params.get("map_size", DEFAULT_MAP_SIZE))
+
+
+def _open_redis(url: str, options: dict[str, object]) -> RedisStore:
+    parts = urlsplit(url)
+    params = _params(url, parts.query, options, _REDIS_PARAMS)
+    timeouts = {
+        key: params[name] for name, key in (("connect_timeout", "connect_timeout_s"), ("timeout", "op_timeout_s"))
+        if name in params
+    }
+    # Our parameters are stripped: redis-py would treat the query as its own.
+    base_url = urlunsplit((parts.scheme, parts.netloc, parts.path, "", ""))
+    return RedisStore(base_url, ttl_s=params.get("ttl"), **timeouts)
