@@ -8,6 +8,7 @@ attention that reads selected cache rows). Nothing here patches transformers.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -148,20 +149,46 @@ class CausalLM:
     @torch.inference_mode()
     def decode_step(self, token_id: int, cache: KVCache, attention: DecodeAttention | None = None) -> torch.Tensor:
         """Append one token and return next-token logits [vocab]."""
-        row, position = cache.length, cache.next_position
-        cache.reserve(row + 1)
-        positions = torch.tensor([position], device=self.device)
-        hidden = self.embed(torch.tensor([token_id], device=self.device))
+        return self.decode_batch([token_id], [cache], [attention])[0]
+
+    @torch.inference_mode()
+    def decode_batch(
+        self,
+        token_ids: Sequence[int],
+        caches: Sequence[KVCache],
+        attentions: Sequence[DecodeAttention | None] | None = None,
+    ) -> torch.Tensor:
+        """Append one token to each of B requests and return their next-token logits [B, vocab].
+
+        The B rows share every weight matmul; attention stays per request, over its own
+        cache (own length and RoPE position), with its own sparse attention if given."""
+        if len(token_ids) != len(caches):
+            raise ValueError(f"{len(token_ids)} tokens for {len(caches)} caches")
+        if attentions is None:
+            attentions = [None] * len(caches)
+        elif len(attentions) != len(caches):
+            raise ValueError(f"{len(attentions)} attentions for {len(caches)} caches")
+        if len({id(cache) for cache in caches}) != len(caches):
+            raise ValueError("each request in a batch needs its own cache")
+        rows = [cache.length for cache in caches]
+        for cache, row in zip(caches, rows):
+            cache.reserve(row + 1)
+        positions = torch.tensor([cache.next_position for cache in caches], device=self.device)
+        hidden = self.embed(torch.tensor(list(token_ids), device=self.device))
         for layer in range(self.spec.num_layers):
             projection = self.project(layer, hidden, positions)
-            cache.keys[layer, :, row] = projection.k[:, 0]
-            cache.values[layer, :, row] = projection.v[:, 0]
-            cache.length = row + 1
-            if attention is None:
-                keys, values = cache.layer(layer)
-                out = decode_attention(projection.q, keys, values, self.scale)
-            else:
-                out = attention(layer, projection.q, cache, self.scale)
-            hidden = self.finish_layer(layer, hidden, out)
-        cache.next_position = position + 1
-        return self.logits(hidden)[0]
+            outs = []
+            for b, (cache, row, attention) in enumerate(zip(caches, rows, attentions)):
+                cache.keys[layer, :, row] = projection.k[:, b]
+                cache.values[layer, :, row] = projection.v[:, b]
+                cache.length = row + 1
+                q = projection.q[:, b : b + 1]
+                if attention is None:
+                    keys, values = cache.layer(layer)
+                    outs.append(decode_attention(q, keys, values, self.scale))
+                else:
+                    outs.append(attention(layer, q, cache, self.scale))
+            hidden = self.finish_layer(layer, hidden, torch.cat(outs, dim=1) if len(outs) > 1 else outs[0])
+        for cache in caches:
+            cache.next_position += 1
+        return self.logits(hidden)
