@@ -265,13 +265,13 @@ def test_bad_inputs_get_clear_4xx(env):
     with client(env) as http:
         assert _error(http.post("/v1/query", content=b'{"question": "x",', headers={"content-type": "application/json"}),
                       400)["code"] == "malformed_json"
-        assert "top_k" in _error(http.post("/v1/query", json={"question": "x", "top_k": 0}), 422)["message"]
-        assert "unknown fusion strategy" in _error(http.post("/v1/query", json={"question": "x", "strategy": "nope"}), 422)["message"]
-        assert "ratio" in _error(http.post("/v1/query", json={"question": "x", "ratio": 2}), 422)["message"]
-        assert "max_tokens" in _error(http.post("/v1/query", json={"question": "x", "max_tokens": 10**6}), 422)["message"]
-        assert "Extra inputs" in _error(http.post("/v1/query", json={"question": "x", "bogus": 1}), 422)["message"]
-        assert "unknown selector" in _error(http.post("/v1/query", json={"question": "x", "selector": "magic"}), 422)["message"]
-        assert "budget" in _error(http.post("/v1/query", json={"question": "x", "selector": "oracle", "budget": 2.5}), 422)["message"]
+        assert "top_k" in _error(http.post("/v1/query", json={"question": "x", "top_k": 0}), 400)["message"]
+        assert "unknown fusion strategy" in _error(http.post("/v1/query", json={"question": "x", "strategy": "nope"}), 400)["message"]
+        assert "ratio" in _error(http.post("/v1/query", json={"question": "x", "ratio": 2}), 400)["message"]
+        assert "max_tokens" in _error(http.post("/v1/query", json={"question": "x", "max_tokens": 10**6}), 400)["message"]
+        assert "Extra inputs" in _error(http.post("/v1/query", json={"question": "x", "bogus": 1}), 400)["message"]
+        assert "unknown selector" in _error(http.post("/v1/query", json={"question": "x", "selector": "magic"}), 400)["message"]
+        assert "budget" in _error(http.post("/v1/query", json={"question": "x", "selector": "oracle", "budget": 2.5}), 400)["message"]
         _error(http.post("/v1/query", json={"question": "x", "document_ids": ["doc_missing"]}), 404)
         _error(http.get("/v1/documents/doc_missing"), 404)
         _error(http.get("/v1/documents/bad id"), 400)
@@ -283,15 +283,15 @@ def test_bad_inputs_get_clear_4xx(env):
         assert _error(http.post("/v1/documents", files={"file": ("x.txt", b"\x00\x01binary", "text/plain")}), 400)["code"] == "binary"
         assert _error(http.post("/v1/documents", files={"file": ("x.pdf", b"%PDF", "application/pdf")}), 400)["code"] == "unsupported_type"
         _error(http.post("/v1/documents", content=b"plain", headers={"content-type": "text/plain"}), 415)
-        _error(http.post("/v1/documents", json={"text": "hello", "metadata": [1]}), 422)
+        _error(http.post("/v1/documents", json={"text": "hello", "metadata": [1]}), 400)
         chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
         assert _error(http.post("/v1/chat/completions", json={**chat, "model": "gpt-4"}), 404)["code"] == "model_not_found"
-        _error(http.post("/v1/chat/completions", json={**chat, "messages": []}), 422)
+        _error(http.post("/v1/chat/completions", json={**chat, "messages": []}), 400)
         _error(http.post("/v1/chat/completions", json={**chat, "messages": [{"role": "assistant", "content": "x"}]}), 400)
         _error(http.post("/v1/chat/completions", json={**chat, "n": 2}), 400)
-        _error(http.post("/v1/chat/completions", json={**chat, "temperature": -1}), 422)
+        _error(http.post("/v1/chat/completions", json={**chat, "temperature": -1}), 400)
         _error(http.post("/v1/chat/completions", json={**chat, "session_id": "no spaces allowed"}), 400)
-        _error(http.post("/v1/chat/completions", json={**chat, "rag": {"top_k": 999}}), 422)
+        _error(http.post("/v1/chat/completions", json={**chat, "rag": {"top_k": 999}}), 400)
         _error(http.post("/v1/chat/completions", json={**chat, "rag": {"selector": "oracle"}}), 400)
     with client(env, key="wrong-key-123") as http:
         assert _error(http.get("/v1/documents"), 401)["code"] == "invalid_api_key"

@@ -132,7 +132,7 @@ def test_api_keys_from_file_and_env(tmp_path):
 
 # -- request conversion -------------------------------------------------------------------------
 
-def test_requests_convert_to_typed_configs_or_422():
+def test_requests_convert_to_typed_configs_or_400():
     limits = ServeConfig(max_new_tokens=64, max_top_k=8)
     request = QueryRequest(question="q", top_k=3, strategy="cacheblend", ratio=0.3, max_tokens=8, stop=["\n\n"])
     generation = generation_config(request.max_tokens, request.temperature, request.top_p, request.seed, request.stop, limits)
@@ -143,7 +143,7 @@ def test_requests_convert_to_typed_configs_or_422():
                              ({"top_k": 9}, "at most 8")):
         with pytest.raises(ApiError) as error:
             query_config(QueryRequest(question="q", **kwargs), generation, limits)
-        assert error.value.status == 422 and fragment in error.value.message
+        assert error.value.status == 400 and fragment in error.value.message
     with pytest.raises(ApiError, match="at most 64"):
         generation_config(65, None, None, None, None, limits)
     with pytest.raises(ApiError, match="temperature"):

@@ -22,6 +22,7 @@ from ragkv.api.errors import install_error_handlers
 from ragkv.api.jobs import JobRegistry
 from ragkv.api.metrics import Metrics, Reading
 from ragkv.api.middleware import ServingMiddleware
+from ragkv.api.responses import SafeJSONResponse
 from ragkv.api.routes import chat, documents, query, system
 from ragkv.api.service import Service
 from ragkv.api.sessions import RedisSessions, open_sessions
@@ -56,6 +57,7 @@ def _readings(state: AppState) -> Iterator[Reading]:
         yield "gauge", "ragkv_store_bytes", "Bytes held by each store tier", labels, tier.bytes
         yield "counter", "ragkv_store_hits", "Chunk lookups each tier answered", labels, tier.hits
         yield "counter", "ragkv_store_misses", "Chunk lookups each tier missed", labels, tier.misses
+        yield "counter", "ragkv_store_corrupt", "Blobs each tier found corrupt (dropped, recomputed)", labels, tier.corrupt
         yield "counter", "ragkv_store_errors", "Backend operations that failed and were absorbed (Redis down)", labels, tier.errors
     if stats.lru is not None:
         yield "gauge", "ragkv_store_lru_bytes", "Bytes in the in-process chunk LRU", {}, stats.lru.bytes
@@ -113,7 +115,7 @@ def create_app(config: ServeConfig = ServeConfig()) -> FastAPI:
                 state.sessions.close()
             state.runtime.close()
 
-    app = FastAPI(title="ragkv", version="0.1.0", lifespan=lifespan,
+    app = FastAPI(title="ragkv", version="0.1.0", lifespan=lifespan, default_response_class=SafeJSONResponse,
                   description="RAG serving over precomputed chunk KV caches: documents, questions, OpenAI-compatible chat.")
     app.state.authenticator = authenticator
     install_error_handlers(app)

@@ -3,22 +3,21 @@
     {"error": {"message": "...", "type": "invalid_request_error", "code": "...", "param": null},
      "request_id": "..."}
 
-Bad input is a 4xx with a message saying what is wrong; anything unexpected is logged
-server-side with its traceback and answered 500 with only the request id.
+Bad input is a 4xx with a message saying what is wrong; validation errors are 400, as
+OpenAI and vLLM answer. Anything unexpected is logged server-side with its traceback and
+answered 500 with only the request id, by the serving middleware (api.middleware) so the
+keep-alive connection stays usable.
 """
 
 from __future__ import annotations
 
-import logging
-
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ragkv.api.responses import SafeJSONResponse
 from ragkv.ingest.errors import InputError, NotFoundError
-
-log = logging.getLogger("ragkv.api")
 
 _TYPES = {
     400: "invalid_request_error",
@@ -29,7 +28,6 @@ _TYPES = {
     409: "conflict_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
-    422: "invalid_request_error",
     429: "rate_limit_error",
     503: "overloaded_error",
 }
@@ -81,14 +79,17 @@ def as_api_error(error: BaseException) -> ApiError | None:
     return None
 
 
+_NOT_AN_OBJECT = ("model_type", "model_attributes_type", "dict_type", "missing")
+
+
 def _describe_validation(error: RequestValidationError) -> tuple[int, str, str, str | None]:
     problems = error.errors()
     if any(problem.get("type") == "json_invalid" for problem in problems):
         problem = next(p for p in problems if p.get("type") == "json_invalid")
         detail = (problem.get("ctx") or {}).get("error", "")
         return 400, "malformed_json", f"the request body is not valid JSON{': ' + str(detail) if detail else ''}", None
-    if any(tuple(p.get("loc", ())) == ("body",) for p in problems):
-        return 422, "invalid_parameters", "the request body must be a JSON object", None
+    if any(tuple(p.get("loc", ())) == ("body",) and p.get("type") in _NOT_AN_OBJECT for p in problems):
+        return 400, "invalid_parameters", "the request body must be a JSON object", None
     messages, param = [], None
     for problem in problems[:5]:
         location = [str(part) for part in problem.get("loc", ()) if part not in ("body", "query", "path", "header")]
@@ -96,47 +97,38 @@ def _describe_validation(error: RequestValidationError) -> tuple[int, str, str, 
         param = param or (where if location else None)
         messages.append(f"{where}: {problem.get('msg', 'invalid')}")
     more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
-    return 422, "invalid_parameters", "; ".join(messages) + more, param
+    return 400, "invalid_parameters", "; ".join(messages) + more, param
 
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
-    async def _api_error(request: Request, error: ApiError) -> JSONResponse:
-        return JSONResponse(error_body(error.status, error.code, error.message, request_id_of(request), error.param),
+    async def _api_error(request: Request, error: ApiError) -> SafeJSONResponse:
+        return SafeJSONResponse(error_body(error.status, error.code, error.message, request_id_of(request), error.param),
                             status_code=error.status, headers=error.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, error: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, error: RequestValidationError) -> SafeJSONResponse:
         status, code, message, param = _describe_validation(error)
-        return JSONResponse(error_body(status, code, message, request_id_of(request), param), status_code=status)
+        return SafeJSONResponse(error_body(status, code, message, request_id_of(request), param), status_code=status)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, error: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, error: StarletteHTTPException) -> SafeJSONResponse:
         code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(error.status_code, "http_error")
         message = str(error.detail) if error.detail else "error"
         if error.status_code == 404 and message == "Not Found":
             message = f"no route {request.method} {request.url.path}"
-        return JSONResponse(error_body(error.status_code, code, message, request_id_of(request)),
+        return SafeJSONResponse(error_body(error.status_code, code, message, request_id_of(request)),
                             status_code=error.status_code, headers=getattr(error, "headers", None))
 
     @app.exception_handler(InputError)
-    async def _input(request: Request, error: InputError) -> JSONResponse:
+    async def _input(request: Request, error: InputError) -> SafeJSONResponse:
         return await _api_error(request, as_api_error(error))
 
     @app.exception_handler(NotFoundError)
-    async def _not_found(request: Request, error: NotFoundError) -> JSONResponse:
+    async def _not_found(request: Request, error: NotFoundError) -> SafeJSONResponse:
         return await _api_error(request, as_api_error(error))
 
     @app.exception_handler(ClientGone)
     async def _gone(request: Request, error: ClientGone) -> Response:
         # Nobody reads this; 499 (nginx's "client closed request") keeps the metrics honest.
         return Response(status_code=499)
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, error: Exception) -> JSONResponse:
-        request_id = request_id_of(request)
-        log.error("request %s %s %s failed", request_id, request.method, request.url.path, exc_info=error)
-        return JSONResponse(
-            error_body(500, "internal_error", f"internal error; quote request id {request_id} to the operator", request_id),
-            status_code=500,
-        )

@@ -1,15 +1,22 @@
-"""One pure ASGI middleware: request ids, API keys, body size limits, request metrics.
+"""One pure ASGI middleware: request ids, API keys, body size limits, request metrics,
+and the 500 answer to an unexpected error.
 
 Authentication happens here, before any body is read, for every /v1/ route: a request
 without a valid key is refused before its body is parsed. /health and /metrics are open.
 
 Pure ASGI (not BaseHTTPMiddleware) so streaming responses pass through untouched and a
 client disconnect reaches the endpoint.
+
+An unexpected error is answered here rather than by Starlette's ServerErrorMiddleware,
+which re-raises after answering and so makes uvicorn drop the keep-alive connection: the
+client's next request on it would be reset. Only an error after the response started
+(mid-stream) still ends the connection, as it must.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import time
 import uuid
@@ -20,6 +27,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ragkv.api.auth import Authenticator
 from ragkv.api.errors import ApiError, error_body
 from ragkv.api.metrics import Metrics
+
+log = logging.getLogger("ragkv.api")
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 
@@ -51,11 +60,11 @@ class ServingMiddleware:
         scope.setdefault("state", {})["request_id"] = request_id
         path = scope.get("path", "")
         limit = self.max_document_body_bytes if path.startswith(self.document_prefix) else self.max_body_bytes
-        status = {"code": 500}
+        status = {"code": 500, "started": False}
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
-                status["code"] = message["status"]
+                status["code"], status["started"] = message["status"], True
                 message.setdefault("headers", [])
                 message["headers"] = list(message["headers"]) + [(b"x-request-id", request_id.encode())]
             await send(message)
@@ -85,7 +94,14 @@ class ServingMiddleware:
                         raise BodyTooLarge(limit)
                 return message
 
-            await self.app(scope, limited_receive, send_with_id)
+            try:
+                await self.app(scope, limited_receive, send_with_id)
+            except Exception as error:
+                if status["started"]:
+                    raise
+                log.error("request %s %s %s failed", request_id, scope.get("method"), path, exc_info=error)
+                await self._reject(send_with_id, 500, "internal_error",
+                                   f"internal error; quote request id {request_id} to the operator", request_id)
         finally:
             route = scope.get("route")
             label = getattr(route, "path", None) or "unmatched"

@@ -2,15 +2,17 @@
 
 Pydantic checks shapes and ranges; the typed configs (QueryConfig, FusionConfig,
 GenerationConfig, SamplingConfig) check the rest when they are built at the boundary,
-and their ValueError becomes a 422 that carries the config's own message.
+and their ValueError becomes a 400 that carries the config's own message. Text anywhere in
+a request must be valid Unicode: a lone UTF-16 surrogate (JSON "\udc80") is refused.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ragkv.api.config import ServeConfig
 from ragkv.api.errors import ApiError
@@ -26,9 +28,42 @@ except ImportError:  # pragma: no cover - depends on the engine build
 
 MAX_METADATA_BYTES = 16 * 1024
 DEFAULT_MAX_TOKENS = 128
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-class _Strict(BaseModel):
+def unpaired_surrogate_at(value: Any, where: str = "body") -> str | None:
+    """Where in a decoded JSON value a lone UTF-16 surrogate sits (json.loads keeps one
+    when the text escapes half a pair); None when all text is valid Unicode."""
+    if isinstance(value, str):
+        return where if _SURROGATE.search(value) else None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(key, str) and _SURROGATE.search(key):
+                return f"{where} (a key)"
+            found = unpaired_surrogate_at(item, f"{where}.{key}" if where != "body" else str(key))
+            if found:
+                return found
+    if isinstance(value, list):
+        for index, item in enumerate(value):
+            found = unpaired_surrogate_at(item, f"{where}[{index}]")
+            if found:
+                return found
+    return None
+
+
+class _Text(BaseModel):
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        where = unpaired_surrogate_at(data)
+        if where is not None:
+            raise ValueError(f"{where} holds an unpaired UTF-16 surrogate: text must be valid Unicode")
+        return data
+
+
+class _Strict(_Text):
     model_config = ConfigDict(extra="forbid")
 
 
@@ -63,7 +98,7 @@ class QueryRequest(RetrievalOptions):
     max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=1)
     temperature: float = 0.0
     top_p: float = 1.0
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     stream: bool = False
 
@@ -107,26 +142,39 @@ class ChatRag(RetrievalOptions):
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
-    include_usage: bool = False
+    include_usage: bool = Field(False, description="send a last chunk with the token usage (and empty choices)")
 
 
-class ChatRequest(BaseModel):
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str = Field(description="'text' is served; 'json_object' and 'json_schema' are refused with 400 "
+                                  "(the server does not constrain decoding to JSON)")
+
+
+class ChatRequest(_Text):
     # OpenAI clients send fields this server does not use (user, metadata, ...): ignored,
     # except those whose meaning cannot be honoured, refused below.
     model_config = ConfigDict(extra="allow")
-    model: str = Field(min_length=1)
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: int = 1
-    rag: ChatRag | None = None
-    session_id: str | None = None
+    model: str = Field(min_length=1, description="the served model's id (GET /v1/models) or the alias 'ragkv'")
+    messages: list[ChatMessage] = Field(min_length=1, description="the conversation; the last message must be the "
+                                        "user's. With a session only the last message is new: earlier ones are "
+                                        "already in the session's KV")
+    max_tokens: int | None = Field(None, ge=1, description=f"tokens to generate at most (default {DEFAULT_MAX_TOKENS}; "
+                                   "the server caps it, see --max-new-tokens)")
+    max_completion_tokens: int | None = Field(None, ge=1, description="the same as max_tokens (OpenAI's newer name); "
+                                              "wins when both are given")
+    temperature: float | None = Field(None, ge=0, le=10, description="0 or absent: greedy decoding; above 0: sampling")
+    top_p: float | None = Field(None, gt=0, le=1, description="nucleus sampling mass (with temperature > 0)")
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX, description="seed of the sampler (64 bits); "
+                             "greedy decoding ignores it")
+    stop: str | list[str] | None = Field(None, description="up to 4 strings that end the answer (not included)")
+    stream: bool = Field(False, description="answer as server-sent events (chat.completion.chunk objects, then [DONE])")
+    stream_options: StreamOptions | None = Field(None, description="streaming options: include_usage")
+    n: int = Field(1, description="choices per request: only 1 is served")
+    response_format: ResponseFormat | None = Field(None, description="only {'type': 'text'} is served")
+    rag: ChatRag | None = Field(None, description="ragkv extension: retrieval, fusion and session options")
+    session_id: str | None = Field(None, description="ragkv extension: continue this chat session (its KV is kept "
+                                   "server-side); a new id is made when absent and returned as session_id")
 
     def refuse_unsupported(self) -> None:
         extra = self.model_extra or {}
@@ -137,6 +185,14 @@ class ChatRequest(BaseModel):
                 raise ApiError(400, "unsupported_parameter", f"{name} are not supported by this server", param=name)
         if extra.get("logprobs"):
             raise ApiError(400, "unsupported_parameter", "logprobs are not supported by this server", param="logprobs")
+        refuse_response_format(self.response_format)
+
+
+def refuse_response_format(response_format: ResponseFormat | None) -> None:
+    if response_format is not None and response_format.type != "text":
+        raise ApiError(400, "unsupported_parameter", f"response_format {response_format.type!r} is not supported: this "
+                       "server does not constrain decoding to JSON; send {'type': 'text'} or leave it out",
+                       param="response_format")
 
 
 # -- conversion to the typed configs -----------------------------------------------------
@@ -146,26 +202,26 @@ def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
         return ()
     stops = (stop,) if isinstance(stop, str) else tuple(stop)
     if len(stops) > 4:
-        raise ApiError(422, "invalid_parameters", "at most 4 stop strings", param="stop")
+        raise ApiError(400, "invalid_parameters", "at most 4 stop strings", param="stop")
     return stops
 
 
 def generation_config(max_tokens: int, temperature: float | None, top_p: float | None, seed: int | None,
                       stop: str | list[str] | None, limits: ServeConfig) -> GenerationConfig:
     if max_tokens > limits.max_new_tokens:
-        raise ApiError(422, "invalid_parameters", f"max_tokens is {max_tokens}; this server allows at most {limits.max_new_tokens}",
+        raise ApiError(400, "invalid_parameters", f"max_tokens is {max_tokens}; this server allows at most {limits.max_new_tokens}",
                        param="max_tokens")
     try:
         sampling = SamplingConfig(temperature=0.0 if temperature is None else temperature,
                                   top_p=1.0 if top_p is None else top_p, seed=seed)
         return GenerationConfig(max_new_tokens=max_tokens, sampling=sampling, stop=_stops(stop))
     except ValueError as error:
-        raise ApiError(422, "invalid_parameters", str(error)) from None
+        raise ApiError(400, "invalid_parameters", str(error)) from None
 
 
 def query_config(options: RetrievalOptions, generation: GenerationConfig, limits: ServeConfig) -> QueryConfig:
     if options.top_k > limits.max_top_k:
-        raise ApiError(422, "invalid_parameters", f"top_k is {options.top_k}; this server allows at most {limits.max_top_k}",
+        raise ApiError(400, "invalid_parameters", f"top_k is {options.top_k}; this server allows at most {limits.max_top_k}",
                        param="top_k")
     try:
         fusion = FusionConfig(strategy=options.strategy, ratio=options.ratio)
@@ -175,11 +231,11 @@ def query_config(options: RetrievalOptions, generation: GenerationConfig, limits
         return QueryConfig(top_k=options.top_k, doc_ids=tuple(options.document_ids) if options.document_ids else None,
                            fusion=fusion, generation=generation, **extra)
     except ValueError as error:
-        raise ApiError(422, "invalid_parameters", str(error)) from None
+        raise ApiError(400, "invalid_parameters", str(error)) from None
 
 
 def sparse_config(options: RetrievalOptions):
-    """ValueError (-> 422) when the SparseConfig refuses the values."""
+    """ValueError (-> 400) when the SparseConfig refuses the values."""
     if SparseConfig is None:
         raise ApiError(400, "unsupported_selector", "this build serves dense decode only", param="selector")
     values = {"selector": options.selector}
@@ -200,6 +256,10 @@ def check_metadata(metadata: Any) -> dict | None:
             raise ApiError(400, "bad_metadata", f"metadata is not valid JSON: {error}", param="metadata") from None
     if not isinstance(metadata, dict):
         raise ApiError(400, "bad_metadata", "metadata must be a JSON object", param="metadata")
+    where = unpaired_surrogate_at(metadata, "metadata")
+    if where is not None:
+        raise ApiError(400, "bad_metadata", f"{where} holds an unpaired UTF-16 surrogate: text must be valid Unicode",
+                       param="metadata")
     if len(json.dumps(metadata)) > MAX_METADATA_BYTES:
         raise ApiError(413, "metadata_too_large", f"metadata must be at most {MAX_METADATA_BYTES} bytes of JSON", param="metadata")
     return metadata

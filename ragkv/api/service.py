@@ -40,7 +40,7 @@ from ragkv.ingest.errors import InputError
 from ragkv.fusion import FusionInput, FusionResult
 from ragkv.engine.generation import TokenEvent
 from ragkv.engine.prompt import RAG_INSTRUCTION
-from ragkv.app.rag import Citation, QueryConfig
+from ragkv.app.rag import Citation, QueryConfig, chunk_rows_computed_here
 from ragkv.app.runtime import Runtime
 
 log = logging.getLogger("ragkv.api.service")
@@ -78,17 +78,18 @@ def citation_dict(citation: Citation) -> dict:
             "char_start": citation.char_start, "char_end": citation.char_end, "score": citation.score, "text": citation.text}
 
 
-def fusion_usage(fusion: FusionResult, computed_before: int = 0) -> dict[str, int]:
+def fusion_usage(fusion: FusionResult, computed_before: int = 0, recomputed_chunks: tuple[int, ...] | list[int] = ()) -> dict[str, int]:
     """reused = prompt rows whose KV was not computed for this request (stored chunks kept
     as they are, the cached prefix, a session's earlier turns); computed = rows computed
-    (recomputed document rows, the question, a new turn)."""
+    (recomputed document rows, chunks the store could not give, the question, a new turn)."""
     length = fusion.layout.length
-    reused = max(0, length - int(fusion.final_rows.numel()) - computed_before)
+    extra = chunk_rows_computed_here(fusion, recomputed_chunks)
+    reused = max(0, length - int(fusion.final_rows.numel()) - computed_before - extra)
     return {
         "prompt_tokens": length,
         "document_tokens": fusion.layout.num_document_tokens,
         "reused_tokens": reused,
-        "recomputed_tokens": fusion.recomputed_tokens,
+        "recomputed_tokens": fusion.recomputed_tokens + extra,
         "computed_tokens": length - reused,
     }
 
@@ -156,7 +157,8 @@ class Service:
             timings["ttft"] = round(time.perf_counter() - started, 4)
             missing = int(prepared_query.timings.get("missing_chunks_recomputed", 0))
             citations = [citation_dict(c) for c in prepared_query.citations]
-            prepared = Prepared(fusion.cache, fusion.logits, fusion_usage(fusion), citations, timings, prepared_query.strategy)
+            prepared = Prepared(fusion.cache, fusion.logits, fusion_usage(fusion, 0, prepared_query.recomputed_chunks),
+                                citations, timings, prepared_query.strategy)
             yield ("prepared", {"citations": citations, "timings": dict(timings), "strategy": prepared.strategy})
             # rag.stream decodes with the request's sparse selector (and SnapKV) when it has one.
             text, finish, generated, decode_s = yield from self._decode(self.rag.stream(prepared_query, config))
@@ -259,8 +261,8 @@ class Service:
             fusion = prepared_query.fusion
             citations, hashes = self._citations_and_hashes(tenant, prepared_query.citations)
             timings = {k: round(v, 4) for k, v in prepared_query.timings.items()}
-            prepared = Prepared(fusion.cache, fusion.logits, fusion_usage(fusion), citations, timings,
-                                prepared_query.strategy, hashes, len(hashes))
+            prepared = Prepared(fusion.cache, fusion.logits, fusion_usage(fusion, 0, prepared_query.recomputed_chunks),
+                                citations, timings, prepared_query.strategy, hashes, len(hashes))
             token_ids = fusion.layout.token_ids.tolist()
         else:
             token_ids = self.engine.prompt.encode_messages(messages)
@@ -318,7 +320,7 @@ class Service:
         load_started = time.perf_counter()
         chunks, missing = self.rag.load_chunks(tenant, new)
         timings["load"] = round(time.perf_counter() - load_started, 4)
-        timings["missing_chunks_recomputed"] = missing
+        timings["missing_chunks_recomputed"] = len(missing)
         fuse_started = time.perf_counter()
         strategy = config.fusion.build()
         fusion_input = FusionInput(session.token_ids, chunks, segments.question_ids, len(self.engine.chunk_prefix_ids),
@@ -332,7 +334,7 @@ class Service:
             text = texts.get(record.doc_id) or texts.setdefault(record.doc_id, self.runtime.registry.text(tenant, record.doc_id))
             citations.append(citation_dict(Citation(record.doc_id, record.name, chunk.index, chunk.char_start, chunk.char_end,
                                                     round(score, 4), text[chunk.char_start : chunk.char_end])))
-        usage = fusion_usage(fusion, computed_before=len(glue))
+        usage = fusion_usage(fusion, computed_before=len(glue), recomputed_chunks=missing)
         usage["document_tokens"] = fusion.layout.num_document_tokens
         return Prepared(fusion.cache, fusion.logits, usage, citations, timings, strategy.name,
                         [chunk.chunk_hash for _, chunk, _ in new], len(new))

@@ -17,6 +17,7 @@ from ragkv.ingest.pipeline import chunk_key
 from ragkv.ingest.registry import ChunkRecord, DocumentRecord, Registry, check_tenant
 from ragkv.engine import Engine
 from ragkv.fusion import FusionConfig, FusionInput, FusionResult, LoadedChunk
+from ragkv.fusion.layout import Layout
 from ragkv.engine.generation import GenerationConfig, TokenEvent
 from ragkv.sparse import SparseConfig
 from ragkv.sparse.wiring import sparse_attention, sparse_chunk_codes
@@ -78,6 +79,9 @@ class PreparedQuery:
     strategy: str
     chunk_codes: list | None = None
     """Per chunk, its A2ATS codes under the engine's codebook (sparse a2ats only)."""
+    recomputed_chunks: tuple[int, ...] = ()
+    """Indices (in fusion order) of chunks whose KV was computed for this request because
+    the store had none to give (a miss, a corrupt blob, another model's store)."""
 
 
 class RagPipeline:
@@ -105,23 +109,24 @@ class RagPipeline:
         return sorted(found, key=lambda item: item[2])
 
     def load_chunks(self, tenant: str, retrieved: list[tuple[DocumentRecord, ChunkRecord, float]],
-                    stored: list | None = None) -> tuple[list[LoadedChunk], int]:
-        """KV of the retrieved chunks; a chunk missing from the store (evicted, corrupt,
-        another model) is recomputed from the document text and written back. `stored`,
-        when given, receives each chunk's tensors as read (sparse decode uses its codes)."""
+                    stored: list | None = None) -> tuple[list[LoadedChunk], list[int]]:
+        """KV of the retrieved chunks, and the indices of those recomputed: a chunk missing
+        from the store (evicted, corrupt, another model) is recomputed from the document
+        text and written back. `stored`, when given, receives each chunk's tensors as read
+        (sparse decode uses its codes)."""
         entries = self.store.get_many([self.chunk_key(chunk.chunk_hash) for _, chunk, _ in retrieved])
-        loaded, recomputed = [], 0
-        for (record, chunk, _), tensors in zip(retrieved, entries):
+        loaded, recomputed = [], []
+        for index, ((record, chunk, _), tensors) in enumerate(zip(retrieved, entries)):
             if tensors is None:
                 token_ids = self._chunk_tokens(tenant, record, chunk)
                 tensors = self.engine.encode_chunk(token_ids)
                 self.store.put(self.chunk_key(chunk.chunk_hash), tensors)
-                recomputed += 1
+                recomputed.append(index)
             loaded.append(LoadedChunk(tensors["tokens"].tolist(), tensors["keys"], tensors["values"]))
             if stored is not None:
                 stored.append(tensors)
         if recomputed:
-            log.warning("recomputed %d chunk(s) missing from the store", recomputed)
+            log.warning("recomputed %d chunk(s) missing from the store", len(recomputed))
         return loaded, recomputed
 
     def _chunk_tokens(self, tenant: str, record: DocumentRecord, chunk: ChunkRecord) -> list[int]:
@@ -146,12 +151,13 @@ class RagPipeline:
         fusion_input = FusionInput(
             segments.prefix_ids, chunks, segments.question_ids, len(self.engine.chunk_prefix_ids), segments.question_text_span
         )
+        self.check_fits(Layout.of(fusion_input), config)
         fuse_started = time.perf_counter()
         strategy = config.fusion.build()
         result = strategy.fuse(self.engine.model, fusion_input, self.engine.chunk_prefix_cache(), config.generation.max_new_tokens)
         timings["fuse"] = time.perf_counter() - fuse_started
         timings["ttft"] = timings["load"] + timings["fuse"]
-        timings["missing_chunks_recomputed"] = missing
+        timings["missing_chunks_recomputed"] = len(missing)
         texts: dict[str, str] = {}
         citations = []
         for record, chunk, score in reversed(retrieved):
@@ -159,7 +165,24 @@ class RagPipeline:
             citations.append(Citation(record.doc_id, record.name, chunk.index, chunk.char_start, chunk.char_end, round(score, 4),
                                       text[chunk.char_start : chunk.char_end]))
         chunk_codes = sparse_chunk_codes(self.engine, config.sparse, chunks, stored)
-        return PreparedQuery(result, citations, timings, strategy.name, chunk_codes)
+        return PreparedQuery(result, citations, timings, strategy.name, chunk_codes, tuple(missing))
+
+    def check_fits(self, layout: Layout, config: QueryConfig) -> None:
+        """InputError unless the prompt and its answer fit the model's context, and SnapKV
+        (when asked for) can keep the prefix and question rows it must keep."""
+        limit = self.engine.spec.rope.max_position_embeddings
+        needed = layout.length + config.generation.max_new_tokens
+        if needed > limit:
+            raise InputError("context_length_exceeded",
+                             f"the prompt is {layout.length} tokens (top_k {config.top_k}) and max_tokens is "
+                             f"{config.generation.max_new_tokens}: {needed} positions, above the model's context of "
+                             f"{limit}; lower top_k or max_tokens")
+        capacity = config.sparse.snapkv_capacity if config.sparse is not None else None
+        fixed = layout.prefix_len + (layout.length - layout.question_start)
+        if capacity is not None and capacity < layout.length and capacity < fixed:
+            raise InputError("snapkv_capacity_too_small",
+                             f"snapkv_capacity is {capacity}, below the {fixed} prefix and question rows SnapKV must "
+                             f"keep; ask for at least {fixed} (or none)")
 
     def stream(self, prepared: PreparedQuery, config: QueryConfig) -> Iterator[TokenEvent]:
         fusion = prepared.fusion
@@ -179,18 +202,29 @@ class RagPipeline:
             text="".join(pieces).strip(),
             finish_reason=finish,
             citations=prepared.citations,
-            usage=usage_of(prepared.fusion, generated),
+            usage=usage_of(prepared.fusion, generated, prepared.recomputed_chunks),
             timings={k: round(v, 4) for k, v in prepared.timings.items()},
             strategy=prepared.strategy,
         )
 
 
-def usage_of(fusion: FusionResult, completion_tokens: int) -> dict[str, int]:
+def chunk_rows_computed_here(fusion: FusionResult, recomputed_chunks: tuple[int, ...] | list[int]) -> int:
+    """Rows of chunks whose KV the store could not give (computed for this request) that
+    the fusion did not recompute itself: they were computed, not reused."""
+    final = set(fusion.final_rows.tolist())
+    rows = 0
+    for index in recomputed_chunks:
+        start, end = fusion.layout.chunk_spans[index]
+        rows += sum(1 for row in range(start, end) if row not in final)
+    return rows
+
+
+def usage_of(fusion: FusionResult, completion_tokens: int, recomputed_chunks: tuple[int, ...] = ()) -> dict[str, int]:
+    extra = chunk_rows_computed_here(fusion, recomputed_chunks)
     return {
         "prompt_tokens": fusion.layout.length,
         "document_tokens": fusion.layout.num_document_tokens,
-        "reused_tokens": fusion.reused_tokens,
-        "recomputed_tokens": fusion.recomputed_tokens,
+        "reused_tokens": fusion.reused_tokens - extra,
+        "recomputed_tokens": fusion.recomputed_tokens + extra,
         "completion_tokens": completion_tokens,
     }
-

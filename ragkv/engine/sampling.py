@@ -21,13 +21,15 @@ class SamplingConfig:
             raise ValueError(f"temperature must be in [0, 10], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise ValueError(f"seed must fit in 64 bits ([-2**63, 2**64 - 1]), got {self.seed}")
 
 
 class Sampler:
     def __init__(self, config: SamplingConfig):
         self.config = config
         self.generator = None
-        if config.seed is not None:
+        if config.seed is not None and config.temperature > 0.0:  # greedy decoding draws nothing
             self.generator = torch.Generator().manual_seed(config.seed)
 
     def __call__(self, logits: torch.Tensor) -> int:

@@ -76,7 +76,7 @@ async def _read_document(request: Request, state: AppState) -> tuple[str, str, d
     try:
         document = DocumentCreate.model_validate(payload)
     except ValidationError as error:
-        raise ApiError(422, "invalid_parameters", _pydantic_message(error)) from None
+        raise ApiError(400, "invalid_parameters", _pydantic_message(error)) from None
     return check_text(document.text, document.name, limit), document.name, check_metadata(document.metadata), document.background
 
 

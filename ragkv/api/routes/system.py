@@ -11,7 +11,7 @@ from ragkv.api.state import app_state
 router = APIRouter(tags=["system"])
 
 
-@router.get("/health")
+@router.api_route("/health", methods=["GET", "HEAD"])
 def health(request: Request):
     """200 with status "ok" or "degraded" (answering, with a fallback in use: Redis gone),
     503 "unavailable" when the model worker has stopped."""
