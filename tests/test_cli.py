@@ -41,7 +41,27 @@ def test_ask_answers_with_citations_and_timings(home):
     assert answer["citations"][0]["name"].endswith("lighthouses.md")
     assert "automated in 1987" in answer["citations"][0]["text"]
     assert answer["usage"]["reused_tokens"] > answer["usage"]["recomputed_tokens"] > 0
-    assert answer["timings"]["ttft"] > 0 and answer["text"]
+    assert answer["timings"]["ttft"] > 0 and answer["answer"]
+    assert answer["citations"][0]["document_id"].startswith("doc_")  # the API's field names
+
+
+def test_docs_list_json_matches_the_api_fields(home):
+    result = ragkv(home, "docs", "list", "--json")
+    assert result.returncode == 0, result.stderr
+    listed = json.loads(result.stdout)
+    assert listed["object"] == "list" and len(listed["data"]) == 3
+    assert {"id", "name", "tokens", "chunks", "created", "metadata"} <= set(listed["data"][0])
+    shown = json.loads(ragkv(home, "docs", "show", listed["data"][0]["id"]).stdout)
+    assert shown["id"] == listed["data"][0]["id"] and shown["chunks"][0]["index"] == 0
+
+
+def test_docs_list_does_not_import_the_model(home):
+    probe = ("import sys, runpy; sys.argv = ['ragkv', 'docs', 'list', '--json']\n"
+             "try:\n    runpy.run_module('ragkv', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+             "assert 'ragkv.engine' not in sys.modules and 'transformers' not in sys.modules, 'model code imported'")
+    env = {**os.environ, "RAGKV_HOME": str(home), "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
 
 
 def test_reingest_reuses_and_delete_removes(home):
@@ -57,7 +77,7 @@ def test_reingest_reuses_and_delete_removes(home):
 def test_errors_are_messages_not_tracebacks(tmp_path):
     empty_home = tmp_path / "empty"
     asked = ragkv(empty_home, "ask", "anything?")
-    assert asked.returncode == 2 and "ingest some first" in asked.stderr
+    assert asked.returncode == 2 and "ingest some documents first" in asked.stderr
     assert "Traceback" not in asked.stderr
     binary = tmp_path / "blob.txt"
     binary.write_bytes(b"\x00\x01\x02\x03" * 64)
@@ -65,3 +85,29 @@ def test_errors_are_messages_not_tracebacks(tmp_path):
     assert ingested.returncode == 1 and "binary" in ingested.stderr and "Traceback" not in ingested.stderr
     bad_ratio = ragkv(empty_home, "ask", "q?", "--ratio", "2")
     assert bad_ratio.returncode == 2 and "ratio" in bad_ratio.stderr
+
+
+def test_unknown_flag_prints_the_subcommands_usage(tmp_path):
+    result = ragkv(tmp_path, "docs", "list", "--bogus")
+    assert result.returncode == 2
+    assert result.stderr.startswith("usage: ragkv docs") and "unrecognized arguments: --bogus" in result.stderr
+    nested = ragkv(tmp_path, "bench", "store", "--bogus")
+    assert nested.returncode == 2 and nested.stderr.startswith("usage: ragkv bench store")
+
+
+def test_ask_help_groups_its_options(tmp_path):
+    result = ragkv(tmp_path, "ask", "--help")
+    assert result.returncode == 0
+    sections = [line.rstrip(":") for line in result.stdout.splitlines() if line.endswith(":") and not line.startswith(" ")]
+    assert {"retrieval", "fusion", "generation", "sparse decode", "engine/model", "store"} <= set(sections)
+    sparse_section = result.stdout.split("sparse decode:")[1].split("engine/model:")[0]
+    assert "--sparse-budget" in sparse_section and "--top-k" not in sparse_section
+
+
+@pytest.mark.parametrize("command", [("docs", "list"), ("docs", "show", "doc_x"), ("ask", "q?")])
+def test_read_only_commands_create_nothing(tmp_path, command):
+    missing = tmp_path / "nonexistent" / "dir" / "db"
+    home = tmp_path / "home"
+    result = ragkv(home, *command, "--store", f"lmdb://{missing}")
+    assert result.returncode == 2 and "nothing was created" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "nonexistent").exists() and not home.exists()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from ragkv.ingest.embedder import Embedder
 from ragkv.ingest.errors import InputError
@@ -55,6 +55,11 @@ class Citation:
     score: float
     text: str
 
+    def to_dict(self) -> dict:
+        """The API's citation fields (POST /v1/query)."""
+        return {"document_id": self.doc_id, "name": self.name, "chunk_index": self.chunk_index,
+                "char_start": self.char_start, "char_end": self.char_end, "score": self.score, "text": self.text}
+
 
 @dataclass
 class Answer:
@@ -66,7 +71,10 @@ class Answer:
     strategy: str
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields and names of the API's /v1/query answer."""
+        return {"object": "query", "answer": self.text, "finish_reason": self.finish_reason, "strategy": self.strategy,
+                "citations": [citation.to_dict() for citation in self.citations], "usage": self.usage,
+                "timings": self.timings}
 
 
 @dataclass

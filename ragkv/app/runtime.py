@@ -3,24 +3,15 @@ from a typed config. The CLI, the benchmarks and the API all start from here."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ragkv.ingest.embedder import Embedder
 from ragkv.ingest.pipeline import IngestConfig, Ingestor
-from ragkv.ingest.registry import Registry
 from ragkv.engine import Engine, EngineConfig
 from ragkv.app.rag import RagPipeline
 from ragkv.app.codebooks import attach_codebook
-from ragkv.store.base import ChunkStore
-from ragkv.store.lmdb_env import LMDBEnvironment
-from ragkv.store.url import open_store
-
-
-def default_data_dir() -> Path:
-    """$RAGKV_HOME, else ~/.ragkv: the LMDB environment and job state live here."""
-    return Path(os.environ.get("RAGKV_HOME", Path.home() / ".ragkv"))
+from ragkv.app.storage import Storage, StorageConfig, default_data_dir
 
 
 @dataclass(frozen=True)
@@ -35,20 +26,32 @@ class RuntimeConfig:
 
     @property
     def lmdb_path(self) -> Path:
-        return Path(self.data_dir) / "db"
+        return self.storage.lmdb_path
 
     @property
     def resolved_store_url(self) -> str:
-        return self.store_url or f"lmdb://{self.lmdb_path.resolve()}"
+        return self.storage.resolved_store_url
+
+    @property
+    def storage(self) -> StorageConfig:
+        return StorageConfig(self.data_dir, self.store_url)
 
 
 class Runtime:
-    def __init__(self, config: RuntimeConfig = RuntimeConfig()):
+    """Storage plus the model. `read_only=True` (commands that only answer) creates no
+    folder or store: see Storage."""
+
+    def __init__(self, config: RuntimeConfig = RuntimeConfig(), *, read_only: bool = False):
         self.config = config
-        Path(config.data_dir).mkdir(parents=True, exist_ok=True)
-        self.env = LMDBEnvironment(config.lmdb_path)
-        self.store: ChunkStore = open_store(config.resolved_store_url)
-        self.registry = Registry(self.env)
+        self.storage = Storage(config.storage, read_only=read_only)
+        self.env, self.store, self.registry = self.storage.env, self.storage.store, self.storage.registry
+        try:
+            self._open_model(config)
+        except BaseException:
+            self.storage.close()
+            raise
+
+    def _open_model(self, config: RuntimeConfig) -> None:
         self.engine = Engine(config.engine)
         attach_codebook(self.engine, self.env)  # a calibrated A2ATS codebook makes ingestion store codes
         self.embedder = Embedder()
@@ -56,8 +59,7 @@ class Runtime:
         self.rag = RagPipeline(self.engine, self.store, self.registry, self.embedder)
 
     def close(self) -> None:
-        self.store.close()
-        self.env.close()
+        self.storage.close()
 
     def __enter__(self) -> "Runtime":
         return self

@@ -1,4 +1,4 @@
-"""`ragkv bench store | fusion | sparse`: argument parsing and result tables (sparse: ragkv.cli.sparse_cli)."""
+"""`ragkv bench store | fusion | sparse`: argument parsing and result tables (sparse: ragkv.cli.bench_sparse)."""
 
 from __future__ import annotations
 
@@ -8,24 +8,23 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
+from ragkv.cli import bench_sparse
+from ragkv.cli.command import Command, CommandParser
+from ragkv.cli.options import add_common_options, runtime_config
 
-from ragkv.cli.commands import runtime_config
 
-
-def add_bench_parser(commands, global_options) -> None:
-    bench = commands.add_parser("bench", help="benchmarks (store throughput, fusion quality and TTFT)")
-    kinds = bench.add_subparsers(dest="bench", required=True)
+def configure(bench: argparse.ArgumentParser) -> None:
+    kinds = bench.add_subparsers(dest="bench", required=True, parser_class=CommandParser)
 
     store = kinds.add_parser("store", help="chunk store write/read throughput vs a raw file read")
-    global_options(store)
+    add_common_options(store)
     store.add_argument("--chunks", type=int, default=64, help="chunks written and read (default: 64)")
     store.add_argument("--tokens-per-chunk", type=int, default=512)
     store.add_argument("--redis", default=None, help="also bench this redis URL (e.g. redis://127.0.0.1:6379/0)")
     store.add_argument("--json", type=Path, default=None, help="write all figures to this file")
 
     fusion = kinds.add_parser("fusion", help="fusion strategies vs full prefill: fidelity and TTFT")
-    global_options(fusion)
+    add_common_options(fusion)
     fusion.add_argument("--data", type=Path, required=True, help="CacheBlend-style JSON or LongBench JSONL")
     fusion.add_argument("--limit", type=int, default=12, help="examples (default: 12)")
     fusion.add_argument("--passages", type=int, default=None, help="passages per example (default: all)")
@@ -35,18 +34,13 @@ def add_bench_parser(commands, global_options) -> None:
     fusion.add_argument("--max-new-tokens", type=int, default=32)
     fusion.add_argument("--json", type=Path, default=None, help="write all figures to this file")
 
-    from ragkv.cli.sparse_cli import add_sparse_bench_parser
+    sparse = kinds.add_parser("sparse", help="sparse decode selectors vs dense: recall, answer F1, ms/token, memory")
+    bench_sparse.configure(sparse)
 
-    add_sparse_bench_parser(kinds, global_options)
 
-
-def run_bench_command(args: argparse.Namespace) -> int:
-    if args.bench == "sparse":
-        from ragkv.cli.sparse_cli import run_sparse_bench_command
-
-        results = run_sparse_bench_command(args)
-    else:
-        results = _run_store(args) if args.bench == "store" else _run_fusion(args)
+def run(args: argparse.Namespace) -> int:
+    handlers = {"store": _run_store, "fusion": _run_fusion, "sparse": bench_sparse.run}
+    results = handlers[args.bench](args)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2))
@@ -55,6 +49,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
 
 def _run_store(args: argparse.Namespace) -> dict:
+    import torch
     from ragkv.engine.model_files import resolve_model_dir
     from ragkv.engine.model_spec import ModelSpec
     from ragkv.store.bench import run_store_bench
@@ -96,3 +91,6 @@ def _run_fusion(args: argparse.Namespace) -> dict:
         print(f"{label:<44} {row['ttft_s']:>7.2f} {row['speedup']:>7.2f} {row['first_token_kl']:>6.3f} "
               f"{row['top1_agreement']:>5.2f} {row['agreement_f1']:>7.2f} {row['gold_f1']:>7.2f} {row['recomputed_tokens']:>6.0f}")
     return results
+
+
+COMMAND = Command("bench", "benchmarks (store throughput, fusion quality and TTFT, sparse decode)", configure, run)

@@ -13,18 +13,18 @@ import json
 import sys
 from pathlib import Path
 
+from ragkv.cli.command import Command
 from ragkv.cli.config_args import add_config_options, config_from_args
+from ragkv.cli.options import add_common_options, runtime_config
 
 
-def add_serve_parser(commands, global_options) -> None:
+def configure(serve: argparse.ArgumentParser) -> None:
     from ragkv.api.config import ServeConfig
 
-    serve = commands.add_parser("serve", help="serve the HTTP API (FastAPI + uvicorn); `ragkv serve bench` benchmarks it",
-                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     serve.add_argument("action", nargs="?", choices=("bench",), default=None,
                        help="bench: measure chat TTFT (turn 1 vs 2) and /v1/query throughput/latency")
-    global_options(serve)
-    add_config_options(serve, ServeConfig)
+    add_common_options(serve)
+    add_config_options(serve.add_argument_group("server"), ServeConfig)
     serve.add_argument("--api-keys", type=Path, default=None, dest="api_keys_file",
                        help='JSON file {"key": "tenant", ...}; also $RAGKV_API_KEYS="key:tenant,..." (default: no keys)')
     serve.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
@@ -41,13 +41,12 @@ def add_serve_parser(commands, global_options) -> None:
 
 def serve_config(args: argparse.Namespace):
     from ragkv.api.config import ServeConfig
-    from ragkv.cli.commands import runtime_config
 
     return config_from_args(ServeConfig, args, runtime=runtime_config(args, show_progress=False),
                             api_keys_file=args.api_keys_file)
 
 
-def run_serve_command(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     if args.action == "bench":
         return _run_bench(args)
     import uvicorn
@@ -71,3 +70,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps(results, indent=2))
         print(f"wrote {args.json}", file=sys.stderr)
     return 0
+
+
+COMMAND = Command("serve", "serve the HTTP API (FastAPI + uvicorn); `ragkv serve bench` benchmarks it", configure, run,
+                  description=__doc__)

@@ -3,6 +3,7 @@ markup removed. Anything else is refused with a message naming what is supported
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -67,12 +68,28 @@ def read_document(path: Path, max_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES) -> st
     return document_text(path.read_bytes(), str(path), max_bytes)
 
 
-def expand_paths(paths: list[Path]) -> list[Path]:
-    """Files named directly, plus supported files found under named folders (sorted)."""
-    found: list[Path] = []
+@dataclass(frozen=True)
+class FoundFiles:
+    files: list[Path]
+    """Files named directly (read even if unsupported: the reader says why not), plus the
+    supported files under named folders, sorted."""
+    unsupported: list[Path]
+    """Files under named folders whose type is not supported (not read); hidden files and
+    folders (.git, .DS_Store) are not searched."""
+
+
+def _hidden(relative: Path) -> bool:
+    return any(part.startswith(".") for part in relative.parts)
+
+
+def expand_paths(paths: list[Path]) -> FoundFiles:
+    """The files to ingest from files and folders given on a command line."""
+    files: list[Path] = []
+    unsupported: list[Path] = []
     for path in paths:
         if path.is_dir():
-            found.extend(sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in SUPPORTED_SUFFIXES))
+            for found in sorted(p for p in path.rglob("*") if p.is_file() and not _hidden(p.relative_to(path))):
+                (files if found.suffix.lower() in SUPPORTED_SUFFIXES else unsupported).append(found)
         else:
-            found.append(path)
-    return found
+            files.append(path)
+    return FoundFiles(files, unsupported)

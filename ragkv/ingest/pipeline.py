@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
+from ragkv.ingest.cleanup import delete_document
 from ragkv.ingest.chunker import DEFAULT_CHUNK_TOKENS, chunk_document
 from ragkv.ingest.embedder import Embedder
 from ragkv.ingest.errors import InputError
@@ -49,7 +50,7 @@ class IngestConfig:
 
     def __post_init__(self) -> None:
         if not 16 <= self.chunk_tokens <= 8192:
-            raise ValueError(f"chunk_tokens must be in [16, 8192], got {self.chunk_tokens}")
+            raise InputError("bad_chunk_tokens", f"chunk_tokens must be in [16, 8192], got {self.chunk_tokens}")
         if self.max_document_bytes < 1:
             raise ValueError("max_document_bytes must be positive")
 
@@ -65,6 +66,8 @@ class IngestResult:
     seconds: float
     duplicate_of_existing: bool = False
     timings: dict[str, float] = field(default_factory=dict)
+    stored_bytes: int = 0
+    """Tensor bytes of the chunk KV this ingestion wrote (reused chunks cost nothing)."""
 
     @property
     def tokens_per_second(self) -> float:
@@ -78,6 +81,10 @@ class Ingestor:
         self.registry = registry
         self.embedder = embedder
         self.config = config
+        context = engine.spec.rope.max_position_embeddings
+        if len(engine.chunk_prefix_ids) + config.chunk_tokens > context:
+            raise InputError("bad_chunk_tokens", f"chunk_tokens {config.chunk_tokens} does not fit the model's context of "
+                             f"{context} positions (with its {len(engine.chunk_prefix_ids)}-token chunk prefix)")
 
     def chunk_key(self, chunk_hash: str) -> ChunkKey:
         return chunk_key(self.engine, chunk_hash)
@@ -108,7 +115,7 @@ class Ingestor:
         added: list[ChunkKey] = []
         timings = {"precompute": 0.0, "store_write": 0.0}
         try:
-            computed = self._precompute_missing(name, chunks, hashes, added, timings, progress)
+            computed, stored_bytes = self._precompute_missing(name, chunks, hashes, added, timings, progress)
             embed_started = time.perf_counter()
             embeddings = self.embedder.embed_passages([text[c.char_start : c.char_end] for c in chunks])
             timings["embed"] = time.perf_counter() - embed_started
@@ -133,13 +140,14 @@ class Ingestor:
             self._roll_back(added)
             raise
         return IngestResult(record.doc_id, name, len(chunks), record.num_tokens, computed, len(chunks) - computed,
-                            time.perf_counter() - started, timings=timings)
+                            time.perf_counter() - started, timings=timings, stored_bytes=stored_bytes)
 
-    def _precompute_missing(self, name, chunks, hashes, added, timings, progress) -> int:
+    def _precompute_missing(self, name, chunks, hashes, added, timings, progress) -> tuple[int, int]:
         todo = [(chunk, h) for chunk, h in zip(chunks, hashes) if not self.store.contains(self.chunk_key(h))]
         # The same chunk can repeat inside one document; compute it once.
         unique = list({h: (chunk, h) for chunk, h in todo}.values())
         bar = tqdm(total=len(unique), desc=f"precompute {name}", unit="chunk", disable=not self.config.show_progress or not unique)
+        stored_bytes = 0
         for done, (chunk, chunk_hash) in enumerate(unique, start=1):
             t0 = time.perf_counter()
             tensors = self.engine.encode_chunk(chunk.token_ids)
@@ -147,13 +155,14 @@ class Ingestor:
             key = self.chunk_key(chunk_hash)
             self.store.put(key, tensors)
             added.append(key)
+            stored_bytes += sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
             timings["precompute"] += t1 - t0
             timings["store_write"] += time.perf_counter() - t1
             bar.update(1)
             if progress is not None:
                 progress(done, len(unique))
         bar.close()
-        return len(unique)
+        return len(unique), stored_bytes
 
     def _roll_back(self, added: list[ChunkKey]) -> None:
         for key in added:
@@ -163,9 +172,4 @@ class Ingestor:
             log.warning("ingestion failed; removed %d chunk blobs it had written", len(added))
 
     def delete(self, doc_id: str, tenant: str = "default") -> DocumentRecord:
-        record, orphans = self.registry.remove(check_tenant(tenant), doc_id)
-        fingerprints = {record.fingerprint, self.engine.fingerprint}
-        for chunk_hash in orphans:
-            for fingerprint in fingerprints:
-                self.store.delete(ChunkKey(fingerprint, chunk_hash, KV_FORMAT_VERSION))
-        return record
+        return delete_document(self.registry, self.store, tenant, doc_id)

@@ -76,6 +76,12 @@ class DocumentRecord:
             "metadata": self.metadata,
         }
 
+    def detail(self) -> dict:
+        """The summary plus the model fingerprint and each chunk's span (GET /v1/documents/{id})."""
+        return {**self.summary(), "fingerprint": self.fingerprint,
+                "chunks": [{"index": c.index, "tokens": c.token_end - c.token_start, "char_start": c.char_start,
+                            "char_end": c.char_end} for c in self.chunks]}
+
 
 @dataclass(frozen=True)
 class SearchHit:

@@ -118,14 +118,16 @@ _registry_lock = threading.Lock()
 
 
 class LMDBEnvironment:
-    """A handle on the process-wide LMDB environment at ``path`` (created if missing).
+    """A handle on the process-wide LMDB environment at ``path`` (created if missing,
+    unless ``create`` is false: then a missing environment is a ``FileNotFoundError`` and
+    nothing is created, which is what commands that only read want).
 
     ``map_size`` is the initial map size in bytes when this handle is the
     first to open the path; later handles share whatever size the
     environment has grown to.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, map_size: int = DEFAULT_MAP_SIZE) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, map_size: int = DEFAULT_MAP_SIZE, create: bool = True) -> None:
         if isinstance(map_size, bool) or not isinstance(map_size, int) or map_size < 4096:
             raise ValueError(f"map_size must be an int >= 4096 bytes; got {map_size!r}")
         real = os.path.realpath(os.fspath(path))
@@ -136,6 +138,8 @@ class LMDBEnvironment:
                     f"LMDB environment {real} was opened before fork(); open it in the child process"
                 )
             if shared is None:
+                if not create and not os.path.isfile(os.path.join(real, "data.mdb")):
+                    raise FileNotFoundError(f"no LMDB database at {real}")
                 os.makedirs(real, exist_ok=True)
                 shared = _registry[real] = _SharedEnv(real, map_size)
             shared.refs += 1

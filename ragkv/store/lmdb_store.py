@@ -19,12 +19,13 @@ _KEY_BATCH = 1024  # keys listed per read transaction by iter_keys
 
 
 class LMDBStore(BlobStore):
-    """Chunk store in the LMDB environment at ``path`` (a directory, created if missing)."""
+    """Chunk store in the LMDB environment at ``path`` (a directory, created if missing
+    unless ``create`` is false)."""
 
     backend = "lmdb"
 
-    def __init__(self, path: str | os.PathLike[str], *, map_size: int = DEFAULT_MAP_SIZE) -> None:
-        self._env = LMDBEnvironment(path, map_size=map_size)
+    def __init__(self, path: str | os.PathLike[str], *, map_size: int = DEFAULT_MAP_SIZE, create: bool = True) -> None:
+        self._env = LMDBEnvironment(path, map_size=map_size, create=create)
         try:
             self._db = self._env.db(CHUNKS_DB)
         except BaseException:

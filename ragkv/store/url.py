@@ -76,8 +76,11 @@ _TIERED_PARAMS: dict[str, Callable[[object], object]] = {
 }
 
 
-def open_store(url: str, **options: object) -> ChunkStore:
-    """Open the store ``url`` describes (see the module docstring for the forms)."""
+def open_store(url: str, *, create: bool = True, **options: object) -> ChunkStore:
+    """Open the store ``url`` describes (see the module docstring for the forms).
+
+    ``create=False`` opens only an existing LMDB store (``FileNotFoundError`` otherwise),
+    for callers that only read."""
     if not isinstance(url, str):
         raise TypeError(f"store URL must be a str, not {type(url).__name__}")
     parts = urlsplit(url)
@@ -85,12 +88,12 @@ def open_store(url: str, **options: object) -> ChunkStore:
         raise ValueError(f"store URL {_redact(url)} must not have a #fragment")
     if parts.scheme == "lmdb":
         params = _params(url, parts.query, options, _LMDB_PARAMS)
-        return _open_lmdb(url, parts.netloc, parts.path, params)
+        return _open_lmdb(url, parts.netloc, parts.path, params, create)
     if parts.scheme in ("redis", "rediss"):
         return _open_redis(url, options)
     if parts.scheme == "tiered+lmdb":
         params = _params(url, parts.query, options, _TIERED_PARAMS)
-        tiers: list[ChunkStore] = [_open_lmdb(url, parts.netloc, parts.path, params)]
+        tiers: list[ChunkStore] = [_open_lmdb(url, parts.netloc, parts.path, params, create)]
         try:
             if "redis" in params:
                 ttl = {"ttl": params["redis_ttl"]} if "redis_ttl" in params else {}
@@ -133,11 +136,14 @@ def _params(
     return params
 
 
-def _open_lmdb(url: str, netloc: str, path: str, params: _Params) -> LMDBStore:
+def _open_lmdb(url: str, netloc: str, path: str, params: _Params, create: bool) -> LMDBStore:
     location = unquote(netloc + path)
     if not location or location == "/":
         raise ValueError(f"store URL {_redact(url)} names no LMDB directory")
-    return LMDBStore(os.path.expanduser(location), map_size=params.get("map_size", DEFAULT_MAP_SIZE))
+    try:
+        return LMDBStore(os.path.expanduser(location), map_size=params.get("map_size", DEFAULT_MAP_SIZE), create=create)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no chunk store at {_redact(url)} (nothing was created)") from None
 
 
 def _open_redis(url: str, options: dict[str, object]) -> RedisStore:

@@ -1,0 +1,73 @@
+"""`ragkv ask QUESTION`: retrieve, fuse the stored chunk KV with the question, answer."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ragkv.cli.command import Command
+from ragkv.cli.config_args import add_config_options, config_from_args
+from ragkv.cli.options import add_engine_options, add_store_options, add_verbose_option, runtime_config
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    from ragkv.engine.generation import GenerationConfig
+    from ragkv.engine.sampling import SamplingConfig
+    from ragkv.fusion import FusionConfig
+    from ragkv.sparse import SparseConfig
+
+    parser.add_argument("question")
+    parser.add_argument("--json", action="store_true", help="print the answer as JSON, with the API's field names")
+    add_verbose_option(parser)
+    retrieval = parser.add_argument_group("retrieval")
+    retrieval.add_argument("--top-k", type=int, default=5, help="chunks retrieved (default: 5)")
+    retrieval.add_argument("--doc", action="append", default=None,
+                           help="restrict retrieval to this document id (repeatable)")
+    add_config_options(parser.add_argument_group("fusion"), FusionConfig)
+    generation = parser.add_argument_group("generation")
+    add_config_options(generation, GenerationConfig, skip=("stop",))
+    add_config_options(generation, SamplingConfig)
+    generation.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    add_config_options(parser.add_argument_group("sparse decode"), SparseConfig, prefix="sparse_")
+    add_engine_options(parser)
+    add_store_options(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ragkv.app.rag import QueryConfig
+    from ragkv.app.runtime import Runtime
+    from ragkv.engine.generation import GenerationConfig
+    from ragkv.engine.sampling import SamplingConfig
+    from ragkv.fusion import FusionConfig
+    from ragkv.sparse import SparseConfig
+
+    generation = config_from_args(
+        GenerationConfig, args, sampling=config_from_args(SamplingConfig, args), stop=tuple(args.stop or ())
+    )
+    query = QueryConfig(
+        top_k=args.top_k,
+        doc_ids=tuple(args.doc) if args.doc else None,
+        fusion=config_from_args(FusionConfig, args),
+        generation=generation,
+        sparse=config_from_args(SparseConfig, args, prefix="sparse_") if args.sparse_selector else None,
+    )
+    with Runtime(runtime_config(args, show_progress=False), read_only=True) as runtime:
+        answer = runtime.rag.ask(args.question, args.tenant, query)
+    if args.json:
+        print(json.dumps(answer.to_dict(), indent=2))
+        return 0
+    print(answer.text)
+    print()
+    for number, citation in enumerate(answer.citations, start=1):
+        snippet = " ".join(citation.text.split())[:100]
+        print(f"[{number}] {citation.name} chunk {citation.chunk_index} (score {citation.score:.3f}): {snippet}...")
+    t = answer.timings
+    print(
+        f"\nstrategy {answer.strategy}: TTFT {t['ttft']:.2f} s (load {t['load']:.2f} s + fuse {t['fuse']:.2f} s), "
+        f"retrieve {t['retrieve']:.2f} s, decode {t['decode']:.2f} s; "
+        f"{answer.usage['reused_tokens']} tokens reused, {answer.usage['recomputed_tokens']} recomputed"
+    )
+    return 0
+
+
+COMMAND = Command("ask", "answer a question from the ingested documents", configure, run)

@@ -1,0 +1,54 @@
+"""Options several commands share, and the runtime config they describe."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ragkv.cli.config_args import add_config_options, config_from_args
+
+
+def add_store_options(parser: argparse.ArgumentParser) -> None:
+    """Where the data lives and whose it is."""
+    group = parser.add_argument_group("store")
+    group.add_argument("--data-dir", type=Path, default=None, help="data folder (default: $RAGKV_HOME or ~/.ragkv)")
+    group.add_argument("--store", default=None, help="chunk store URL (default: lmdb://<data-dir>/db)")
+    group.add_argument("--tenant", default="default", help="tenant whose documents are used (default: default)")
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    from ragkv.engine import EngineConfig
+
+    add_config_options(parser.add_argument_group("engine/model"), EngineConfig, skip=("device", "system_prompt"))
+
+
+def add_verbose_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what ragkv does")
+
+
+def add_common_options(parser: argparse.ArgumentParser, *, engine: bool = True) -> None:
+    """Store options, -v and (for commands that load the model) the engine options."""
+    add_verbose_option(parser)
+    add_store_options(parser)
+    if engine:
+        add_engine_options(parser)
+
+
+def storage_config(args: argparse.Namespace):
+    """Where the data is, for commands that do not load the model (imports no model code)."""
+    from ragkv.app.storage import StorageConfig, default_data_dir
+
+    return StorageConfig(data_dir=args.data_dir or default_data_dir(), store_url=args.store)
+
+
+def runtime_config(args: argparse.Namespace, **ingest_overrides):
+    from ragkv.app.runtime import RuntimeConfig, default_data_dir
+    from ragkv.engine import EngineConfig
+    from ragkv.ingest.pipeline import IngestConfig
+
+    return RuntimeConfig(
+        data_dir=args.data_dir or default_data_dir(),
+        store_url=args.store,
+        engine=config_from_args(EngineConfig, args),
+        ingest=config_from_args(IngestConfig, args, **ingest_overrides),
+    )
