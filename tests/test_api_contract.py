@@ -25,7 +25,8 @@ from ragkv.api.launcher import ServerProcess, free_port
 from ragkv.api.metrics import Metrics
 from ragkv.api.middleware import ServingMiddleware
 from ragkv.api.responses import SafeJSONResponse
-from ragkv.ingest.registry import ChunkRecord, DocumentRecord, Registry
+from ragkv.ingest.registry import ChunkRecord, DocumentRecord
+from ragkv.ingest.registry_lmdb import LMDBRegistry
 from ragkv.store.lmdb_env import LMDBEnvironment
 from ragkv.store.lmdb_store import CHUNKS_DB
 
@@ -40,7 +41,7 @@ def _seed_odd_document(db_path: Path) -> None:
     try:
         record = DocumentRecord("doc_odd", "oddity", "odd.txt", "hash_odd", 3, 512, "fp", time.time(),
                                 [ChunkRecord(0, "chunk_odd", 0, 3, 0, 11)], {"k": "\udfff"})
-        Registry(env).add(record, "odd content", np.zeros((1, 384), dtype=np.float32))
+        LMDBRegistry(env).add(record, "odd content", np.zeros((1, 384), dtype=np.float32))
     finally:
         env.close()
 

@@ -229,10 +229,11 @@ def test_registry_of_another_replica_sees_new_documents(tmp_path):
     import numpy as np
 
     from ragkv.ingest.registry import ChunkRecord, DocumentRecord, Registry
+    from ragkv.ingest.registry_lmdb import LMDBRegistry
     from ragkv.store.lmdb_env import LMDBEnvironment
 
     env = LMDBEnvironment(tmp_path / "db")
-    replica_a, replica_b = Registry(env), Registry(env)  # separate caches, as in two processes
+    replica_a, replica_b = LMDBRegistry(env), LMDBRegistry(env)  # separate caches, as in two processes
 
     def add(registry: Registry, doc_id: str, vector: list[float]) -> None:
         record = DocumentRecord(doc_id, "t", doc_id, doc_id + "-hash", 4, 512, "fp", time.time(),

@@ -10,7 +10,7 @@ from ragkv.ingest.embedder import Embedder
 from ragkv.ingest.errors import InputError, NotFoundError
 from ragkv.ingest.loaders import document_text
 from ragkv.ingest.pipeline import IngestConfig, Ingestor
-from ragkv.ingest.registry import Registry
+from ragkv.ingest.registry_lmdb import LMDBRegistry
 from ragkv.store.lmdb_env import LMDBEnvironment
 from ragkv.store.lmdb_store import LMDBStore
 
@@ -27,7 +27,7 @@ def embedder():
 def ingestor(engine, embedder, tmp_path):
     env = LMDBEnvironment(tmp_path / "db")
     store = LMDBStore(tmp_path / "db")
-    yield Ingestor(engine, store, Registry(env), embedder, IngestConfig(chunk_tokens=64, show_progress=False))
+    yield Ingestor(engine, store, LMDBRegistry(env), embedder, IngestConfig(chunk_tokens=64, show_progress=False))
     store.close()
     env.close()
 

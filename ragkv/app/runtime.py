@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ragkv.ingest.embedder import Embedder
 from ragkv.ingest.pipeline import IngestConfig, Ingestor
+from ragkv.ingest.registry_url import registry_url_from_env
 from ragkv.engine import Engine, EngineConfig
 from ragkv.app.rag import RagPipeline
 from ragkv.app.codebooks import attach_codebook
@@ -21,6 +22,9 @@ class RuntimeConfig:
     store_url: str | None = None
     """Chunk store URL; None = lmdb://<data_dir>/db, sharing the registry's environment.
     Also redis://HOST:PORT/DB or a tiered URL (see store.url)."""
+    registry_url: str | None = field(default_factory=registry_url_from_env)
+    """Document registry URL ($RAGKV_REGISTRY); None = the data folder's LMDB. redis://HOST:PORT/DB
+    shares documents between replicas on several hosts (see ingest.registry_url)."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     ingest: IngestConfig = field(default_factory=IngestConfig)
 
@@ -34,7 +38,7 @@ class RuntimeConfig:
 
     @property
     def storage(self) -> StorageConfig:
-        return StorageConfig(self.data_dir, self.store_url)
+        return StorageConfig(self.data_dir, self.store_url, self.registry_url)
 
 
 class Runtime:

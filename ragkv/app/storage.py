@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ragkv.ingest.registry import Registry
+from ragkv.ingest.registry_url import open_registry, registry_url_from_env
 from ragkv.store.base import ChunkStore
 from ragkv.store.lmdb_env import LMDBEnvironment
 from ragkv.store.url import open_store
@@ -26,6 +27,9 @@ class StorageConfig:
     store_url: str | None = None
     """Chunk store URL; None = lmdb://<data_dir>/db, sharing the registry's environment.
     Also redis://HOST:PORT/DB or a tiered URL (see store.url)."""
+    registry_url: str | None = field(default_factory=registry_url_from_env)
+    """Document registry URL ($RAGKV_REGISTRY); None = the data folder's LMDB. redis://HOST:PORT/DB
+    shares documents between replicas on several hosts (see ingest.registry_url)."""
 
     @property
     def lmdb_path(self) -> Path:
@@ -53,9 +57,15 @@ class Storage:
         except BaseException:
             self.env.close()
             raise
-        self.registry = Registry(self.env)
+        try:
+            self.registry: Registry = open_registry(config.registry_url, self.env)
+        except BaseException:
+            self.store.close()
+            self.env.close()
+            raise
 
     def close(self) -> None:
+        self.registry.close()
         self.store.close()
         self.env.close()
 

@@ -1,4 +1,7 @@
-"""Errors that mean the caller's input is unusable (the API maps them to 4xx)."""
+"""Errors that mean the caller's input is unusable (the API maps them to 4xx), and the
+registry's server being unreachable (a StoreError: the server's fault, not the input's)."""
+
+from ragkv.store.errors import StoreError
 
 
 class InputError(ValueError):
@@ -14,3 +17,7 @@ class NotFoundError(KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else "not found"
+
+
+class RegistryUnavailableError(StoreError):
+    """The registry's server (Redis) did not answer or refused the call."""

@@ -1,0 +1,179 @@
+"""The registry in a Redis server, so replicas on several hosts share one corpus.
+
+Unlike the chunk store (a cache that may lose anything), this is the corpus itself:
+give it a Redis that never evicts (`maxmemory-policy noeviction`) and persists
+(AOF or RDB). Every key starts with `prefix` (default `ragkv:registry:`):
+
+  {prefix}docs:{tenant}     hash  doc_id    -> JSON document record
+  {prefix}texts:{tenant}    hash  doc_id    -> the document's UTF-8 text
+  {prefix}bytext:{tenant}   hash  text_hash -> doc_id
+  {prefix}vectors:{tenant}  hash  doc_id    -> the document's chunk embeddings (see _pack)
+  {prefix}gen:{tenant}      int   the tenant's generation
+  {prefix}refs              hash  chunk_hash -> number of documents that use the chunk
+
+Add and remove are Lua scripts, so each is atomic on the server. Retrieval reads the
+tenant's vectors hash with its generation in one MULTI and caches the matrix per process;
+each search costs one GET of the generation. The keys of one call span several hash slots:
+a single server (or a primary with replicas / Sentinel), not Redis Cluster.
+"""
+
+from __future__ import annotations
+
+import struct
+from urllib.parse import urlsplit
+
+import numpy as np
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from ragkv.ingest.errors import NotFoundError, RegistryUnavailableError
+from ragkv.ingest.registry import DocumentRecord, Registry
+
+DEFAULT_PREFIX = "ragkv:registry:"
+
+# KEYS: docs texts bytext vectors refs gen; ARGV: doc_id record text text_hash vectors chunk_hash...
+_ADD = """
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
+redis.call('HSET', KEYS[3], ARGV[4], ARGV[1])
+redis.call('HSET', KEYS[4], ARGV[1], ARGV[5])
+for i = 6, #ARGV do redis.call('HINCRBY', KEYS[5], ARGV[i], 1) end
+redis.call('INCR', KEYS[6])
+return 1
+"""
+
+# KEYS as for _ADD; ARGV: doc_id. Returns false or {record, orphaned chunk hashes}.
+_REMOVE = """
+local raw = redis.call('HGET', KEYS[1], ARGV[1])
+if not raw then return false end
+local record = cjson.decode(raw)
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
+redis.call('HDEL', KEYS[3], record.text_hash)
+redis.call('HDEL', KEYS[4], ARGV[1])
+local orphans, seen = {}, {}
+for _, chunk in ipairs(record.chunks) do
+  local hash = chunk.chunk_hash
+  if not seen[hash] then
+    seen[hash] = true
+    if redis.call('HINCRBY', KEYS[5], hash, -1) <= 0 then
+      redis.call('HDEL', KEYS[5], hash)
+      table.insert(orphans, hash)
+    end
+  end
+end
+redis.call('INCR', KEYS[6])
+return {raw, orphans}
+"""
+
+_HEADER = struct.Struct("<II")  # rows, dim
+
+
+def _pack(indices: list[int], embeddings: np.ndarray) -> bytes:
+    """rows, dim (uint32), then the chunk indices (int32), then the float32 rows."""
+    rows, dim = embeddings.shape
+    return _HEADER.pack(rows, dim) + np.asarray(indices, dtype="<i4").tobytes() + embeddings.astype("<f4").tobytes()
+
+
+def _unpack(blob: bytes) -> tuple[np.ndarray, np.ndarray]:
+    rows, dim = _HEADER.unpack_from(blob)
+    indices = np.frombuffer(blob, dtype="<i4", count=rows, offset=_HEADER.size)
+    matrix = np.frombuffer(blob, dtype="<f4", count=rows * dim, offset=_HEADER.size + 4 * rows).reshape(rows, dim)
+    return indices, matrix
+
+
+class RedisRegistry(Registry):
+    backend = "redis"
+
+    def __init__(self, url: str, *, prefix: str = DEFAULT_PREFIX, connect_timeout_s: float = 2.0,
+                 op_timeout_s: float = 10.0):
+        super().__init__()
+        parts = urlsplit(url)
+        if parts.scheme not in ("redis", "rediss", "unix"):
+            raise ValueError(f"RedisRegistry needs a redis://, rediss:// or unix:// URL; got {parts.scheme}://...")
+        self.where = parts.path if parts.scheme == "unix" else f"{parts.hostname}:{parts.port or 6379}{parts.path}"
+        self.prefix = prefix
+        # One retry on a dropped connection: a server restart costs one reconnect, not an error.
+        self._client = redis.Redis.from_url(url, socket_connect_timeout=connect_timeout_s, socket_timeout=op_timeout_s,
+                                            retry=Retry(NoBackoff(), 1))
+        self._add_script = self._client.register_script(_ADD)
+        self._remove_script = self._client.register_script(_REMOVE)
+        self._call(self._client.ping)
+
+    def _keys(self, tenant: str) -> list[str]:
+        p = self.prefix
+        return [f"{p}docs:{tenant}", f"{p}texts:{tenant}", f"{p}bytext:{tenant}", f"{p}vectors:{tenant}",
+                f"{p}refs", f"{p}gen:{tenant}"]
+
+    def _call(self, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except redis.RedisError as error:
+            raise RegistryUnavailableError(f"the document registry at redis {self.where} failed: {error}") from error
+
+    # -- reads -----------------------------------------------------------------------
+
+    def find_by_text(self, tenant: str, text_hash: str) -> str | None:
+        raw = self._call(self._client.hget, self._keys(tenant)[2], text_hash)
+        return raw.decode() if raw is not None else None
+
+    def get(self, tenant: str, doc_id: str) -> DocumentRecord:
+        raw = self._call(self._client.hget, self._keys(tenant)[0], doc_id)
+        if raw is None:
+            raise NotFoundError(f"no document {doc_id!r}")
+        return DocumentRecord.from_json(raw)
+
+    def text(self, tenant: str, doc_id: str) -> str:
+        raw = self._call(self._client.hget, self._keys(tenant)[1], doc_id)
+        if raw is None:
+            raise NotFoundError(f"no document {doc_id!r}")
+        return raw.decode()
+
+    def list(self, tenant: str) -> list[DocumentRecord]:
+        records = [DocumentRecord.from_json(raw) for raw in self._call(self._client.hvals, self._keys(tenant)[0])]
+        return sorted(records, key=lambda record: record.created)
+
+    def refcount(self, chunk_hash: str) -> int:
+        raw = self._call(self._client.hget, f"{self.prefix}refs", chunk_hash)
+        return int(raw) if raw is not None else 0
+
+    def generation(self, tenant: str) -> int:
+        raw = self._call(self._client.get, self._keys(tenant)[5])
+        return int(raw) if raw is not None else 0
+
+    # -- writes ----------------------------------------------------------------------
+
+    def _add(self, record: DocumentRecord, text: str, embeddings: np.ndarray) -> bool:
+        vectors = _pack([chunk.index for chunk in record.chunks], embeddings)
+        hashes = sorted({chunk.chunk_hash for chunk in record.chunks})
+        args = [record.doc_id, record.to_json(), text.encode(), record.text_hash, vectors, *hashes]
+        return bool(self._call(self._add_script, keys=self._keys(record.tenant), args=args))
+
+    def remove(self, tenant: str, doc_id: str) -> tuple[DocumentRecord, list[str]]:
+        result = self._call(self._remove_script, keys=self._keys(tenant), args=[doc_id])
+        if not result:
+            raise NotFoundError(f"no document {doc_id!r}")
+        raw, orphans = result
+        return DocumentRecord.from_json(raw), sorted(hash_.decode() for hash_ in orphans)
+
+    def close(self) -> None:
+        self._client.close()
+
+    # -- retrieval -------------------------------------------------------------------
+
+    def _embeddings(self, tenant: str) -> tuple[int, list[tuple[str, int]], np.ndarray]:
+        keys = self._keys(tenant)
+        pipe = self._client.pipeline(transaction=True)
+        pipe.get(keys[5])
+        pipe.hgetall(keys[3])
+        raw_generation, blobs = self._call(pipe.execute)
+        owners, parts = [], []
+        for doc_id in sorted(blobs, key=lambda doc: doc + b"/"):  # the LMDB backend's key order
+            indices, matrix = _unpack(blobs[doc_id])
+            order = np.argsort(indices, kind="stable")
+            owners += [(doc_id.decode(), int(indices[i])) for i in order]
+            parts.append(matrix[order])
+        matrix = np.concatenate(parts) if parts else np.zeros((0, 0), dtype=np.float32)
+        return int(raw_generation or 0), owners, matrix
