@@ -151,3 +151,22 @@ def test_rejects_bad_arguments():
         sparse_decode_attention(q, k, v, indices, 0.1, lengths=torch.ones(3, dtype=torch.int64))
     with pytest.raises(ValueError, match="v_cache"):
         sparse_decode_attention(q, k, v[:, :5], indices, 0.1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("ragged", [False, True])
+@pytest.mark.parametrize("capacity", [50, 64])  # 64: a layer view into a buffer with spare rows
+def test_cpu_path_matches_reference(dtype, ragged, capacity):
+    """The CPU torch path (flat row lookups into the cache buffer) against the reference,
+    on a cache layer that is a strided view, the way decode reads it."""
+    hkv, group, t, d = 3, 3, 50, 64
+    g = torch.Generator().manual_seed(11)
+    buffer = torch.randn(2, hkv, capacity, d, generator=g).to(dtype)
+    k, v = buffer[1, :, :t], buffer[0, :, :t]
+    q = torch.randn(hkv * group, d, generator=g).to(dtype)
+    indices = torch.randint(0, t, (hkv, 20), generator=g)
+    lengths = torch.tensor([3, 20, 11]) if ragged else None
+    out, lse = sparse_decode_attention(q, k, v, indices, 0.125, lengths, return_lse=True, backend="torch")
+    ref_out, ref_lse = reference.sparse_decode_attention(q, k, v, indices, 0.125, lengths)
+    torch.testing.assert_close(out, ref_out, **TOL[dtype])
+    torch.testing.assert_close(lse, ref_lse, **LSE_TOL)

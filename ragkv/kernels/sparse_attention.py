@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ragkv.kernels import reference
+from ragkv.kernels import reference, torch_cpu
 from ragkv.kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check_dtype, check_shape, common_device, require
 from ragkv.kernels.dispatch import Backend, select_backend
 
@@ -66,7 +66,7 @@ def sparse_decode_attention(
     kernels = ("triton",) if q.dtype == torch.float32 else ("triton", "flashinfer")
     chosen = select_backend("sparse_decode_attention", backend, device, kernels=kernels)
     if chosen == "torch":
-        out, lse = reference.sparse_decode_attention(q, k_cache, v_cache, indices, scale, lengths)
+        out, lse = torch_cpu.sparse_decode_attention(q, k_cache, v_cache, indices, scale, lengths)
     elif chosen == "flashinfer":
         from ragkv.kernels.flashinfer.sparse_attention import sparse_decode_flashinfer
 

@@ -38,3 +38,38 @@ def selective_attention(
             attn_mask=mask, scale=scale, enable_gqa=True,
         )[0])
     return torch.cat(parts, dim=1)
+
+
+def gather_rows(cache: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """cache[h, indices[h]] for every head: [Hkv, K, D].
+
+    A layer of the KV cache is a view [Hkv, T, D] into a buffer with spare capacity, so
+    heads sit a fixed number of rows apart: one flat row lookup (index_select) reads them
+    all, several times faster than torch.gather with an expanded index."""
+    hkv, t, d = cache.shape
+    rows_per_head, remainder = divmod(cache.stride(0), d)
+    if cache.stride(2) != 1 or cache.stride(1) != d or remainder or rows_per_head < t:
+        return torch.gather(cache, 1, indices.long().unsqueeze(-1).expand(hkv, indices.shape[1], d))
+    flat = torch.as_strided(cache, ((hkv - 1) * rows_per_head + t, d), (d, 1))
+    offsets = torch.arange(0, hkv * rows_per_head, rows_per_head, device=indices.device).unsqueeze(1)
+    return flat.index_select(0, (indices + offsets).view(-1)).view(hkv, indices.shape[1], d)
+
+
+def sparse_decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, indices: torch.Tensor, scale: float,
+    lengths: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's result (out [Hq, D], lse [Hq] float32) from flat row lookups and two
+    batched products in float32 (16-bit CPU matmuls are slower than the upcast)."""
+    hq, d = q.shape
+    hkv, num_sel = indices.shape
+    group = hq // hkv
+    keys = gather_rows(k_cache, indices).float()
+    values = gather_rows(v_cache, indices).float()
+    logits = torch.bmm(q.view(hkv, group, d).float(), keys.transpose(1, 2)).mul_(scale)
+    if lengths is not None:
+        unused = torch.arange(num_sel, device=q.device) >= lengths.view(hkv, 1, 1)
+        logits.masked_fill_(unused, float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    out = torch.bmm(logits.sub_(lse).exp_(), values)
+    return out.view(hq, d).to(q.dtype), lse.view(hq)

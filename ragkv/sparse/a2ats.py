@@ -43,9 +43,10 @@ class A2ATS(Selector):
         self.codebook = codebook.on(self.model.device)
         self._rotation: tuple[int, torch.Tensor, torch.Tensor] | None = None
         self._table: torch.Tensor | None = None
-        self.centroids = self.codebook.centroids  # [L, Hkv, C, D]; WRoPE scores the residual to the mean key
+        centroids = self.codebook.centroids  # [L, Hkv, C, D]; WRoPE scores the residual to the mean key
         if self.config.a2ats_mean_key:
-            self.centroids = self.centroids - self.codebook.key_mean.unsqueeze(2)
+            centroids = centroids - self.codebook.key_mean.unsqueeze(2)
+        self.centroids_t = centroids.transpose(2, 3).contiguous()  # [L, Hkv, D, C]: the per-step table is one bmm
         layers, heads, rows = self.spec.num_layers, self.spec.num_kv_heads, prompt.length
         codes = torch.zeros((layers, heads, rows), dtype=torch.int16, device=self.model.device)
         for layer in range(layers):
@@ -77,7 +78,7 @@ class A2ATS(Selector):
         position = self.current_position(cache)
         if self._rotation is None or self._rotation[0] != position:  # once per step, not per layer
             cos, sin = self.model.rotary.cos_sin(torch.tensor([self.codebook.offset - position], device=q.device))
-            self._rotation = (position, cos, sin)
+            self._rotation = (position, cos.float(), sin.float())
         _, cos, sin = self._rotation
         x1, x2 = q[:, 0].chunk(2, dim=-1)
         return q[:, 0] * cos + torch.cat((-x2, x1), dim=-1) * sin
@@ -94,47 +95,51 @@ class A2ATS(Selector):
 
     def head_scores(self, layer: int, q: torch.Tensor, cache: KVCache, start: int, end: int) -> torch.Tensor:
         """[Hkv, G, n]; with head_aggregation='logits' the group is summed first ([Hkv, 1, n],
-        the same sum, G times cheaper)."""
+        the same sum, G times cheaper). The scale is folded into the query once, so every
+        per-row term comes out scaled; everything per row is one gather and one GEMM."""
         heads = self.spec.num_kv_heads
         if self.config.head_aggregation == "logits":
             q = q.reshape(heads, self.spec.group_size, 1, -1).sum(1)  # [Hkv, 1, D]: one summed query per KV head
         group = q.shape[0] // heads
-        query = self.wrope_query(q, cache).reshape(heads, group, -1).float()
-        table = torch.bmm(query, self.centroids[layer].transpose(1, 2))  # [Hkv, G, C]
+        query = q.float() * self.model.scale
+        rotated = self.wrope_query(query, cache).reshape(heads, group, -1)
+        table = torch.bmm(rotated, self.centroids_t[layer])  # [Hkv, G, C]
         codes = self.codes.rows(layer, start, end).long()
         scores = torch.gather(table, 2, codes.unsqueeze(1).expand(heads, group, codes.shape[1]))
         if self.config.a2ats_mean_key:
-            scores = scores + self.mean_key_term(layer, q, start, end)
-        return scores * self.model.scale
+            self.add_mean_key_term(scores, layer, query, start, end)
+        return scores
 
-    def mean_key_term(self, layer: int, q: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        """q_g . R(p_t) mean_key for rows [start, end) with their true positions p_t, [Hkv, G, n]
-        (q: [Hkv * G, 1, D], G the query heads scored per KV head).
+    def add_mean_key_term(self, scores: torch.Tensor, layer: int, q: torch.Tensor, start: int, end: int) -> None:
+        """scores [Hkv, G, n] += q_g . R(p_t) mean_key for rows [start, end) with their true
+        positions p_t (q: [Hkv * G, 1, D], G the query heads scored per KV head).
 
         Per rotation pair i with the mean key's (x_i, y_i) and the query's (q1_i, q2_i):
         q . R(p) m = sum_i cos(p w_i)(q1 x + q2 y)_i + sin(p w_i)(q2 x - q1 y)_i, one small
-        GEMM against the rows' [cos | sin] table (a function of position only).
+        GEMM against the rows' [cos | sin] table (a function of position only), kept
+        transposed ([D, positions]) so the product streams along positions.
         """
         heads, half = self.spec.num_kv_heads, self.spec.head_dim // 2
         group = q.shape[0] // heads
         mean = self.codebook.key_mean[layer].repeat_interleave(group, 0)  # [heads * group, D]
-        q1, q2 = q[:, 0].float().split(half, dim=-1)
+        q1, q2 = q[:, 0].split(half, dim=-1)
         x, y = mean.split(half, dim=-1)
         coefficients = torch.cat((q1 * x + q2 * y, q2 * x - q1 * y), dim=-1)  # [Hq, D]
         if self.positions.table is None:  # rows are positions
-            table = self.rotary_table(end)[start:end]  # [n, D]
-            return (table @ coefficients.T).T.reshape(heads, group, end - start)
+            scores.view(heads * group, end - start).addmm_(coefficients, self.rotary_table(end)[:, start:end])
+            return
         positions = self.positions.of(layer, start, end, heads)  # per-head positions after eviction
-        table = self.rotary_table(int(positions.max()) + 1)[positions]  # [Hkv, n, D]
-        return torch.bmm(coefficients.view(heads, group, -1), table.transpose(1, 2))
+        table = self.rotary_table(int(positions.max()) + 1).T[positions]  # [Hkv, n, D]
+        scores.baddbmm_(coefficients.view(heads, group, -1), table.transpose(1, 2))
 
     def rotary_table(self, positions: int) -> torch.Tensor:
-        """[cos | sin] of every rotation pair at positions [0, positions) (grown on demand)."""
-        if self._table is None or self._table.shape[0] < positions:
-            size = max(positions, 2 * (0 if self._table is None else self._table.shape[0]))
+        """[cos | sin] of every rotation pair at positions [0, positions), transposed:
+        [D, positions] (grown on demand)."""
+        if self._table is None or self._table.shape[1] < positions:
+            size = max(positions, 2 * (0 if self._table is None else self._table.shape[1]))
             cos, sin = self.model.rotary.cos_sin(torch.arange(size, device=self.model.device))
             half = self.spec.head_dim // 2
-            self._table = torch.cat((cos[:, :half], sin[:, :half]), dim=-1).float()
+            self._table = torch.cat((cos[:, :half], sin[:, :half]), dim=-1).float().T.contiguous()
         return self._table
 
     @property

@@ -114,12 +114,10 @@ class Selector(ABC):
         scores = self.head_scores(layer, q, cache, start, end)
         if self.config.head_aggregation == "logits":
             return top_rows(scores.sum(1), k, start)
-        # each head's softmax over all rows: exact logits for the fixed rows, approximate for the candidates
         keys, _ = cache.layer(layer)
         fixed = torch.cat((keys[:, :start], keys[:, end:]), dim=1).float()
-        exact = torch.einsum("hgd,htd->hgt", q[:, 0].reshape(*scores.shape[:2], -1).float(), fixed) * self.model.scale
-        lse = torch.logaddexp(torch.logsumexp(exact, dim=-1, keepdim=True), torch.logsumexp(scores, dim=-1, keepdim=True))
-        return top_rows((scores - lse).exp_().sum(1), k, start)
+        exact = torch.bmm(q[:, 0].reshape(*scores.shape[:2], -1).float(), fixed.transpose(1, 2)).mul_(self.model.scale)
+        return top_rows(probability_mass(scores, exact), k, start)
 
     @property
     def fixed_bytes(self) -> int:
@@ -187,6 +185,18 @@ class Selector(ABC):
         """RoPE position of the token being decoded (decode_step advances next_position
         only after the last layer, so during attention it is the current token's)."""
         return cache.next_position
+
+
+def probability_mass(scores: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """Each query head's estimated attention probability of every candidate, summed over the
+    KV head's group: [Hkv, n] from approximate logits `scores` [Hkv, G, n] (overwritten) and
+    the exact logits `exact` [Hkv, G, f] of the always-attended rows, which join the
+    softmax's normaliser. exp(s - lse) = exp(s - max) * exp(max - lse), so the sum over the
+    group is one batched product with per-head weights exp(max - lse)."""
+    peak = scores.amax(-1, keepdim=True)
+    shifted = scores.sub_(peak).exp_()
+    lse = torch.logaddexp(peak + shifted.sum(-1, keepdim=True).log(), torch.logsumexp(exact, -1, keepdim=True))
+    return torch.bmm((peak - lse).exp_().transpose(1, 2), shifted).squeeze(1)
 
 
 def top_rows(scores: torch.Tensor, k: int, start: int) -> torch.Tensor:
