@@ -10,14 +10,14 @@ import torch
 import torch.nn.functional as F
 
 from ragkv.bench.sparse_bench import RecallMeter
-from ragkv.sparse import A2ATSCodebook, PromptState, SparseConfig
+from ragkv.sparse import A2ATSCodebook, PromptState, SparseConfig, selector_names
 from ragkv.sparse.base import EXTEND_BATCH
 from ragkv.sparse.calibrate import CalibrationConfig, calibrate, fit_codebook
 from ragkv.sparse.oracle import attention_mass
 from ragkv.sparse.prompt import unrotate_keys
 from test_sparse_support import structured_case, tiny_model
 
-SELECTORS = ("dense", "oracle", "a2ats", "pqcache", "lrqk")
+SELECTORS = selector_names()
 ROWS = 320
 
 
@@ -204,7 +204,7 @@ def test_logit_aggregation_uses_the_code_kernel_consistently(model, codebook, pr
     """With plain WRoPE and summed logits, a2ats's kernel top-k equals scoring the
     group-summed rotated query against each row's centroid by hand."""
     cache, _ = prefilled(model, prompt_ids)
-    config = SparseConfig(selector="a2ats", budget=60, window=8, sinks=4, head_aggregation="logits", a2ats_mean_key=False)
+    config = SparseConfig(selector="a2ats:mean_key=false", budget=60, window=8, sinks=4, head_aggregation="logits")
     attention = config.build(PromptState.from_prefill(model, cache, prompt_ids), codebook)
     q = torch.randn(model.spec.num_heads, 1, model.spec.head_dim, generator=torch.Generator().manual_seed(5))
     layer, start, end, k = 1, 4, ROWS - 8, 60 - 12

@@ -40,8 +40,8 @@ def compare_backends() -> None:
     for selector, aggregation in CASES:
         outputs, chosen = {}, {}
         for backend in ("torch", "triton"):
-            sparse = SparseConfig(selector=selector, budget=48, sinks=2, window=8, backend=backend,
-                                  head_aggregation=aggregation, a2ats_mean_key=False)
+            spec = selector + ":mean_key=false" if selector == "a2ats" else selector
+            sparse = SparseConfig(selector=spec, budget=48, sinks=2, window=8, backend=backend, head_aggregation=aggregation)
             attention = sparse.build(PromptState.from_prefill(model, cache.clone(), ids, 2, ROWS - 8), codebook)
             attention.observer = lambda layer, q_, c, indices, start, end, b=backend: chosen.update({b: indices})
             outputs[backend] = attention(0, q, cache, model.scale)

@@ -41,16 +41,15 @@ import torch
 
 from ragkv.bench.datasets import Example
 from ragkv.engine.attention import decode_attention
-from ragkv.bench.specs import parse_variant
+from ragkv.engine.spec_string import split_spec
 from ragkv.bench.metrics import token_f1
 from ragkv.engine import Engine
 from ragkv.engine.generation import GenerationConfig
 from ragkv.engine.kv_cache import KVCache
-from ragkv.sparse import PromptState, SparseConfig
+from ragkv.sparse import PromptState, SparseConfig, selector_names
 from ragkv.sparse.base import Selector
 from ragkv.sparse.oracle import attention_mass
 
-DEFAULT_SELECTORS = ("dense", "oracle", "a2ats", "pqcache", "lrqk")
 QUESTION_WINDOW = 32
 
 
@@ -105,10 +104,18 @@ def decode_answer(engine: Engine, cache: KVCache, logits: torch.Tensor, attentio
     return "".join(event.text for event in events).strip()
 
 
+SHARED_OPTIONS = ("head_aggregation", "sinks", "window", "backend")
+"""SparseConfig fields a bench variant may set next to the selector's own options."""
+
+
 def selector_config(spec: str, budget: float, base: SparseConfig = SparseConfig()) -> SparseConfig:
-    """'a2ats' or a variant 'a2ats:head_aggregation=logits,a2ats_mean_key=false' (fields of SparseConfig)."""
-    name, values = parse_variant(spec, SparseConfig, reserved=("selector", "budget"))
-    return dataclasses.replace(base, selector=name, budget=budget, **values)
+    """'a2ats' or a variant 'a2ats:head_aggregation=logits,mean_key=false': the selector's
+    own options, plus the shared SHARED_OPTIONS of SparseConfig."""
+    name, raw = split_spec(spec)
+    shared = {key: raw.pop(key) for key in SHARED_OPTIONS if key in raw}
+    selector = name + (":" + ",".join(f"{key}={value}" for key, value in raw.items()) if raw else "")
+    values = {key: type(getattr(base, key))(value) for key, value in shared.items()}
+    return dataclasses.replace(base, selector=selector, budget=budget, **values)
 
 
 def run_quality(engine: Engine, examples: Sequence[Example], configs: dict[str, SparseConfig], max_new_tokens: int,

@@ -15,15 +15,16 @@ def _progress(message: str) -> None:
 
 
 def configure(sparse: argparse.ArgumentParser) -> None:
-    from ragkv.bench.sparse_bench import DEFAULT_SELECTORS
+    from ragkv.sparse import selector_names
 
     sparse.add_argument("--data", type=Path, required=True, help="CacheBlend-style JSON or LongBench JSONL")
     sparse.add_argument("--limit", type=int, default=4, help="examples for recall and F1 (default: 4; 0 = skip)")
     sparse.add_argument("--passages", type=int, default=None, help="passages per example (default: all)")
     sparse.add_argument("--budget", type=float, default=0.06,
                         help="rows attended per KV head, sinks and window included: fraction or count (default: 0.06)")
-    sparse.add_argument("--selectors", nargs="+", default=list(DEFAULT_SELECTORS),
-                        help="selector names, or name:field=value,... for variants (fields of SparseConfig)")
+    sparse.add_argument("--selectors", nargs="+", default=list(selector_names()),
+                        help="selector specs, name or name:option=value,... (the selector's options, or "
+                             "head_aggregation, sinks, window, backend)")
     sparse.add_argument("--context-lengths", nargs="*", type=int, default=[2048, 4096, 8192],
                         help="synthetic context lengths for ms/token (default: 2048 4096 8192; none = skip)")
     sparse.add_argument("--max-new-tokens", type=int, default=32)
@@ -38,15 +39,13 @@ def configure(sparse: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict:
     from ragkv.app.codebooks import load_codebook
     from ragkv.bench.datasets import load_examples
-    from ragkv.bench.sparse_bench import format_table, run_sparse_bench
+    from ragkv.bench.sparse_bench import format_table, run_sparse_bench, selector_config
     from ragkv.engine import Engine, EngineConfig
-    from ragkv.sparse import SELECTOR_NAMES
     from ragkv.sparse.calibrate import CalibrationConfig, calibrate
     from ragkv.store.lmdb_env import LMDBEnvironment
 
-    unknown = [name for name in args.selectors if name.partition(":")[0] not in SELECTOR_NAMES]
-    if unknown:
-        raise ValueError(f"unknown selector(s) {', '.join(unknown)}; choose from {', '.join(SELECTOR_NAMES)}")
+    for spec in args.selectors:  # a bad spec fails before the model loads
+        selector_config(spec, args.budget)
     everything = load_examples(args.data, None, args.passages)
     examples = everything[: args.limit] if args.limit else []
     held_out = everything[args.limit :] or everything

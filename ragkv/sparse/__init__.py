@@ -4,23 +4,35 @@
     attention = SparseConfig(selector="a2ats", budget=0.06).build(PromptState.from_fusion(model, result, codes), codebook)
     model.decode_step(token, result.cache, attention)
 
-See config.py for the budget's definition and base.py for the shared procedure.
+See config.py for the budget's definition, base.py for the shared procedure and
+registry.py for how selectors are chosen ('name:option=value,...').
 """
 
 from __future__ import annotations
 
+# Importing each selector module registers it (ragkv.sparse.registry), in this order.
+from ragkv.sparse import dense  # noqa: F401, I001
+from ragkv.sparse import oracle  # noqa: F401
+from ragkv.sparse import a2ats  # noqa: F401
+from ragkv.sparse import pqcache  # noqa: F401
+from ragkv.sparse import lrqk  # noqa: F401
 from ragkv.sparse.base import Selector
 from ragkv.sparse.codebook import A2ATSCodebook
-from ragkv.sparse.config import DEFAULT_SELECTOR, SELECTOR_NAMES, SparseConfig
+from ragkv.sparse.config import SparseConfig
 from ragkv.sparse.prompt import PromptState
+from ragkv.sparse.registry import DEFAULT_SELECTOR, SELECTORS, selector_names
 from ragkv.sparse.snapkv import SnapKV
+
+SELECTOR_NAMES = selector_names()
 
 __all__ = [
     "A2ATSCodebook",
     "DEFAULT_SELECTOR",
     "PromptState",
+    "SELECTORS",
     "SELECTOR_NAMES",
     "Selector",
     "SnapKV",
     "SparseConfig",
+    "selector_names",
 ]

@@ -7,7 +7,7 @@ rotates the query by b once, scores it against the C centroids (a [Hkv, G, C] ta
 and looks every candidate row's score up through its code. Keys inside the window are
 attended exactly anyway.
 
-Mean-key correction (a2ats_mean_key, default on): with k = m + r (m the calibration mean
+Mean-key correction (option mean_key, default on): with k = m + r (m the calibration mean
 pre-RoPE key of the layer/head), q . R(p) k = q . R(p) m + q . R(p) r. The first term
 is computed EXACTLY for every row from its true position (it needs no per-row state:
 one [rows, D] x [D, G] product against a [cos | sin] table of positions); only the
@@ -24,17 +24,33 @@ decoded rows get fresh codes from their cached keys rotated back by their positi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 
 from ragkv.kernels import code_score_topk
 from ragkv.engine.kv_cache import KVCache
 from ragkv.sparse.base import RowBuffer, Selector
 from ragkv.sparse.codebook import A2ATSCodebook
+from ragkv.sparse.registry import SelectorOptions, register
 from ragkv.sparse.prompt import PromptState, unrotate_keys
 
 
+@register
+@dataclass(frozen=True)
+class A2ATSOptions(SelectorOptions):
+    name: ClassVar[str] = "a2ats"
+    mean_key: bool = True
+    """Score the calibration mean key with its exact RoPE and only the residual (k - mean)
+    with WRoPE; False = plain WRoPE on the whole key (the paper's form)."""
+
+    def attach(self, config, prompt, codebook) -> "A2ATS":
+        return A2ATS(config, prompt, codebook)
+
+
 class A2ATS(Selector):
-    name = "a2ats"
+    options: A2ATSOptions
 
     def prepare(self, prompt: PromptState, codebook: A2ATSCodebook | None) -> None:
         if codebook is None:
@@ -44,7 +60,7 @@ class A2ATS(Selector):
         self._rotation: tuple[int, torch.Tensor, torch.Tensor] | None = None
         self._table: torch.Tensor | None = None
         centroids = self.codebook.centroids  # [L, Hkv, C, D]; WRoPE scores the residual to the mean key
-        if self.config.a2ats_mean_key:
+        if self.options.mean_key:
             centroids = centroids - self.codebook.key_mean.unsqueeze(2)
         self.centroids_t = centroids.transpose(2, 3).contiguous()  # [L, Hkv, D, C]: the per-step table is one bmm
         layers, heads, rows = self.spec.num_layers, self.spec.num_kv_heads, prompt.length
@@ -84,7 +100,7 @@ class A2ATS(Selector):
         return q[:, 0] * cos + torch.cat((-x2, x1), dim=-1) * sin
 
     def select(self, layer: int, q: torch.Tensor, cache: KVCache, start: int, end: int, k: int) -> torch.Tensor:
-        if self.config.head_aggregation == "probs" or self.config.a2ats_mean_key:
+        if self.config.head_aggregation == "probs" or self.options.mean_key:
             return super().select(layer, q, cache, start, end, k)
         # plain WRoPE, scores summed over the group: a pure table lookup (the kernel's op)
         heads = self.spec.num_kv_heads
@@ -106,7 +122,7 @@ class A2ATS(Selector):
         table = torch.bmm(rotated, self.centroids_t[layer])  # [Hkv, G, C]
         codes = self.codes.rows(layer, start, end).long()
         scores = torch.gather(table, 2, codes.unsqueeze(1).expand(heads, group, codes.shape[1]))
-        if self.config.a2ats_mean_key:
+        if self.options.mean_key:
             self.add_mean_key_term(scores, layer, query, start, end)
         return scores
 

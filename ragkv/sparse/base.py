@@ -80,12 +80,13 @@ class Selector(ABC):
     """One way to score cache rows for a decode query. Subclasses write only their state
     and their `select`; this class owns budget, sinks/window, bookkeeping and attention."""
 
-    name: str = ""
     extra_recent: int = 0
     """Rows beyond the common window this selector always keeps exact (LRQK's lite set)."""
 
     def __init__(self, config: SparseConfig, prompt: PromptState, codebook=None):
         self.config = config
+        self.options = config.options
+        self.name = config.name
         self.model = prompt.model
         self.spec = prompt.model.spec
         self.positions = RowPositions(prompt.length)

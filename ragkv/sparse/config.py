@@ -12,18 +12,22 @@ it covers every row, the step is dense (all rows, exact).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch
 
 from ragkv.kernels.dispatch import BACKENDS
+from ragkv.sparse.registry import DEFAULT_SELECTOR, SelectorOptions, selector_options
+from ragkv.sparse.snapkv import SnapKV
 
-SELECTOR_NAMES = ("dense", "oracle", "a2ats", "pqcache", "lrqk")
-DEFAULT_SELECTOR = "a2ats"
+SNAPKV_DEFAULT_KERNEL = 7
 
 
 @dataclass(frozen=True)
 class SparseConfig:
     selector: str = DEFAULT_SELECTOR
-    """One of dense, oracle, a2ats, pqcache, lrqk."""
+    """Selector spec: a name (dense, oracle, a2ats, pqcache, lrqk) or name:option=value,...
+    (e.g. a2ats:mean_key=false, pqcache:bits=8); the options are the selector's own fields."""
     budget: float = 0.06
     """Rows attended per KV head per step, sinks and recent window included: a value in
     (0, 1] is a fraction of the cached rows (1.0 = dense), a whole number > 1 a row count."""
@@ -41,33 +45,15 @@ class SparseConfig:
     snapkv_capacity: int | None = None
     """SnapKV: after the first token keep this many prompt rows per layer and KV head
     (prefix and question rows always kept); None = no eviction."""
-    snapkv_kernel: int = 7
+    snapkv_kernel: int = SNAPKV_DEFAULT_KERNEL
     """SnapKV: max-pool kernel over positions applied to the question window's attention."""
-    a2ats_offset: int = 2048
-    """A2ATS WRoPE: relative position b at which the query is rotated for keys outside the window."""
-    a2ats_mean_key: bool = True
-    """A2ATS: score the calibration mean key with its exact RoPE and only the residual
-    (k - mean) with WRoPE; False = plain WRoPE on the whole key (the paper's form)."""
-    a2ats_codebook_size: int = 1024
-    """A2ATS: centroids per layer and KV head when calibrating (the stored codebook decides at query time)."""
-    pq_subspaces: int = 2
-    """PQCache m: sub-spaces the head dimension is split into."""
-    pq_bits: int = 6
-    """PQCache: bits per sub-space code (2**bits centroids)."""
-    pq_iterations: int = 10
-    """PQCache: k-means iterations (bounded; the fit runs once per request after the prefill)."""
-    pq_train_rows: int = 4096
-    """PQCache: at most this many keys per layer and KV head train the k-means (all are encoded)."""
-    lrqk_rank: int = 32
-    """LRQK r: rank of the joint query/key factors."""
-    lrqk_lite: int = 16
-    """LRQK: recent rows beyond the window kept exact (the 'lite' set; counts in the budget)."""
-    seed: int = 0
-    """Seed of the per-request k-means initialisation (PQCache)."""
+    options: SelectorOptions = field(init=False, repr=False, compare=False)
+    """The selector's own options, parsed from the spec."""
+    eviction: SnapKV | None = field(init=False, repr=False, compare=False)
+    """SnapKV's settings when eviction is on."""
 
     def __post_init__(self) -> None:
-        if self.selector not in SELECTOR_NAMES:
-            raise ValueError(f"unknown sparse selector {self.selector!r}; choose one of {', '.join(SELECTOR_NAMES)}")
+        object.__setattr__(self, "options", selector_options(self.selector))
         if not (self.budget > 0 and math.isfinite(self.budget)):
             raise ValueError(f"budget must be a fraction in (0, 1] or a row count > 1, got {self.budget}")
         if self.budget > 1 and self.budget != int(self.budget):
@@ -80,24 +66,23 @@ class SparseConfig:
             raise ValueError(f"head_aggregation must be 'probs' or 'logits', got {self.head_aggregation!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        if self.snapkv_capacity is not None and self.snapkv_capacity < 1:
-            raise ValueError("snapkv_capacity must be >= 1 when given")
-        if self.snapkv_kernel < 1 or self.snapkv_kernel % 2 == 0:
-            raise ValueError("snapkv_kernel must be a positive odd number")
-        if self.a2ats_offset < 0:
-            raise ValueError("a2ats_offset must be >= 0")
-        if not 2 <= self.a2ats_codebook_size <= 32767:
-            raise ValueError("a2ats_codebook_size must be in [2, 32767] (codes are int16)")
-        if self.pq_subspaces < 1:
-            raise ValueError("pq_subspaces must be >= 1")
-        if not 1 <= self.pq_bits <= 15:
-            raise ValueError("pq_bits must be in [1, 15] (codes are int16)")
-        if self.pq_iterations < 1 or self.pq_train_rows < 2:
-            raise ValueError("pq_iterations must be >= 1 and pq_train_rows >= 2")
-        if self.lrqk_rank < 1:
-            raise ValueError("lrqk_rank must be >= 1")
-        if self.lrqk_lite < 0:
-            raise ValueError("lrqk_lite must be >= 0")
+        if self.snapkv_capacity is None and self.snapkv_kernel != SNAPKV_DEFAULT_KERNEL:
+            raise ValueError("snapkv_kernel applies to SnapKV eviction: give snapkv_capacity as well")
+        eviction = None if self.snapkv_capacity is None else SnapKV(self.snapkv_capacity, self.snapkv_kernel)
+        object.__setattr__(self, "eviction", eviction)
+
+    @property
+    def name(self) -> str:
+        """The selector's registered name (the spec without its options)."""
+        return self.options.name
+
+    def check_dtype(self, dtype: torch.dtype) -> None:
+        """ValueError for a model/cache dtype this configuration cannot decode in."""
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"sparse decode runs in float32, bfloat16 or float16, not {dtype}")
+        if self.backend == "flashinfer" and dtype == torch.float32:
+            raise ValueError("the flashinfer backend decodes float16/bfloat16 caches only; use --dtype bfloat16 "
+                             "or backend auto/torch/triton for float32")
 
     def budget_rows(self, rows: int) -> int:
         """Rows attended per KV head when `rows` are cached (before sinks/window are forced in)."""
@@ -107,7 +92,12 @@ class SparseConfig:
 
     def build(self, prompt, codebook=None):
         """The DecodeAttention for one request: the selector built on `prompt`
-        (a :class:`ragkv.sparse.prompt.PromptState`), after SnapKV eviction when configured."""
-        from ragkv.sparse.build import build_decode_attention
-
-        return build_decode_attention(self, prompt, codebook)
+        (a :class:`ragkv.sparse.prompt.PromptState`), after SnapKV eviction when configured.
+        Call it once the first token's logits exist and before the first decode step:
+        that is 'after the first token'."""
+        self.check_dtype(prompt.cache.keys.dtype)
+        selector = self.options.attach(self, prompt, codebook)
+        if self.eviction is not None and self.eviction.capacity < prompt.length:
+            kept = self.eviction.evict(prompt)
+            selector.compact(kept, prompt.cache.next_position)
+        return selector

@@ -3,15 +3,29 @@ decode path (the budget is ignored)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 
 from ragkv.engine.attention import decode_attention
 from ragkv.engine.kv_cache import KVCache
 from ragkv.sparse.base import Selector
+from ragkv.sparse.registry import SelectorOptions, register
+
+
+@register
+@dataclass(frozen=True)
+class DenseOptions(SelectorOptions):
+    """No options: every row, exact."""
+
+    name: ClassVar[str] = "dense"
+
+    def attach(self, config, prompt, codebook) -> "Dense":
+        return Dense(config, prompt, codebook)
 
 
 class Dense(Selector):
-    name = "dense"
 
     def select(self, layer, q, cache, start, end, k):  # pragma: no cover - never reached
         raise AssertionError("dense attends to every row")

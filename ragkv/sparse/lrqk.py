@@ -7,16 +7,20 @@ K = U_k S_k V_k^T and X S Y^T is the SVD of S_q V_q^T V_k S_k. It factors as
 (Q W_q)(K W_k)^T with W_q = V_q S_q^-1 X_r S_r^1/2 and W_k = V_k S_k^-1 Y_r S_r^1/2,
 both [D, r]. Each row stores its r key factors; a step's proxy scores are
 (q_g W_q) . (k W_k) for each query head and candidate row, O(r) per row instead of O(D). The most
-recent `lrqk_lite` rows beyond the window are kept exact as well (the 'lite' set).
+recent `lite` rows beyond the window are kept exact as well (the 'lite' set).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from ragkv.engine.kv_cache import KVCache
 from ragkv.sparse.base import RowBuffer, Selector
 from ragkv.sparse.prompt import PromptState
+from ragkv.sparse.registry import SelectorOptions, register
 
 _RELATIVE_CUTOFF = 1e-5
 
@@ -41,12 +45,31 @@ def joint_factors(queries: torch.Tensor, keys: torch.Tensor, rank: int) -> tuple
     return w_q.float(), w_k.float()
 
 
+@register
+@dataclass(frozen=True)
+class LRQKOptions(SelectorOptions):
+    name: ClassVar[str] = "lrqk"
+    rank: int = 32
+    """r: rank of the joint query/key factors."""
+    lite: int = 16
+    """Recent rows beyond the window kept exact (the 'lite' set; counts in the budget)."""
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError("lrqk rank must be >= 1")
+        if self.lite < 0:
+            raise ValueError("lrqk lite must be >= 0")
+
+    def attach(self, config, prompt, codebook) -> "LRQK":
+        return LRQK(config, prompt, codebook)
+
+
 class LRQK(Selector):
-    name = "lrqk"
+    options: LRQKOptions
 
     def prepare(self, prompt: PromptState, codebook) -> None:
-        spec, rank = self.spec, self.config.lrqk_rank
-        self.extra_recent = self.config.lrqk_lite
+        spec, rank = self.spec, self.options.rank
+        self.extra_recent = self.options.lite
         queries = prompt.question_queries()
         rows, heads, dim = prompt.length, spec.num_kv_heads, spec.head_dim
         w_q = torch.zeros((spec.num_layers, heads, dim, rank), device=self.model.device)

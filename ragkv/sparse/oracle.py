@@ -3,10 +3,14 @@ attention mass summed over its query heads (exact softmax of q.K over all rows).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 
 from ragkv.engine.kv_cache import KVCache
 from ragkv.sparse.base import Selector, top_rows
+from ragkv.sparse.registry import SelectorOptions, register
 
 
 def attention_mass(q: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
@@ -18,8 +22,18 @@ def attention_mass(q: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.T
     return logits.softmax(-1).sum(1)
 
 
+@register
+@dataclass(frozen=True)
+class OracleOptions(SelectorOptions):
+    """No options: exact attention mass decides."""
+
+    name: ClassVar[str] = "oracle"
+
+    def attach(self, config, prompt, codebook) -> "Oracle":
+        return Oracle(config, prompt, codebook)
+
+
 class Oracle(Selector):
-    name = "oracle"
 
     def select(self, layer: int, q: torch.Tensor, cache: KVCache, start: int, end: int, k: int) -> torch.Tensor:
         keys, _ = cache.layer(layer)

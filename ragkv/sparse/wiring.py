@@ -12,7 +12,7 @@ def sparse_chunk_codes(engine, config: SparseConfig | None, chunks, stored: list
     """Per retrieved chunk, its A2ATS codes under the engine's codebook: the stored codes
     when their codebook id matches the active codebook, else computed now from the
     chunk's stored pre-RoPE keys (never stale). None unless the selector is a2ats."""
-    if config is None or config.selector != "a2ats":
+    if config is None or config.name != "a2ats":
         return None
     codebook = engine.codebook
     if codebook is None:
