@@ -15,7 +15,6 @@ import torch.nn.functional as F
 
 from ragkv.kernels import BackendUnavailableError, reference, sparse_decode_attention
 from ragkv.kernels.dispatch import importable
-from ragkv.kernels.flashinfer.sparse_attention import paged_layout
 
 TOL = {
     torch.float32: dict(atol=1e-5, rtol=1e-5),
@@ -97,22 +96,116 @@ def test_row_order_does_not_matter(backend):
     torch.testing.assert_close(lse_a, lse_b, atol=1e-5, rtol=1e-5)
 
 
+class FakeDecodeWrapper:
+    """Stands in for flashinfer.BatchDecodeWithPagedKVCacheWrapper in CUDA-graph mode, with
+    the same buffer contract: plan() copies the page table into the fixed buffers given at
+    construction, run() reads the pages those buffers name (torch, on any device)."""
+
+    instances: list["FakeDecodeWrapper"] = []
+
+    def __init__(self, workspace, layout, *, use_cuda_graph, paged_kv_indptr_buffer, paged_kv_indices_buffer,
+                 paged_kv_last_page_len_buffer):
+        assert layout == "NHD" and use_cuda_graph
+        self.indptr, self.indices, self.last = paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer
+        self.plans, self.run_pages = [], []
+        FakeDecodeWrapper.instances.append(self)
+
+    def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, *,
+             pos_encoding_mode, q_data_type, kv_data_type, sm_scale):
+        assert (num_kv_heads, page_size, pos_encoding_mode) == (1, 1, "NONE")
+        assert indices.numel() <= self.indices.numel(), "page table larger than the fixed buffer"
+        self.indptr.copy_(indptr)
+        self.indices[: indices.numel()].copy_(indices)
+        self.last.copy_(last_page_len)
+        self.plans.append((num_qo_heads, head_dim, q_data_type, kv_data_type, sm_scale))
+        self.scale = sm_scale
+
+    def run(self, q, paged_kv_cache, return_lse):
+        k_pages, v_pages = paged_kv_cache
+        self.run_pages.append((k_pages, v_pages))
+        outs, lses = [], []
+        for request in range(q.shape[0]):
+            pages = self.indices[self.indptr[request] : self.indptr[request + 1]].long()
+            k, v = k_pages[pages, 0, 0].float(), v_pages[pages, 0, 0].float()
+            logits = q[request].float() @ k.T * self.scale
+            lse = torch.logsumexp(logits, -1)
+            outs.append((logits - lse[:, None]).exp() @ v)
+            lses.append(lse / math.log(2.0))  # FlashInfer reports base 2
+        return torch.stack(outs).to(q.dtype), torch.stack(lses)
+
+
+@pytest.fixture
+def fake_flashinfer(monkeypatch):
+    import sys
+    import types
+
+    from ragkv.kernels.flashinfer import sparse_attention as glue
+
+    module = types.ModuleType("flashinfer")
+    module.BatchDecodeWithPagedKVCacheWrapper = FakeDecodeWrapper
+    monkeypatch.setitem(sys.modules, "flashinfer", module)
+    monkeypatch.setattr(glue, "_planned", {})
+    monkeypatch.setattr(glue, "_WORKSPACE_BYTES", 16)
+    FakeDecodeWrapper.instances.clear()
+    return glue
+
+
 @pytest.mark.parametrize("ragged", [False, True])
 def test_flashinfer_page_table_addresses_selected_rows(ragged):
-    """The page_size=1 layout handed to FlashInfer reads exactly indices[h, :lengths[h]] per head."""
-    hkv, t, d = 3, 20, 8
-    _, k, v, g = make_inputs(hkv, 1, t, d, torch.float32, seed=9)
-    indices = torch.randint(0, t, (hkv, 7), generator=g)
+    """Pages are rows of the cache buffer itself: indices[h, :lengths[h]] of head h, no copy."""
+    from ragkv.kernels.flashinfer.sparse_attention import page_indices, paged_view
+
+    hkv, t, capacity, d = 3, 20, 32, 8
+    buffer = torch.randn(2, hkv, capacity, d, generator=torch.Generator().manual_seed(9))
+    k = buffer[1, :, :t]  # one layer's valid rows, the way decode reads them
+    indices = torch.randint(0, t, (hkv, 7), generator=torch.Generator().manual_seed(1))
     lengths = torch.tensor([7, 2, 5]) if ragged else None
-    k_pages, v_pages, kv_indptr, kv_indices, last_page_len = paged_layout(k, v, indices, lengths)
-    assert k_pages.shape == v_pages.shape == (hkv * t, 1, 1, d)
-    assert kv_indptr.dtype == kv_indices.dtype == last_page_len.dtype == torch.int32
-    assert torch.equal(last_page_len, torch.ones(hkv, dtype=torch.int32))
+    pages, rows_per_head = paged_view(k)
+    assert rows_per_head == capacity and pages.shape == ((hkv - 1) * capacity + t, 1, 1, d)
+    assert pages.data_ptr() == k.data_ptr() and pages.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+    kv_indices = page_indices(indices, rows_per_head, lengths)
+    assert kv_indices.dtype == torch.int32
+    offset = 0
     for h in range(hkv):
         n = 7 if lengths is None else int(lengths[h])
-        pages = kv_indices[kv_indptr[h] : kv_indptr[h + 1]].long()
-        assert torch.equal(k_pages[pages, 0, 0], k[h, indices[h, :n]])
-        assert torch.equal(v_pages[pages, 0, 0], v[h, indices[h, :n]])
+        assert torch.equal(pages[kv_indices[offset : offset + n].long(), 0, 0], k[h, indices[h, :n]])
+        offset += n
+    assert offset == kv_indices.numel()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_flashinfer_glue_plans_once_per_step_and_reads_the_cache_in_place(fake_flashinfer, dtype):
+    """A decode step's layers share one plan; each layer reads its own rows, in place."""
+    layers, hkv, group, t, capacity, d = 4, 2, 3, 40, 48, 64
+    g = torch.Generator().manual_seed(12)
+    keys = torch.randn(layers, hkv, capacity, d, generator=g).to(dtype)
+    values = torch.randn(layers, hkv, capacity, d, generator=g).to(dtype)
+    for step in range(2):
+        num_sel = 9 + step  # the budget grows with the cache: a new plan
+        for layer in range(layers):
+            q = torch.randn(hkv * group, d, generator=g).to(dtype)
+            indices = torch.stack([torch.randperm(t, generator=g)[:num_sel] for _ in range(hkv)])
+            k, v = keys[layer, :, :t], values[layer, :, :t]
+            out, lse = fake_flashinfer.sparse_decode_flashinfer(q, k, v, indices, 0.125, None)
+            ref_out, ref_lse = reference.sparse_decode_attention(q, k, v, indices, 0.125, None)
+            torch.testing.assert_close(out, ref_out, **TOL[dtype])
+            torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+            k_pages, v_pages = FakeDecodeWrapper.instances[-1].run_pages[-1]
+            assert k_pages.data_ptr() == k.data_ptr() and v_pages.data_ptr() == v.data_ptr()
+    plans = [plan for wrapper in FakeDecodeWrapper.instances for plan in wrapper.plans]
+    assert len(plans) == 2 and plans[0] == (group, d, dtype, dtype, 0.125)
+
+
+def test_flashinfer_glue_ragged_lengths_plan_each_call(fake_flashinfer):
+    hkv, group, t, d = 3, 2, 30, 64
+    q, k, v, g = make_inputs(hkv, group, t, d, torch.float16, seed=13)
+    indices = torch.randint(0, t, (hkv, 8), generator=g)
+    for lengths in (torch.tensor([8, 3, 5]), torch.tensor([1, 8, 2])):
+        out, lse = fake_flashinfer.sparse_decode_flashinfer(q, k, v, indices, 0.2, lengths)
+        ref_out, ref_lse = reference.sparse_decode_attention(q, k, v, indices, 0.2, lengths)
+        torch.testing.assert_close(out, ref_out, **TOL[torch.float16])
+        torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+    assert sum(len(wrapper.plans) for wrapper in FakeDecodeWrapper.instances) == 2
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and importable("flashinfer")), reason="needs CUDA and flashinfer")
