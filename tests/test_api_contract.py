@@ -198,14 +198,14 @@ def _corrupt_count(http: httpx.Client) -> float:
 
 def test_usage_counts_chunks_recomputed_for_a_corrupt_blob_as_computed(server, http):
     clean = http.post("/v1/query", json=QUESTION).json()["usage"]
-    assert clean["recomputed_tokens"] < clean["document_tokens"] and clean["reused_tokens"] >= clean["document_tokens"] // 2
+    assert clean["recomputed_tokens"] < clean["document_tokens"] and clean["cached_tokens"] >= clean["document_tokens"] // 2
     assert _corrupt_count(http) == 0
     assert _corrupt_every_chunk(server["root"] / "data" / "db") >= 3
     after = http.post("/v1/query", json=QUESTION).json()["usage"]
     assert after["prompt_tokens"] == clean["prompt_tokens"]
     assert after["recomputed_tokens"] == after["document_tokens"]  # the whole chunk was computed again
-    assert after["reused_tokens"] == clean["reused_tokens"] - (after["document_tokens"] - clean["recomputed_tokens"])
-    assert after["reused_tokens"] + after["computed_tokens"] == after["prompt_tokens"]
+    assert after["cached_tokens"] == clean["cached_tokens"] - (after["document_tokens"] - clean["recomputed_tokens"])
+    assert after["cached_tokens"] + after["computed_tokens"] == after["prompt_tokens"]
     assert _corrupt_count(http) == 1
     again = http.post("/v1/query", json=QUESTION).json()["usage"]
     assert again == clean  # the recomputed chunk was written back

@@ -28,6 +28,7 @@ from ragkv.api.service import Service
 from ragkv.api.sessions import RedisSessions, open_sessions
 from ragkv.api.state import AppState, redis_tiers
 from ragkv.api.worker import ModelWorker
+from ragkv.app.scheduler import Scheduler, SchedulerConfig
 from ragkv.app.runtime import Runtime
 
 log = logging.getLogger("ragkv.api")
@@ -83,7 +84,11 @@ def _build_state(config: ServeConfig, metrics: Metrics) -> AppState:
     try:
         session_url = config.session_store or redis_url_of_store(config.runtime.store_url)
         sessions = open_sessions(session_url, int(config.session_memory_mb * (1 << 20)), config.session_ttl_s)
-        worker = ModelWorker(max_active=config.max_active, max_queued=config.max_queued,
+        engine = runtime.engine
+        scheduler = Scheduler(engine.model, engine.tokenizer, engine.eos_token_ids,
+                              SchedulerConfig(max_running=config.max_active, max_waiting=config.max_queued,
+                                              token_budget=config.token_budget))
+        worker = ModelWorker(scheduler, max_active=config.max_active, max_queued=config.max_queued,
                              on_finished=lambda job: metrics.jobs.labels(job.kind, job.outcome or "unknown").inc())
         service = Service(runtime, config, metrics, sessions)
         model_id = config.model_id or runtime.engine.model_dir.name

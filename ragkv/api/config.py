@@ -42,8 +42,12 @@ class ServeConfig:
     """Largest top_k a request may ask for (16 x 512-token chunks fill 8k positions)."""
     background_ingest_bytes: int = 32_768
     """Documents larger than this ingest as a background job (202 + /v1/jobs/{id})."""
-    max_active: int = 4
-    """Requests the model worker interleaves token by token; more wait in the queue."""
+    max_active: int = 16
+    """Requests decoding at once: each decode step is one batched forward pass over all of
+    them; more wait in the queue."""
+    token_budget: int = 131072
+    """KV rows (prompt + answer) the running requests may hold together; a waiting request
+    is prepared only when its estimate fits."""
     max_queued: int = 64
     """Requests waiting for the model worker; beyond this the API answers 503."""
 
@@ -53,7 +57,7 @@ class ServeConfig:
         for name in ("session_ttl_s", "session_memory_mb", "max_document_body_mb", "max_body_kb"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
-        for name in ("max_new_tokens", "max_input_tokens", "max_top_k", "max_active", "max_queued"):
+        for name in ("max_new_tokens", "max_input_tokens", "max_top_k", "max_active", "max_queued", "token_budget"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.background_ingest_bytes < 0:

@@ -12,6 +12,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from ragkv.app.usage import Usage
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1, 1.5, 2, 3, 5, 8, 13, 20)
 
@@ -61,10 +63,10 @@ class Metrics:
     def add_scrape_time(self, read: Callable[[], Iterable[Reading]]) -> None:
         self.registry.register(_ScrapeTime(read))
 
-    def record_usage(self, usage: dict[str, int], chunk_hits: int, chunk_misses: int) -> None:
-        self.tokens.labels("reused").inc(usage.get("reused_tokens", 0))
-        self.tokens.labels("recomputed").inc(usage.get("recomputed_tokens", 0))
-        self.tokens.labels("completion").inc(usage.get("completion_tokens", 0))
+    def record_usage(self, usage: Usage, chunk_hits: int, chunk_misses: int) -> None:
+        self.tokens.labels("reused").inc(usage.cached_tokens)
+        self.tokens.labels("recomputed").inc(usage.recomputed_tokens)
+        self.tokens.labels("completion").inc(usage.completion_tokens)
         if chunk_hits:
             self.chunks.labels("hit").inc(chunk_hits)
         if chunk_misses:

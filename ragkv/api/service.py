@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ragkv.api.config import ServeConfig
-from ragkv.api.errors import ApiError
+from ragkv.api.errors import ApiError, as_api_error
 from ragkv.api.metrics import Metrics
 from ragkv.api.sessions import MemorySessions, RedisSessions, Session
 from ragkv.api.worker import Job
@@ -40,8 +40,11 @@ from ragkv.ingest.errors import InputError
 from ragkv.fusion import FusionInput, FusionResult
 from ragkv.engine.generation import TokenEvent
 from ragkv.engine.prompt import RAG_INSTRUCTION
-from ragkv.app.rag import Citation, QueryConfig, chunk_rows_computed_here
+from ragkv.app.query import query_request
+from ragkv.app.rag import Citation, QueryConfig
+from ragkv.app.request import Completion, Request
 from ragkv.app.runtime import Runtime
+from ragkv.app.usage import Usage, chunk_rows_computed_here
 
 log = logging.getLogger("ragkv.api.service")
 
@@ -112,14 +115,6 @@ class Service:
             raise ApiError(400, "too_many_tokens", f"{what} is {count} tokens; the limit is {self.config.max_input_tokens}")
         return count
 
-    def _citations_and_hashes(self, tenant: str, citations: list[Citation]) -> tuple[list[dict], list[str]]:
-        hashes = []
-        records = {}
-        for citation in citations:
-            record = records.get(citation.doc_id) or records.setdefault(citation.doc_id, self.runtime.registry.get(tenant, citation.doc_id))
-            hashes.append(record.chunks[citation.chunk_index].chunk_hash)
-        return [citation_dict(c) for c in citations], hashes
-
     @staticmethod
     def _decode(events: Iterator[TokenEvent]) -> Generator[tuple[str, object], None, tuple[str, str, int, float]]:
         """Yield ("token", text) per token; return (text, finish reason, tokens, seconds)."""
@@ -136,40 +131,21 @@ class Service:
     def _record(self, endpoint: str, phase: str, job: Job, outcome: TurnOutcome, hits: int, misses: int) -> None:
         self.metrics.ttft.labels(endpoint, phase).observe(outcome.timings["ttft"])
         self.metrics.queue_wait.labels(job.kind).observe(job.queue_seconds)
-        self.metrics.record_usage(outcome.usage, hits, misses)
+        usage = outcome.usage
+        self.metrics.record_usage(Usage(usage["prompt_tokens"], usage["reused_tokens"], usage["recomputed_tokens"],
+                                        usage["document_tokens"], usage["completion_tokens"]), hits, misses)
 
     # -- /v1/query ------------------------------------------------------------------
 
-    def _check_sparse(self, config: QueryConfig) -> None:
-        sparse = getattr(config, "sparse", None)
-        if sparse is not None and sparse.selector == "a2ats" and getattr(self.engine, "codebook", None) is None:
-            raise ApiError(400, "no_codebook", "the a2ats selector needs an A2ATS codebook for this model, and the server "
-                           "has none (run `ragkv calibrate`); choose another selector", param="selector")
+    def query_job(self, question: str, tenant: str, config: QueryConfig) -> Job:
+        """A job whose model request the scheduler prepares and decodes (batched with others)."""
+        try:
+            request = query_request(self.rag, question, tenant, config, max_input_tokens=self.config.max_input_tokens,
+                                    arrival=time.perf_counter(), on_finished=self._record_query)
+        except InputError as error:
+            raise as_api_error(error) from None
+        return Job("query", request=request)
 
-    def query_body(self, question: str, tenant: str, config: QueryConfig):
-        def body(job: Job):
-            started = time.perf_counter()
-            self._check_input_tokens(question, "the question")
-            self._check_sparse(config)
-            prepared_query = self.rag.prepare(question, tenant, config)
-            fusion = prepared_query.fusion
-            timings = {k: round(v, 4) for k, v in prepared_query.timings.items() if k != "missing_chunks_recomputed"}
-            timings["ttft"] = round(time.perf_counter() - started, 4)
-            missing = int(prepared_query.timings.get("missing_chunks_recomputed", 0))
-            citations = [citation_dict(c) for c in prepared_query.citations]
-            prepared = Prepared(fusion.cache, fusion.logits, fusion_usage(fusion, 0, prepared_query.recomputed_chunks),
-                                citations, timings, prepared_query.strategy)
-            yield ("prepared", {"citations": citations, "timings": dict(timings), "strategy": prepared.strategy})
-            # rag.stream decodes with the request's sparse selector (and SnapKV) when it has one.
-            text, finish, generated, decode_s = yield from self._decode(self.rag.stream(prepared_query, config))
-            timings["decode"] = round(decode_s, 4)
-            timings["queue"] = round(job.queue_seconds, 4)
-            usage = {**prepared.usage, "completion_tokens": generated, "total_tokens": prepared.usage["prompt_tokens"] + generated}
-            outcome = TurnOutcome(text.strip(), finish, citations, usage, timings, prepared.strategy)
-            self._record("query", "fused", job, outcome, len(citations) - missing, missing)
-            return outcome
-
-        return body
 
     # -- /v1/chat/completions -------------------------------------------------------
 
@@ -259,8 +235,9 @@ class Service:
                 # Nothing to retrieve from (yet): answer as a plain chat model.
         if prepared_query is not None:
             fusion = prepared_query.fusion
-            citations, hashes = self._citations_and_hashes(tenant, prepared_query.citations)
+            citations, hashes = [c.to_dict() for c in prepared_query.citations], prepared_query.chunk_hashes
             timings = {k: round(v, 4) for k, v in prepared_query.timings.items()}
+            timings["missing_chunks_recomputed"] = len(prepared_query.recomputed_chunks)
             prepared = Prepared(fusion.cache, fusion.logits, fusion_usage(fusion, 0, prepared_query.recomputed_chunks),
                                 citations, timings, prepared_query.strategy, hashes, len(hashes))
             token_ids = fusion.layout.token_ids.tolist()

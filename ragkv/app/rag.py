@@ -62,29 +62,16 @@ class Citation:
 
 
 @dataclass
-class Answer:
-    text: str
-    finish_reason: str
-    citations: list[Citation]
-    usage: dict[str, int]
-    timings: dict[str, float]
-    strategy: str
-
-    def to_dict(self) -> dict:
-        """The fields and names of the API's /v1/query answer."""
-        return {"object": "query", "answer": self.text, "finish_reason": self.finish_reason, "strategy": self.strategy,
-                "citations": [citation.to_dict() for citation in self.citations], "usage": self.usage,
-                "timings": self.timings}
-
-
-@dataclass
 class PreparedQuery:
     """A fused cache ready to decode, plus what the answer reports."""
 
     fusion: FusionResult
     citations: list[Citation]
     timings: dict[str, float]
+    """Seconds: retrieve, load, fuse."""
     strategy: str
+    chunk_hashes: list[str] = field(default_factory=list)
+    """Token hashes of the fused chunks, in prompt order."""
     chunk_codes: list | None = None
     """Per chunk, its A2ATS codes under the engine's codebook (sparse a2ats only)."""
     recomputed_chunks: tuple[int, ...] = ()
@@ -164,16 +151,20 @@ class RagPipeline:
         strategy = config.fusion.build()
         result = strategy.fuse(self.engine.model, fusion_input, self.engine.chunk_prefix_cache(), config.generation.max_new_tokens)
         timings["fuse"] = time.perf_counter() - fuse_started
-        timings["ttft"] = timings["load"] + timings["fuse"]
-        timings["missing_chunks_recomputed"] = len(missing)
+        citations = self.cite(tenant, retrieved)
+        chunk_codes = sparse_chunk_codes(self.engine, config.sparse, chunks, stored)
+        hashes = [chunk.chunk_hash for _, chunk, _ in retrieved]
+        return PreparedQuery(result, citations, timings, strategy.name, hashes, chunk_codes, tuple(missing))
+
+    def cite(self, tenant: str, retrieved: list[tuple[DocumentRecord, ChunkRecord, float]]) -> list[Citation]:
+        """Citations of retrieved chunks, most relevant first."""
         texts: dict[str, str] = {}
         citations = []
         for record, chunk, score in reversed(retrieved):
             text = texts.get(record.doc_id) or texts.setdefault(record.doc_id, self.registry.text(tenant, record.doc_id))
             citations.append(Citation(record.doc_id, record.name, chunk.index, chunk.char_start, chunk.char_end, round(score, 4),
                                       text[chunk.char_start : chunk.char_end]))
-        chunk_codes = sparse_chunk_codes(self.engine, config.sparse, chunks, stored)
-        return PreparedQuery(result, citations, timings, strategy.name, chunk_codes, tuple(missing))
+        return citations
 
     def check_fits(self, layout: Layout, config: QueryConfig) -> None:
         """InputError unless the prompt and its answer fit the model's context, and SnapKV
@@ -196,43 +187,3 @@ class RagPipeline:
         fusion = prepared.fusion
         attention = sparse_attention(self.engine, config.sparse, fusion, prepared.chunk_codes)
         return self.engine.stream(fusion.cache, fusion.logits, config.generation, attention)
-
-    def ask(self, question: str, tenant: str = "default", config: QueryConfig = QueryConfig()) -> Answer:
-        prepared = self.prepare(question, tenant, config)
-        decode_started = time.perf_counter()
-        pieces, finish, generated = [], "length", 0
-        for event in self.stream(prepared, config):
-            pieces.append(event.text)
-            generated += 1
-            finish = event.finish_reason or finish
-        prepared.timings["decode"] = time.perf_counter() - decode_started
-        return Answer(
-            text="".join(pieces).strip(),
-            finish_reason=finish,
-            citations=prepared.citations,
-            usage=usage_of(prepared.fusion, generated, prepared.recomputed_chunks),
-            timings={k: round(v, 4) for k, v in prepared.timings.items()},
-            strategy=prepared.strategy,
-        )
-
-
-def chunk_rows_computed_here(fusion: FusionResult, recomputed_chunks: tuple[int, ...] | list[int]) -> int:
-    """Rows of chunks whose KV the store could not give (computed for this request) that
-    the fusion did not recompute itself: they were computed, not reused."""
-    final = set(fusion.final_rows.tolist())
-    rows = 0
-    for index in recomputed_chunks:
-        start, end = fusion.layout.chunk_spans[index]
-        rows += sum(1 for row in range(start, end) if row not in final)
-    return rows
-
-
-def usage_of(fusion: FusionResult, completion_tokens: int, recomputed_chunks: tuple[int, ...] = ()) -> dict[str, int]:
-    extra = chunk_rows_computed_here(fusion, recomputed_chunks)
-    return {
-        "prompt_tokens": fusion.layout.length,
-        "document_tokens": fusion.layout.num_document_tokens,
-        "reused_tokens": fusion.reused_tokens - extra,
-        "recomputed_tokens": fusion.recomputed_tokens + extra,
-        "completion_tokens": completion_tokens,
-    }

@@ -34,6 +34,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ragkv.app.query import ask
     from ragkv.app.rag import QueryConfig
     from ragkv.app.runtime import Runtime
     from ragkv.engine.generation import GenerationConfig
@@ -52,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         sparse=config_from_args(SparseConfig, args, prefix="sparse_") if args.sparse_selector else None,
     )
     with Runtime(runtime_config(args, show_progress=False), read_only=True) as runtime:
-        answer = runtime.rag.ask(args.question, args.tenant, query)
+        answer = ask(runtime.rag, args.question, args.tenant, query)
     if args.json:
         print(json.dumps(answer.to_dict(), indent=2))
         return 0
@@ -63,9 +64,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"[{number}] {citation.name} chunk {citation.chunk_index} (score {citation.score:.3f}): {snippet}...")
     t = answer.timings
     print(
-        f"\nstrategy {answer.strategy}: TTFT {t['ttft']:.2f} s (load {t['load']:.2f} s + fuse {t['fuse']:.2f} s), "
-        f"retrieve {t['retrieve']:.2f} s, decode {t['decode']:.2f} s; "
-        f"{answer.usage['reused_tokens']} tokens reused, {answer.usage['recomputed_tokens']} recomputed"
+        f"\nstrategy {answer.strategy}: TTFT {t['ttft']:.2f} s (retrieve {t['retrieve']:.2f} s, load {t['load']:.2f} s, "
+        f"fuse {t['fuse']:.2f} s), decode {t['decode']:.2f} s; {answer.usage.cached_tokens} of "
+        f"{answer.usage.prompt_tokens} prompt tokens cached, {answer.usage.recomputed_tokens} recomputed"
     )
     return 0
 

@@ -59,6 +59,10 @@ class Engine:
         self.model = CausalLM.load(self.model_dir, _DTYPES[config.dtype], config.device)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.prompt = ChatPrompt(self.tokenizer, config.system_prompt)
+        self.eos_token_ids = set(self.model.spec.eos_token_ids)
+        """Tokens that end an answer (the model config's and the tokenizer's)."""
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.storage_dtype = _DTYPES[config.kv_storage_dtype]
         self.chunk_prefix_ids = self.prompt.prefix_ids if config.precompute_prefix else []
         self.fingerprint = model_fingerprint(

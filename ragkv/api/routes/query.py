@@ -10,19 +10,19 @@ from fastapi.responses import StreamingResponse
 
 from ragkv.api.auth import tenant_of
 from ragkv.api.schemas import QueryRequest, generation_config, query_config
-from ragkv.api.service import TurnOutcome
+from ragkv.app.request import Completion
 from ragkv.api.state import app_state
 from ragkv.api.streaming import JobStream, run_job, sse, sse_events
-from ragkv.api.worker import Job
 
 router = APIRouter(tags=["query"])
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def outcome_body(query_id: str, outcome: TurnOutcome) -> dict:
-    return {"id": query_id, "object": "query", "answer": outcome.text, "finish_reason": outcome.finish_reason,
-            "strategy": outcome.strategy, "citations": outcome.citations, "usage": outcome.usage, "timings": outcome.timings}
+def outcome_body(query_id: str, completion: Completion) -> dict:
+    return {"id": query_id, "object": "query", "answer": completion.text, "finish_reason": completion.finish_reason,
+            "strategy": completion.strategy, "citations": [c.to_dict() for c in completion.citations],
+            "usage": completion.usage.to_dict(), "timings": completion.timings.to_dict()}
 
 
 @router.post("/v1/query")
@@ -36,10 +36,10 @@ async def query(request: Request, body: QueryRequest):
     generation = generation_config(body.max_tokens, body.temperature, body.top_p, body.seed, body.stop, limits)
     config = query_config(body, generation, limits)
     query_id = "q_" + uuid.uuid4().hex[:20]
-    job = Job("query", state.service.query_body(body.question, tenant, config))
+    job = state.service.query_job(body.question, tenant, config)
     started = time.perf_counter()
     if not body.stream:
-        outcome: TurnOutcome = await run_job(request, state.worker, job)
+        outcome: Completion = await run_job(request, state.worker, job)
         result = outcome_body(query_id, outcome)
         result["timings"]["total"] = round(time.perf_counter() - started, 4)
         return result
@@ -51,7 +51,7 @@ async def query(request: Request, body: QueryRequest):
             return [{"type": "token", "text": value}]
         return []
 
-    def finish(outcome: TurnOutcome):
+    def finish(outcome: Completion):
         result = outcome_body(query_id, outcome)
         result["timings"]["total"] = round(time.perf_counter() - started, 4)
         return [{"type": "done", **result}]
@@ -59,7 +59,9 @@ async def query(request: Request, body: QueryRequest):
     async def events():
         try:
             _, info = stream.first
-            yield sse({"type": "retrieval", "id": query_id, **info})
+            citations = [c.to_dict() for c in info["citations"]]
+            yield sse({"type": "retrieval", "id": query_id, "citations": citations, "strategy": info["strategy"],
+                       "timings": info["timings"]})
             async for chunk in sse_events(request, stream, render, finish):
                 yield chunk
         finally:

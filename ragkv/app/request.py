@@ -1,0 +1,154 @@
+"""A request's typed state as the scheduler moves it through its phases.
+
+    WAITING ─► PREPARING (retrieve, load, fuse / prefill: the request's `prepare`) ─►
+    DECODING (one row of the batched decode step per token) ─► FINISHED
+
+What a request produces goes to its `RequestSink` (the API's job, or a collector for the
+CLI): `started` once the first token's logits exist, `token` per piece of text,
+`finished` with the `Completion`, or `failed`. A sink whose client went away reports
+`cancelled`; the scheduler then drops the request and its cache.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from ragkv.app.detokenizer import Detokenizer
+from ragkv.app.usage import Timings, Usage
+from ragkv.engine.generation import GenerationConfig
+from ragkv.engine.kv_cache import KVCache
+from ragkv.engine.model import DecodeAttention
+from ragkv.engine.sampling import Sampler
+
+_ids = itertools.count(1)
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"
+    PREPARING = "preparing"
+    DECODING = "decoding"
+    FINISHED = "finished"
+
+
+class RequestCancelled(Exception):
+    """The request's client went away (or the server is stopping); its work was dropped."""
+
+
+class RequestSink(Protocol):
+    @property
+    def cancelled(self) -> bool: ...
+
+    def started(self, info: dict) -> None: ...
+
+    def token(self, text: str) -> None: ...
+
+    def finished(self, completion: "Completion") -> None: ...
+
+    def failed(self, error: BaseException) -> None: ...
+
+
+@dataclass
+class Prepared:
+    """A cache whose last row produced `logits`: what `prepare` hands the scheduler."""
+
+    cache: KVCache
+    logits: torch.Tensor
+    usage: Usage
+    strategy: str
+    citations: list = field(default_factory=list)
+    attention: DecodeAttention | None = None
+    """Sparse decode attention for this request; None = dense."""
+    info: dict = field(default_factory=dict)
+    """Extra fields reported with the first token and the completion (session, ...)."""
+
+
+@dataclass
+class Completion:
+    text: str
+    finish_reason: str
+    """'eos', 'stop' or 'length'."""
+    citations: list
+    usage: Usage
+    timings: Timings
+    strategy: str
+    info: dict = field(default_factory=dict)
+    token_ids: list[int] = field(default_factory=list)
+
+
+class Request:
+    def __init__(self, kind: str, prepare: Callable[["Request"], Prepared], generation: GenerationConfig,
+                 sink: RequestSink | None = None, *, estimated_tokens: int = 0, arrival: float | None = None,
+                 on_finished: Callable[["Request", Completion], None] | None = None,
+                 on_dropped: Callable[["Request"], None] | None = None):
+        self.id = next(_ids)
+        self.kind = kind
+        self.phase = Phase.WAITING
+        self.generation = generation
+        self.sink = sink
+        self.arrival = time.perf_counter() if arrival is None else arrival
+        self.estimated_tokens = estimated_tokens + generation.max_new_tokens
+        """KV rows the request may hold at most (prompt estimate + answer), for admission."""
+        self.timings = Timings()
+        self.prepared: Prepared | None = None
+        self.sampler = Sampler(generation.sampling)
+        self.detokenizer: Detokenizer | None = None
+        self.output_ids: list[int] = []
+        self.pending_logits: torch.Tensor | None = None
+        self._prepare = prepare
+        self._on_finished = on_finished
+        self._on_dropped = on_dropped
+        self._decode_started = 0.0
+
+    @property
+    def cache(self) -> KVCache | None:
+        return self.prepared.cache if self.prepared is not None else None
+
+    @property
+    def held_tokens(self) -> int:
+        """KV rows this request may grow to (its cache's rows plus what it may still decode)."""
+        if self.prepared is None:
+            return self.estimated_tokens
+        return self.prepared.cache.length + self.generation.max_new_tokens - len(self.output_ids)
+
+    def prepare(self, tokenizer) -> None:
+        self.phase = Phase.PREPARING
+        self.timings.queue = time.perf_counter() - self.arrival
+        self.prepared = self._prepare(self)
+        self.pending_logits = self.prepared.logits
+        self.detokenizer = Detokenizer(tokenizer, self.generation.stop)
+        self.phase = Phase.DECODING
+        self._decode_started = time.perf_counter()
+
+    def first_token_sent(self) -> None:
+        self.timings.ttft = time.perf_counter() - self.arrival
+
+    def finish(self, finish_reason: str) -> Completion:
+        prepared = self.prepared
+        self.phase = Phase.FINISHED
+        self.timings.decode = time.perf_counter() - self._decode_started
+        prepared.usage.completion_tokens = len(self.output_ids)
+        completion = Completion(self.detokenizer.text.strip(), finish_reason, prepared.citations, prepared.usage,
+                                self.timings, prepared.strategy, prepared.info, list(self.output_ids))
+        if self._on_finished is not None:
+            self._on_finished(self, completion)
+        self.release()
+        return completion
+
+    def drop(self) -> None:
+        """Cancelled or failed: undo what the request holds (session locks) and free its cache."""
+        self.phase = Phase.FINISHED
+        if self._on_dropped is not None:
+            self._on_dropped(self)
+        self.release()
+
+    def release(self) -> None:
+        self.prepared = None
+        self.pending_logits = None
+        self._on_dropped = self._on_finished = None
