@@ -146,6 +146,12 @@ class Service:
             raise as_api_error(error) from None
         return Job("query", request=request)
 
+    def _record_query(self, request: Request, completion: Completion) -> None:
+        self.metrics.ttft.labels("query", "fused").observe(completion.timings.ttft)
+        self.metrics.queue_wait.labels("query").observe(completion.timings.queue)
+        missing = completion.info.get("missing_chunks", 0)
+        self.metrics.record_usage(completion.usage, len(completion.citations) - missing, missing)
+
 
     # -- /v1/chat/completions -------------------------------------------------------
 
