@@ -29,7 +29,7 @@ def check_input_tokens(engine: Engine, text: str, limit: int | None, what: str) 
 
 
 def check_sparse(engine: Engine, config: QueryConfig) -> None:
-    if config.sparse is not None and config.sparse.selector == "a2ats" and engine.codebook is None:
+    if config.sparse is not None and config.sparse.name == "a2ats" and engine.codebook is None:
         raise InputError("no_codebook", "the a2ats selector needs an A2ATS codebook for this model, and there is none "
                          "(run `ragkv calibrate`); choose another selector")
 
