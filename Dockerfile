@@ -5,10 +5,12 @@
 # is not 30 s slower) and the packaged MiniLM embedder: nothing is downloaded at run time.
 FROM python:3.11-slim
 
-# torch: the CPU build. Pass --build-arg TORCH_INDEX=<the PyTorch CPU wheel index URL> to
-# fetch it from there instead of PyPI's default (which also pulls the CUDA libraries).
+# torch: the CPU build by default. PyPI's Linux torch wheel pulls the CUDA libraries
+# (gigabytes), so the default index is PyTorch's CPU-only one. For a CUDA image pass
+# --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu126 (or "" for PyPI's default).
 ARG TORCH_VERSION=2.13.0
-ARG TORCH_INDEX=
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+ARG RAGKV_UID=10001
 
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -30,9 +32,15 @@ COPY examples examples
 RUN pip install . \
  && python -c "from ragkv.engine.model_files import resolve_model_dir; print(resolve_model_dir(None))"
 
+# Run as an unprivileged user; it owns only the data folder and the model cache.
+RUN useradd --system --uid "$RAGKV_UID" --create-home --home-dir /home/ragkv ragkv \
+ && mkdir -p /data \
+ && chown -R ragkv:ragkv /data /opt/ragkv-cache
+USER ragkv
+
 VOLUME /data
 EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
     CMD python -c "import httpx, sys; sys.exit(httpx.get('http://127.0.0.1:8000/health', timeout=4).status_code != 200)"
-# Override the store/session flags in docker-compose.yml (Redis tier, API keys).
+# Options come from a config file ($RAGKV_CONFIG, see deploy/ragkv.toml) or flags.
 CMD ["ragkv", "serve", "--host", "0.0.0.0", "--port", "8000"]

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 from collections.abc import Iterator
 from contextlib import asynccontextmanager
 from urllib.parse import parse_qsl, urlsplit
 
 from fastapi import FastAPI
 
+from ragkv.api.access_log import AccessLogMiddleware
 from ragkv.api.auth import Authenticator, load_api_keys
 from ragkv.api.config import ServeConfig
 from ragkv.api.errors import install_error_handlers
@@ -110,8 +110,8 @@ def create_app(config: ServeConfig = ServeConfig()) -> FastAPI:
         state.worker.start()
         app.state.ragkv = state
         tenants = ", ".join(sorted(authenticator.tenants)) if authenticator.enabled else "default (no API keys)"
-        print(f"ragkv: serving {state.model_id} on http://{config.host}:{config.port}; store {state.runtime.store.backend}, "
-              f"sessions {state.sessions.backend}, tenants {tenants}", file=sys.stderr, flush=True)
+        log.info(f"serving {state.model_id} on http://{config.host}:{config.port}; store {state.runtime.store.backend}, "
+                 f"registry {state.runtime.registry.backend}, sessions {state.sessions.backend}, tenants {tenants}")
         try:
             yield
         finally:
@@ -129,4 +129,6 @@ def create_app(config: ServeConfig = ServeConfig()) -> FastAPI:
     app.add_middleware(ServingMiddleware, metrics=metrics, authenticator=authenticator,
                        max_body_bytes=int(config.max_body_kb * 1024),
                        max_document_body_bytes=int(config.max_document_body_mb * (1 << 20)))
+    if config.access_log:
+        app.add_middleware(AccessLogMiddleware)  # outermost: sees the request id and tenant set inside
     return app

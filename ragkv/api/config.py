@@ -50,6 +50,11 @@ class ServeConfig:
     is prepared only when its estimate fits."""
     max_queued: int = 64
     """Requests waiting for the model worker; beyond this the API answers 503."""
+    access_log: bool = True
+    """Log one line per request (method, path, status, latency, request id, tenant) on the
+    ragkv.access logger, whatever --log-level is."""
+    log_format: str = "text"
+    """text, or json: one JSON object per line (access-log fields as keys)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -62,5 +67,7 @@ class ServeConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.background_ingest_bytes < 0:
             raise ValueError("background_ingest_bytes must be >= 0")
+        if self.log_format not in ("text", "json"):
+            raise ValueError(f"log_format must be 'text' or 'json', got {self.log_format!r}")
         if self.session_store not in (None, "memory") and not self.session_store.startswith(("redis://", "rediss://")):
             raise ValueError("session_store must be 'memory' or a redis:// URL")

@@ -13,6 +13,9 @@ def add_store_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("store")
     group.add_argument("--data-dir", type=Path, default=None, help="data folder (default: $RAGKV_HOME or ~/.ragkv)")
     group.add_argument("--store", default=None, help="chunk store URL (default: lmdb://<data-dir>/db)")
+    group.add_argument("--registry", default=None,
+                       help="document registry URL, e.g. redis://HOST:6379/2 to share documents between hosts "
+                            "(default: $RAGKV_REGISTRY, else the data folder's LMDB)")
     group.add_argument("--tenant", default="default", help="tenant whose documents are used (default: default)")
 
 
@@ -38,7 +41,12 @@ def storage_config(args: argparse.Namespace):
     """Where the data is, for commands that do not load the model (imports no model code)."""
     from ragkv.app.storage import StorageConfig, default_data_dir
 
-    return StorageConfig(data_dir=args.data_dir or default_data_dir(), store_url=args.store)
+    return StorageConfig(data_dir=args.data_dir or default_data_dir(), store_url=args.store, **_registry(args))
+
+
+def _registry(args: argparse.Namespace) -> dict:
+    """registry_url only when given: otherwise the config's default ($RAGKV_REGISTRY) holds."""
+    return {"registry_url": args.registry} if args.registry else {}
 
 
 def runtime_config(args: argparse.Namespace, **ingest_overrides):
@@ -49,6 +57,7 @@ def runtime_config(args: argparse.Namespace, **ingest_overrides):
     return RuntimeConfig(
         data_dir=args.data_dir or default_data_dir(),
         store_url=args.store,
+        **_registry(args),
         engine=config_from_args(EngineConfig, args),
         ingest=config_from_args(IngestConfig, args, **ingest_overrides),
     )

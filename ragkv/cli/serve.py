@@ -27,7 +27,8 @@ def configure(serve: argparse.ArgumentParser) -> None:
     add_config_options(serve.add_argument_group("server"), ServeConfig)
     serve.add_argument("--api-keys", type=Path, default=None, dest="api_keys_file",
                        help='JSON file {"key": "tenant", ...}; also $RAGKV_API_KEYS="key:tenant,..." (default: no keys)')
-    serve.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
+    serve.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                       help="level of the server's own logs (default: info); the access log has its own switch")
     bench = serve.add_argument_group("bench (ragkv serve bench)")
     bench.add_argument("--url", default=None, help="benchmark this running server instead of starting one")
     bench.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16], help="concurrency levels (default: 1 4 16)")
@@ -52,11 +53,15 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from ragkv.api.app import create_app
+    from ragkv.cli.logs import configure_logging
 
     config = serve_config(args)
+    configure_logging(args.log_level, config.log_format, access_log=config.access_log)
     app = create_app(config)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level, timeout_graceful_shutdown=10,
-                access_log=args.log_level in ("info", "debug"))
+    # log_config=None: uvicorn keeps the handlers set above (text or JSON); its access log
+    # is off because ragkv.access logs the same requests with request id and tenant.
+    uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level, log_config=None,
+                timeout_graceful_shutdown=10, access_log=False)
     return 0
 
 

@@ -1,0 +1,110 @@
+"""Two replicas sharing one corpus: two real `ragkv serve` processes with their own data
+folders (as on two hosts) and one real redis-server holding the chunk tier (db 0), the
+document registry (db 1) and the chat sessions (db 2).
+
+A document ingested through one replica is listed, retrieved, cited and deleted through
+the other; a chat session started on one continues on the other.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from ragkv.api.launcher import ServerProcess
+from redis_server import RedisServer
+
+pytestmark = [pytest.mark.model, pytest.mark.redis]
+
+TEXT = ("The Tidewater Ferry between Marsh Harbor and Eel Island was launched in 1911. Its captain, "
+        "Ada Quillfeather, kept the ferry running through the great storm of 1923. The crossing takes "
+        "forty minutes and the ferry carries twelve cars.")
+QUESTION = "Who was the captain of the Tidewater Ferry?"
+
+
+def _replica(root: Path, name: str, redis_url: str) -> ServerProcess:
+    base = redis_url.rsplit("/", 1)[0]
+    data = root / name
+    return ServerProcess(["--data-dir", str(data), "--store", f"tiered+lmdb://{data}/db?redis={base}/0",
+                          "--registry", f"{base}/1", "--session-store", f"{base}/2", "--log-format", "json"],
+                         log_path=root / f"{name}.log")
+
+
+def _json_log(server: ServerProcess) -> list[dict]:
+    return [json.loads(line) for line in server.log_path.read_text().splitlines() if line.startswith("{")]
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory):
+    root = tmp_path_factory.mktemp("replicas")
+    redis_server = RedisServer()
+    redis_server.start()
+    servers = [_replica(root, name, redis_server.url) for name in ("a", "b")]
+    errors: list[BaseException] = []
+
+    def start(server: ServerProcess) -> None:
+        try:
+            server.start()
+        except BaseException as error:  # reported below, after both have finished starting
+            errors.append(error)
+
+    threads = [threading.Thread(target=start, args=(server,)) for server in servers]  # load the model in parallel
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    try:
+        if errors:
+            raise errors[0]
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
+        redis_server.cleanup()
+
+
+def test_a_document_ingested_on_one_replica_is_answered_with_citations_on_the_other(replicas):
+    a, b = replicas
+    with httpx.Client(base_url=a.url, timeout=180) as http_a, httpx.Client(base_url=b.url, timeout=180) as http_b:
+        created = http_a.post("/v1/documents", json={"text": TEXT, "name": "ferry.txt"})
+        assert created.status_code == 201, created.text
+        doc_id = created.json()["document"]["id"]
+        assert [doc["id"] for doc in http_b.get("/v1/documents").json()["data"]] == [doc_id]
+        assert http_b.get(f"/v1/documents/{doc_id}", params={"include_text": "true"}).json()["text"] == TEXT
+
+        answered = http_b.post("/v1/query", json={"question": QUESTION, "top_k": 1, "max_tokens": 4})
+        assert answered.status_code == 200, answered.text
+        body = answered.json()
+        citation = body["citations"][0]
+        assert citation["document_id"] == doc_id and "Quillfeather" in citation["text"]
+        assert body["usage"]["reused_tokens"] > 0  # replica A's chunk KV, read from the shared Redis tier
+
+        assert http_b.delete(f"/v1/documents/{doc_id}").status_code == 200
+        assert http_a.get("/v1/documents").json()["data"] == []
+        assert http_a.get(f"/v1/documents/{doc_id}").status_code == 404
+
+    started = next(entry for entry in _json_log(a) if entry["message"].startswith("serving"))
+    assert "registry redis" in started["message"] and "sessions redis" in started["message"]
+    access = next(entry for entry in _json_log(a) if entry.get("request_id") == created.headers["x-request-id"])
+    assert access["logger"] == "ragkv.access" and (access["method"], access["path"], access["status"]) == (
+        "POST", "/v1/documents", 201) and access["tenant"] == "default" and access["latency_ms"] > 0
+
+
+def test_a_chat_session_started_on_one_replica_continues_on_the_other(replicas):
+    a, b = replicas
+    with httpx.Client(base_url=a.url, timeout=180) as http:
+        assert http.post("/v1/documents", json={"text": TEXT, "name": "ferry.txt"}).status_code == 201
+    first = openai.OpenAI(base_url=a.url + "/v1", api_key="unused", max_retries=0).chat.completions.create(
+        model="ragkv", max_tokens=4, extra_body={"rag": {"top_k": 1}},
+        messages=[{"role": "user", "content": QUESTION}])
+    assert first.rag["turn"] == 1 and first.rag["citations"][0]["name"] == "ferry.txt"
+    second = openai.OpenAI(base_url=b.url + "/v1", api_key="unused", max_retries=0).chat.completions.create(
+        model="ragkv", max_tokens=4, extra_body={"session_id": first.session_id, "rag": {"enabled": False}},
+        messages=[{"role": "user", "content": "In which year was it launched?"}])
+    assert second.session_id == first.session_id and second.rag["turn"] == 2
+    assert second.usage.reused_tokens >= first.usage.prompt_tokens  # turn 1's KV, from the shared session store
