@@ -61,7 +61,7 @@ def replicas(tmp_path_factory):
     try:
         if errors:
             raise errors[0]
-        yield servers
+        yield servers, redis_server
     finally:
         for server in servers:
             server.stop()
@@ -69,7 +69,7 @@ def replicas(tmp_path_factory):
 
 
 def test_a_document_ingested_on_one_replica_is_answered_with_citations_on_the_other(replicas):
-    a, b = replicas
+    (a, b), _ = replicas
     with httpx.Client(base_url=a.url, timeout=180) as http_a, httpx.Client(base_url=b.url, timeout=180) as http_b:
         created = http_a.post("/v1/documents", json={"text": TEXT, "name": "ferry.txt"})
         assert created.status_code == 201, created.text
@@ -96,7 +96,7 @@ def test_a_document_ingested_on_one_replica_is_answered_with_citations_on_the_ot
 
 
 def test_a_chat_session_started_on_one_replica_continues_on_the_other(replicas):
-    a, b = replicas
+    (a, b), _ = replicas
     with httpx.Client(base_url=a.url, timeout=180) as http:
         assert http.post("/v1/documents", json={"text": TEXT, "name": "ferry.txt"}).status_code == 201
     first = openai.OpenAI(base_url=a.url + "/v1", api_key="unused", max_retries=0).chat.completions.create(
@@ -108,3 +108,21 @@ def test_a_chat_session_started_on_one_replica_continues_on_the_other(replicas):
         messages=[{"role": "user", "content": "In which year was it launched?"}])
     assert second.session_id == first.session_id and second.rag["turn"] == 2
     assert second.usage.reused_tokens >= first.usage.prompt_tokens  # turn 1's KV, from the shared session store
+
+
+def test_registry_down_is_a_503_and_a_degraded_health(replicas):
+    (a, _), redis_server = replicas
+    redis_server.stop()
+    try:
+        with httpx.Client(base_url=a.url, timeout=60) as http:
+            listed = http.get("/v1/documents")
+            assert listed.status_code == 503 and listed.json()["error"]["code"] == "registry_unavailable"
+            assert "Traceback" not in listed.text
+            health = http.get("/health").json()
+            assert health["status"] == "degraded" and health["registry"] == {"backend": "redis", "redis_up": False}
+            assert any(problem.startswith("registry:") for problem in health["problems"])
+            assert 'ragkv_redis_up{role="registry"} 0.0' in http.get("/metrics").text
+    finally:
+        redis_server.start()
+    with httpx.Client(base_url=a.url, timeout=60) as http:
+        assert http.get("/v1/documents").status_code == 200  # reconnected (the test server keeps no data)

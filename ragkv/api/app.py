@@ -71,7 +71,10 @@ def _readings(state: AppState) -> Iterator[Reading]:
     yield "gauge", "ragkv_sessions", "Chat sessions in this process's memory", {}, sessions["sessions"]
     yield "gauge", "ragkv_session_bytes", "Bytes of session KV in this process's memory", {}, sessions["bytes"]
     yield "counter", "ragkv_sessions_evicted", "Sessions dropped from memory for space", {}, sessions["evicted"]
-    degraded = (redis_up and not all(redis_up)) or sessions.get("redis_up") is False
+    registry_up = state.runtime.registry.healthy()
+    if registry_up is not None:
+        yield "gauge", "ragkv_redis_up", "1 if Redis answers PING", {"role": "registry"}, float(registry_up)
+    degraded = (redis_up and not all(redis_up)) or sessions.get("redis_up") is False or registry_up is False
     yield "gauge", "ragkv_degraded", "1 while a fallback is in use (Redis unreachable)", {}, float(bool(degraded))
     for status, count in state.jobs.counts().items():
         yield "gauge", "ragkv_ingest_jobs", "Ingestion jobs by status", {"status": status}, count

@@ -17,7 +17,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ragkv.api.responses import SafeJSONResponse
-from ragkv.ingest.errors import InputError, NotFoundError
+from ragkv.ingest.errors import InputError, NotFoundError, RegistryUnavailableError
 
 _TYPES = {
     400: "invalid_request_error",
@@ -76,6 +76,9 @@ def as_api_error(error: BaseException) -> ApiError | None:
     if isinstance(error, InputError):
         status = 413 if error.reason == "too_large" else 400
         return ApiError(status, error.reason, str(error))
+    if isinstance(error, RegistryUnavailableError):
+        return ApiError(503, "registry_unavailable", f"the document registry is unreachable; retry shortly: {error}",
+                        headers={"Retry-After": "5"})
     return None
 
 
@@ -126,6 +129,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(NotFoundError)
     async def _not_found(request: Request, error: NotFoundError) -> SafeJSONResponse:
+        return await _api_error(request, as_api_error(error))
+
+    @app.exception_handler(RegistryUnavailableError)
+    async def _registry_down(request: Request, error: RegistryUnavailableError) -> SafeJSONResponse:
         return await _api_error(request, as_api_error(error))
 
     @app.exception_handler(ClientGone)

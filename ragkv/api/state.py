@@ -41,6 +41,7 @@ class AppState:
         """Component status; pings Redis (blocking: call from a thread)."""
         store_redis = [tier.healthy() for tier in self.redis_stores()]
         sessions_redis = self.sessions.healthy() if isinstance(self.sessions, RedisSessions) else None
+        registry_up = self.runtime.registry.healthy()
         problems = []
         if not self.worker.alive:
             problems.append("the model worker has stopped")
@@ -48,6 +49,10 @@ class AppState:
             fallback = ("chunks are read from LMDB" if isinstance(self.runtime.store, TieredStore)
                         else "chunks are recomputed from the document text")
             problems.append(f"chunk store: redis is unreachable; {fallback}")
+        if registry_up is False:
+            # "degraded", not "unavailable": every replica shares the registry, so taking this
+            # one out of rotation (or restarting it) would not help.
+            problems.append("registry: redis is unreachable; documents cannot be listed, ingested or retrieved")
         if sessions_redis is False:
             problems.append("sessions: redis is unreachable; sessions are kept in this process only")
         status = "unavailable" if not self.worker.alive else ("degraded" if problems else "ok")
@@ -58,6 +63,7 @@ class AppState:
             "fingerprint": self.runtime.engine.fingerprint,
             "uptime_s": round(time.time() - self.started, 1),
             "store": {"backend": self.runtime.store.backend, "redis_up": (all(store_redis) if store_redis else None)},
+            "registry": {"backend": self.runtime.registry.backend, "redis_up": registry_up},
             "sessions": {"backend": self.sessions.backend, "redis_up": sessions_redis},
             "worker": {"alive": self.worker.alive, "queued": self.worker.queued, "active": self.worker.active},
         }

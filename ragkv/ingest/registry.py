@@ -146,6 +146,10 @@ class Registry(ABC):
     def close(self) -> None:
         """Release what the backend holds (connections; an environment it opened)."""
 
+    def healthy(self) -> bool | None:
+        """Whether the registry's server answers; None for an embedded backend (no server)."""
+        return None
+
     # -- retrieval -------------------------------------------------------------------
 
     @abstractmethod

@@ -161,6 +161,12 @@ class RedisRegistry(Registry):
     def close(self) -> None:
         self._client.close()
 
+    def healthy(self) -> bool:
+        try:
+            return bool(self._client.ping())
+        except redis.RedisError:
+            return False
+
     # -- retrieval -------------------------------------------------------------------
 
     def _embeddings(self, tenant: str) -> tuple[int, list[tuple[str, int]], np.ndarray]:
