@@ -82,7 +82,7 @@ def test_a_document_ingested_on_one_replica_is_answered_with_citations_on_the_ot
         body = answered.json()
         citation = body["citations"][0]
         assert citation["document_id"] == doc_id and "Quillfeather" in citation["text"]
-        assert body["usage"]["reused_tokens"] > 0  # replica A's chunk KV, read from the shared Redis tier
+        assert body["usage"]["cached_tokens"] > 0  # replica A's chunk KV, read from the shared Redis tier
 
         assert http_b.delete(f"/v1/documents/{doc_id}").status_code == 200
         assert http_a.get("/v1/documents").json()["data"] == []
