@@ -263,3 +263,5 @@ def test_cpu_path_matches_reference(dtype, ragged, capacity):
     ref_out, ref_lse = reference.sparse_decode_attention(q, k, v, indices, 0.125, lengths)
     torch.testing.assert_close(out, ref_out, **TOL[dtype])
     torch.testing.assert_close(lse, ref_lse, **LSE_TOL)
+    alone = sparse_decode_attention(q, k, v, indices, 0.125, lengths, backend="torch")  # the path without lse
+    torch.testing.assert_close(alone, ref_out, **TOL[dtype])

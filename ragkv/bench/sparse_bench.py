@@ -1,7 +1,12 @@
 """`ragkv bench sparse`: retrieval-based sparse decode selectors against dense decode.
 
-Quality, per example (prompt = [prefix | passages | question], plain prefill): every
-selector decodes its own answer greedily; at every step, layer and KV head its choice
+Quality, per example: the prompt is [prefix | passages | question], built the way users
+get it (path 'user', the default): every passage is encoded as ingestion stores it
+(pre-RoPE K/V and its A2ATS codes, through the store's blob format), the chunks are fused
+with the question by the fusion strategy (default a3), and the selector reads the stored
+codes for every row the fusion reused (fresh codes only for recomputed, prefix and
+question rows), as the query path does. Path 'prefill' uses a plain prefill instead.
+Every selector decodes its own answer greedily; at every step, layer and KV head its choice
 is compared with the oracle's (the top-k rows by exact attention mass, summed over the
 head's query heads) among the same candidate rows:
 
@@ -46,7 +51,11 @@ from ragkv.bench.metrics import token_f1
 from ragkv.engine import Engine
 from ragkv.engine.generation import GenerationConfig
 from ragkv.engine.kv_cache import KVCache
+from ragkv.fusion import FusionConfig, FusionInput, FusionResult
+from ragkv.fusion.layout import LoadedChunk
 from ragkv.sparse import PromptState, SparseConfig, selector_names
+from ragkv.sparse.wiring import sparse_attention, sparse_chunk_codes
+from ragkv.store.blob import decode_blob, encode_blob
 from ragkv.sparse.base import Selector
 from ragkv.sparse.oracle import attention_mass
 
@@ -118,22 +127,65 @@ def selector_config(spec: str, budget: float, base: SparseConfig = SparseConfig(
     return dataclasses.replace(base, selector=selector, budget=budget, **values)
 
 
+def ingested_chunks(engine: Engine, example: Example) -> tuple[list[LoadedChunk], list[dict]]:
+    """Each passage as the store holds it after ingestion (encoded, through the blob format),
+    and as the query path loads it."""
+    stored = [decode_blob(encode_blob(engine.encode_chunk(ids))).tensors
+              for ids in (engine.tokenize(passage) for passage in example.passages) if ids]
+    return [LoadedChunk(t["tokens"].tolist(), t["keys"], t["values"]) for t in stored], stored
+
+
+class UserPrompt:
+    """One example's fused prompt on the user path: built once, each selector decodes a copy."""
+
+    def __init__(self, engine: Engine, example: Example, fusion: str, extra: int):
+        self.engine, self.extra = engine, extra
+        segments = engine.prompt.rag_segments(example.question)
+        self.chunks, self.stored = ingested_chunks(engine, example)
+        fusion_input = FusionInput(segments.prefix_ids, self.chunks, segments.question_ids, len(engine.chunk_prefix_ids),
+                                   segments.question_text_span)
+        self.result: FusionResult = FusionConfig(strategy=fusion).build().fuse(
+            engine.model, fusion_input, engine.chunk_prefix_cache(), extra)
+        self.cache, self.logits = self.result.cache, self.result.logits
+
+    def attention(self, config: SparseConfig, cache: KVCache):
+        codes = sparse_chunk_codes(self.engine, config, self.chunks, self.stored)
+        return sparse_attention(self.engine, config, dataclasses.replace(self.result, cache=cache), codes)
+
+
+class PrefillPrompt:
+    """One example's prompt as a plain prefill of [prefix | passages | question]."""
+
+    def __init__(self, engine: Engine, example: Example, extra: int):
+        self.engine = engine
+        self.ids, self.prefix_len, self.question_start = rag_prompt(engine, example)
+        self.cache, self.logits = engine.prefill(self.ids, extra)
+
+    def attention(self, config: SparseConfig, cache: KVCache):
+        return build(config, self.engine, cache, self.ids, self.prefix_len, self.question_start)
+
+
+PATHS = ("user", "prefill")
+
+
 def run_quality(engine: Engine, examples: Sequence[Example], configs: dict[str, SparseConfig], max_new_tokens: int,
-                progress: Callable[[str], None]) -> dict:
+                progress: Callable[[str], None], path: str = "user", fusion: str = "a3") -> dict:
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     model = engine.model
     rows: dict[str, dict[str, list[float]]] = {name: {"recall": [], "mass_recall": [], "kept_mass": [], "f1_dense": [], "f1_gold": []}
                                                for name in configs}
     prompt_tokens = []
     for number, example in enumerate(examples, start=1):
-        ids, prefix_len, question_start = rag_prompt(engine, example)
-        prompt_tokens.append(len(ids))
-        progress(f"quality: example {number}/{len(examples)} ({len(ids)} tokens): prefill")
-        cache, logits = engine.prefill(ids, max_new_tokens + 1)
+        progress(f"quality: example {number}/{len(examples)}: {'fusion ' + fusion if path == 'user' else 'prefill'}")
+        prompt = UserPrompt(engine, example, fusion, max_new_tokens + 1) if path == "user" else PrefillPrompt(engine, example, max_new_tokens + 1)
+        cache, logits = prompt.cache, prompt.logits
+        prompt_tokens.append(cache.length)
         dense_answer = decode_answer(engine, cache.clone(max_new_tokens + 1), logits, None, max_new_tokens)
         for name, config in configs.items():
             progress(f"quality: example {number}/{len(examples)}: {name}")
             work = cache.clone(max_new_tokens + 1)
-            attention = build(config, engine, work, ids, prefix_len, question_start)
+            attention = prompt.attention(config, work)
             meter = RecallMeter(model.scale)
             attention.observer = meter
             answer = decode_answer(engine, work, logits, attention, max_new_tokens)
@@ -146,7 +198,8 @@ def run_quality(engine: Engine, examples: Sequence[Example], configs: dict[str, 
         rows.setdefault("_dense_gold", {"f1_gold": []})["f1_gold"].append(token_f1(dense_answer, example.answers))
     summary = {name: {key: mean([v for v in values if not math.isnan(v)]) for key, values in row.items()}
                for name, row in rows.items() if not name.startswith("_")}
-    return {"examples": len(examples), "prompt_tokens": mean(prompt_tokens),
+    return {"examples": len(examples), "path": path, "fusion": fusion if path == "user" else None,
+            "prompt_tokens": mean(prompt_tokens),
             "dense_f1_gold": mean(rows["_dense_gold"]["f1_gold"]) if "_dense_gold" in rows else float("nan"),
             "selectors": summary}
 
@@ -266,8 +319,8 @@ def aux_memory(engine: Engine, configs: dict[str, SparseConfig], examples: Seque
 
 def run_sparse_bench(engine: Engine, examples: Sequence[Example], speed_examples: Sequence[Example], *, selectors: Sequence[str],
                      budget: float, base: SparseConfig = SparseConfig(), context_lengths: Sequence[int] = (2048, 4096, 8192),
-                     max_new_tokens: int = 32, timing_steps: int = 16, warmup_steps: int = 2,
-                     progress: Callable[[str], None] = lambda message: None) -> dict:
+                     max_new_tokens: int = 32, timing_steps: int = 16, warmup_steps: int = 2, path: str = "user",
+                     fusion: str = "a3", progress: Callable[[str], None] = lambda message: None) -> dict:
     configs = {name: selector_config(name, budget, base) for name in selectors}
     results = {
         "budget": budget,
@@ -277,7 +330,7 @@ def run_sparse_bench(engine: Engine, examples: Sequence[Example], speed_examples
         "memory": aux_memory(engine, configs, examples or speed_examples),
     }
     if examples:
-        results["quality"] = run_quality(engine, examples, configs, max_new_tokens, progress)
+        results["quality"] = run_quality(engine, examples, configs, max_new_tokens, progress, path, fusion)
     if context_lengths:
         results["speed"] = run_speed(engine, speed_examples, configs, context_lengths, timing_steps, warmup_steps, progress)
     return results
@@ -299,7 +352,7 @@ def format_table(results: dict) -> str:
     if "quality" in results:
         q = results["quality"]
         lines.append(f"budget {results['budget']} (sinks {results['sinks']} + window {results['window']} included); "
-                     f"{q['examples']} examples, {q['prompt_tokens']:.0f} prompt tokens on average; dense F1 gold {q['dense_f1_gold']:.3f}")
+                     f"path {q.get('path')} {q.get('fusion') or ''}; {q['examples']} examples, {q['prompt_tokens']:.0f} prompt tokens on average; dense F1 gold {q['dense_f1_gold']:.3f}")
     lines.append(header)
     for name in names:
         row = quality.get(name, {})

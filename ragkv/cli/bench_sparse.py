@@ -32,6 +32,10 @@ def configure(sparse: argparse.ArgumentParser) -> None:
     sparse.add_argument("--codebook-size", type=int, default=1024,
                         help="A2ATS centroids when the bench calibrates (no stored codebook)")
     sparse.add_argument("--calibration-tokens", type=int, default=8192)
+    sparse.add_argument("--path", choices=("user", "prefill"), default="user",
+                        help="quality prompts: 'user' = passages encoded as ingestion stores them (codes included) "
+                             "and fused by --fusion; 'prefill' = a plain prefill (default: user)")
+    sparse.add_argument("--fusion", default="a3", help="fusion strategy spec for --path user (default: a3)")
     sparse.add_argument("--json", type=Path, default=None, help="write all figures to this file")
     add_common_options(sparse)
 
@@ -62,7 +66,7 @@ def run(args: argparse.Namespace) -> dict:
     results = run_sparse_bench(
         engine, examples, everything, selectors=args.selectors, budget=args.budget,
         context_lengths=args.context_lengths or (), max_new_tokens=args.max_new_tokens,
-        timing_steps=args.timing_steps, progress=_progress,
+        timing_steps=args.timing_steps, path=args.path, fusion=args.fusion, progress=_progress,
     )
     print(format_table(results))
     return results

@@ -66,7 +66,7 @@ def sparse_decode_attention(
     kernels = ("triton",) if q.dtype == torch.float32 else ("triton", "flashinfer")
     chosen = select_backend("sparse_decode_attention", backend, device, kernels=kernels)
     if chosen == "torch":
-        out, lse = torch_cpu.sparse_decode_attention(q, k_cache, v_cache, indices, scale, lengths)
+        out, lse = torch_cpu.sparse_decode_attention(q, k_cache, v_cache, indices, scale, lengths, need_lse=return_lse)
     elif chosen == "flashinfer":
         from ragkv.kernels.flashinfer.sparse_attention import sparse_decode_flashinfer
 

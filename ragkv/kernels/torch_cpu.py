@@ -57,15 +57,20 @@ def gather_rows(cache: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
 
 def sparse_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, indices: torch.Tensor, scale: float,
-    lengths: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference's result (out [Hq, D], lse [Hq] float32) from flat row lookups and two
-    batched products in float32 (16-bit CPU matmuls are slower than the upcast)."""
+    lengths: torch.Tensor | None, need_lse: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The reference's result (out [Hq, D], lse [Hq] float32, or None without need_lse) from
+    flat row lookups, in float32 (16-bit CPU matmuls are slower than the upcast). Without
+    lse and ragged lengths it is one fused SDPA call over the gathered rows."""
     hq, d = q.shape
     hkv, num_sel = indices.shape
     group = hq // hkv
     keys = gather_rows(k_cache, indices).float()
     values = gather_rows(v_cache, indices).float()
+    if not need_lse and lengths is None:
+        out = F.scaled_dot_product_attention(q.view(1, hq, 1, d).float(), keys[None], values[None], scale=scale,
+                                             enable_gqa=True)
+        return out.view(hq, d).to(q.dtype), None
     logits = torch.bmm(q.view(hkv, group, d).float(), keys.transpose(1, 2)).mul_(scale)
     if lengths is not None:
         unused = torch.arange(num_sel, device=q.device) >= lengths.view(hkv, 1, 1)
