@@ -217,3 +217,20 @@ def test_logit_aggregation_uses_the_code_kernel_consistently(model, codebook, pr
     expected = scores.topk(k).indices + start
     for head in range(heads):
         assert set(chosen[head].tolist()) == set(expected[head].tolist())
+
+
+def test_a2ats_rerank_keeps_the_most_mass_among_its_candidates(model, codebook, prompt_ids):
+    """With rerank, the kept rows are the exact-mass top k of the candidates the codes
+    picked; with every row a candidate that is the oracle's choice."""
+    cache, _ = prefilled(model, prompt_ids)
+    q = torch.randn(model.spec.num_heads, 1, model.spec.head_dim, generator=torch.Generator().manual_seed(5))
+    chosen = {}
+    for spec in ("oracle", f"a2ats:rerank={ROWS}"):
+        attention = SparseConfig(selector=spec, budget=40, sinks=2, window=6).build(
+            PromptState.from_prefill(model, cache, prompt_ids, 3, ROWS - 12), codebook)
+        attention.observer = lambda layer, q_, c, indices, start, end, s=spec: chosen.update({s: indices})
+        attention(1, q, cache, model.scale)
+    for head in range(model.spec.num_kv_heads):
+        assert set(chosen["oracle"][head].tolist()) == set(chosen[f"a2ats:rerank={ROWS}"][head].tolist())
+    with pytest.raises(ValueError, match="rerank"):
+        SparseConfig(selector="a2ats:rerank=0.5")

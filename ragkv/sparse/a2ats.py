@@ -24,6 +24,7 @@ decoded rows get fresh codes from their cached keys rotated back by their positi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -44,6 +45,14 @@ class A2ATSOptions(SelectorOptions):
     mean_key: bool = True
     """Score the calibration mean key with its exact RoPE and only the residual (k - mean)
     with WRoPE; False = plain WRoPE on the whole key (the paper's form)."""
+    rerank: float = 0.0
+    """0 = off. Otherwise the codes pick rerank x k candidates and the k kept are the ones
+    with the most exact attention mass among them: a step then also reads the keys
+    (not the values) of (rerank - 1) x k rows beyond the budget."""
+
+    def __post_init__(self) -> None:
+        if self.rerank != 0 and not (self.rerank >= 1 and math.isfinite(self.rerank)):
+            raise ValueError(f"a2ats rerank must be 0 (off) or a finite factor >= 1, got {self.rerank}")
 
     def attach(self, config, prompt, codebook) -> "A2ATS":
         return A2ATS(config, prompt, codebook)
@@ -100,6 +109,14 @@ class A2ATS(Selector):
         return q[:, 0] * cos + torch.cat((-x2, x1), dim=-1) * sin
 
     def select(self, layer: int, q: torch.Tensor, cache: KVCache, start: int, end: int, k: int) -> torch.Tensor:
+        if self.options.rerank:
+            candidates = min(end - start, math.ceil(self.options.rerank * k))
+            rows = self.approximate_rows(layer, q, cache, start, end, candidates)
+            return self.exact_rerank(layer, q, cache, start, end, rows, k)
+        return self.approximate_rows(layer, q, cache, start, end, k)
+
+    def approximate_rows(self, layer: int, q: torch.Tensor, cache: KVCache, start: int, end: int, k: int) -> torch.Tensor:
+        """The k rows [Hkv, k] the codes score highest."""
         if self.config.head_aggregation == "probs" or self.options.mean_key:
             return super().select(layer, q, cache, start, end, k)
         # plain WRoPE, scores summed over the group: a pure table lookup (the kernel's op)

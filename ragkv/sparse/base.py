@@ -30,6 +30,7 @@ from collections.abc import Callable
 import torch
 
 from ragkv.kernels import sparse_decode_attention
+from ragkv.kernels.torch_cpu import gather_rows
 from ragkv.engine.kv_cache import KVCache
 from ragkv.sparse.config import SparseConfig
 from ragkv.sparse.prompt import PromptState, RowPositions
@@ -119,6 +120,20 @@ class Selector(ABC):
         fixed = torch.cat((keys[:, :start], keys[:, end:]), dim=1).float()
         exact = torch.bmm(q[:, 0].reshape(*scores.shape[:2], -1).float(), fixed.transpose(1, 2)).mul_(self.model.scale)
         return top_rows(probability_mass(scores, exact), k, start)
+
+    def exact_rerank(self, layer: int, q: torch.Tensor, cache: KVCache, start: int, end: int, candidates: torch.Tensor,
+                     k: int) -> torch.Tensor:
+        """The k of `candidates` [Hkv, c] (absolute rows) with the most exact attention mass,
+        summed over the group like the oracle (the candidates' exact logits, normalised with
+        the always-attended rows [0, start) and [end, rows)); reads the candidates' keys."""
+        keys, _ = cache.layer(layer)
+        heads = candidates.shape[0]
+        query = q[:, 0].reshape(heads, -1, q.shape[-1]).float()
+        logits = torch.bmm(query, gather_rows(keys, candidates).float().transpose(1, 2)).mul_(self.model.scale)
+        fixed = torch.cat((keys[:, :start], keys[:, end:]), dim=1).float()
+        exact = torch.bmm(query, fixed.transpose(1, 2)).mul_(self.model.scale)
+        best = probability_mass(logits, exact).topk(k, dim=-1, sorted=False).indices
+        return torch.gather(candidates, 1, best)
 
     @property
     def fixed_bytes(self) -> int:
