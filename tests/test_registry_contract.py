@@ -64,6 +64,14 @@ def test_add_then_read_back_everything(registry):
     assert registry.refcount("h1") == registry.refcount("h2") == 1
 
 
+def test_any_record_the_json_holds_round_trips_and_removes(registry):
+    record = document("doc_a", ["h1"], metadata={"lone": "\udfff", "emoji": "😀", "deep": {"n": [1, 2.5e300, None]}})
+    registry.add(record, "a", unit_rows(0))
+    assert registry.get("t", "doc_a") == record
+    removed, orphans = registry.remove("t", "doc_a")
+    assert removed == record and orphans == ["h1"] and registry.list("t") == []
+
+
 def test_unknown_ids_are_not_found(registry):
     with pytest.raises(NotFoundError):
         registry.get("t", "doc_missing")
@@ -174,6 +182,28 @@ def test_concurrent_adds_of_one_document_count_its_chunks_once(replicas):
         thread.join()
     assert sorted(results) == [False] * 7 + [True]
     assert replicas[0].refcount("h1") == replicas[1].refcount("h2") == 1
+
+
+def test_concurrent_removes_of_one_document_release_its_chunks_once(replicas):
+    replicas[0].add(document("doc_a", ["h1"]), "a", unit_rows(0))
+    replicas[0].add(document("doc_b", ["h1"]), "b", unit_rows(0))
+    barrier = threading.Barrier(8)
+    outcomes = []
+
+    def remove(registry: Registry) -> None:
+        barrier.wait()
+        try:
+            outcomes.append(registry.remove("t", "doc_a")[1])
+        except NotFoundError:
+            outcomes.append("not found")
+
+    threads = [threading.Thread(target=remove, args=(replicas[i % 2],)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(outcomes, key=str) == [[]] + ["not found"] * 7
+    assert replicas[1].refcount("h1") == 1 and [r.doc_id for r in replicas[1].list("t")] == ["doc_b"]
 
 
 # -- backend-specific: the Redis server going away, URLs --------------------------------------

@@ -44,28 +44,24 @@ redis.call('INCR', KEYS[6])
 return 1
 """
 
-# KEYS as for _ADD; ARGV: doc_id. Returns false or {record, orphaned chunk hashes}.
+# KEYS as for _ADD; ARGV: doc_id, the record as read, its text_hash, its chunk hashes...
+# Deletes only if the record is still the one read (else false: the caller reads again);
+# the caller parses the record, so Lua never decodes JSON it may not accept.
 _REMOVE = """
-local raw = redis.call('HGET', KEYS[1], ARGV[1])
-if not raw then return false end
-local record = cjson.decode(raw)
+if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return false end
 redis.call('HDEL', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
-redis.call('HDEL', KEYS[3], record.text_hash)
+redis.call('HDEL', KEYS[3], ARGV[3])
 redis.call('HDEL', KEYS[4], ARGV[1])
-local orphans, seen = {}, {}
-for _, chunk in ipairs(record.chunks) do
-  local hash = chunk.chunk_hash
-  if not seen[hash] then
-    seen[hash] = true
-    if redis.call('HINCRBY', KEYS[5], hash, -1) <= 0 then
-      redis.call('HDEL', KEYS[5], hash)
-      table.insert(orphans, hash)
-    end
+local orphans = {}
+for i = 4, #ARGV do
+  if redis.call('HINCRBY', KEYS[5], ARGV[i], -1) <= 0 then
+    redis.call('HDEL', KEYS[5], ARGV[i])
+    table.insert(orphans, ARGV[i])
   end
 end
 redis.call('INCR', KEYS[6])
-return {raw, orphans}
+return orphans
 """
 
 _HEADER = struct.Struct("<II")  # rows, dim
@@ -152,11 +148,16 @@ class RedisRegistry(Registry):
         return bool(self._call(self._add_script, keys=self._keys(record.tenant), args=args))
 
     def remove(self, tenant: str, doc_id: str) -> tuple[DocumentRecord, list[str]]:
-        result = self._call(self._remove_script, keys=self._keys(tenant), args=[doc_id])
-        if not result:
-            raise NotFoundError(f"no document {doc_id!r}")
-        raw, orphans = result
-        return DocumentRecord.from_json(raw), sorted(hash_.decode() for hash_ in orphans)
+        keys = self._keys(tenant)
+        while True:
+            raw = self._call(self._client.hget, keys[0], doc_id)
+            if raw is None:
+                raise NotFoundError(f"no document {doc_id!r}")
+            record = DocumentRecord.from_json(raw)
+            hashes = sorted({chunk.chunk_hash for chunk in record.chunks})
+            orphans = self._call(self._remove_script, keys=keys, args=[doc_id, raw, record.text_hash, *hashes])
+            if orphans is not None:  # None: removed by someone else since it was read
+                return record, sorted(hash_.decode() for hash_ in orphans)
 
     def close(self) -> None:
         self._client.close()
