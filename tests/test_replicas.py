@@ -3,7 +3,9 @@ folders (as on two hosts) and one real redis-server holding the chunk tier (db 0
 document registry (db 1) and the chat sessions (db 2).
 
 A document ingested through one replica is listed, retrieved, cited and deleted through
-the other; a chat session started on one continues on the other.
+the other; a chat session started on one continues on the other; with the Redis gone,
+the registry's failure is a 503 and a degraded /health, not a 500. Replica A logs JSON,
+so its access lines are checked too.
 """
 
 from __future__ import annotations
