@@ -8,9 +8,13 @@
 Environment: RAGKV_URL (default http://127.0.0.1:8000), RAGKV_API_KEY (when the server
 has --api-keys; any string otherwise).
 
+Turn 2 is sent the OpenAI way: the whole history again, no session id. The server finds
+the KV of turn 1 by its token prefix and computes only the new tokens; the reply's
+`usage.prompt_tokens_details.cached_tokens` says how many prompt tokens were reused.
+
 ragkv's extensions travel in `extra_body`: `rag` (top_k, document_ids, strategy, ratio,
-enabled) and `session_id`. The reply carries `session_id` and `rag` (citations, timings,
-turn); with a session only the new message is sent, the rest is in the server's KV.
+enabled) and `session_id` (an explicit handle: continue a named context; 404 when it is
+unknown or expired). The reply carries `session_id` and `rag` (citations, timings, turn).
 """
 
 from __future__ import annotations
@@ -27,29 +31,33 @@ model = client.models.list().data[0].id
 print(f"model: {model}")
 
 # Turn 1: retrieval + fusion of the retrieved chunks' stored KV.
+messages = [{"role": "system", "content": "You answer from the documents, briefly."},
+            {"role": "user", "content": "When was Gull Point Light automated?"}]
 first = client.chat.completions.create(
     model=model,
-    messages=[{"role": "user", "content": "When was Gull Point Light automated?"}],
+    messages=messages,
     max_tokens=48,
     extra_body={"rag": {"top_k": 3, "strategy": "a3", "ratio": 0.15}},
 )
-session_id = first.session_id
 print(f"\nturn 1: {first.choices[0].message.content}")
 for citation in first.rag["citations"]:
     print(f"  cited {citation['name']} chunk {citation['chunk_index']} (score {citation['score']:.3f})")
 print(f"  TTFT {first.rag['timings']['ttft']:.3f} s; usage {first.usage.prompt_tokens} prompt tokens, "
-      f"{first.usage.reused_tokens} reused")
+      f"{first.usage.prompt_tokens_details.cached_tokens} cached (stored chunk KV)")
 
-# Turn 2, streamed: the session's KV is reused; only the previous answer and this message are computed.
+# Turn 2, streamed, the whole history resent without a session id: turn 1's KV is found
+# by prefix; only the new tokens are computed.
+messages += [{"role": "assistant", "content": first.choices[0].message.content},
+             {"role": "user", "content": "Who was its last resident keeper?"}]
 started = time.perf_counter()
 first_token_at = None
 stream = client.chat.completions.create(
     model=model,
-    messages=[{"role": "user", "content": "Who was its last resident keeper?"}],
+    messages=messages,
     max_tokens=48,
     stream=True,
     stream_options={"include_usage": True},
-    extra_body={"session_id": session_id},
+    extra_body={"rag": {"top_k": 3}},
 )
 print("\nturn 2: ", end="", flush=True)
 for chunk in stream:
@@ -58,10 +66,11 @@ for chunk in stream:
         print(chunk.choices[0].delta.content, end="", flush=True)
     if chunk.choices and chunk.choices[0].finish_reason:
         server_ttft = chunk.rag["timings"]["ttft"]
+        session_id = chunk.session_id
     if chunk.usage:
         usage = chunk.usage
 print(f"\n  TTFT {server_ttft:.3f} s on the server, {first_token_at:.3f} s here; "
-      f"{usage.computed_tokens} of {usage.prompt_tokens} prompt tokens computed")
+      f"{usage.prompt_tokens_details.cached_tokens} of {usage.prompt_tokens} prompt tokens cached")
 
-# Sessions expire on their own; this drops it now.
+# Cached contexts expire on their own (or are evicted); this drops turn 2's now.
 httpx.delete(f"{client.base_url}sessions/{session_id}", headers={"Authorization": f"Bearer {client.api_key}"}).raise_for_status()

@@ -108,7 +108,7 @@ def main() -> int:
                     totals[strategy] += answer["timings"]["ttft"]
                     usage = answer["usage"]
                     print(f"  [{strategy:>4}] TTFT {answer['timings']['ttft']:.3f} s "
-                          f"({usage['reused_tokens']} prompt tokens reused, {usage['computed_tokens']} computed): "
+                          f"({usage['cached_tokens']} prompt tokens cached, {usage['computed_tokens']} computed): "
                           f"{short(answer['answer'])}")
                     if strategy == "a3":
                         for number, citation in enumerate(answer["citations"], start=1):
@@ -118,14 +118,14 @@ def main() -> int:
             print(f"\nmean TTFT: fused a3 {totals['a3'] / len(QUESTIONS):.3f} s vs full prefill "
                   f"{totals['full'] / len(QUESTIONS):.3f} s ({totals['full'] / max(totals['a3'], 1e-9):.1f}x)")
 
-            print("\n== a chat session on POST /v1/chat/completions")
+            print("\n== a chat on POST /v1/chat/completions, the whole history resent (no session id)")
+            history = [{"role": "user", "content": "How tall is Stormhead Light?"}]
             first = http.post("/v1/chat/completions", json={
-                "model": "ragkv", "max_tokens": args.max_tokens,
-                "messages": [{"role": "user", "content": "How tall is Stormhead Light?"}]}).json()
-            session = first["session_id"]
+                "model": "ragkv", "max_tokens": args.max_tokens, "messages": history}).json()
+            history += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                        {"role": "user", "content": "How often did supplies reach it?"}]
             second = http.post("/v1/chat/completions", json={
-                "model": "ragkv", "max_tokens": args.max_tokens, "session_id": session,
-                "messages": [{"role": "user", "content": "How often did supplies reach it?"}]}).json()
+                "model": "ragkv", "max_tokens": args.max_tokens, "messages": history}).json()
             for turn, reply in ((1, first), (2, second)):
                 print(f"  turn {turn}: TTFT {reply['rag']['timings']['ttft']:.3f} s, {reply['usage']['prompt_tokens']} "
                       f"prompt tokens ({reply['usage']['computed_tokens']} computed): "

@@ -1,5 +1,5 @@
-"""API building blocks without a model: sessions (memory and a real redis-server), API
-keys, request conversion, the model worker's scheduling and cancellation."""
+"""API building blocks without a model: API keys, request conversion, the model worker's
+scheduling and cancellation (sessions: tests/test_contexts.py)."""
 
 from __future__ import annotations
 
@@ -8,104 +8,13 @@ import json
 import time
 
 import pytest
-import redis
-import torch
 
 from ragkv.api.auth import Authenticator, load_api_keys
 from ragkv.api.config import ServeConfig
 from ragkv.api.errors import ApiError, QueueFullError
 from ragkv.api.jobs import SUCCEEDED, JobRegistry
 from ragkv.api.schemas import ChatRequest, QueryRequest, generation_config, query_config
-from ragkv.api.sessions import MemorySessions, RedisSessions, Session, SessionBusyError, decode_session, encode_session
 from ragkv.api.worker import Job, JobCancelled, ModelWorker
-from ragkv.engine.kv_cache import KVCache
-from ragkv.store.errors import CorruptBlobError
-
-
-def _session(session_id: str, rows: int = 8, tenant: str = "t1", turns: int = 1) -> Session:
-    keys = torch.randn(2, 1, rows, 4)
-    values = torch.randn(2, 1, rows, 4)
-    session = Session(session_id, tenant, "fp", list(range(rows)), KVCache(keys, values, rows, rows),
-                      last_answer="answer", chunk_hashes=["h1"], citations=[{"document_id": "d"}], turns=turns)
-    session.version = f"v{turns}"
-    return session
-
-
-# -- sessions -----------------------------------------------------------------------------
-
-def test_session_blob_round_trip_and_corruption():
-    session = _session("s1", rows=5)
-    blob = encode_session(session)
-    loaded = decode_session(blob)
-    assert loaded.token_ids == session.token_ids and loaded.last_answer == "answer" and loaded.turns == 1
-    assert torch.equal(loaded.cache.keys, session.cache.keys[:, :, :5]) and loaded.cache.length == 5
-    broken = bytearray(blob)
-    broken[-3] ^= 0xFF
-    with pytest.raises(CorruptBlobError):
-        decode_session(broken)
-
-
-def test_memory_sessions_bound_bytes_expire_and_refuse_concurrent_turns():
-    one = _session("a").nbytes
-    store = MemorySessions(capacity_bytes=2 * one, ttl_s=60)
-    for name in ("a", "b", "c"):
-        store.put(_session(name))
-    assert store.stats()["sessions"] == 2 and store.stats()["evicted"] == 1
-    assert store.checkout("t1", "a") is None  # least recently used went first
-    store.release("t1", "a", None)
-    session = store.checkout("t1", "b")
-    assert session is not None
-    with pytest.raises(SessionBusyError):
-        store.checkout("t1", "b")
-    store.release("t1", "b", session)
-    assert store.checkout("t2", "b") is None  # another tenant's id is another session
-    store.release("t2", "b", None)
-    store.ttl_s = 0.05
-    time.sleep(0.1)
-    assert store.checkout("t1", "c") is None and store.stats()["expired"] >= 1
-
-
-def test_redis_sessions_are_shared_locked_and_survive_redis_loss(killable_redis):
-    replica_a = RedisSessions(killable_redis.url, MemorySessions(1 << 20, 60), ttl_s=60)
-    replica_b = RedisSessions(killable_redis.url, MemorySessions(1 << 20, 60), ttl_s=60)
-    assert replica_a.checkout("t1", "s") is None
-    with pytest.raises(SessionBusyError):
-        replica_b.checkout("t1", "s")  # the Redis lock spans replicas
-    replica_a.release("t1", "s", _session("s", turns=1))
-    seen = replica_b.checkout("t1", "s")
-    assert seen is not None and seen.turns == 1 and seen.token_ids == list(range(8))
-    seen.turns, seen.version = 2, "v2"
-    replica_b.release("t1", "s", seen)
-    again = replica_a.checkout("t1", "s")  # A's memory copy is stale: it reads B's turn
-    assert again.turns == 2
-    replica_a.release("t1", "s", again)
-    assert replica_a.checkout("t2", "s") is None  # tenants never share
-    replica_a.release("t2", "s", None)
-
-    killable_redis.stop()
-    started = time.perf_counter()
-    session = replica_a.checkout("t1", "s")  # Redis gone: the memory copy answers
-    assert session is not None and session.turns == 2
-    session.turns = 3
-    replica_a.release("t1", "s", session)
-    assert replica_a.healthy() is False and replica_a.stats()["redis_up"] is False
-    assert replica_a.checkout("t1", "s").turns == 3
-    replica_a.release("t1", "s", None)
-    assert time.perf_counter() - started < 5
-    replica_a.close()
-    replica_b.close()
-
-
-def test_redis_session_keys_expire(redis_url):
-    sessions = RedisSessions(redis_url, MemorySessions(1 << 20, 60), ttl_s=30)
-    sessions.checkout("t1", "ttl")
-    sessions.release("t1", "ttl", _session("ttl"))
-    client = redis.Redis.from_url(redis_url)
-    for part in ("kv", "meta"):
-        assert 0 < client.pttl(f"ragkv:session:t1:ttl:{part}") <= 30_000
-    assert client.get("ragkv:session:t1:ttl:lock") is None
-    assert sessions.delete("t1", "ttl")
-    sessions.close()
 
 
 # -- API keys and tenants ---------------------------------------------------------------------

@@ -71,6 +71,9 @@ def _readings(state: AppState) -> Iterator[Reading]:
     yield "gauge", "ragkv_sessions", "Chat sessions in this process's memory", {}, sessions["sessions"]
     yield "gauge", "ragkv_session_bytes", "Bytes of session KV in this process's memory", {}, sessions["bytes"]
     yield "counter", "ragkv_sessions_evicted", "Sessions dropped from memory for space", {}, sessions["evicted"]
+    yield "gauge", "ragkv_anonymous_contexts", "Cached contexts of turns without a session id", {}, sessions["anonymous"]
+    yield "gauge", "ragkv_anonymous_context_bytes", "Bytes of anonymous context KV in this process's memory", {}, \
+        sessions["anonymous_bytes"]
     registry_up = state.runtime.registry.healthy()
     if registry_up is not None:
         yield "gauge", "ragkv_redis_up", "1 if Redis answers PING", {"role": "registry"}, float(registry_up)
@@ -86,7 +89,9 @@ def _build_state(config: ServeConfig, metrics: Metrics) -> AppState:
     runtime = Runtime(config.runtime)
     try:
         session_url = config.session_store or redis_url_of_store(config.runtime.store_url)
-        sessions = open_sessions(session_url, int(config.session_memory_mb * (1 << 20)), config.session_ttl_s)
+        sessions = open_sessions(session_url, int(config.session_memory_mb * (1 << 20)),
+                                 int(config.anonymous_memory_mb * (1 << 20)), config.session_ttl_s,
+                                 config.session_lock_ttl_s)
         engine = runtime.engine
         scheduler = Scheduler(engine.model, engine.tokenizer, engine.eos_token_ids,
                               SchedulerConfig(max_running=config.max_active, max_waiting=config.max_queued,

@@ -29,7 +29,13 @@ class ServeConfig:
     session_ttl_s: float = 1800.0
     """Idle seconds after which a chat session expires."""
     session_memory_mb: float = 512.0
-    """Bytes of session KV kept in process memory (least recently used are dropped)."""
+    """MiB of session KV kept in process memory (least recently used are dropped)."""
+    anonymous_memory_mb: float = 256.0
+    """MiB of KV of anonymous contexts (turns without a session id, found again by prefix),
+    a budget apart from the sessions'; kept in process memory only, never in Redis."""
+    session_lock_ttl_s: float = 10.0
+    """Seconds a session's Redis lock outlives a process that died mid-turn (renewed while
+    the turn runs)."""
     max_document_body_mb: float = 20.0
     """Largest request body on /v1/documents (413 above)."""
     max_body_kb: float = 1024.0
@@ -45,7 +51,7 @@ class ServeConfig:
     max_active: int = 16
     """Requests decoding at once: each decode step is one batched forward pass over all of
     them; more wait in the queue."""
-    token_budget: int = 131072
+    token_budget: int = 65536
     """KV rows (prompt + answer) the running requests may hold together; a waiting request
     is prepared only when its estimate fits."""
     max_queued: int = 64
@@ -59,7 +65,8 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        for name in ("session_ttl_s", "session_memory_mb", "max_document_body_mb", "max_body_kb"):
+        for name in ("session_ttl_s", "session_memory_mb", "anonymous_memory_mb", "session_lock_ttl_s",
+                     "max_document_body_mb", "max_body_kb"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         for name in ("max_new_tokens", "max_input_tokens", "max_top_k", "max_active", "max_queued", "token_budget"):

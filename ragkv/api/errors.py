@@ -17,6 +17,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ragkv.api.responses import SafeJSONResponse
+from ragkv.app.contexts import SessionBusyError
 from ragkv.ingest.errors import InputError, NotFoundError, RegistryUnavailableError
 
 _TYPES = {
@@ -72,7 +73,9 @@ def as_api_error(error: BaseException) -> ApiError | None:
     if isinstance(error, ApiError):
         return error
     if isinstance(error, NotFoundError):
-        return ApiError(404, "not_found", str(error))
+        return ApiError(404, getattr(error, "code", "not_found"), str(error))
+    if isinstance(error, SessionBusyError):
+        return ApiError(409, "session_busy", str(error), param="session_id")
     if isinstance(error, InputError):
         status = 413 if error.reason == "too_large" else 400
         return ApiError(status, error.reason, str(error))

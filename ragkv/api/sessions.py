@@ -1,22 +1,19 @@
-"""Chat sessions: the fused KV of [prefix | chunks | turns] kept between turns.
+"""Where chat contexts live: process memory (ragkv.app.contexts.ContextCache), and Redis
+for sessions shared by API replicas.
 
-A session holds the KV cache up to the opening of the assistant's last answer, the token
-ids of those rows, and the text of that answer. The next turn appends
-`ChatPrompt.turn_ids(message, previous_answer)` to the cache (an exact prefix: nothing
-before it is recomputed) and decodes from there.
+RedisSessions keeps every context in a ContextCache and, for sessions (contexts a client
+named), also in Redis: the KV as a safetensors blob (store.blob, with a checksum; never
+pickle) and a small JSON meta record, both with the session TTL. A memory copy is used
+when its version matches the meta in Redis, so a turn on the replica that served the
+previous one reads a few bytes from Redis, not the KV. Anonymous contexts (turns without
+a session id) stay in process memory only, within their own byte budget: Redis never
+holds them.
 
-Stores:
-  MemorySessions  in-process, bounded by the bytes of KV it holds (least recently used
-                  dropped first), idle sessions expire after `ttl_s`.
-  RedisSessions   shared by API replicas: the KV (safetensors blob via store.blob, with a
-                  checksum; never pickle) and a small JSON meta record, both with a TTL.
-                  A memory copy is used when its version matches the meta in Redis, so a
-                  turn on the replica that served the previous one reads a few bytes from
-                  Redis, not the KV. If Redis fails, sessions fall back to memory (and
-                  /health says degraded).
-
-A session is checked out for the duration of a turn; a second request for the same
-session meanwhile gets 409 (a Redis lock does the same across replicas).
+A turn holds its session's Redis lock, which expires after `lock_ttl_s` unless renewed: a
+heartbeat thread renews the locks this process holds, so a process killed mid-turn
+leaves the session locked for at most `lock_ttl_s`; DELETE /v1/sessions/ID removes the
+lock with the session. If Redis fails, sessions fall back to memory (/health says
+degraded).
 """
 
 from __future__ import annotations
@@ -27,8 +24,6 @@ import re
 import threading
 import time
 import uuid
-from collections import OrderedDict
-from dataclasses import dataclass, field
 
 import redis
 import torch
@@ -36,6 +31,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from ragkv.api.errors import ApiError
+from ragkv.app.contexts import Context, ContextCache, Insertion, Match, SessionBusyError, SessionNotFoundError
 from ragkv.engine.kv_cache import KVCache
 from ragkv.store.blob import decode_blob, encode_blob
 from ragkv.store.errors import CorruptBlobError
@@ -43,11 +39,8 @@ from ragkv.store.errors import CorruptBlobError
 log = logging.getLogger("ragkv.api.sessions")
 
 _SESSION_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
-_LOCK_MS = 120_000
-
-
-def new_session_id() -> str:
-    return "sess_" + uuid.uuid4().hex
+_RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+_RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
 
 
 def check_session_id(session_id: str) -> str:
@@ -56,175 +49,52 @@ def check_session_id(session_id: str) -> str:
     return session_id
 
 
-class SessionBusyError(ApiError):
-    def __init__(self, session_id: str):
-        super().__init__(409, "session_busy", f"session {session_id!r} is answering another request; retry when it is done",
-                         param="session_id")
-
-
-@dataclass
-class Session:
-    id: str
-    tenant: str
-    fingerprint: str
-    token_ids: list[int]
-    """Token ids of the cache's valid rows (the fused prompt and the turns so far)."""
-    cache: KVCache
-    last_answer: str | None = None
-    """The previous answer's text: not yet in the cache (the next turn prefills it)."""
-    chunk_hashes: list[str] = field(default_factory=list)
-    citations: list[dict] = field(default_factory=list)
-    turns: int = 0
-    created: float = field(default_factory=time.time)
-    updated: float = field(default_factory=time.time)
-    version: str = ""
-
-    @property
-    def length(self) -> int:
-        return self.cache.length
-
-    @property
-    def nbytes(self) -> int:
-        return self.cache.keys.nbytes + self.cache.values.nbytes
-
-    def compact(self) -> None:
-        """Drop spare capacity (the decode buffer) so the session holds only its valid rows."""
-        if self.cache.capacity > self.cache.length:
-            self.cache = self.cache.clone()
-
-    def meta(self) -> dict:
-        return {
-            "id": self.id, "tenant": self.tenant, "fingerprint": self.fingerprint, "last_answer": self.last_answer,
-            "chunk_hashes": self.chunk_hashes, "citations": self.citations, "turns": self.turns, "created": self.created,
-            "updated": self.updated, "version": self.version, "length": self.length,
-        }
-
-    def summary(self) -> dict:
-        return {"id": self.id, "turns": self.turns, "tokens": self.length, "chunks": len(self.chunk_hashes),
-                "created": self.created, "updated": self.updated}
-
-
-def encode_session(session: Session) -> bytes:
-    rows = session.length
+def encode_context(context: Context) -> bytes:
+    rows = context.length
     tensors = {
-        "keys": session.cache.keys[:, :, :rows],
-        "values": session.cache.values[:, :, :rows],
-        "tokens": torch.tensor(session.token_ids, dtype=torch.int32),
+        "keys": context.cache.keys[:, :, :rows],
+        "values": context.cache.values[:, :, :rows],
+        "conversation": torch.tensor(context.conversation_ids, dtype=torch.int32),
+        "rows": torch.tensor(context.row_ids, dtype=torch.int32),
     }
-    return encode_blob(tensors, {"session": json.dumps(session.meta())})
+    return encode_blob(tensors, {"session": json.dumps(context_meta(context))})
 
 
-def decode_session(blob: bytes | bytearray | memoryview) -> Session:
+def context_meta(context: Context) -> dict:
+    return {"id": context.id, "tenant": context.tenant, "fingerprint": context.fingerprint,
+            "insertions": [[i.at, i.rows, list(i.chunk_hashes)] for i in context.insertions], "turns": context.turns,
+            "created": context.created, "updated": context.updated, "version": context.version, "length": context.length}
+
+
+def decode_context(blob: bytes | bytearray | memoryview) -> Context:
     """Raises CorruptBlobError for anything that is not a valid session blob."""
     tensors, metadata = decode_blob(blob)
     try:
         meta = json.loads(metadata["session"])
-        keys, values, tokens = tensors["keys"], tensors["values"], tensors["tokens"]
-    except (KeyError, ValueError) as error:
+        keys, values = tensors["keys"], tensors["values"]
+        conversation, rows = tensors["conversation"].tolist(), tensors["rows"].tolist()
+        insertions = [Insertion(at, count, tuple(hashes)) for at, count, hashes in meta["insertions"]]
+    except (KeyError, ValueError, TypeError) as error:
         raise CorruptBlobError(f"not a session blob: {error}") from error
-    rows = keys.shape[2]
-    if values.shape != keys.shape or tokens.numel() != rows or meta.get("length") != rows:
+    length = keys.shape[2]
+    if values.shape != keys.shape or len(rows) != length or meta.get("length") != length:
         raise CorruptBlobError("session blob tensors disagree with its metadata")
-    cache = KVCache(keys, values, rows, rows)
-    return Session(meta["id"], meta["tenant"], meta["fingerprint"], tokens.tolist(), cache, meta["last_answer"],
-                   meta["chunk_hashes"], meta["citations"], meta["turns"], meta["created"], meta["updated"], meta["version"])
-
-
-class MemorySessions:
-    """In-process sessions bounded by bytes, with an idle TTL."""
-
-    backend = "memory"
-
-    def __init__(self, capacity_bytes: int, ttl_s: float):
-        self.capacity_bytes = capacity_bytes
-        self.ttl_s = ttl_s
-        self._items: OrderedDict[tuple[str, str], Session] = OrderedDict()
-        self._busy: set[tuple[str, str]] = set()
-        self._bytes = 0
-        self._lock = threading.Lock()
-        self.evicted = 0
-        self.expired = 0
-
-    def checkout(self, tenant: str, session_id: str) -> Session | None:
-        key = (tenant, session_id)
-        with self._lock:
-            self._expire()
-            if key in self._busy:
-                raise SessionBusyError(session_id)
-            session = self._pop(key)
-            self._busy.add(key)
-            return session
-
-    def peek_version(self, tenant: str, session_id: str) -> str | None:
-        with self._lock:
-            session = self._items.get((tenant, session_id))
-            return session.version if session is not None else None
-
-    def release(self, tenant: str, session_id: str, session: Session | None) -> None:
-        """End a checkout; keep `session` (the new state) when given."""
-        key = (tenant, session_id)
-        with self._lock:
-            self._busy.discard(key)
-            if session is not None:
-                self._put(key, session)
-
-    def put(self, session: Session) -> None:
-        with self._lock:
-            self._put((session.tenant, session.id), session)
-
-    def delete(self, tenant: str, session_id: str) -> bool:
-        with self._lock:
-            return self._pop((tenant, session_id)) is not None
-
-    def list(self, tenant: str) -> list[Session]:
-        with self._lock:
-            self._expire()
-            return [session for (owner, _), session in self._items.items() if owner == tenant]
-
-    def stats(self) -> dict:
-        with self._lock:
-            self._expire()
-            return {"backend": self.backend, "sessions": len(self._items), "bytes": self._bytes,
-                    "capacity_bytes": self.capacity_bytes, "busy": len(self._busy), "evicted": self.evicted,
-                    "expired": self.expired}
-
-    # -- under the lock ------------------------------------------------------------
-
-    def _put(self, key: tuple[str, str], session: Session) -> None:
-        self._pop(key)
-        if session.nbytes > self.capacity_bytes:
-            log.warning("session %s (%d bytes) is larger than the session memory; not kept in memory", session.id, session.nbytes)
-            self.evicted += 1
-            return
-        self._items[key] = session
-        self._bytes += session.nbytes
-        while self._bytes > self.capacity_bytes:
-            _, dropped = self._items.popitem(last=False)
-            self._bytes -= dropped.nbytes
-            self.evicted += 1
-
-    def _pop(self, key: tuple[str, str]) -> Session | None:
-        session = self._items.pop(key, None)
-        if session is not None:
-            self._bytes -= session.nbytes
-        return session
-
-    def _expire(self) -> None:
-        cutoff = time.time() - self.ttl_s
-        for key in [key for key, session in self._items.items() if session.updated < cutoff]:
-            self._pop(key)
-            self.expired += 1
+    return Context(meta["id"], meta["tenant"], meta["fingerprint"], conversation, rows,
+                   KVCache(keys, values, length, length), insertions, explicit=True, turns=meta["turns"],
+                   created=meta["created"], updated=meta["updated"], version=meta["version"])
 
 
 class RedisSessions:
-    """Sessions in Redis (shared by replicas) with a memory copy; memory only while Redis is down."""
+    """Sessions in Redis (shared by replicas) with the memory cache in front; anonymous
+    contexts and, while Redis is down, sessions too stay in memory."""
 
     backend = "redis"
 
-    def __init__(self, url: str, memory: MemorySessions, ttl_s: float, *, connect_timeout_s: float = 0.5,
-                 op_timeout_s: float = 2.0, retry_after_s: float = 1.0):
+    def __init__(self, url: str, memory: ContextCache, ttl_s: float, *, lock_ttl_s: float = 10.0,
+                 connect_timeout_s: float = 0.5, op_timeout_s: float = 2.0, retry_after_s: float = 1.0):
         self.memory = memory
         self.ttl_ms = max(1, int(ttl_s * 1000))
+        self.lock_ms = max(1, int(lock_ttl_s * 1000))
         self._retry_after_s = retry_after_s
         self._down_until = 0.0
         self._client = redis.Redis.from_url(url, socket_connect_timeout=connect_timeout_s, socket_timeout=op_timeout_s,
@@ -233,6 +103,10 @@ class RedisSessions:
         self.errors = 0
         self._logged_down = False
         self._lock = threading.Lock()
+        self._held: set[str] = set()
+        self._stop = threading.Event()
+        self._heartbeat = threading.Thread(target=self._renew_locks, name="ragkv-session-locks", daemon=True)
+        self._heartbeat.start()
 
     @property
     def ttl_s(self) -> float:
@@ -267,69 +141,109 @@ class RedisSessions:
                 self._logged_down = False
             log.warning("session store: redis is answering again")
 
-    def checkout(self, tenant: str, session_id: str) -> Session | None:
-        session = self.memory.checkout(tenant, session_id)  # local busy check first
+    # -- what chat turns use ----------------------------------------------------------
+
+    def match(self, tenant: str, fingerprint: str, conversation_ids: list[int]) -> Match | None:
+        return self.memory.match(tenant, fingerprint, conversation_ids)
+
+    def take(self, context: Context) -> bool:
+        return self.memory.take(context)
+
+    def put(self, context: Context) -> None:
+        self.memory.put(context)
+
+    def checkout(self, tenant: str, session_id: str) -> Context:
+        context = self.memory.checkout(tenant, session_id, missing_ok=True)  # local busy check first
         if not self._available():
-            return session
+            return self._found(tenant, session_id, context)
         lock_key = self._key(tenant, session_id, "lock")
         try:
-            if not self._client.set(lock_key, self._owner, nx=True, px=_LOCK_MS):
-                self.memory.release(tenant, session_id, session)
+            if not self._client.set(lock_key, self._owner, nx=True, px=self.lock_ms):
+                self.memory.release(tenant, session_id, context)
                 raise SessionBusyError(session_id)
+            with self._lock:
+                self._held.add(lock_key)
             raw_meta = self._client.get(self._key(tenant, session_id, "meta"))
             if raw_meta is None:
                 self._succeeded()
-                return None if session is None else session  # expired in Redis: the memory copy, if any, stands
+                return self._found(tenant, session_id, context)  # not in Redis: an anonymous context, or none
             meta = json.loads(raw_meta)
             # The memory copy stands when it is the one in Redis, or newer (saved while Redis was down).
-            if session is not None and (session.version == meta.get("version") or session.turns > meta.get("turns", 0)):
+            if context is not None and (context.version == meta.get("version") or context.turns > meta.get("turns", 0)):
                 self._succeeded()
-                return session
+                return context
             blob = self._client.get(self._key(tenant, session_id, "kv"))
             self._succeeded()
         except SessionBusyError:
             raise
         except (redis.RedisError, ValueError) as error:
             self._failed("read", error)
-            return session
+            return self._found(tenant, session_id, context)
         if blob is None:
-            return session
+            return self._found(tenant, session_id, context)
         try:
-            loaded = decode_session(blob)
+            loaded = decode_context(blob)
         except CorruptBlobError as error:
             log.warning("dropping corrupt session %s from redis: %s", session_id, error)
-            return session
+            return self._found(tenant, session_id, context)
         if loaded.tenant != tenant or loaded.id != session_id:
-            return session
+            return self._found(tenant, session_id, context)
         return loaded
 
-    def release(self, tenant: str, session_id: str, session: Session | None) -> None:
-        self.memory.release(tenant, session_id, session)
+    def _found(self, tenant: str, session_id: str, context: Context | None) -> Context:
+        if context is None:
+            self.release(tenant, session_id, None)
+            raise SessionNotFoundError(f"no session {session_id!r} (unknown, deleted or expired)")
+        return context
+
+    def release(self, tenant: str, session_id: str, context: Context | None) -> None:
+        kept = self.memory.release(tenant, session_id, context)
+        lock_key = self._key(tenant, session_id, "lock")
+        with self._lock:
+            self._held.discard(lock_key)
         if not self._available():
             return
         try:
             pipe = self._client.pipeline(transaction=False)
-            if session is not None:
-                pipe.set(self._key(tenant, session_id, "kv"), encode_session(session), px=self.ttl_ms)
-                pipe.set(self._key(tenant, session_id, "meta"), json.dumps(session.meta()), px=self.ttl_ms)
-            # Release the lock only if this process holds it.
-            pipe.eval("if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0",
-                      1, self._key(tenant, session_id, "lock"), self._owner)
+            if kept and context is not None and context.explicit:
+                pipe.set(self._key(tenant, session_id, "kv"), encode_context(context), px=self.ttl_ms)
+                pipe.set(self._key(tenant, session_id, "meta"), json.dumps(context_meta(context)), px=self.ttl_ms)
+            pipe.eval(_RELEASE, 1, lock_key, self._owner)
             pipe.execute()
             self._succeeded()
         except redis.RedisError as error:
             self._failed("write", error)
 
+    def _renew_locks(self) -> None:
+        while not self._stop.wait(self.lock_ms / 3000):
+            with self._lock:
+                held = list(self._held)
+            if not held or not self._available():
+                continue
+            try:
+                pipe = self._client.pipeline(transaction=False)
+                for key in held:
+                    pipe.eval(_RENEW, 1, key, self._owner, self.lock_ms)
+                pipe.execute()
+            except redis.RedisError as error:
+                self._failed("lock renewal", error)
+
+    # -- the session routes -----------------------------------------------------------
+
     def delete(self, tenant: str, session_id: str) -> bool:
+        """Forget a session everywhere and free its lock (a turn still running on it
+        keeps nothing when it ends)."""
         found = self.memory.delete(tenant, session_id)
         if self._available():
             try:
-                found = bool(self._client.delete(*(self._key(tenant, session_id, p) for p in ("kv", "meta")))) or found
+                keys = [self._key(tenant, session_id, part) for part in ("kv", "meta", "lock")]
+                found = bool(self._client.delete(*keys[:2])) or found
+                self._client.delete(keys[2])
             except redis.RedisError as error:
                 self._failed("delete", error)
         return found
 
-    def list(self, tenant: str) -> list[Session]:
+    def list(self, tenant: str) -> list[Context]:
         return self.memory.list(tenant)
 
     def stats(self) -> dict:
@@ -340,11 +254,14 @@ class RedisSessions:
         return stats
 
     def close(self) -> None:
+        self._stop.set()
+        self._heartbeat.join(timeout=5)
         self._client.close()
 
 
-def open_sessions(url: str | None, capacity_bytes: int, ttl_s: float) -> MemorySessions | RedisSessions:
-    memory = MemorySessions(capacity_bytes, ttl_s)
+def open_sessions(url: str | None, session_bytes: int, anonymous_bytes: int, ttl_s: float,
+                  lock_ttl_s: float = 10.0) -> ContextCache | RedisSessions:
+    memory = ContextCache(session_bytes, anonymous_bytes, ttl_s)
     if url is None or url == "memory":
         return memory
-    return RedisSessions(url, memory, ttl_s)
+    return RedisSessions(url, memory, ttl_s, lock_ttl_s=lock_ttl_s)

@@ -12,7 +12,8 @@ from ragkv.api.config import ServeConfig
 from ragkv.api.jobs import JobRegistry
 from ragkv.api.metrics import Metrics
 from ragkv.api.service import Service
-from ragkv.api.sessions import MemorySessions, RedisSessions
+from ragkv.api.sessions import RedisSessions
+from ragkv.app.contexts import ContextCache
 from ragkv.api.worker import ModelWorker
 from ragkv.app.runtime import Runtime
 from ragkv.store.base import ChunkStore
@@ -27,7 +28,7 @@ class AppState:
     config: ServeConfig
     runtime: Runtime
     worker: ModelWorker
-    sessions: MemorySessions | RedisSessions
+    sessions: ContextCache | RedisSessions
     jobs: JobRegistry
     metrics: Metrics
     service: Service

@@ -31,7 +31,7 @@ class SchedulerConfig:
     """Requests decoding at once (rows of one batched decode step)."""
     max_waiting: int = 64
     """Requests waiting to be prepared; beyond this `add` refuses (the API answers 503)."""
-    token_budget: int = 131072
+    token_budget: int = 65536
     """KV rows the running requests may hold together (prompt + answer); a waiting request
     is admitted when its estimate fits (one request is always admitted when none runs)."""
 

@@ -1,10 +1,13 @@
-"""`ragkv serve bench`: the API measured over loopback HTTP.
+"""`ragkv serve bench`: the API measured over loopback HTTP, and the batched decode step.
 
 1. Chat sessions: TTFT of turn 1 (retrieve + load + fuse) vs turn 2 (the session's KV
-   reused, only the previous answer and the new message computed), server-side (worker
-   time to the first token) and client-side (request sent -> first content chunk).
-2. /v1/query under load: a bounded loop of N requests with 1, 4, 16 concurrent clients;
-   requests/s and p50/p99 latency (request sent -> whole answer received).
+   reused, only the previous answer and the new message computed), server-side (request
+   arrival to the first token) and client-side (request sent -> first content chunk).
+2. /v1/query under load: a bounded loop of N requests with 1, 4, 8 concurrent clients;
+   requests/s, p50/p99 latency (request sent -> whole answer received), p50/p99 TTFT
+   (server: arrival -> first token), and completion tokens/s over the level's wall time.
+3. Decode: B requests decoding together through the scheduler (one batched forward pass
+   per step; EOS ignored so B stay active), in this process: aggregate tokens/s per B.
 
 Without --url it starts `ragkv serve` on a free port over a scratch data folder (or
 --data-dir), ingests the example corpus through the API first, and stops it at the end.
@@ -100,13 +103,14 @@ async def _load_level(base_url: str, headers: dict, clients: int, requests: int,
     latencies: list[float] = []
     server_ttft: list[float] = []
     queue: list[float] = []
+    completion_tokens = 0
     errors = 0
     counter = iter(range(requests))
 
     async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=600,
                                  limits=httpx.Limits(max_connections=clients + 4)) as http:
         async def client_loop() -> None:
-            nonlocal errors
+            nonlocal errors, completion_tokens
             for index in counter:
                 body = {"question": QUESTIONS[index % len(QUESTIONS)], "max_tokens": max_tokens}
                 started = time.perf_counter()
@@ -116,6 +120,7 @@ async def _load_level(base_url: str, headers: dict, clients: int, requests: int,
                     errors += 1
                     continue
                 latencies.append(elapsed)
+                completion_tokens += response.json()["usage"]["completion_tokens"]
                 timings = response.json()["timings"]
                 server_ttft.append(timings["ttft"])
                 queue.append(timings["queue"])
@@ -128,7 +133,8 @@ async def _load_level(base_url: str, headers: dict, clients: int, requests: int,
         "requests_per_s": round(len(latencies) / wall, 3),
         "latency_p50_s": round(_percentile(latencies, 50), 3), "latency_p99_s": round(_percentile(latencies, 99), 3),
         "latency_mean_s": round(statistics.fmean(latencies), 3) if latencies else None,
-        "server_ttft_mean_s": round(statistics.fmean(server_ttft), 3) if server_ttft else None,
+        "ttft_p50_s": round(_percentile(server_ttft, 50), 3), "ttft_p99_s": round(_percentile(server_ttft, 99), 3),
+        "completion_tokens_per_s": round(completion_tokens / wall, 2),
         "queue_wait_mean_s": round(statistics.fmean(queue), 3) if queue else None,
     }
 
@@ -139,9 +145,52 @@ def bench_load(base_url: str, headers: dict, levels: list[int], requests: int | 
     for clients in levels:
         count = requests or max(16, 2 * clients)
         row = asyncio.run(_load_level(base_url, headers, clients, count, max_tokens))
-        progress(f"{clients:>3} clients: {row['requests_per_s']:.2f} req/s, p50 {row['latency_p50_s']:.2f} s, "
-                 f"p99 {row['latency_p99_s']:.2f} s ({count} requests, {row['errors']} errors)")
+        progress(f"{clients:>3} clients: {row['requests_per_s']:.2f} req/s, latency p50 {row['latency_p50_s']:.2f} s "
+                 f"p99 {row['latency_p99_s']:.2f} s, TTFT p50 {row['ttft_p50_s']:.2f} s p99 {row['ttft_p99_s']:.2f} s "
+                 f"({count} requests, {row['errors']} errors)")
         rows.append(row)
+    return rows
+
+
+def bench_decode(batches: list[int], prompt_tokens: int, steps: int, progress: Callable[[str], None]) -> list[dict]:
+    """Aggregate decode tokens/s with B requests in the scheduler's batched decode step."""
+    import torch
+
+    from ragkv.app.query import CollectingSink
+    from ragkv.app.request import Prepared, Request
+    from ragkv.app.scheduler import Scheduler, SchedulerConfig
+    from ragkv.app.usage import Usage
+    from ragkv.engine import Engine
+    from ragkv.engine.generation import GenerationConfig
+
+    engine = Engine()
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for batch in batches:
+        scheduler = Scheduler(engine.model, engine.tokenizer, set(), SchedulerConfig(max_running=batch))
+        for _ in range(batch):
+            ids = torch.randint(100, 20000, (prompt_tokens,), generator=generator).tolist()
+
+            def prepare(request: Request, ids=ids) -> Prepared:
+                cache, logits = engine.prefill(ids, steps + 1)
+                return Prepared(cache, logits, Usage(prompt_tokens=len(ids)), "none")
+
+            scheduler.add(Request("bench", prepare, GenerationConfig(max_new_tokens=steps + 1), CollectingSink()))
+        while len(scheduler.running) < batch:
+            scheduler.step()
+        started = time.perf_counter()
+        decoded = 0
+        while len(scheduler.running) == batch:
+            scheduler.step()
+            decoded += batch
+        seconds = time.perf_counter() - started
+        scheduler.run_until_done()
+        rows.append({"batch": batch, "prompt_tokens": prompt_tokens, "tokens": decoded, "seconds": round(seconds, 3),
+                     "tokens_per_s": round(decoded / seconds, 2)})
+        progress(f"decode batch {batch:>2}: {decoded / seconds:.1f} tokens/s ({prompt_tokens}-token prompts)")
+    base = rows[0]["tokens_per_s"]
+    for row in rows:
+        row["vs_first"] = round(row["tokens_per_s"] / base, 2)
     return rows
 
 
@@ -169,11 +218,16 @@ def run_serve_bench(args: argparse.Namespace, progress: Callable[[str], None] = 
             health = http.get("/health").json()
             _ingest(http, args.corpus or default_corpus(), progress)
             http.post("/v1/query", json={"question": QUESTIONS[0], "max_tokens": 2}).raise_for_status()  # warm-up
-            chat = bench_chat(http, args.sessions, args.max_tokens, progress)
+            chat = bench_chat(http, args.sessions, args.max_tokens, progress) if args.sessions else None
         load = bench_load(base_url, headers, args.clients, args.requests, args.max_tokens, progress)
     finally:
         if server is not None:
             server.stop()
         if scratch is not None:
             scratch.cleanup()
-    return {"server": base_url, "model": health.get("model"), "max_tokens": args.max_tokens, "chat": chat, "query_load": load}
+    decode = bench_decode(args.decode_batches, args.decode_prompt_tokens, args.max_tokens, progress)
+    single = load[0]["requests_per_s"] if load else None
+    for row in load:
+        row["vs_first"] = round(row["requests_per_s"] / single, 2) if single else None
+    return {"server": base_url, "model": health.get("model"), "max_tokens": args.max_tokens, "chat": chat,
+            "query_load": load, "decode": decode}

@@ -1,7 +1,8 @@
 """`ragkv serve`: the HTTP API under uvicorn; `ragkv serve bench`: its load benchmark.
 
     ragkv serve [--host 127.0.0.1] [--port 8000] [--store URL] [--data-dir DIR] [--api-keys keys.json] ...
-    ragkv serve bench [--url http://HOST:PORT] [--clients 1 4 16] [--requests 32] [--max-tokens 16] [--json out.json]
+    ragkv serve bench [--url http://HOST:PORT] [--clients 1 4 8] [--requests 32] [--max-tokens 16] [--json out.json]
+    ragkv serve followup [--url http://HOST:PORT] [--dataset musique_dev.json] [--max-tokens 16] [--json out.json]
 
 Every ServeConfig field is an option (its docstring is the help).
 """
@@ -21,8 +22,9 @@ from ragkv.cli.options import add_common_options, runtime_config
 def configure(serve: argparse.ArgumentParser) -> None:
     from ragkv.api.config import ServeConfig
 
-    serve.add_argument("action", nargs="?", choices=("bench",), default=None,
-                       help="bench: measure chat TTFT (turn 1 vs 2) and /v1/query throughput/latency")
+    serve.add_argument("action", nargs="?", choices=("bench", "followup"), default=None,
+                       help="bench: chat TTFT (turn 1 vs 2), /v1/query throughput/latency/TTFT and batched decode; "
+                            "followup: a follow-up turn sent by the openai client and LangChain as the whole history")
     add_common_options(serve)
     add_config_options(serve.add_argument_group("server"), ServeConfig)
     serve.add_argument("--api-keys", type=Path, default=None, dest="api_keys_file",
@@ -31,12 +33,18 @@ def configure(serve: argparse.ArgumentParser) -> None:
                        help="level of the server's own logs (default: info); the access log has its own switch")
     bench = serve.add_argument_group("bench (ragkv serve bench)")
     bench.add_argument("--url", default=None, help="benchmark this running server instead of starting one")
-    bench.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16], help="concurrency levels (default: 1 4 16)")
+    bench.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8], help="concurrency levels (default: 1 4 8)")
     bench.add_argument("--requests", type=int, default=None, help="requests per level (default: max(16, 2 x clients))")
     bench.add_argument("--max-tokens", type=int, default=16, help="max_tokens of each request (default: 16)")
     bench.add_argument("--sessions", type=int, default=3, help="chat sessions for the turn-1 vs turn-2 TTFT (default: 3)")
     bench.add_argument("--corpus", type=Path, default=None, help="documents to ingest first (default: examples/corpus)")
     bench.add_argument("--bench-key", default=None, help="API key the benchmark client sends")
+    bench.add_argument("--decode-batches", type=int, nargs="+", default=[1, 8],
+                       help="requests decoding together in the decode measurement (default: 1 8)")
+    bench.add_argument("--decode-prompt-tokens", type=int, default=2048,
+                       help="prompt length of each request in the decode measurement (default: 2048)")
+    bench.add_argument("--dataset", type=Path, default=None,
+                       help="followup (required): MuSiQue-style JSON (ctxs, question); a sample's passages form a document")
     bench.add_argument("--json", type=Path, default=None, help="write the figures to this file")
 
 
@@ -48,7 +56,7 @@ def serve_config(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.action == "bench":
+    if args.action in ("bench", "followup"):
         return _run_bench(args)
     import uvicorn
 
@@ -66,9 +74,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
+    from ragkv.bench.followup_bench import run_followup_bench
     from ragkv.bench.serve_bench import run_serve_bench
 
-    results = run_serve_bench(args, progress=lambda message: print(message, file=sys.stderr, flush=True))
+    bench = run_followup_bench if args.action == "followup" else run_serve_bench
+    results = bench(args, progress=lambda message: print(message, file=sys.stderr, flush=True))
     print(json.dumps(results, indent=2))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -70,6 +70,11 @@ class ChatPrompt:
         return self.encode(text + user_message.strip() + self._after_user)
 
     @property
+    def closing(self) -> str:
+        """Template text from the end of a user message to the start of the assistant's answer."""
+        return self._after_user
+
+    @property
     def between_turns(self) -> str:
         """Template text from the end of an assistant message to the start of the next user message."""
         answer, question = _SENTINEL + "A", _SENTINEL + "Q"

@@ -1,12 +1,19 @@
 """OpenAI-compatible chat: POST /v1/chat/completions (plain and SSE), GET /v1/models,
 and the session routes.
 
+Messages keep their roles through the model's chat template (a system message replaces
+the default system prompt). A client that resends the whole history, as OpenAI clients
+do, reuses the longest cached prefix of it: only new tokens are computed, and
+`usage.prompt_tokens_details.cached_tokens` says how many were not (see ragkv.app.chat).
+
 Extensions (the openai client sends them with `extra_body=`):
   rag         {"enabled", "top_k", "document_ids", "strategy", "ratio", "session_id"}
-  session_id  continue this session (also rag.session_id); a new id is made when absent.
-              With a session, only the last message is new: earlier messages are already
-              in the session's KV. The answer carries `session_id` and a `rag` object
-              (citations, timings, turn) and the X-Session-Id header.
+  session_id  continue this session (also rag.session_id): 404 session_not_found when it
+              is unknown or expired. With a session the client may send only the new
+              message. Every answer names the context it left as `session_id` (and the
+              X-Session-Id header); continuing with that id makes it a session. The answer
+              carries a `rag` object (citations, timings, turn, context_tokens: prompt
+              rows taken from a cached context).
 temperature defaults to 0 (greedy) when not given.
 """
 
@@ -22,11 +29,12 @@ from ragkv.api.auth import tenant_of
 from ragkv.api.errors import ApiError
 from ragkv.api.routes.query import SSE_HEADERS
 from ragkv.api.schemas import DEFAULT_MAX_TOKENS, ChatRag, ChatRequest, generation_config, query_config
-from ragkv.api.service import TurnOutcome
-from ragkv.api.sessions import check_session_id, new_session_id
+from ragkv.api.sessions import check_session_id
 from ragkv.api.state import app_state
 from ragkv.api.streaming import JobStream, run_job, sse, sse_events
-from ragkv.api.worker import Job
+from ragkv.app.chat import ChatTurn
+from ragkv.app.contexts import new_context_id
+from ragkv.app.request import Completion
 
 router = APIRouter(tags=["chat"])
 
@@ -45,17 +53,12 @@ def _messages(body: ChatRequest) -> list[dict[str, str]]:
     return messages
 
 
-def _rag_extension(outcome: TurnOutcome, session_id: str) -> dict:
-    return {"session_id": session_id, "turn": (outcome.session or {}).get("turns"), "strategy": outcome.strategy,
-            "new_chunks": outcome.new_chunks, "citations": outcome.citations, "timings": outcome.timings,
-            "session": outcome.session}
-
-
-def _usage(outcome: TurnOutcome) -> dict:
-    usage = outcome.usage
-    return {"prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"],
-            "total_tokens": usage["total_tokens"], "reused_tokens": usage["reused_tokens"],
-            "recomputed_tokens": usage["recomputed_tokens"], "computed_tokens": usage["computed_tokens"]}
+def _rag_extension(completion: Completion, session_id: str) -> dict:
+    info = completion.info
+    return {"session_id": session_id, "turn": info["turn"], "strategy": completion.strategy,
+            "new_chunks": info["new_chunks"], "context_tokens": info["context_tokens"],
+            "citations": [c.to_dict() for c in completion.citations],
+            "timings": completion.timings.to_dict(), "session": info.get("session")}
 
 
 @router.post("/v1/chat/completions")
@@ -70,25 +73,27 @@ async def chat_completions(request: Request, body: ChatRequest):
     rag = body.rag or ChatRag()
     if body.session_id and rag.session_id and body.session_id != rag.session_id:
         raise ApiError(400, "conflicting_session_id", "session_id and rag.session_id differ", param="session_id")
-    session_id = check_session_id(body.session_id or rag.session_id or new_session_id())
+    named = body.session_id or rag.session_id
+    session_id = check_session_id(named) if named else new_context_id()
     if rag.wants_sparse:
         raise ApiError(400, "unsupported_parameter", "chat decodes dense (a session keeps and extends its exact KV); "
                        "sparse selectors, budgets and SnapKV apply to /v1/query", param="rag.selector")
     max_tokens = body.max_completion_tokens or body.max_tokens or DEFAULT_MAX_TOKENS
     generation = generation_config(max_tokens, body.temperature, body.top_p, body.seed, body.stop, state.config)
     config = query_config(rag, generation, state.config)
-    job = Job("chat", state.service.chat_body(tenant, session_id, messages, rag.enabled, config))
+    job = state.service.chat_job(ChatTurn(tenant, messages, session_id if named else None, rag.enabled, config),
+                                 session_id)
     completion_id = "chatcmpl-" + uuid.uuid4().hex[:24]
     created = int(time.time())
     headers = {"X-Session-Id": session_id}
 
     if not body.stream:
-        outcome: TurnOutcome = await run_job(request, state.worker, job)
+        outcome: Completion = await run_job(request, state.worker, job)
         return JSONResponse(
             {"id": completion_id, "object": "chat.completion", "created": created, "model": state.model_id,
              "choices": [{"index": 0, "message": {"role": "assistant", "content": outcome.text},
                           "finish_reason": _FINISH.get(outcome.finish_reason, "stop"), "logprobs": None}],
-             "usage": _usage(outcome), "session_id": session_id, "rag": _rag_extension(outcome, session_id)},
+             "usage": outcome.usage.to_openai(), "session_id": session_id, "rag": _rag_extension(outcome, session_id)},
             headers=headers)
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -101,12 +106,12 @@ async def chat_completions(request: Request, body: ChatRequest):
     def render(kind: str, value):
         return [chunk({"content": value})] if kind == "token" else []
 
-    def finish(outcome: TurnOutcome):
+    def finish(outcome: Completion):
         events = [chunk({}, _FINISH.get(outcome.finish_reason, "stop"), session_id=session_id,
                         rag=_rag_extension(outcome, session_id))]
         if include_usage:
             events.append({"id": completion_id, "object": "chat.completion.chunk", "created": created,
-                           "model": state.model_id, "choices": [], "usage": _usage(outcome)})
+                           "model": state.model_id, "choices": [], "usage": outcome.usage.to_openai()})
         return events
 
     async def events():
@@ -148,5 +153,5 @@ def list_sessions(request: Request):
 def delete_session(request: Request, session_id: str):
     state = app_state(request)
     if not state.sessions.delete(tenant_of(request), check_session_id(session_id)):
-        raise ApiError(404, "not_found", f"no session {session_id!r}")
+        raise ApiError(404, "session_not_found", f"no session {session_id!r}")
     return {"id": session_id, "object": "session", "deleted": True}

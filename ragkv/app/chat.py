@@ -1,0 +1,276 @@
+"""A chat turn as a scheduler request: the longest cached prefix, then only what is new.
+
+    messages ─► conversation ids (chat template, roles kept; ragkv.app.conversation)
+             ─► base context: the named session (session_id), else the tenant's cached
+                context with the longest common prefix (ragkv.app.contexts)
+             ─► retrieval for the last user message; chunks the base already holds
+                before the matched point are not fused again
+    no new chunks   prefill conversation ids past the matched prefix onto the base's rows
+    new chunks      [base rows | conversation up to the last user message's content,
+                    "Documents:\\n" | new chunks | "\\n\\nQuestion: " + the message and
+                    the template's closing], fused by the query's strategy with everything
+                    before the chunks as its prefix (position recovery puts the chunks'
+                    keys after it)
+             ─► decode (batched with the other running requests)
+             ─► the turn's context (prompt rows + the answer's rows) is saved: under its
+                session id when the client named one, else as an anonymous context
+
+A base context found by prefix is taken over (moved, not copied) when the whole of it is
+the prefix and it is anonymous; otherwise its prefix rows are copied. A named session is
+checked out for the turn; a turn that fails or is cancelled leaves it as it was.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ragkv.app.contexts import Context, ContextCache, Insertion, new_context_id
+from ragkv.app.conversation import Conversation, common_prefix, continue_conversation, render_conversation
+from ragkv.app.query import CHUNK_TOKENS_ESTIMATE, check_input_tokens
+from ragkv.app.rag import QueryConfig, RagPipeline
+from ragkv.app.request import Completion, Prepared, Request
+from ragkv.app.usage import Usage
+from ragkv.engine.kv_cache import KVCache
+from ragkv.engine.prompt import RAG_INSTRUCTION
+from ragkv.fusion import FusionInput
+from ragkv.fusion.layout import Layout
+from ragkv.ingest.errors import InputError
+from ragkv.ingest.registry import check_tenant
+
+QUESTION_LEAD = "\n\nQuestion: "
+
+
+@dataclass(frozen=True)
+class ChatTurn:
+    tenant: str
+    messages: list[dict[str, str]]
+    """Roles system, user, assistant; the last is the user's new message."""
+    session_id: str | None
+    """Continue this session (an error when unknown); None = match any cached context."""
+    rag: bool
+    config: QueryConfig
+
+
+@dataclass
+class _Base:
+    """What the turn starts from: a context, how much of it is reused, and whether the
+    turn holds it (checked out or taken) rather than copying its rows."""
+
+    context: Context | None
+    conversation_tokens: int
+    held: bool
+
+    @property
+    def rows(self) -> int:
+        return self.context.rows_for(self.conversation_tokens) if self.context is not None else 0
+
+
+class ChatTurns:
+    """Builds chat-turn requests over one pipeline and one context cache."""
+
+    def __init__(self, rag: RagPipeline, contexts: ContextCache, max_input_tokens: int | None = None):
+        self.rag = rag
+        self.engine = rag.engine
+        self.contexts = contexts
+        self.max_input_tokens = max_input_tokens
+        self.max_positions = self.engine.spec.rope.max_position_embeddings
+
+    def request(self, turn: ChatTurn, *, context_id: str | None = None, arrival: float | None = None,
+                on_finished: Callable[[Request, Completion], None] | None = None) -> Request:
+        """`context_id`: the id the turn's context gets when no session is named (default: a new one)."""
+        check_tenant(turn.tenant)
+        check_input_tokens(self.engine, turn.messages[-1]["content"], self.max_input_tokens, "the last message")
+        state = _TurnState(self, turn, turn.session_id or context_id or new_context_id(), on_finished)
+        estimate = sum(len(m["content"]) for m in turn.messages) // 3 + turn.config.top_k * CHUNK_TOKENS_ESTIMATE
+        return Request("chat", state.prepare, turn.config.generation, estimated_tokens=estimate, arrival=arrival,
+                       on_finished=state.finished, on_dropped=state.dropped)
+
+
+class _TurnState:
+    def __init__(self, turns: ChatTurns, turn: ChatTurn, context_id: str, on_finished):
+        self.turns = turns
+        self.turn = turn
+        self.engine = turns.engine
+        self.base = _Base(None, 0, False)
+        self.context_id = context_id
+        self.number = sum(m["role"] == "user" for m in turn.messages)
+        """The turn's number in its conversation (user messages so far, this one included)."""
+        self.conversation: Conversation | None = None
+        self.row_ids: list[int] = []
+        self.insertions: list[Insertion] = []
+        self._on_finished = on_finished
+
+    # -- prepare --------------------------------------------------------------------
+
+    def prepare(self, request: Request) -> Prepared:
+        turn, engine = self.turn, self.engine
+        conversation = self._base_and_conversation()
+        self.conversation = conversation
+        retrieved = []
+        if turn.rag:
+            started = time.perf_counter()
+            retrieved = self.turns.rag.retrieve(conversation_text(turn), turn.tenant, turn.config.top_k, turn.config.doc_ids)
+            request.timings.retrieve = time.perf_counter() - started
+        held = self.base.context.chunks_before(self.base.conversation_tokens) if self.base.context is not None else set()
+        new = list({chunk.chunk_hash: (record, chunk, score) for record, chunk, score in retrieved
+                    if chunk.chunk_hash not in held}.values())
+        reuse = self.base.conversation_tokens
+        if new:
+            reuse = min(reuse, conversation.question_start)
+        reuse = min(reuse, len(conversation.token_ids) - 1)
+        cache = self._base_cache(reuse, len(conversation.token_ids) - reuse + turn.config.generation.max_new_tokens)
+        context_rows = len(self.row_ids)
+        citations = self.turns.rag.cite(turn.tenant, retrieved) if retrieved else []
+        if new:
+            cache, logits, usage, strategy = self._fuse(request, conversation, cache, new)
+        else:
+            cache, logits, usage, strategy = self._prefill(request, conversation, cache)
+        info = {"session_id": self.context_id, "turn": self.number, "new_chunks": len(new),
+                "context_tokens": context_rows}
+        return Prepared(cache, logits, usage, strategy, citations, None, info)
+
+    def _base_and_conversation(self) -> Conversation:
+        turn, prompt, fingerprint = self.turn, self.engine.prompt, self.engine.fingerprint
+        if turn.session_id is not None:
+            context = self.turns.contexts.checkout(turn.tenant, turn.session_id)
+            self.base = _Base(context, 0, True)
+            if context.fingerprint != fingerprint:
+                context.cut(0)
+            only_new_message = all(m["role"] != "assistant" for m in turn.messages)
+            if only_new_message and context.turns and context.conversation_ids:
+                conversation = continue_conversation(prompt, context.conversation_ids, turn.messages[-1]["content"])
+                self.number = context.turns + 1
+            else:
+                conversation = render_conversation(prompt, turn.messages)
+            self.base.conversation_tokens = common_prefix(context.conversation_ids, conversation.token_ids)
+            return conversation
+        conversation = render_conversation(prompt, turn.messages)
+        match = self.turns.contexts.match(turn.tenant, fingerprint, conversation.token_ids)
+        if match is not None and match.conversation_tokens > 0:
+            whole = match.conversation_tokens == len(match.context.conversation_ids)
+            held = whole and not match.context.explicit and self.turns.contexts.take(match.context)
+            self.base = _Base(match.context, match.conversation_tokens, held)
+        return conversation
+
+    def _base_cache(self, reuse: int, extra_capacity: int) -> KVCache | None:
+        """The base's rows for the first `reuse` conversation tokens, held, or copied with
+        room for `extra_capacity` more."""
+        base = self.base
+        base.conversation_tokens = reuse
+        if base.context is None or reuse == 0:
+            self.row_ids, self.insertions = [], []
+            return None
+        context = base.context
+        rows = context.rows_for(reuse)
+        self.row_ids = context.row_ids[:rows]
+        self.insertions = [i for i in context.insertions if i.at < reuse]
+        if base.held:
+            context.cut(reuse)
+            return context.cache
+        prefix = KVCache(context.cache.keys[:, :, :rows], context.cache.values[:, :, :rows], rows, rows)
+        return prefix.clone(extra_capacity)
+
+    def _room(self, rows: int) -> None:
+        needed = rows + self.turn.config.generation.max_new_tokens
+        if needed > self.turns.max_positions:
+            raise InputError("context_length_exceeded",
+                             f"the conversation needs {rows} prompt tokens and max_tokens "
+                             f"{self.turn.config.generation.max_new_tokens}: {needed} positions, above the model's "
+                             f"context of {self.turns.max_positions}; start a new conversation or lower max_tokens")
+
+    def _prefill(self, request: Request, conversation: Conversation, cache: KVCache | None):
+        model, max_new = self.engine.model, self.turn.config.generation.max_new_tokens
+        reused = self.base.conversation_tokens
+        tail = conversation.token_ids[reused:]
+        rows = len(self.row_ids)
+        self._room(rows + len(tail))
+        started = time.perf_counter()
+        if cache is None:
+            cache = model.new_cache(len(tail) + max_new)
+        elif cache.capacity < rows + len(tail) + max_new:
+            cache = cache.clone(extra_capacity=len(tail) + max_new)
+            if self.base.held:
+                self.base.context.cache = cache
+        logits = model.prefill(torch.tensor(tail), cache)
+        request.timings.prefill = time.perf_counter() - started
+        self.row_ids = self.row_ids + tail
+        usage = Usage(prompt_tokens=cache.length, cached_tokens=rows)
+        return cache, logits, usage, "prefix" if rows else "none"
+
+    def _fuse(self, request: Request, conversation: Conversation, cache: KVCache | None, new: list):
+        engine, turn, model = self.engine, self.turn, self.engine.model
+        max_new = turn.config.generation.max_new_tokens
+        reused = self.base.conversation_tokens
+        glue = conversation.token_ids[reused : conversation.question_start] + engine.prompt.encode(RAG_INSTRUCTION)
+        prefix_ids = self.row_ids + glue
+        lead = engine.prompt.encode(QUESTION_LEAD)
+        question_ids = lead + conversation.token_ids[conversation.question_start :]
+        chunk_rows = sum(chunk.token_end - chunk.token_start for _, chunk, _ in new)
+        self._room(len(prefix_ids) + chunk_rows + len(question_ids))
+        started = time.perf_counter()
+        computed_before = 0
+        if cache is None and prefix_ids == engine.chunk_prefix_ids:
+            prefix_cache = engine.chunk_prefix_cache()
+        else:
+            prefix_cache = cache if cache is not None else model.new_cache(len(glue))
+            model.prefill(torch.tensor(glue), prefix_cache)
+            computed_before = len(glue)
+            request.timings.prefill = time.perf_counter() - started
+        load_started = time.perf_counter()
+        chunks, recomputed = self.turns.rag.load_chunks(turn.tenant, new)
+        request.timings.load = time.perf_counter() - load_started
+        fuse_started = time.perf_counter()
+        strategy = turn.config.fusion.build()
+        fusion_input = FusionInput(prefix_ids, chunks, question_ids, len(engine.chunk_prefix_ids),
+                                   (len(lead), len(lead) + conversation.question_end - conversation.question_start))
+        self._room(Layout.of(fusion_input).length)
+        fusion = strategy.fuse(model, fusion_input, prefix_cache, max_new)
+        request.timings.fuse = time.perf_counter() - fuse_started
+        if self.base.held:
+            self.base.context.cache.truncate(len(self.base.context.row_ids))  # the fusion copied what it needed
+        self.row_ids = fusion.layout.token_ids.tolist()
+        instruction = len(glue) - (conversation.question_start - reused)
+        self.insertions = self.insertions + [Insertion(conversation.question_start,
+                                                       instruction + fusion.layout.num_document_tokens + len(lead),
+                                                       tuple(chunk.chunk_hash for _, chunk, _ in new))]
+        return fusion.cache, fusion.logits, Usage.of_fusion(fusion, computed_before, recomputed), strategy.name
+
+    # -- after the turn -------------------------------------------------------------
+
+    def finished(self, request: Request, completion: Completion) -> None:
+        cache = request.cache
+        answered = request.output_ids[: cache.length - len(self.row_ids)]
+        base = self.base.context
+        context = Context(self.context_id, self.turn.tenant, self.engine.fingerprint,
+                          self.conversation.token_ids + answered, self.row_ids + answered, cache, self.insertions,
+                          explicit=self.turn.session_id is not None, turns=self.number,
+                          created=base.created if base is not None and self.base.held else time.time())
+        contexts = self.turns.contexts
+        if self.turn.session_id is not None:
+            contexts.release(self.turn.tenant, self.turn.session_id, context)
+        else:
+            if self.base.held:
+                contexts.release(base.tenant, base.id, None)
+            contexts.put(context)
+        completion.info["session"] = context.summary()
+        if self._on_finished is not None:
+            self._on_finished(request, completion)
+
+    def dropped(self, request: Request) -> None:
+        """Failed or cancelled: a held base goes back as it was before the turn's rows."""
+        base = self.base
+        if base.context is None or not base.held:
+            return
+        context = base.context
+        context.cache.truncate(min(context.cache.length, len(context.row_ids)))
+        self.turns.contexts.release(context.tenant, context.id, context)
+
+
+def conversation_text(turn: ChatTurn) -> str:
+    """What retrieval searches for: the last user message."""
+    return turn.messages[-1]["content"]
+

@@ -1,0 +1,222 @@
+"""Cached chat contexts without a model: prefix matching by chained block hashes, tenant
+isolation, the separate budgets of sessions and anonymous contexts, session blobs, and the
+Redis session store (a real redis-server): shared by replicas, locked per turn, a lock
+left by a killed process expires, DELETE frees it, Redis loss falls back to memory."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+
+import pytest
+import redis
+import torch
+
+from ragkv.api.sessions import RedisSessions, decode_context, encode_context
+from ragkv.app.contexts import (BLOCK_TOKENS, Context, ContextCache, Insertion, SessionBusyError,
+                                SessionNotFoundError, block_hashes)
+from ragkv.engine.kv_cache import KVCache
+from ragkv.store.errors import CorruptBlobError
+
+
+def _context(context_id: str, ids: list[int], tenant: str = "t1", explicit: bool = False, turns: int = 1,
+             fingerprint: str = "fp") -> Context:
+    rows = len(ids)
+    cache = KVCache(torch.randn(2, 1, rows, 4), torch.randn(2, 1, rows, 4), rows, rows)
+    return Context(context_id, tenant, fingerprint, list(ids), list(ids), cache, explicit=explicit, turns=turns)
+
+
+def _ids(n: int, start: int = 0) -> list[int]:
+    return list(range(start, start + n))
+
+
+# -- prefix matching -------------------------------------------------------------------------
+
+def test_match_picks_the_longest_cached_prefix():
+    cache = ContextCache(1 << 30, 1 << 30, 600)
+    history = _ids(100)
+    cache.put(_context("short", history[:40]))
+    cache.put(_context("long", history[:90]))
+    cache.put(_context("other", _ids(90, start=1000)))
+    cache.put(_context("diverges", history[:70] + [9999] * 30))
+
+    match = cache.match("t1", "fp", history + [5, 6, 7])
+    assert match.context.id == "long" and match.conversation_tokens == 90
+    # Divergence inside a block: the exact common prefix, not only whole blocks.
+    match = cache.match("t1", "fp", history[:75] + [1] * 20)
+    assert match.context.id == "long" and match.conversation_tokens == 75
+    assert cache.match("t1", "fp", _ids(BLOCK_TOKENS - 1)) is None  # shorter than a block: nothing to find
+    assert cache.match("t1", "other-model", history) is None
+
+
+def test_match_never_crosses_tenants():
+    cache = ContextCache(1 << 30, 1 << 30, 600)
+    cache.put(_context("mine", _ids(64), tenant="alpha"))
+    assert cache.match("beta", "fp", _ids(64)) is None
+    assert cache.match("alpha", "fp", _ids(64)).context.id == "mine"
+    assert block_hashes("alpha", "fp", _ids(64)) != block_hashes("beta", "fp", _ids(64))
+    with pytest.raises(SessionNotFoundError):
+        cache.checkout("beta", "mine")
+
+
+def test_anonymous_contexts_never_evict_sessions():
+    one = _context("x", _ids(32)).nbytes
+    cache = ContextCache(session_bytes=2 * one, anonymous_bytes=2 * one, ttl_s=600)
+    cache.put(_context("s1", _ids(32), explicit=True))
+    cache.put(_context("s2", _ids(32, 100), explicit=True))
+    for n in range(20):
+        cache.put(_context(f"anon{n}", _ids(32, 1000 * (n + 1))))
+    stats = cache.stats()
+    assert stats["sessions"] == 2 and stats["evicted"] == 0
+    assert stats["anonymous"] == 2 and stats["anonymous_evicted"] == 18
+    assert cache.checkout("t1", "s1").id == "s1"
+
+
+def test_checkout_is_exclusive_unknown_is_not_found_and_delete_during_a_turn_wins():
+    cache = ContextCache(1 << 30, 1 << 30, 600)
+    cache.put(_context("s", _ids(32), explicit=True))
+    with pytest.raises(SessionNotFoundError):
+        cache.checkout("t1", "nope")
+    held = cache.checkout("t1", "s")
+    assert cache.match("t1", "fp", _ids(32)) is None  # out for a turn: not matched meanwhile
+    with pytest.raises(SessionBusyError):
+        cache.checkout("t1", "s")
+    assert cache.delete("t1", "s")
+    assert cache.release("t1", "s", held) is False  # deleted during the turn: not kept
+    with pytest.raises(SessionNotFoundError):
+        cache.checkout("t1", "s")
+
+
+def test_a_taken_anonymous_context_is_gone_until_put_back():
+    cache = ContextCache(1 << 30, 1 << 30, 600)
+    context = _context("a", _ids(48))
+    cache.put(context)
+    assert cache.take(context) and not cache.take(context)
+    assert cache.match("t1", "fp", _ids(48)) is None
+    cache.release("t1", "a", None)
+    assert cache.stats()["anonymous"] == 0
+
+
+def test_rows_follow_the_spliced_documents():
+    context = _context("d", _ids(10))
+    context.row_ids = _ids(4) + [7] * 6 + _ids(6, 4)
+    context.insertions = [Insertion(4, 6, ("h",))]
+    assert context.rows_for(4) == 4 and context.rows_for(5) == 11 and context.chunks_before(4) == set()
+    assert context.chunks_before(5) == {"h"}
+
+
+def test_context_blob_round_trip_and_corruption():
+    context = _context("s1", _ids(5), explicit=True)
+    context.insertions = [Insertion(2, 0, ("h1", "h2"))]
+    blob = encode_context(context)
+    loaded = decode_context(blob)
+    assert loaded.conversation_ids == context.conversation_ids and loaded.insertions == context.insertions
+    assert torch.equal(loaded.cache.keys, context.cache.keys[:, :, :5]) and loaded.explicit
+    broken = bytearray(blob)
+    broken[-3] ^= 0xFF
+    with pytest.raises(CorruptBlobError):
+        decode_context(broken)
+
+
+# -- Redis sessions --------------------------------------------------------------------------
+
+def _redis_sessions(url: str, lock_ttl_s: float = 10.0) -> RedisSessions:
+    return RedisSessions(url, ContextCache(1 << 20, 1 << 20, 60), ttl_s=60, lock_ttl_s=lock_ttl_s)
+
+
+def test_redis_sessions_are_shared_locked_and_survive_redis_loss(killable_redis):
+    replica_a, replica_b = _redis_sessions(killable_redis.url), _redis_sessions(killable_redis.url)
+    with pytest.raises(SessionNotFoundError):
+        replica_a.checkout("t1", "s")
+    replica_a.put(_context("s", _ids(8)))  # an anonymous context: memory only
+    with pytest.raises(SessionNotFoundError):
+        replica_b.checkout("t1", "s")
+    held = replica_a.checkout("t1", "s")
+    with pytest.raises(SessionBusyError):
+        replica_b.checkout("t1", "s")  # the Redis lock spans replicas
+    held.explicit = True  # a client named it: a session from now on, kept in Redis
+    replica_a.release("t1", "s", held)
+    seen = replica_b.checkout("t1", "s")
+    assert seen.turns == 1 and seen.conversation_ids == _ids(8)
+    seen.turns, seen.version = 2, "v2"
+    replica_b.release("t1", "s", seen)
+    again = replica_a.checkout("t1", "s")  # A's memory copy is stale: it reads B's turn
+    assert again.turns == 2
+    replica_a.release("t1", "s", again)
+    with pytest.raises(SessionNotFoundError):
+        replica_a.checkout("t2", "s")  # tenants never share
+
+    killable_redis.stop()
+    started = time.perf_counter()
+    context = replica_a.checkout("t1", "s")  # Redis gone: the memory copy answers
+    context.turns = 3
+    replica_a.release("t1", "s", context)
+    assert replica_a.healthy() is False and replica_a.stats()["redis_up"] is False
+    assert replica_a.checkout("t1", "s").turns == 3
+    assert time.perf_counter() - started < 5
+    replica_a.close()
+    replica_b.close()
+
+
+def test_redis_keeps_sessions_only_with_ttls(redis_url):
+    sessions = _redis_sessions(redis_url)
+    client = redis.Redis.from_url(redis_url)
+    for n in range(5):
+        sessions.put(_context(f"anon{n}", _ids(8)))
+    assert not client.keys("ragkv:session:t1:anon*")  # anonymous contexts never reach Redis
+    sessions.put(_context("ttl", _ids(8)))
+    context = sessions.checkout("t1", "ttl")
+    context.explicit = True
+    sessions.release("t1", "ttl", context)
+    for part in ("kv", "meta"):
+        assert 0 < client.pttl(f"ragkv:session:t1:ttl:{part}") <= 60_000
+    assert client.get("ragkv:session:t1:ttl:lock") is None
+    assert sessions.delete("t1", "ttl") and not client.keys("ragkv:session:t1:ttl:*")
+    sessions.close()
+
+
+def _hold_lock_and_die(url: str, ready) -> None:
+    sessions = RedisSessions(url, ContextCache(1 << 20, 1 << 20, 60), ttl_s=60, lock_ttl_s=1.0)
+    context = _context("killed", _ids(8), explicit=True)
+    sessions.put(context)
+    held = sessions.checkout("t1", "killed")
+    held.explicit = True
+    sessions.release("t1", "killed", held)  # saved to Redis
+    sessions.checkout("t1", "killed")  # a turn starts ...
+    ready.set()
+    time.sleep(60)  # ... and the process is killed in the middle of it
+
+
+def test_a_lock_left_by_a_killed_process_expires_and_delete_frees_it(redis_url):
+    context = multiprocessing.get_context("spawn")
+    ready = context.Event()
+    process = context.Process(target=_hold_lock_and_die, args=(redis_url, ready))
+    process.start()
+    assert ready.wait(60)
+    client = redis.Redis.from_url(redis_url)
+    sessions = _redis_sessions(redis_url)
+    try:
+        time.sleep(1.5)  # longer than the lock's TTL: the live process's heartbeat keeps it
+        with pytest.raises(SessionBusyError):
+            sessions.checkout("t1", "killed")
+        process.kill()
+        process.join()
+        deadline = time.monotonic() + 5
+        while client.get("ragkv:session:t1:killed:lock") is not None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert client.get("ragkv:session:t1:killed:lock") is None  # expired within the lock TTL, not 120 s
+        resumed = sessions.checkout("t1", "killed")
+        assert resumed.conversation_ids == _ids(8)
+        sessions.release("t1", "killed", resumed)
+
+        client.set("ragkv:session:t1:killed:lock", "a dead process", px=120_000)
+        with pytest.raises(SessionBusyError):
+            sessions.checkout("t1", "killed")
+        assert sessions.delete("t1", "killed")  # DELETE /v1/sessions/ID frees the lock with the session
+        assert client.get("ragkv:session:t1:killed:lock") is None
+        with pytest.raises(SessionNotFoundError):
+            sessions.checkout("t1", "killed")
+    finally:
+        if process.is_alive():
+            process.kill()
+        sessions.close()
