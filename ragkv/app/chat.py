@@ -42,6 +42,9 @@ from ragkv.ingest.errors import InputError
 from ragkv.ingest.registry import check_tenant
 
 QUESTION_LEAD = "\n\nQuestion: "
+NEXT_TURN_ROWS = 256
+"""Rows a turn's cache keeps free beyond its answer, so the next turn (the end of the
+answer, a message, its answer) usually extends it in place instead of copying it."""
 
 
 @dataclass(frozen=True)
@@ -122,7 +125,8 @@ class _TurnState:
         if new:
             reuse = min(reuse, conversation.question_start)
         reuse = min(reuse, len(conversation.token_ids) - 1)
-        cache = self._base_cache(reuse, len(conversation.token_ids) - reuse + turn.config.generation.max_new_tokens)
+        cache = self._base_cache(reuse, len(conversation.token_ids) - reuse + turn.config.generation.max_new_tokens
+                                 + NEXT_TURN_ROWS)
         context_rows = len(self.row_ids)
         citations = self.turns.rag.cite(turn.tenant, retrieved) if retrieved else []
         if new:
@@ -190,9 +194,9 @@ class _TurnState:
         self._room(rows + len(tail))
         started = time.perf_counter()
         if cache is None:
-            cache = model.new_cache(len(tail) + max_new)
+            cache = model.new_cache(len(tail) + max_new + NEXT_TURN_ROWS)
         elif cache.capacity < rows + len(tail) + max_new:
-            cache = cache.clone(extra_capacity=len(tail) + max_new)
+            cache = cache.clone(extra_capacity=len(tail) + max_new + NEXT_TURN_ROWS)
             if self.base.held:
                 self.base.context.cache = cache
         logits = model.prefill(torch.tensor(tail), cache)
@@ -228,7 +232,7 @@ class _TurnState:
         fusion_input = FusionInput(prefix_ids, chunks, question_ids, len(engine.chunk_prefix_ids),
                                    (len(lead), len(lead) + conversation.question_end - conversation.question_start))
         self._room(Layout.of(fusion_input).length)
-        fusion = strategy.fuse(model, fusion_input, prefix_cache, max_new)
+        fusion = strategy.fuse(model, fusion_input, prefix_cache, max_new + NEXT_TURN_ROWS)
         request.timings.fuse = time.perf_counter() - fuse_started
         if self.base.held:
             self.base.context.cache.truncate(len(self.base.context.row_ids))  # the fusion copied what it needed
