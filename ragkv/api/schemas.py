@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from ragkv.api.config import ServeConfig
 from ragkv.api.errors import ApiError
-from ragkv.fusion import DEFAULT_STRATEGY, FusionConfig
+from ragkv.fusion import DEFAULT_STRATEGY, STRATEGY_NAMES, FusionConfig
 from ragkv.engine.generation import GenerationConfig
 from ragkv.app.rag import QueryConfig
 from ragkv.engine.sampling import SamplingConfig
@@ -73,8 +73,10 @@ class RetrievalOptions(_Strict):
     top_k: int = Field(5, ge=1, description="chunks retrieved")
     document_ids: list[str] | None = Field(None, min_length=1, max_length=256,
                                            description="restrict retrieval to these documents")
-    strategy: str = Field(DEFAULT_STRATEGY, description="fusion strategy: full, full_reuse, pie, epic, cacheblend, a3")
-    ratio: float = Field(0.15, description="share of document tokens recomputed (a3, cacheblend)")
+    strategy: str = Field(DEFAULT_STRATEGY, description="fusion strategy spec: a name (" + ", ".join(STRATEGY_NAMES)
+                          + ") or name:option=value,... (e.g. a3:ratio=0.3)")
+    ratio: float | None = Field(None, description="share of document tokens recomputed (a3, cacheblend); "
+                                "overrides the spec's")
     selector: str = Field("dense", description="decode attention selector: " + ", ".join(SELECTOR_NAMES))
     budget: float | None = Field(None, gt=0, description="sparse decode budget per KV head, sinks and recent window "
                                  "included: a fraction of the cached rows in (0, 1] or a whole row count > 1")

@@ -37,6 +37,8 @@ class FusionResult:
     """Rows recomputed from the check layer on; rows in neither kept their stored K/V."""
     check_layer: int | None
     timings: dict[str, float] = field(default_factory=dict)
+    selection: dict[str, float] = field(default_factory=dict)
+    """What the check-layer rule reports about this request (see SelectionContext.report)."""
 
     def recomputed_rows(self, layer: int) -> torch.Tensor:
         """Rows whose K/V at `layer` were computed for this prompt (not reused)."""
@@ -55,6 +57,8 @@ class SelectionContext:
     rows: torch.Tensor  # the rows (positions) whose projections are given
     projection: Projection  # fresh q/k/v of `rows` at `layer`
     cache: KVCache  # still holds the reused K/V of `rows` at `layer`
+    report: dict[str, float] = field(default_factory=dict)
+    """Per-request figures the rule reports (budget spent, attention mass covered, ...)."""
 
 
 class FusionStrategy(ABC):
@@ -70,6 +74,9 @@ class FusionStrategy(ABC):
     @abstractmethod
     def initial_rows(self, layout: Layout) -> torch.Tensor:
         """Rows recomputed from layer 0 (the question rows must be among them)."""
+
+    reuses_stored_kv: bool = True
+    """False for strategies that recompute every row (nothing stored is placed)."""
 
     check_layer: int | None = None
     """Layer at which `select` narrows the rows; None = the initial rows go all the way."""
@@ -99,10 +106,11 @@ class FusionStrategy(ABC):
         rows = initial_rows = self.initial_rows(layout).to(model.device)
         hidden = model.embed(layout.token_ids.to(model.device)[rows])
         recomputed_after_check = None
+        report: dict[str, float] = {}
         for layer in range(model.spec.num_layers):
             projection = model.project(layer, hidden, rows)
             if layer == self.check_layer:
-                chosen = self.select(SelectionContext(model, layer, layout, rows, projection, cache))
+                chosen = self.select(SelectionContext(model, layer, layout, rows, projection, cache, report))
                 question = (rows >= layout.question_start).nonzero().flatten()
                 keep = torch.cat((chosen.to(rows.device), question)).unique(sorted=True)
                 cache.keys[layer, :, rows] = projection.k
@@ -123,9 +131,11 @@ class FusionStrategy(ABC):
         final_rows = recomputed_after_check if recomputed_after_check is not None else rows
         document = ((final_rows >= layout.prefix_len) & (final_rows < layout.question_start)).sum()
         return FusionResult(cache, logits, layout, int(document), layout.num_document_tokens - int(document),
-                            initial_rows, final_rows, self.check_layer, timings)
+                            initial_rows, final_rows, self.check_layer, timings, report)
 
     def _place_reused_kv(self, model, cache, layout, fusion_input, prefix_cache) -> None:
+        if not self.reuses_stored_kv:
+            return
         if layout.prefix_len:
             if prefix_cache is None or prefix_cache.length != layout.prefix_len:
                 raise ValueError("the prefix KV must be given and match the prefix length")

@@ -13,6 +13,7 @@ from ragkv.fusion.layout import Layout
 @dataclass
 class Full(FusionStrategy):
     name = "full"
+    reuses_stored_kv = False
 
     def initial_rows(self, layout: Layout) -> torch.Tensor:
         return torch.arange(layout.length)

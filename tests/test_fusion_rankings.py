@@ -1,0 +1,83 @@
+"""a3 and cacheblend recompute the tokens their rules name, checked against scores
+computed independently from transformers' eager forward pass of the whole prompt.
+
+Below the check layer every row is recomputed, so at the check layer the fresh q/k/v of
+every row equal the full prefill's: a3's score is then transformers' attention of the
+question rows summed over heads, and cacheblend's is the distance between transformers'
+value vectors and the stored ones. A ranking that picks other tokens (say, at random)
+fails these tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from ragkv.fusion import A3, CacheBlend
+from test_fusion import fused_case
+
+RATIO = 0.2
+CHECK_LAYER = 2
+
+
+@pytest.fixture(scope="module")
+def reference(engine):
+    """(fusion input, layout spans, attentions [layers][Hq, T, T], values [layers][Hkv, T, D])."""
+    fusion_input, _ = fused_case(engine)
+    prompt = fusion_input.prefix_ids + sum((c.token_ids for c in fusion_input.chunks), []) + fusion_input.question_ids
+    model = AutoModelForCausalLM.from_pretrained(engine.model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        output = model(torch.tensor([prompt]), output_attentions=True, use_cache=True)
+    values = [output.past_key_values.layers[layer].values[0] for layer in range(len(output.attentions))]
+    return fusion_input, [attention[0] for attention in output.attentions], values
+
+
+def _chosen_document_rows(engine, strategy, fusion_input) -> tuple[set[int], int, int, int]:
+    result = strategy.fuse(engine.model, fusion_input, engine.chunk_prefix_cache())
+    layout = result.layout
+    document = [int(row) for row in result.final_rows if layout.prefix_len <= row < layout.question_start]
+    return set(document), layout.prefix_len, layout.question_start, result.recomputed_tokens
+
+
+def _top(scores: torch.Tensor, first_row: int, budget: int) -> set[int]:
+    return {first_row + int(i) for i in scores.topk(budget).indices}
+
+
+def test_a3_recomputes_the_tokens_the_question_attends_to(engine, reference):
+    fusion_input, attentions, _ = reference
+    chosen, start, end, budget = _chosen_document_rows(
+        engine, A3(ratio=RATIO, check_layer=CHECK_LAYER, deviation_share=0.0), fusion_input)
+    # Attention of every question row to each document token, summed over heads.
+    scores = attentions[CHECK_LAYER][:, end:, start:end].sum(dim=(0, 1))
+    assert budget == len(chosen) > 0
+    assert chosen == _top(scores, start, budget)
+
+
+def test_a3_max_head_aggregation_takes_each_tokens_best_head(engine, reference):
+    fusion_input, attentions, _ = reference
+    chosen, start, end, budget = _chosen_document_rows(
+        engine, A3(ratio=RATIO, check_layer=CHECK_LAYER, deviation_share=0.0, head_aggregation="max"), fusion_input)
+    scores = attentions[CHECK_LAYER][:, end:, start:end].sum(dim=1).max(dim=0).values
+    assert chosen == _top(scores, start, budget)
+
+
+def test_cacheblend_recomputes_the_tokens_whose_values_deviate_most(engine, reference):
+    fusion_input, _, values = reference
+    chosen, start, end, budget = _chosen_document_rows(engine, CacheBlend(ratio=RATIO, check_layer=CHECK_LAYER), fusion_input)
+    stored = torch.cat([chunk.values[CHECK_LAYER] for chunk in fusion_input.chunks], dim=1)  # [Hkv, doc, D]
+    scores = (values[CHECK_LAYER][:, start:end] - stored).pow(2).sum(dim=(0, 2))
+    assert budget == len(chosen) > 0
+    assert chosen == _top(scores, start, budget)
+
+
+def test_a3_splits_its_budget_between_both_rankings(engine, reference):
+    """deviation_share=0.5: half the budget goes to the attention ranking, the other half to
+    the value-deviation ranking over the tokens not already chosen."""
+    fusion_input, attentions, values = reference
+    chosen, start, end, budget = _chosen_document_rows(
+        engine, A3(ratio=RATIO, check_layer=CHECK_LAYER, deviation_share=0.5), fusion_input)
+    by_attention = _top(attentions[CHECK_LAYER][:, end:, start:end].sum(dim=(0, 1)), start, budget - round(0.5 * budget))
+    stored = torch.cat([chunk.values[CHECK_LAYER] for chunk in fusion_input.chunks], dim=1)
+    deviation = (values[CHECK_LAYER][:, start:end] - stored).pow(2).sum(dim=(0, 2))
+    deviation[[row - start for row in by_attention]] = float("-inf")
+    assert chosen == by_attention | _top(deviation, start, round(0.5 * budget))
