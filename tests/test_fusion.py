@@ -1,6 +1,6 @@
-"""Correctness anchors of the fusion strategies on the packaged SmolLM2, in every compute
-dtype. Chunk KV is kept in the model's dtype so a float32 comparison is exact up to float
-rounding; 16-bit dtypes get tolerances measured against their own rounding."""
+"""Correctness anchors of the fusion strategies on the packaged SmolLM2, with chunk KV
+kept in float32 so the comparisons are exact up to float rounding (the other compute
+dtypes: tests/test_fusion_dtypes.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ import pytest
 import torch
 
 from ragkv.bench.metrics import kl_divergence
-from ragkv.engine import Engine, EngineConfig
-from ragkv.fusion import (A3, STRATEGY_NAMES, CacheBlend, Epic, Full, FullReuse, FusionConfig, FusionInput,
-                          LoadedChunk, Pie, build_strategy)
+from ragkv.engine import Engine
+from ragkv.fusion import A3, CacheBlend, Epic, Full, FullReuse, FusionConfig, FusionInput, LoadedChunk, Pie, build_strategy
 
 TEXTS = [
     "Gull Point Light was first lit on 3 March 1851 and burned whale oil until 1890. " * 3,
@@ -18,17 +17,11 @@ TEXTS = [
     "Hallerberg Observatory sits at 1,240 metres on the ridge above the valley towns. " * 3,
 ]
 QUESTION = "When was Gull Point Light first lit?"
-DTYPES = ("float32", "bfloat16", "float16")
-# KL(plain prefill || fused with every row recomputed): the same arithmetic in another
-# order (selective vs causal attention kernels), so only the dtype's rounding differs.
-EXACT_KL = {"float32": 1e-6, "bfloat16": 5e-3, "float16": 1e-3}
 
 
-@pytest.fixture(scope="module", params=DTYPES)
-def case(request, engine):
-    """(engine, fusion input, plain-prefill logits) in one compute dtype."""
-    dtype_engine = engine if request.param == "float32" else Engine(EngineConfig(dtype=request.param))
-    return (dtype_engine, *fused_case(dtype_engine)), request.param
+@pytest.fixture(scope="module")
+def case(engine):
+    return engine, *fused_case(engine)
 
 
 def fused_case(engine: Engine) -> tuple[FusionInput, torch.Tensor]:
@@ -50,43 +43,30 @@ def _fuse(engine, strategy, fusion_input):
 
 
 def test_full_equals_plain_prefill(case):
-    (engine, fusion_input, reference), dtype = case
-    result = _fuse(engine, Full(), fusion_input)
-    assert result.cache.keys.dtype == engine.model.dtype
-    assert kl_divergence(reference, result.logits) < EXACT_KL[dtype]
+    engine, fusion_input, reference = case
+    torch.testing.assert_close(_fuse(engine, Full(), fusion_input).logits, reference, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("spec", ["a3:ratio=1", "cacheblend:ratio=1", "a3:ratio=1,check_layer=4,head_aggregation=max",
                                   "a3:ratio=1,deviation_share=0,exclude_sinks=true"])
 def test_ratio_one_reproduces_full_prefill(case, spec):
-    (engine, fusion_input, reference), dtype = case
+    engine, fusion_input, reference = case
     result = _fuse(engine, build_strategy(spec), fusion_input)
-    assert kl_divergence(reference, result.logits) < EXACT_KL[dtype]
+    torch.testing.assert_close(result.logits, reference, atol=1e-4, rtol=1e-4)
     assert result.reused_tokens == 0
 
 
-@pytest.mark.parametrize("name", STRATEGY_NAMES)
-def test_every_strategy_runs_in_every_dtype(case, name):
-    """Each strategy fuses in the model's dtype; reuse costs some fidelity, but its first
-    token stays a sensible distribution near the full prefill's."""
-    (engine, fusion_input, reference), _ = case
-    result = _fuse(engine, build_strategy(name), fusion_input)
-    assert result.cache.keys.dtype == result.cache.values.dtype == engine.model.dtype
-    assert torch.isfinite(result.logits).all()
-    assert kl_divergence(reference, result.logits) < 1.0
-
-
 def test_single_chunk_with_pie_reproduces_full(case):
-    (engine, fusion_input, _), dtype = case
+    engine, fusion_input, _ = case
     single = FusionInput(fusion_input.prefix_ids, fusion_input.chunks[:1], fusion_input.question_ids,
                          fusion_input.chunk_precompute_offset)
     _, reference = engine.prefill(single.prefix_ids + single.chunks[0].token_ids + single.question_ids)
-    assert kl_divergence(reference, _fuse(engine, Pie(), single).logits) < EXACT_KL[dtype]
+    torch.testing.assert_close(_fuse(engine, Pie(), single).logits, reference, atol=1e-4, rtol=1e-4)
 
 
-def test_position_recovery_places_exact_keys(engine):
+def test_position_recovery_places_exact_keys(case):
     """Reused keys in the fused cache equal keys computed at those global positions."""
-    fusion_input, _ = fused_case(engine)
+    engine, fusion_input, _ = case
     result = _fuse(engine, Pie(), fusion_input)
     start, end = result.layout.chunk_spans[2]
     chunk = fusion_input.chunks[2]
@@ -95,8 +75,8 @@ def test_position_recovery_places_exact_keys(engine):
         torch.testing.assert_close(result.cache.keys[layer, :, start:end], direct, atol=1e-5, rtol=1e-5)
 
 
-def test_full_reuse_keeps_local_positions(engine):
-    fusion_input, _ = fused_case(engine)
+def test_full_reuse_keeps_local_positions(case):
+    engine, fusion_input, _ = case
     result = _fuse(engine, FullReuse(), fusion_input)
     start, end = result.layout.chunk_spans[1]
     offset = fusion_input.chunk_precompute_offset
@@ -104,9 +84,9 @@ def test_full_reuse_keeps_local_positions(engine):
     torch.testing.assert_close(result.cache.keys[3, :, start:end], local, atol=1e-5, rtol=1e-5)
 
 
-def test_full_places_no_stored_kv(engine):
+def test_full_places_no_stored_kv(case):
     """The reference recomputes every row, so stored KV (here garbage) must not matter."""
-    fusion_input, reference = fused_case(engine)
+    engine, fusion_input, reference = case
     garbage = [LoadedChunk(c.token_ids, torch.full_like(c.keys, float("nan")), torch.full_like(c.values, float("nan")))
                for c in fusion_input.chunks]
     poisoned = FusionInput(fusion_input.prefix_ids, garbage, fusion_input.question_ids,
@@ -118,24 +98,24 @@ def test_full_places_no_stored_kv(engine):
     CacheBlend(ratio=0.2), A3(ratio=0.2), A3(ratio=0.2, exclude_sinks=True, head_aggregation="normalized"),
     A3(ratio=0.2, deviation_share=0.0, boundary_tokens=2, query_tokens="text"),
 ])
-def test_selective_strategies_spend_exactly_their_budget(engine, strategy):
-    fusion_input, _ = fused_case(engine)
+def test_selective_strategies_spend_exactly_their_budget(case, strategy):
+    engine, fusion_input, _ = case
     result = _fuse(engine, strategy, fusion_input)
     documents = result.layout.num_document_tokens
     assert result.recomputed_tokens == round(0.2 * documents)
     assert result.recomputed_tokens + result.reused_tokens == documents
 
 
-def test_partial_recompute_moves_towards_full(engine):
+def test_partial_recompute_moves_towards_full(case):
     """More recompute brings the first-token distribution closer to the full prefill."""
-    fusion_input, reference = fused_case(engine)
+    engine, fusion_input, reference = case
     kls = [kl_divergence(reference, _fuse(engine, A3(ratio=r), fusion_input).logits) for r in (0.0, 0.5, 1.0)]
     assert kls[2] < 1e-6
     assert kls[0] > kls[1] > kls[2]
 
 
-def test_epic_recomputes_chunk_boundaries(engine):
-    fusion_input, _ = fused_case(engine)
+def test_epic_recomputes_chunk_boundaries(case):
+    engine, fusion_input, _ = case
     result = _fuse(engine, Epic(boundary_tokens=4), fusion_input)
     assert result.recomputed_tokens == 8 * len(fusion_input.chunks)
 
