@@ -132,5 +132,6 @@ def test_fusion_config_takes_specs_and_validates():
         FusionConfig("a3:head_aggregation=median")
     with pytest.raises(ValueError, match="has no option 'bogus'"):
         FusionConfig("a3:bogus=1")
-    with pytest.raises(ValueError, match="has no ratio"):
-        FusionConfig("pie", ratio=0.2)
+    assert FusionConfig("pie", ratio=0.2).build() == Pie()
+    with pytest.raises(ValueError, match="ratio"):
+        FusionConfig("pie", ratio=2.0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ragkv.fusion.base import FusionStrategy
+from ragkv.fusion.base import FusionStrategy, check_ratio
 from ragkv.fusion.registry import DEFAULT_STRATEGY, build_strategy
 
 
@@ -17,7 +17,8 @@ class FusionConfig:
     strategy's own fields."""
     ratio: float | None = None
     """r: share of document tokens recomputed, for strategies that have one (overrides the
-    spec's; None = the spec's or the strategy's default)."""
+    spec's; None = the spec's or the strategy's default). Strategies that recompute a
+    fixed set of rows (full, full_reuse, pie, epic) have no ratio and ignore it."""
 
     def __post_init__(self) -> None:
         self.build()  # validates the spec and the strategy's fields
@@ -27,5 +28,6 @@ class FusionConfig:
         if self.ratio is None:
             return strategy
         if not any(item.name == "ratio" for item in dataclasses.fields(strategy)):
-            raise ValueError(f"fusion strategy {strategy.name!r} has no ratio (it recomputes a fixed set of rows)")
+            check_ratio(self.ratio)
+            return strategy
         return dataclasses.replace(strategy, ratio=self.ratio)
