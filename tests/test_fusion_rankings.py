@@ -81,3 +81,20 @@ def test_a3_splits_its_budget_between_both_rankings(engine, reference):
     deviation = (values[CHECK_LAYER][:, start:end] - stored).pow(2).sum(dim=(0, 2))
     deviation[[row - start for row in by_attention]] = float("-inf")
     assert chosen == by_attention | _top(deviation, start, round(0.5 * budget))
+
+
+def test_a3_attention_coverage_stops_at_the_mass_it_asks_for(engine, reference):
+    """With a coverage target the budget is the fewest top tokens holding that share of the
+    question's attention to the documents (the ratio only caps it), and it is reported."""
+    fusion_input, attentions, _ = reference
+    strategy = A3(ratio=0.9, check_layer=CHECK_LAYER, deviation_share=0.0, attention_coverage=0.5)
+    result = strategy.fuse(engine.model, fusion_input, engine.chunk_prefix_cache())
+    start, end = result.layout.prefix_len, result.layout.question_start
+    scores = attentions[CHECK_LAYER][:, end:, start:end].sum(dim=(0, 1))
+    cumulative = scores.sort(descending=True).values.cumsum(0) / scores.sum()
+    needed = int((cumulative < 0.5).sum()) + 1
+    chosen = {int(row) for row in result.final_rows if start <= row < end}
+    assert chosen == _top(scores, start, needed)
+    assert needed < round(0.9 * (end - start))
+    assert result.selection["attention_covered"] == pytest.approx(float(cumulative[needed - 1]), abs=1e-4)
+    assert result.selection["recomputed_share"] == pytest.approx(needed / (end - start))

@@ -41,6 +41,10 @@ class A3(FusionStrategy):
     deviation_share: float = 0.5
     """Share of the budget chosen by KV deviation (0 = the A3 paper; 0.5 measured best,
     see BENCHMARKS.md)."""
+    attention_coverage: float = 0.0
+    """Per-query budget: stop adding attention-ranked tokens once they hold this share of
+    the question's attention to the documents (the deviation part shrinks with them);
+    `ratio` stays the cap. 0 = always spend the whole ratio."""
 
     def __post_init__(self) -> None:
         check_ratio(self.ratio)
@@ -54,6 +58,10 @@ class A3(FusionStrategy):
             raise ValueError("boundary_tokens must be >= 0")
         if not 0.0 <= self.deviation_share <= 1.0:
             raise ValueError("deviation_share must be in [0, 1]")
+        if not 0.0 <= self.attention_coverage <= 1.0:
+            raise ValueError("attention_coverage must be in [0, 1]")
+        if self.attention_coverage and self.deviation_share == 1.0:
+            raise ValueError("attention_coverage needs an attention share: deviation_share must be below 1")
 
     def initial_rows(self, layout: Layout) -> torch.Tensor:
         return torch.arange(layout.prefix_len, layout.length)
@@ -68,11 +76,20 @@ class A3(FusionStrategy):
         deviation_budget = int(round(self.deviation_share * attention_budget))
         attention_budget -= deviation_budget
         is_document = (rows >= layout.prefix_len) & (rows < layout.question_start)
-        for scores, share in ((self.question_attention(context), attention_budget), (kv_deviation(context, "v"), deviation_budget)):
+        attention = self.question_attention(context)
+        mass = attention.masked_fill(~is_document, 0.0)
+        if self.attention_coverage and attention_budget > 0:
+            needed = tokens_covering(mass, self.attention_coverage)
+            if needed < attention_budget:
+                deviation_budget = int(round(deviation_budget * needed / attention_budget))
+                attention_budget = needed
+        for scores, share in ((attention, attention_budget), (kv_deviation(context, "v"), deviation_budget)):
             if share > 0:
                 scores = scores.masked_fill(chosen | ~is_document, float("-inf"))
                 available = int(torch.isfinite(scores).sum())
                 chosen[top_k_rows(scores, min(share, available))] = True
+        context.report["attention_covered"] = float(mass[chosen].sum() / mass.sum().clamp_min(1e-12))
+        context.report["recomputed_share"] = int((chosen & is_document).sum()) / max(1, layout.num_document_tokens)
         return chosen.nonzero().flatten()
 
     def question_attention(self, context: SelectionContext) -> torch.Tensor:
@@ -105,3 +122,9 @@ class A3(FusionStrategy):
             start, end = layout.question_text_span
             return layout.question_start + start, layout.question_start + end
         return layout.question_start, layout.length
+
+
+def tokens_covering(mass: torch.Tensor, share: float) -> int:
+    """How many of the heaviest entries of `mass` (>= 0) it takes to hold `share` of its sum."""
+    ordered = mass.sort(descending=True).values.cumsum(0)
+    return int(torch.searchsorted(ordered, share * ordered[-1]).clamp_max(mass.numel() - 1)) + 1
