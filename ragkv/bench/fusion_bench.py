@@ -109,7 +109,10 @@ def run_fusion_bench(
     *,
     max_new_tokens: int = 32,
     progress: Callable[[str], None] = lambda message: None,
+    checkpoint: Callable[[dict], None] = lambda partial: None,
 ) -> dict:
+    """The figures over `examples`; `checkpoint` receives them after every example (long
+    runs keep what they measured when stopped)."""
     doc_ids = _ingest_passages(runtime, examples, progress)
     reference = build_strategy(REFERENCE)
     progress("warming up")
@@ -129,6 +132,12 @@ def run_fusion_bench(
             rows[variant.label].append(_row(result, full, ttft, load, answer, full_answer, example))
             progress(f"  {variant.label}: KL {rows[variant.label][-1]['first_token_kl']:.3f}, "
                      f"{full_ttft / ttft:.1f}x, answer {answer[:60]!r} (full {full_answer[:60]!r})")
+        checkpoint(_results(runtime, examples[:number], variants, rows, max_new_tokens))
+    return _results(runtime, examples, variants, rows, max_new_tokens)
+
+
+def _results(runtime: Runtime, examples: list[Example], variants: list[Variant], rows: dict[str, list[dict]],
+             max_new_tokens: int) -> dict:
     return {
         "examples": len(examples),
         "passages_per_example": statistics.fmean(len(e.passages) for e in examples),

@@ -42,8 +42,7 @@ def run(args: argparse.Namespace) -> int:
     handlers = {"store": _run_store, "fusion": _run_fusion, "sparse": bench_sparse.run}
     results = handlers[args.bench](args)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2))
+        _write_json(args.json, results)
         print(f"wrote {args.json}")
     return 0
 
@@ -82,7 +81,8 @@ def _run_fusion(args: argparse.Namespace) -> dict:
     variants = parse_variants(args.strategies)
     with Runtime(runtime_config(args, show_progress=False)) as runtime:
         results = run_fusion_bench(runtime, examples, variants, max_new_tokens=args.max_new_tokens,
-                                   progress=lambda message: print(message, file=sys.stderr, flush=True))
+                                   progress=lambda message: print(message, file=sys.stderr, flush=True),
+                                   checkpoint=lambda partial: _write_json(args.json, partial))
     print(f"{results['examples']} examples, {results['passages_per_example']:.0f} passages, "
           f"{results['strategies']['full']['prompt_tokens']:.0f} prompt tokens on average, {results['dtype']}")
     print(f"{'strategy':<48} {'TTFT s':>7} {'speedup':>7} {'KL':>6} {'top1':>5} {'agree':>5} {'exact':>5} {'gold':>5} {'recomp':>6}")
@@ -96,3 +96,9 @@ def _run_fusion(args: argparse.Namespace) -> dict:
 
 
 COMMAND = Command("bench", "benchmarks (store throughput, fusion quality and TTFT, sparse decode)", configure, run)
+
+
+def _write_json(path: Path | None, results: dict) -> None:
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(results, indent=2))
