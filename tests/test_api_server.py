@@ -381,3 +381,13 @@ def test_redis_loss_degrades_but_keeps_answering(env):
                                           extra_body={"session_id": fresh.session_id, "rag": {"enabled": False}},
                                           messages=[{"role": "user", "content": "Who founded it?"}])
     assert follow.rag["turn"] == 2 and follow.usage.cached_tokens >= fresh.usage.prompt_tokens  # memory fallback
+
+
+def test_a_store_that_cannot_take_the_write_answers_503(tmp_path):
+    args = ["--data-dir", str(tmp_path / "data"), "--store", "redis://127.0.0.1:1/0", "--log-level", "warning",
+            "--background-ingest-bytes", "100000"]
+    with ServerProcess(args, log_path=tmp_path / "serve.log") as server, httpx.Client(base_url=server.url, timeout=180) as http:
+        text = (CORPUS / "orchard.txt").read_text()
+        error = _error(http.post("/v1/documents", json={"text": text, "name": "orchard.txt"}), 503)
+        assert error["code"] == "store_unavailable" and "nothing was ingested" in error["message"]
+        assert http.get("/v1/documents").json()["data"] == []

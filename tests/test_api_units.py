@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import time
 
 import pytest
@@ -15,6 +17,7 @@ from ragkv.api.errors import ApiError, QueueFullError
 from ragkv.api.jobs import SUCCEEDED, JobRegistry
 from ragkv.api.schemas import ChatRequest, QueryRequest, generation_config, query_config
 from ragkv.api.worker import Job, JobCancelled, ModelWorker
+from ragkv.store.lmdb_env import LMDBEnvironment
 
 
 # -- API keys and tenants ---------------------------------------------------------------------
@@ -65,14 +68,29 @@ def test_requests_convert_to_typed_configs_or_400():
         chat.refuse_unsupported()
 
 
-def test_job_registry_is_per_tenant():
-    jobs = JobRegistry()
+def test_job_registry_is_per_tenant(tmp_path):
+    jobs = JobRegistry(LMDBEnvironment(tmp_path / "db"))
     record = jobs.create("alpha", "ingest", "doc.txt")
     jobs.progress(record, 1, 4)
     assert jobs.get("alpha", record.id).to_dict()["progress"] == {"chunks_done": 1, "chunks_total": 4, "fraction": 0.25}
     assert jobs.get("beta", record.id) is None
     jobs.finish(record, SUCCEEDED, result={"ok": True})
     assert jobs.get("alpha", record.id).to_dict()["status"] == SUCCEEDED
+
+
+def test_a_job_whose_process_died_reads_as_failed(tmp_path):
+    killed = subprocess.run([sys.executable, "-c", (
+        "import os, sys; from ragkv.api.jobs import JobRegistry; from ragkv.store.lmdb_env import LMDBEnvironment\n"
+        "jobs = JobRegistry(LMDBEnvironment(sys.argv[1])); record = jobs.create('alpha', 'ingest', 'big.txt')\n"
+        "jobs.start(record); jobs.progress(record, 3, 10); print(record.id, flush=True); os.kill(os.getpid(), 9)"),
+        str(tmp_path / "db")], capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -9, killed.stderr
+    job_id = killed.stdout.strip()
+    jobs = JobRegistry(LMDBEnvironment(tmp_path / "db"))
+    shown = jobs.get("alpha", job_id).to_dict()
+    assert shown["status"] == "failed" and shown["error"]["code"] == "interrupted"
+    assert shown["progress"]["chunks_done"] == 3 and jobs.get("beta", job_id) is None
+    assert [record.id for record in jobs.list("alpha")] == [job_id]
 
 
 # -- the model worker -----------------------------------------------------------------------------

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -114,3 +115,96 @@ def test_read_only_commands_create_nothing(tmp_path, command):
     result = ragkv(home, *command, "--store", f"lmdb://{missing}")
     assert result.returncode == 2 and "nothing was created" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "nonexistent").exists() and not home.exists()
+
+
+def test_an_unreachable_store_fails_the_ingestion(tmp_path):
+    document = tmp_path / "note.txt"
+    document.write_text("Gull Point Light was first lit in 1851 and automated in 1987. " * 20)
+    result = ragkv(tmp_path / "home", "ingest", "--store", "redis://127.0.0.1:1/0", str(document), "--no-progress")
+    assert result.returncode == 3, result.stderr
+    assert "could not take the write" in result.stderr and "Traceback" not in result.stderr
+    assert "computed" not in result.stdout
+    listed = ragkv(tmp_path / "home", "docs", "list", "--json")
+    assert json.loads(listed.stdout)["data"] == []
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "8193"])
+def test_bad_chunk_tokens_are_refused(tmp_path, value):
+    result = ragkv(tmp_path, "ingest", str(CORPUS), "--chunk-tokens", value)
+    assert result.returncode == 2 and "chunk_tokens must be in [16, 8192]" in result.stderr
+
+
+def test_chunk_tokens_past_the_model_context_are_refused(tmp_path):
+    result = ragkv(tmp_path, "ingest", str(CORPUS), "--chunk-tokens", "8192", "--no-progress")
+    assert result.returncode == 2 and "does not fit the model's context" in result.stderr
+
+
+def test_folder_summary_lists_unsupported_files_and_tenants_are_isolated(tmp_path):
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    text = (CORPUS / "orchard.txt").read_text()
+    (folder / "orchard.txt").write_text(text)
+    (folder / "scan.pdf").write_bytes(b"%PDF-1.4")
+    (folder / "photo.jpg").write_bytes(b"\xff\xd8\xff")
+    home = tmp_path / "home"
+    alice = ragkv(home, "ingest", str(folder), "--json", "--no-progress", "--tenant", "alice", "--chunk-tokens", "64")
+    assert alice.returncode == 0, alice.stderr
+    summary = json.loads(alice.stdout)
+    assert sorted(Path(p).name for p in summary["unsupported"]) == ["photo.jpg", "scan.pdf"]
+    assert "scan.pdf: unsupported file type" in alice.stderr
+    totals = summary["totals"]
+    assert (totals["files"], totals["ingested"], totals["failed"], totals["unsupported"]) == (1, 1, 0, 2)
+    assert totals["computed_chunks"] == totals["chunks"] > 1 and totals["stored_bytes"] > 0
+    document = summary["documents"][0]
+
+    def ingest_as(tenant: str, *extra: str) -> dict:
+        result = ragkv(home, "ingest", str(folder / "orchard.txt"), "--json", "--no-progress", "--tenant", tenant,
+                       "--chunk-tokens", "64", *extra)
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout)["documents"][0]
+
+    bob = ingest_as("bob")
+    assert bob["reused_chunks"] == 0 and bob["id"] != document["id"]
+    carol = ingest_as("carol", "--share-chunks-across-tenants")
+    dave = ingest_as("dave", "--share-chunks-across-tenants")
+    assert carol["computed_chunks"] == carol["chunks"]
+    assert dave["reused_chunks"] == dave["chunks"] and dave["id"] == carol["id"]
+
+
+def _stored_blobs(db: Path) -> int:
+    from ragkv.store.lmdb_store import LMDBStore
+
+    with LMDBStore(db, create=False) as store:
+        return sum(1 for _ in store.iter_keys())
+
+
+def test_killed_ingestion_leaves_no_unreferenced_blob_after_the_next_start(tmp_path):
+    home = tmp_path / "home"
+    big = tmp_path / "big.txt"
+    big.write_text(" ".join(f"Entry {n}: the keeper logged {n * 7 % 101} ships and {n % 13} storms." for n in range(2500)))
+    env = {**os.environ, "RAGKV_HOME": str(home), "HF_HUB_OFFLINE": "1"}
+    process = subprocess.Popen([sys.executable, "-m", "ragkv", "ingest", str(big), "--chunk-tokens", "32", "--no-progress"],
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    db = home / "db"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and process.poll() is None:
+        if (db / "data.mdb").is_file() and _stored_blobs(db) >= 5:
+            break
+        time.sleep(0.05)
+    assert process.poll() is None, process.stderr.read().decode()
+    process.kill()  # SIGKILL: no clean-up code runs
+    process.wait()
+    orphans = _stored_blobs(db)
+    assert orphans >= 5
+    assert json.loads(ragkv(home, "docs", "list", "--json").stdout)["data"] == []  # nothing references them
+    assert _stored_blobs(db) == orphans  # a read-only command settles nothing
+
+    small = tmp_path / "small.txt"
+    small.write_text("Linden Hill Orchard grows nineteen apple varieties on M9 rootstock. " * 6)
+    restarted = ragkv(home, "ingest", str(small), "--chunk-tokens", "32", "--json", "--no-progress")
+    assert restarted.returncode == 0, restarted.stderr
+    assert "settled 1 interrupted ingestion" in restarted.stderr
+    kept = json.loads(restarted.stdout)["totals"]["computed_chunks"]
+    assert _stored_blobs(db) == kept
+    gc = ragkv(home, "store", "gc", "--dry-run", "--json")
+    assert gc.returncode == 0 and json.loads(gc.stdout)["unreferenced"] == 0

@@ -10,9 +10,18 @@ from ragkv.ingest.embedder import Embedder
 from ragkv.ingest.errors import InputError, NotFoundError
 from ragkv.ingest.loaders import document_text
 from ragkv.ingest.pipeline import IngestConfig, Ingestor
+from ragkv.engine.fingerprint import KV_FORMAT_VERSION
+from ragkv.ingest.cleanup import collect_garbage
+from ragkv.ingest.journal import IngestJournal
 from ragkv.ingest.registry_lmdb import LMDBRegistry
+from ragkv.store.errors import StoreUnavailableError
+from ragkv.store.keys import ChunkKey
 from ragkv.store.lmdb_env import LMDBEnvironment
 from ragkv.store.lmdb_store import LMDBStore
+from ragkv.store.redis_store import RedisStore
+from ragkv.store.tiered import TieredStore
+
+UNREACHABLE_REDIS = "redis://127.0.0.1:1/0"
 
 LIGHTHOUSE = "Gull Point Light was first lit in 1851 and automated in 1987. " * 12
 ORCHARD = "Linden Hill Orchard grows nineteen apple varieties on M9 rootstock. " * 12
@@ -24,12 +33,25 @@ def embedder():
 
 
 @pytest.fixture
-def ingestor(engine, embedder, tmp_path):
-    env = LMDBEnvironment(tmp_path / "db")
-    store = LMDBStore(tmp_path / "db")
-    yield Ingestor(engine, store, LMDBRegistry(env), embedder, IngestConfig(chunk_tokens=64, show_progress=False))
-    store.close()
-    env.close()
+def make_ingestor(engine, embedder, tmp_path):
+    """Ingestor(store=..., **IngestConfig fields) over an LMDB registry in tmp_path."""
+    opened = []
+
+    def make(store=None, **config):
+        env = LMDBEnvironment(tmp_path / "db")
+        store = store or LMDBStore(tmp_path / "db")
+        opened.extend((store, env))
+        config = {"chunk_tokens": 64, "show_progress": False, **config}
+        return Ingestor(engine, store, LMDBRegistry(env), embedder, IngestJournal(env), IngestConfig(**config))
+
+    yield make
+    for resource in opened:
+        resource.close()
+
+
+@pytest.fixture
+def ingestor(make_ingestor):
+    return make_ingestor()
 
 
 def _blob_count(ingestor) -> int:
@@ -131,3 +153,73 @@ def test_tenants_do_not_see_each_other(ingestor):
         ingestor.delete(result.doc_id, tenant="bob")
     with pytest.raises(InputError):
         ingestor.ingest_text(LIGHTHOUSE, "a.txt", tenant="../etc")
+
+
+def test_a_store_that_cannot_take_the_write_fails_the_ingestion(make_ingestor):
+    ingestor = make_ingestor(store=RedisStore(UNREACHABLE_REDIS))
+    with pytest.raises(StoreUnavailableError, match="could not take the write"):
+        ingestor.ingest_text(LIGHTHOUSE, "a.txt")
+    assert ingestor.registry.list("default") == [] and ingestor.journal.entries() == []
+
+
+def test_a_dead_cache_tier_is_skipped_when_the_durable_tier_took_the_write(make_ingestor, tmp_path):
+    lmdb = LMDBStore(tmp_path / "db")
+    ingestor = make_ingestor(store=TieredStore([lmdb, RedisStore(UNREACHABLE_REDIS)], lru_bytes=0))
+    result = ingestor.ingest_text(LIGHTHOUSE, "a.txt")
+    assert result.computed_chunks == result.chunks > 0
+    record = ingestor.registry.get("default", result.doc_id)
+    assert all(lmdb.contains(ingestor.chunk_key(chunk.chunk_hash)) for chunk in record.chunks)
+
+
+def test_tenants_get_their_own_chunks_and_ids_by_default(ingestor):
+    alice = ingestor.ingest_text(LIGHTHOUSE, "a.txt", tenant="alice")
+    bob = ingestor.ingest_text(LIGHTHOUSE, "a.txt", tenant="bob")
+    assert bob.reused_chunks == 0 and bob.computed_chunks == bob.chunks and not bob.duplicate_of_existing
+    assert bob.doc_id != alice.doc_id
+    hashes = {tenant: {c.chunk_hash for c in ingestor.registry.get(tenant, doc).chunks}
+              for tenant, doc in (("alice", alice.doc_id), ("bob", bob.doc_id))}
+    assert not hashes["alice"] & hashes["bob"]
+
+
+def test_cross_tenant_sharing_when_the_deployment_opts_in(make_ingestor):
+    ingestor = make_ingestor(share_chunks_across_tenants=True)
+    alice = ingestor.ingest_text(LIGHTHOUSE, "a.txt", tenant="alice")
+    bob = ingestor.ingest_text(LIGHTHOUSE, "a.txt", tenant="bob")
+    assert bob.reused_chunks == bob.chunks and bob.computed_chunks == 0 and bob.doc_id == alice.doc_id
+    ingestor.delete(alice.doc_id, tenant="alice")  # bob's document still holds the shared chunks
+    assert all(ingestor.store.contains(ingestor.chunk_key(c.chunk_hash))
+               for c in ingestor.registry.get("bob", bob.doc_id).chunks)
+
+
+def test_deleting_a_document_removes_every_models_blobs(ingestor):
+    result = ingestor.ingest_text(ORCHARD, "orchard.txt")
+    record = ingestor.registry.get("default", result.doc_id)
+    tensors = ingestor.store.get(ingestor.chunk_key(record.chunks[0].chunk_hash))
+    other_model = ChunkKey("another-model", record.chunks[0].chunk_hash, KV_FORMAT_VERSION)
+    ingestor.store.put(other_model, tensors)  # what a recompute by another model leaves
+    ingestor.delete(result.doc_id)
+    assert _blob_count(ingestor) == 0
+
+
+def test_gc_removes_unreferenced_blobs_only(ingestor):
+    kept = ingestor.ingest_text(LIGHTHOUSE, "a.txt")
+    tensors = ingestor.store.get(ingestor.chunk_key(ingestor.registry.get("default", kept.doc_id).chunks[0].chunk_hash))
+    for index in range(3):
+        ingestor.store.put(ChunkKey(ingestor.engine.fingerprint, f"{index:032x}", KV_FORMAT_VERSION), tensors)
+    live = ChunkKey(ingestor.engine.fingerprint, "f" * 32, KV_FORMAT_VERSION)
+    ingestor.store.put(live, tensors)
+    entry = ingestor.journal.begin([live])  # an ingestion of this process, still running
+    dry = collect_garbage(ingestor.registry, ingestor.store, ingestor.journal, dry_run=True)
+    assert (dry.unreferenced, dry.removed) == (3, 0) and dry.bytes >= 3 * sum(t.nbytes for t in tensors.values())
+    assert _blob_count(ingestor) == kept.chunks + 4
+    done = collect_garbage(ingestor.registry, ingestor.store, ingestor.journal)
+    assert done.removed == 3 and done.bytes == dry.bytes and _blob_count(ingestor) == kept.chunks + 1
+    ingestor.journal.end(entry)
+
+
+def test_chunk_tokens_are_checked(make_ingestor):
+    for bad in (0, -5, 8193):
+        with pytest.raises(InputError, match="chunk_tokens must be in"):
+            IngestConfig(chunk_tokens=bad)
+    with pytest.raises(InputError, match="does not fit the model's context"):
+        make_ingestor(chunk_tokens=8192)

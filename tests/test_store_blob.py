@@ -11,6 +11,7 @@ import safetensors.torch
 import torch
 
 from ragkv.store import CorruptBlobError, decode_blob, encode_blob
+from ragkv.store.blob import mac_key_of
 
 
 def small_blob() -> tuple[bytes, dict[str, torch.Tensor]]:
@@ -142,3 +143,20 @@ def test_encode_validates_inputs() -> None:
         encode_blob({"": torch.zeros(1)})
     with pytest.raises(ValueError, match="dtype"):
         encode_blob({"a": torch.zeros(1, dtype=torch.complex64)})
+
+
+def test_a_mac_blob_needs_the_same_secret() -> None:
+    _, tensors = small_blob()
+    key, other = mac_key_of("deployment secret"), mac_key_of("another secret")
+    blob = encode_blob(tensors, {"doc": "d1"}, mac_key=key)
+    decoded, metadata = decode_blob(blob, mac_key=key)
+    assert metadata == {"doc": "d1"} and all(torch.equal(decoded[name], tensors[name]) for name in tensors)
+    for wrong in (other, None):
+        with pytest.raises(CorruptBlobError):
+            decode_blob(blob, mac_key=wrong)
+    with pytest.raises(CorruptBlobError, match="MAC"):
+        decode_blob(encode_blob(tensors), mac_key=key)  # a CRC-only blob, as a planter could write it
+    flipped = bytearray(blob)
+    flipped[-1] ^= 1
+    with pytest.raises(CorruptBlobError, match="MAC"):
+        decode_blob(flipped, mac_key=key)

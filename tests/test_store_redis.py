@@ -113,3 +113,14 @@ def test_tiered_store_keeps_serving_from_lmdb_when_redis_dies(tmp_path, killable
         assert lmdb_stats.entries == 2
         assert redis_stats.errors >= 2 and stats.errors == redis_stats.errors
         assert (stats.hits, stats.misses) == (2, 1)
+
+
+def test_kv_planted_in_a_shared_redis_without_the_secret_is_a_corrupt_miss(redis_url: str) -> None:
+    planted = {"kv": torch.full((16,), 7.0, dtype=torch.float16)}
+    with open_store(redis_url) as intruder, open_store(redis_url, secret="deployment secret") as store:
+        intruder.put(key(900), planted)  # a valid CRC-32 under the predictable key
+        assert store.get(key(900)) is None and store.stats().corrupt == 1
+        assert not intruder.contains(key(900))  # dropped, so the deployment recomputes and rewrites it
+        store.put(key(900), CHUNK)
+        assert torch.equal(store.get(key(900))["kv"], CHUNK["kv"])
+        assert intruder.get(key(900)) is None  # and the deployment's blob is useless without the secret

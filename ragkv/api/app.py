@@ -100,7 +100,7 @@ def _build_state(config: ServeConfig, metrics: Metrics) -> AppState:
                              on_finished=lambda job: metrics.jobs.labels(job.kind, job.outcome or "unknown").inc())
         service = Service(runtime, config, metrics, sessions)
         model_id = config.model_id or runtime.engine.model_dir.name
-        state = AppState(config, runtime, worker, sessions, JobRegistry(), metrics, service, model_id)
+        state = AppState(config, runtime, worker, sessions, JobRegistry(runtime.env), metrics, service, model_id)
     except BaseException:
         runtime.close()
         raise

@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ragkv.api.responses import SafeJSONResponse
 from ragkv.app.contexts import SessionBusyError
 from ragkv.ingest.errors import InputError, NotFoundError, RegistryUnavailableError
+from ragkv.store.errors import StoreUnavailableError
 
 _TYPES = {
     400: "invalid_request_error",
@@ -81,6 +82,9 @@ def as_api_error(error: BaseException) -> ApiError | None:
         return ApiError(status, error.reason, str(error))
     if isinstance(error, RegistryUnavailableError):
         return ApiError(503, "registry_unavailable", f"the document registry is unreachable; retry shortly: {error}",
+                        headers={"Retry-After": "5"})
+    if isinstance(error, StoreUnavailableError):
+        return ApiError(503, "store_unavailable", f"the chunk store cannot take writes now; nothing was ingested: {error}",
                         headers={"Retry-After": "5"})
     return None
 

@@ -25,6 +25,8 @@ class RuntimeConfig:
     registry_url: str | None = field(default_factory=registry_url_from_env)
     """Document registry URL ($RAGKV_REGISTRY); None = the data folder's LMDB. redis://HOST:PORT/DB
     shares documents between replicas on several hosts (see ingest.registry_url)."""
+    store_secret: str | None = field(default=None, repr=False)
+    """Deployment secret for blob MACs (see StorageConfig)."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     ingest: IngestConfig = field(default_factory=IngestConfig)
 
@@ -38,7 +40,7 @@ class RuntimeConfig:
 
     @property
     def storage(self) -> StorageConfig:
-        return StorageConfig(self.data_dir, self.store_url, self.registry_url)
+        return StorageConfig(self.data_dir, self.store_url, self.registry_url, self.store_secret)
 
 
 class Runtime:
@@ -59,7 +61,8 @@ class Runtime:
         self.engine = Engine(config.engine)
         attach_codebook(self.engine, self.env)  # a calibrated A2ATS codebook makes ingestion store codes
         self.embedder = Embedder()
-        self.ingestor = Ingestor(self.engine, self.store, self.registry, self.embedder, config.ingest)
+        self.ingestor = Ingestor(self.engine, self.store, self.registry, self.embedder, self.storage.journal,
+                                 config.ingest)
         self.rag = RagPipeline(self.engine, self.store, self.registry, self.embedder)
 
     def close(self) -> None:

@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ragkv.ingest.journal import IngestJournal
 from ragkv.ingest.registry import Registry
 from ragkv.ingest.registry_url import open_registry, registry_url_from_env
 from ragkv.store.base import ChunkStore
@@ -30,6 +31,9 @@ class StorageConfig:
     registry_url: str | None = field(default_factory=registry_url_from_env)
     """Document registry URL ($RAGKV_REGISTRY); None = the data folder's LMDB. redis://HOST:PORT/DB
     shares documents between replicas on several hosts (see ingest.registry_url)."""
+    store_secret: str | None = field(default=None, repr=False)
+    """Deployment secret: chunk blobs carry a MAC keyed by it instead of a CRC-32, so a
+    party that can write to a shared store cannot plant KV (store.blob). None = CRC-32."""
 
     @property
     def lmdb_path(self) -> Path:
@@ -41,19 +45,22 @@ class StorageConfig:
 
 
 class Storage:
-    """Opens what `config` names. `read_only=True` opens only what exists and creates
-    nothing: a missing data folder or store is a FileNotFoundError."""
+    """Opens what `config` names. `read_only=True` writes nothing; `create=False` (implied
+    by read_only) opens only what exists: a missing data folder or store is a
+    FileNotFoundError and nothing is created. Opened for writing, it first settles what
+    interrupted ingestions left (the journal)."""
 
-    def __init__(self, config: StorageConfig, *, read_only: bool = False):
+    def __init__(self, config: StorageConfig, *, read_only: bool = False, create: bool | None = None):
         self.config = config
-        if read_only and not Path(config.lmdb_path, "data.mdb").is_file():
+        create = not read_only if create is None else create and not read_only
+        if not create and not Path(config.lmdb_path, "data.mdb").is_file():
             raise FileNotFoundError(
                 f"no ragkv data at {config.lmdb_path} (nothing was created): ingest some documents first or pass --data-dir")
-        if not read_only:
+        if create:
             Path(config.data_dir).mkdir(parents=True, exist_ok=True)
-        self.env = LMDBEnvironment(config.lmdb_path, create=not read_only)
+        self.env = LMDBEnvironment(config.lmdb_path, create=create)
         try:
-            self.store: ChunkStore = open_store(config.resolved_store_url, create=not read_only)
+            self.store: ChunkStore = open_store(config.resolved_store_url, create=create, secret=config.store_secret)
         except BaseException:
             self.env.close()
             raise
@@ -63,6 +70,10 @@ class Storage:
             self.store.close()
             self.env.close()
             raise
+        self.journal = IngestJournal(self.env)
+        if not read_only:
+            # Blobs of ingestions a dead process left half done are deleted before anything runs.
+            self.journal.reconcile(self.registry.refcount, self.store)
 
     def close(self) -> None:
         self.registry.close()

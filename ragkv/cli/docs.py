@@ -25,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("missing_id", f"`ragkv docs {args.action}` needs a document id")
     if args.action == "list" and args.doc_id:
         raise InputError("extra_id", "`ragkv docs list` takes no document id")
-    with Storage(storage_config(args), read_only=args.action != "delete") as storage:
+    with Storage(storage_config(args), read_only=args.action != "delete", create=False) as storage:
         if args.action == "list":
             _print_list(storage.registry.list(args.tenant), args.json)
         elif args.action == "show":

@@ -10,12 +10,12 @@ import os
 import sys
 from pathlib import Path
 
-from ragkv.cli import ask, bench, calibrate, docs, ingest, serve
+from ragkv.cli import ask, bench, calibrate, docs, ingest, serve, store
 from ragkv.cli.command import Command, CommandParser
 from ragkv.cli.config_file import ConfigFileError, apply_config, config_path, load_config, option_actions, values_for
 
 COMMANDS: tuple[Command, ...] = (
-    ingest.COMMAND, ask.COMMAND, docs.COMMAND, serve.COMMAND, bench.COMMAND, calibrate.COMMAND,
+    ingest.COMMAND, ask.COMMAND, docs.COMMAND, serve.COMMAND, bench.COMMAND, calibrate.COMMAND, store.COMMAND,
 )
 
 EXIT_INPUT_ERROR = 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from ragkv.cli.config_args import add_config_options, config_from_args
@@ -17,6 +18,13 @@ def add_store_options(parser: argparse.ArgumentParser) -> None:
                        help="document registry URL, e.g. redis://HOST:6379/2 to share documents between hosts "
                             "(default: $RAGKV_REGISTRY, else the data folder's LMDB)")
     group.add_argument("--tenant", default="default", help="tenant whose documents are used (default: default)")
+    group.add_argument("--store-secret", default=None,
+                       help="deployment secret: chunk blobs carry a MAC keyed by it instead of a CRC-32 "
+                            "(default: $RAGKV_STORE_SECRET; prefer the variable, a flag shows in `ps`)")
+
+
+def _store_secret(args: argparse.Namespace) -> str | None:
+    return args.store_secret or os.environ.get("RAGKV_STORE_SECRET") or None
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -41,7 +49,8 @@ def storage_config(args: argparse.Namespace):
     """Where the data is, for commands that do not load the model (imports no model code)."""
     from ragkv.app.storage import StorageConfig, default_data_dir
 
-    return StorageConfig(data_dir=args.data_dir or default_data_dir(), store_url=args.store, **_registry(args))
+    return StorageConfig(data_dir=args.data_dir or default_data_dir(), store_url=args.store,
+                         store_secret=_store_secret(args), **_registry(args))
 
 
 def _registry(args: argparse.Namespace) -> dict:
@@ -58,6 +67,7 @@ def runtime_config(args: argparse.Namespace, **ingest_overrides):
         data_dir=args.data_dir or default_data_dir(),
         store_url=args.store,
         **_registry(args),
+        store_secret=_store_secret(args),
         engine=config_from_args(EngineConfig, args),
         ingest=config_from_args(IngestConfig, args, **ingest_overrides),
     )

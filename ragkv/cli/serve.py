@@ -21,12 +21,14 @@ from ragkv.cli.options import add_common_options, runtime_config
 
 def configure(serve: argparse.ArgumentParser) -> None:
     from ragkv.api.config import ServeConfig
+    from ragkv.ingest.pipeline import IngestConfig
 
     serve.add_argument("action", nargs="?", choices=("bench", "followup"), default=None,
                        help="bench: chat TTFT (turn 1 vs 2), /v1/query throughput/latency/TTFT and batched decode; "
                             "followup: a follow-up turn sent by the openai client and LangChain as the whole history")
     add_common_options(serve)
     add_config_options(serve.add_argument_group("server"), ServeConfig)
+    add_config_options(serve.add_argument_group("ingestion"), IngestConfig, skip=("show_progress",))
     serve.add_argument("--api-keys", type=Path, default=None, dest="api_keys_file",
                        help='JSON file {"key": "tenant", ...}; also $RAGKV_API_KEYS="key:tenant,..." (default: no keys)')
     serve.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),

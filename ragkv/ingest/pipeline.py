@@ -4,7 +4,10 @@ Failure policy: input is validated before any work. Chunk blobs are written as t
 computed (memory stays bounded by one chunk); the registry commit that makes the
 document visible is one LMDB transaction at the end. If anything fails before that
 commit, the chunk blobs this ingestion added and no document references are deleted
-again, so the store is left as it was.
+again, so the store is left as it was. If the process dies instead, the ingestion
+journal (ingest/journal.py), written before the first blob, lets the next start-up
+delete them. A store that cannot take a blob fails the ingestion (StoreUnavailableError):
+the KV never goes nowhere silently.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from ragkv.ingest.cleanup import delete_document
 from ragkv.ingest.chunker import DEFAULT_CHUNK_TOKENS, chunk_document
 from ragkv.ingest.embedder import Embedder
 from ragkv.ingest.errors import InputError
+from ragkv.ingest.journal import IngestJournal
 from ragkv.ingest.registry import ChunkRecord, DocumentRecord, Registry, check_tenant
 from ragkv.ingest.validation import DEFAULT_MAX_DOCUMENT_BYTES, check_text
 from ragkv.engine import Engine
@@ -47,6 +51,10 @@ class IngestConfig:
     """Larger documents are refused with a clear error."""
     show_progress: bool = True
     """Draw a progress bar on stderr while chunks are precomputed."""
+    share_chunks_across_tenants: bool = False
+    """Let tenants share chunk KV and document ids for identical text. Off by default: each
+    tenant's chunk keys and document ids are salted with the tenant, so ingesting a text
+    another tenant holds reveals nothing (no reuse, a different id)."""
 
     def __post_init__(self) -> None:
         if not 16 <= self.chunk_tokens <= 8192:
@@ -74,9 +82,19 @@ class IngestResult:
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
+def _text_hash(text: str, namespace: str) -> str:
+    digest = hashlib.blake2b(digest_size=16)
+    if namespace:
+        digest.update(namespace.encode() + b"\x00")  # tenant names hold no NUL
+    digest.update(text.encode())
+    return digest.hexdigest()
+
+
 class Ingestor:
-    def __init__(self, engine: Engine, store: ChunkStore, registry: Registry, embedder: Embedder, config: IngestConfig = IngestConfig()):
+    def __init__(self, engine: Engine, store: ChunkStore, registry: Registry, embedder: Embedder, journal: IngestJournal,
+                 config: IngestConfig = IngestConfig()):
         self.engine = engine
+        self.journal = journal
         self.store = store
         self.registry = registry
         self.embedder = embedder
@@ -103,7 +121,8 @@ class Ingestor:
         text = check_text(text, name, self.config.max_document_bytes)
         if metadata is not None and not isinstance(metadata, dict):
             raise InputError("bad_metadata", "metadata must be a JSON object")
-        text_hash = hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+        namespace = "" if self.config.share_chunks_across_tenants else tenant
+        text_hash = _text_hash(text, namespace)
         existing = self.registry.find_by_text(tenant, text_hash)
         if existing is not None:
             record = self.registry.get(tenant, existing)
@@ -111,11 +130,13 @@ class Ingestor:
                                 time.perf_counter() - started, duplicate_of_existing=True)
 
         chunks = chunk_document(self.engine.tokenizer, text, self.config.chunk_tokens)
-        hashes = [hash_tokens(chunk.token_ids) for chunk in chunks]
+        hashes = [hash_tokens(chunk.token_ids, namespace) for chunk in chunks]
+        todo = self._missing(chunks, hashes)
         added: list[ChunkKey] = []
         timings = {"precompute": 0.0, "store_write": 0.0}
+        journal_entry = self.journal.begin(self.chunk_key(h) for _, h in todo) if todo else None
         try:
-            computed, stored_bytes = self._precompute_missing(name, chunks, hashes, added, timings, progress)
+            stored_bytes = self._precompute(name, todo, added, timings, progress)
             embed_started = time.perf_counter()
             embeddings = self.embedder.embed_passages([text[c.char_start : c.char_end] for c in chunks])
             timings["embed"] = time.perf_counter() - embed_started
@@ -139,13 +160,20 @@ class Ingestor:
         except BaseException:
             self._roll_back(added)
             raise
+        finally:
+            if journal_entry is not None:
+                self.journal.end(journal_entry)
+        computed = len(todo)
         return IngestResult(record.doc_id, name, len(chunks), record.num_tokens, computed, len(chunks) - computed,
                             time.perf_counter() - started, timings=timings, stored_bytes=stored_bytes)
 
-    def _precompute_missing(self, name, chunks, hashes, added, timings, progress) -> tuple[int, int]:
+    def _missing(self, chunks, hashes) -> list:
+        """(chunk, hash) of the chunks the store lacks, each once (a chunk can repeat)."""
         todo = [(chunk, h) for chunk, h in zip(chunks, hashes) if not self.store.contains(self.chunk_key(h))]
-        # The same chunk can repeat inside one document; compute it once.
-        unique = list({h: (chunk, h) for chunk, h in todo}.values())
+        return list({h: (chunk, h) for chunk, h in todo}.values())
+
+    def _precompute(self, name, unique, added, timings, progress) -> int:
+        """Encode and store each chunk of `unique`; returns the tensor bytes written."""
         bar = tqdm(total=len(unique), desc=f"precompute {name}", unit="chunk", disable=not self.config.show_progress or not unique)
         stored_bytes = 0
         for done, (chunk, chunk_hash) in enumerate(unique, start=1):
@@ -153,8 +181,8 @@ class Ingestor:
             tensors = self.engine.encode_chunk(chunk.token_ids)
             t1 = time.perf_counter()
             key = self.chunk_key(chunk_hash)
-            self.store.put(key, tensors)
-            added.append(key)
+            added.append(key)  # first: a put that fails half-way may still have written
+            self.store.put(key, tensors, required=True)
             stored_bytes += sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
             timings["precompute"] += t1 - t0
             timings["store_write"] += time.perf_counter() - t1
@@ -162,7 +190,7 @@ class Ingestor:
             if progress is not None:
                 progress(done, len(unique))
         bar.close()
-        return len(unique), stored_bytes
+        return stored_bytes
 
     def _roll_back(self, added: list[ChunkKey]) -> None:
         for key in added:

@@ -31,7 +31,7 @@ import torch
 
 from ragkv.store.blob import decode_blob, encode_blob
 from ragkv.store.burst_log import BurstLog
-from ragkv.store.errors import CorruptBlobError, StoreError
+from ragkv.store.errors import CorruptBlobError, StoreError, StoreUnavailableError
 from ragkv.store.keys import KEY_NAMESPACE, ChunkKey
 from ragkv.store.stats import StoreStats
 
@@ -108,11 +108,19 @@ class ChunkStore(ABC):
     _transient_errors: ClassVar[tuple[type[BaseException], ...]] = ()
     """Exceptions that mean "backend unavailable": absorbed and counted, never raised."""
 
-    def __init__(self) -> None:
+    durable: ClassVar[bool] = False
+    """Whether a write here survives the process and a restart of the backend (LMDB: yes;
+    a cache such as Redis: no). A required write must reach a durable tier."""
+
+    def __init__(self, *, mac_key: bytes | None = None) -> None:
+        if mac_key is not None and (not isinstance(mac_key, bytes) or len(mac_key) < 16):
+            raise ValueError("mac_key must be at least 16 bytes (see store.blob.mac_key_of)")
+        self._mac_key = mac_key
         self._counter_lock = threading.Lock()
         self._hits = self._misses = self._corrupt = self._errors = 0
         self._closed = False
         self._burst_log = BurstLog(logger, f"{self.backend} store")
+        self._last_error: BaseException | None = None
 
     # ----------------------------------------------------------------- reads
 
@@ -137,6 +145,12 @@ class ChunkStore(ABC):
         (key,) = _check_keys([key])
         self._check_open()
         return self._contains_key(key.to_bytes())
+
+    def blob_size(self, key: ChunkKey) -> int | None:
+        """Bytes stored under ``key`` (unverified), ``None`` when absent or unreachable."""
+        (key,) = _check_keys([key])
+        self._check_open()
+        return self._attempt("size", self._size_raw, key.to_bytes(), fallback=None)
 
     def iter_keys(self, prefix: bytes = KEY_NAMESPACE) -> Iterator[ChunkKey]:
         """Stored keys whose byte form starts with ``prefix`` (see :func:`store.keys.key_prefix`).
@@ -166,19 +180,25 @@ class ChunkStore(ABC):
         key: ChunkKey,
         tensors: Mapping[str, torch.Tensor],
         metadata: Mapping[str, str] | None = None,
+        *,
+        required: bool = False,
     ) -> None:
         """Store ``tensors`` (and string ``metadata``) under ``key``, replacing any old value."""
-        self.put_many([(key, tensors, metadata)])
+        self.put_many([(key, tensors, metadata)], required=required)
 
-    def put_many(self, items: Iterable[PutItem]) -> None:
-        """Store several chunks in one backend round trip / transaction."""
+    def put_many(self, items: Iterable[PutItem], *, required: bool = False) -> None:
+        """Store several chunks in one backend round trip / transaction.
+
+        A write the backend cannot take is dropped (counted, logged) unless ``required``:
+        then it raises :class:`StoreUnavailableError`, for writers that must not report
+        success for data that went nowhere (ingestion). A cache refill is not required."""
         self._check_open()
         pairs = []
         for item in items:
             key, tensors, metadata = _unpack_item(item)
-            pairs.append((key.to_bytes(), encode_blob(tensors, metadata)))
-        if pairs:
-            self._store_raw(pairs)
+            pairs.append((key.to_bytes(), encode_blob(tensors, metadata, mac_key=self._mac_key)))
+        if pairs and not self._store_raw(pairs) and required:
+            raise StoreUnavailableError(f"the {self.backend} store could not take the write: {self._last_error}")
 
     def delete(self, key: ChunkKey) -> bool:
         """Remove ``key``; ``True`` if something was removed."""
@@ -230,8 +250,9 @@ class ChunkStore(ABC):
 
     # The guarded forms of the primitives: what composite stores call on their tiers.
 
-    def _store_raw(self, pairs: list[tuple[bytes, RawBlob]]) -> None:
-        self._attempt("put", self._put_raw_many, pairs, fallback=None)
+    def _store_raw(self, pairs: list[tuple[bytes, RawBlob]]) -> bool:
+        """Write; ``False`` when a transient failure dropped the write."""
+        return self._attempt("put", self._put_raw_many, pairs, fallback=False) is not False
 
     def _delete_key(self, key: bytes) -> bool:
         return self._attempt("delete", self._delete_raw, key, fallback=False)
@@ -246,6 +267,7 @@ class ChunkStore(ABC):
         except self._transient_errors as exc:
             with self._counter_lock:
                 self._errors += 1
+                self._last_error = exc
             self._burst_log.failure(operation, exc)
             return fallback
         self._burst_log.success()
@@ -274,6 +296,9 @@ class ChunkStore(ABC):
 
     @abstractmethod
     def _contains_raw(self, key: bytes) -> bool: ...
+
+    @abstractmethod
+    def _size_raw(self, key: bytes) -> int | None: ...
 
     @abstractmethod
     def _usage(self) -> Usage: ...
@@ -306,7 +331,7 @@ class BlobStore(ChunkStore):
         # One copy into a private writable buffer; decode_blob then maps tensors onto it.
         blob = raw if isinstance(raw, bytearray) else bytearray(raw)
         try:
-            tensors, metadata = decode_blob(blob)
+            tensors, metadata = decode_blob(blob, mac_key=self._mac_key)
         except CorruptBlobError as exc:
             logger.warning("dropping corrupt blob %r from %s store: %s", key.to_bytes(), self.backend, exc)
             self._count_corrupt()

@@ -11,10 +11,18 @@ metadata and the data section, so a flipped bit anywhere in a blob is caught. CR
 (zlib) rather than a cryptographic hash: it catches every single-bit flip, burst and
 truncation, and verifies at several GB/s, where blake2b capped LMDB reads near 0.9 GB/s
 (the blob is on the TTFT path of every question).
+
+CRC-32 is no defence against someone who can write to the store (a shared Redis): they
+can plant KV under a predictable key with a valid CRC. With a deployment secret
+(``mac_key``, see :func:`mac_key_of`) blobs carry a MAC instead: keyed BLAKE2b-256 over
+the same bytes (BLAKE2's keyed mode is a MAC by design; HMAC's nesting is not needed).
+A blob without a valid MAC, including a CRC-only blob, is refused as corrupt.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import math
 import struct
@@ -32,6 +40,7 @@ if sys.byteorder != "little":  # safetensors is little-endian; decode maps bytes
     raise ImportError("ragkv.store.blob supports little-endian hosts only")
 
 CHECKSUM_KEY = "ragkv.crc32"
+MAC_KEY = "ragkv.mac"
 RESERVED_METADATA_PREFIX = "ragkv."
 """Metadata keys with this prefix belong to the store and are refused from callers."""
 
@@ -65,10 +74,18 @@ class DecodedBlob(NamedTuple):
     metadata: dict[str, str]
 
 
+def mac_key_of(secret: str) -> bytes:
+    """The blob MAC key of a deployment secret (any length; only its digest is kept)."""
+    if not isinstance(secret, str) or not secret:
+        raise ValueError("the store secret must be a non-empty string")
+    return hashlib.blake2b(secret.encode("utf-8"), digest_size=32, person=b"ragkv.blob.mac").digest()
+
+
 def encode_blob(
-    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None, *, mac_key: bytes | None = None
 ) -> bytes:
-    """Serialize tensors (moved to CPU, made contiguous) plus string metadata."""
+    """Serialize tensors (moved to CPU, made contiguous) plus string metadata, with a
+    CRC-32, or with ``mac_key`` a MAC."""
     prepared = _prepare_tensors(tensors)
     user_meta = _check_metadata(metadata)
     raw = safetensors.torch.save(prepared, metadata=user_meta or None)
@@ -76,7 +93,10 @@ def encode_blob(
     header = json.loads(raw[8 : 8 + header_len])
     data = memoryview(raw)[8 + header_len :]
     stored_meta = header.pop("__metadata__", {})
-    stored_meta[CHECKSUM_KEY] = _digest(header, user_meta, data)
+    if mac_key is None:
+        stored_meta[CHECKSUM_KEY] = _digest(header, user_meta, data)
+    else:
+        stored_meta[MAC_KEY] = _mac(mac_key, header, user_meta, data)
     header["__metadata__"] = stored_meta
     # Re-emitting the header is cheaper than serializing the tensors twice;
     # data offsets are relative to the data section, so they stay valid.
@@ -85,8 +105,8 @@ def encode_blob(
     return b"".join((struct.pack("<Q", len(header_bytes)), header_bytes, data))
 
 
-def decode_blob(data: bytes | bytearray | memoryview) -> DecodedBlob:
-    """Verify and decode a blob made by :func:`encode_blob`.
+def decode_blob(data: bytes | bytearray | memoryview, *, mac_key: bytes | None = None) -> DecodedBlob:
+    """Verify and decode a blob made by :func:`encode_blob` (with the same ``mac_key``).
 
     Raises :class:`CorruptBlobError` (and nothing else) for truncated, garbled
     or tampered input.  Tensors are views into one writable buffer: a
@@ -102,9 +122,13 @@ def decode_blob(data: bytes | bytearray | memoryview) -> DecodedBlob:
     payload = view[data_start:]
     layout = _validate_layout(entries, payload.nbytes)
     stored_digest = user_meta.pop(CHECKSUM_KEY, None)
-    if stored_digest is None:
-        raise CorruptBlobError(f"blob has no {CHECKSUM_KEY} checksum; not written by encode_blob")
-    if stored_digest != _digest(entries, user_meta, payload):
+    stored_mac = user_meta.pop(MAC_KEY, None)
+    if mac_key is not None:
+        if stored_mac is None or not hmac.compare_digest(stored_mac, _mac(mac_key, entries, user_meta, payload)):
+            raise CorruptBlobError("blob MAC missing or wrong: not written with this deployment's store secret")
+    elif stored_digest is None:
+        raise CorruptBlobError(f"blob has no {CHECKSUM_KEY} checksum (a MAC-only blob needs the store secret)")
+    elif stored_digest != _digest(entries, user_meta, payload):
         raise CorruptBlobError("blob checksum mismatch")
     buffer = view if not view.readonly else memoryview(bytearray(view))
     tensors = {
@@ -142,10 +166,22 @@ def _check_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
     return dict(metadata)
 
 
+def _canonical_index(entries: dict, user_meta: dict[str, str]) -> bytes:
+    return json.dumps([entries, user_meta], sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+
 def _digest(entries: dict, user_meta: dict[str, str], payload: memoryview) -> str:
-    """Digest of a canonical rendering of the index and metadata, then the data."""
-    index = json.dumps([entries, user_meta], sort_keys=True, separators=(",", ":")).encode("utf-8")
-    return f"{zlib.crc32(payload, zlib.crc32(index)):08x}"
+    """CRC-32 of a canonical rendering of the index and metadata, then the data."""
+    return f"{zlib.crc32(payload, zlib.crc32(_canonical_index(entries, user_meta))):08x}"
+
+
+def _mac(key: bytes, entries: dict, user_meta: dict[str, str], payload: memoryview) -> str:
+    """Keyed BLAKE2b-256 of the same bytes as :func:`_digest`, the index length-prefixed."""
+    index = _canonical_index(entries, user_meta)
+    mac = hashlib.blake2b(key=key, digest_size=32)
+    mac.update(struct.pack("<Q", len(index)) + index)
+    mac.update(payload)
+    return mac.hexdigest()
 
 
 def _parse_header(view: memoryview) -> tuple[int, dict, dict[str, str]]:

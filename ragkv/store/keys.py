@@ -95,14 +95,21 @@ def key_prefix(format_version: int | None = None, model_fingerprint: str | None 
     return prefix + model_fingerprint.encode("ascii") + b"/"
 
 
-def hash_tokens(token_ids: Sequence[int]) -> str:
+def hash_tokens(token_ids: Sequence[int], namespace: str = "") -> str:
     """Content address of a chunk: blake2b-128 of its token ids as int32 LE, in hex.
 
     Hashing token ids rather than text means two documents that tokenize to
     the same ids share one cached KV blob, and a tokenizer change (different
-    ids) can never hit a stale entry.
+    ids) can never hit a stale entry. A non-empty ``namespace`` (a tenant) is hashed
+    first, length-prefixed: the same tokens in two namespaces get unrelated addresses,
+    so one namespace cannot learn from a cache hit what another holds.
     """
     ids = [operator.index(t) for t in token_ids]  # rejects floats instead of truncating
     if any(t < _INT32_MIN or t > _INT32_MAX for t in ids):
         raise ValueError("token ids must fit in int32")
-    return hashlib.blake2b(struct.pack(f"<{len(ids)}i", *ids), digest_size=16).hexdigest()
+    digest = hashlib.blake2b(digest_size=16)
+    if namespace:
+        encoded = namespace.encode("utf-8")
+        digest.update(struct.pack("<I", len(encoded)) + encoded)
+    digest.update(struct.pack(f"<{len(ids)}i", *ids))
+    return digest.hexdigest()

@@ -23,15 +23,17 @@ class LMDBStore(BlobStore):
     unless ``create`` is false)."""
 
     backend = "lmdb"
+    durable = True
 
-    def __init__(self, path: str | os.PathLike[str], *, map_size: int = DEFAULT_MAP_SIZE, create: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, map_size: int = DEFAULT_MAP_SIZE, create: bool = True,
+                 mac_key: bytes | None = None) -> None:
         self._env = LMDBEnvironment(path, map_size=map_size, create=create)
         try:
             self._db = self._env.db(CHUNKS_DB)
         except BaseException:
             self._env.close()
             raise
-        super().__init__()
+        super().__init__(mac_key=mac_key)
 
     @property
     def path(self) -> str:
@@ -58,6 +60,11 @@ class LMDBStore(BlobStore):
     def _contains_raw(self, key: bytes) -> bool:
         with self._env.read() as txn:
             return txn.get(key, db=self._db) is not None
+
+    def _size_raw(self, key: bytes) -> int | None:
+        with self._env.read() as txn:
+            value = txn.get(key, db=self._db)
+            return None if value is None else len(value)
 
     def _usage(self) -> Usage:
         with self._env.read() as txn:

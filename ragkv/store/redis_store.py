@@ -59,6 +59,7 @@ class RedisStore(BlobStore):
         connect_timeout_s: float = 0.5,
         op_timeout_s: float = 1.0,
         retry_after_s: float = 1.0,
+        mac_key: bytes | None = None,
     ) -> None:
         if not isinstance(url, str) or urlsplit(url).scheme not in _SCHEMES:
             shown = urlsplit(url).scheme + "://..." if isinstance(url, str) else repr(url)  # URLs may hold passwords
@@ -78,7 +79,7 @@ class RedisStore(BlobStore):
             socket_timeout=op_timeout_s,
             retry=Retry(NoBackoff(), 0),  # the default retries with backoff would hang a request
         )
-        super().__init__()
+        super().__init__(mac_key=mac_key)
 
     def __repr__(self) -> str:
         return f"RedisStore({self._where!r})"  # never the URL: it may hold a password
@@ -122,6 +123,10 @@ class RedisStore(BlobStore):
     def _contains_raw(self, key: bytes) -> bool:
         with self._call():
             return bool(self._client.exists(key))
+
+    def _size_raw(self, key: bytes) -> int | None:
+        with self._call():
+            return self._client.strlen(key) or None  # 0: no such key (blobs are never empty)
 
     def _usage(self) -> Usage:
         with self._call():

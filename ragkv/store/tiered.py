@@ -6,7 +6,9 @@ tensors into the LRU, so the next lookup is served closer to the GPU.  A
 corrupt copy in one tier is dropped there and the lookup falls through to the
 next tier, whose good copy then repairs it.  Writes go to every tier
 (write-through), each absorbing its own transient failures, so losing Redis
-leaves the LMDB tier answering.
+leaves the LMDB tier answering. A write counts as taken only when a durable tier
+(LMDB) took it, or, with no durable tier, every tier did: a cache tier that is down is
+skipped, never the only copy.
 
 The LRU caches decoded tensors: LRU hits cost no I/O, copy or checksum, and
 every caller gets the same tensor objects, which must not be modified.
@@ -18,6 +20,7 @@ import dataclasses
 from collections.abc import Iterator, Sequence
 
 from ragkv.store.base import ChunkStore, Loaded, RawBlob, Usage
+from ragkv.store.errors import StoreUnavailableError
 from ragkv.store.keys import ChunkKey
 from ragkv.store.lru import ByteLRU
 from ragkv.store.stats import StoreStats
@@ -34,8 +37,10 @@ class TieredStore(ChunkStore):
     """
 
     backend = "tiered"
+    _transient_errors = (StoreUnavailableError,)
 
-    def __init__(self, tiers: Sequence[ChunkStore], *, lru_bytes: int = DEFAULT_LRU_BYTES) -> None:
+    def __init__(self, tiers: Sequence[ChunkStore], *, lru_bytes: int = DEFAULT_LRU_BYTES,
+                 mac_key: bytes | None = None) -> None:
         tiers = tuple(tiers)
         if not tiers:
             raise ValueError("TieredStore needs at least one tier")
@@ -46,7 +51,7 @@ class TieredStore(ChunkStore):
             raise ValueError("the same store appears twice in tiers")
         self._tiers = tiers
         self._lru: ByteLRU[bytes, Loaded] = ByteLRU(lru_bytes)
-        super().__init__()
+        super().__init__(mac_key=mac_key)
 
     @property
     def tiers(self) -> tuple[ChunkStore, ...]:
@@ -84,11 +89,18 @@ class TieredStore(ChunkStore):
             pending = [i for i in pending if found[i] is None]
         return found
 
+    @property
+    def durable(self) -> bool:  # type: ignore[override]
+        return any(tier.durable for tier in self._tiers)
+
     def _put_raw_many(self, pairs: list[tuple[bytes, RawBlob]]) -> None:
         for key, _ in pairs:
             self._lru.discard(key)
-        for tier in self._tiers:
-            tier._store_raw(pairs)
+        taken = [tier._store_raw(pairs) for tier in self._tiers]
+        durable = [ok for tier, ok in zip(self._tiers, taken) if tier.durable]
+        if not (any(durable) if durable else all(taken)):
+            failed = ", ".join(tier.backend for tier, ok in zip(self._tiers, taken) if not ok)
+            raise StoreUnavailableError(f"no durable tier took the write ({failed} failed)")
 
     def _delete_raw(self, key: bytes) -> bool:
         self._lru.discard(key)
@@ -96,6 +108,11 @@ class TieredStore(ChunkStore):
 
     def _contains_raw(self, key: bytes) -> bool:
         return key in self._lru or any(tier._contains_key(key) for tier in self._tiers)
+
+    def _size_raw(self, key: bytes) -> int | None:
+        """Bytes over all tiers (what deleting the key frees)."""
+        sizes = [size for tier in self._tiers if (size := tier._attempt("size", tier._size_raw, key, fallback=None))]
+        return sum(sizes) if sizes else None
 
     def _usage(self) -> Usage:
         primary = self._tiers[0].stats()

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
 from ragkv.store.base import ChunkStore
+from ragkv.store.blob import mac_key_of
 from ragkv.store.lmdb_env import DEFAULT_MAP_SIZE
 from ragkv.store.lmdb_store import LMDBStore
 from ragkv.store.redis_store import RedisStore
@@ -76,11 +77,13 @@ _TIERED_PARAMS: dict[str, Callable[[object], object]] = {
 }
 
 
-def open_store(url: str, *, create: bool = True, **options: object) -> ChunkStore:
+def open_store(url: str, *, create: bool = True, secret: str | None = None, **options: object) -> ChunkStore:
     """Open the store ``url`` describes (see the module docstring for the forms).
 
     ``create=False`` opens only an existing LMDB store (``FileNotFoundError`` otherwise),
-    for callers that only read."""
+    for callers that only read. ``secret`` (a deployment secret) makes every tier write
+    and require a MAC instead of a CRC-32 (store.blob)."""
+    mac_key = mac_key_of(secret) if secret is not None else None
     if not isinstance(url, str):
         raise TypeError(f"store URL must be a str, not {type(url).__name__}")
     parts = urlsplit(url)
@@ -88,22 +91,22 @@ def open_store(url: str, *, create: bool = True, **options: object) -> ChunkStor
         raise ValueError(f"store URL {_redact(url)} must not have a #fragment")
     if parts.scheme == "lmdb":
         params = _params(url, parts.query, options, _LMDB_PARAMS)
-        return _open_lmdb(url, parts.netloc, parts.path, params, create)
+        return _open_lmdb(url, parts.netloc, parts.path, params, create, mac_key)
     if parts.scheme in ("redis", "rediss"):
-        return _open_redis(url, options)
+        return _open_redis(url, options, mac_key)
     if parts.scheme == "tiered+lmdb":
         params = _params(url, parts.query, options, _TIERED_PARAMS)
-        tiers: list[ChunkStore] = [_open_lmdb(url, parts.netloc, parts.path, params, create)]
+        tiers: list[ChunkStore] = [_open_lmdb(url, parts.netloc, parts.path, params, create, mac_key)]
         try:
             if "redis" in params:
                 ttl = {"ttl": params["redis_ttl"]} if "redis_ttl" in params else {}
-                tiers.append(_open_redis(params["redis"], ttl))
+                tiers.append(_open_redis(params["redis"], ttl, mac_key))
             elif "redis_ttl" in params:
                 raise ValueError(f"store URL {_redact(url)}: redis_ttl given without redis=")
             lru_mb = params.get("lru_mb", DEFAULT_LRU_BYTES / (1 << 20))
             if lru_mb < 0:
                 raise ValueError(f"store URL {_redact(url)}: lru_mb must be >= 0")
-            return TieredStore(tiers, lru_bytes=int(lru_mb * (1 << 20)))
+            return TieredStore(tiers, lru_bytes=int(lru_mb * (1 << 20)), mac_key=mac_key)
         except BaseException:
             for tier in tiers:
                 tier.close()
@@ -136,17 +139,18 @@ def _params(
     return params
 
 
-def _open_lmdb(url: str, netloc: str, path: str, params: _Params, create: bool) -> LMDBStore:
+def _open_lmdb(url: str, netloc: str, path: str, params: _Params, create: bool, mac_key: bytes | None) -> LMDBStore:
     location = unquote(netloc + path)
     if not location or location == "/":
         raise ValueError(f"store URL {_redact(url)} names no LMDB directory")
     try:
-        return LMDBStore(os.path.expanduser(location), map_size=params.get("map_size", DEFAULT_MAP_SIZE), create=create)
+        return LMDBStore(os.path.expanduser(location), map_size=params.get("map_size", DEFAULT_MAP_SIZE), create=create,
+                         mac_key=mac_key)
     except FileNotFoundError:
         raise FileNotFoundError(f"no chunk store at {_redact(url)} (nothing was created)") from None
 
 
-def _open_redis(url: str, options: dict[str, object]) -> RedisStore:
+def _open_redis(url: str, options: dict[str, object], mac_key: bytes | None) -> RedisStore:
     parts = urlsplit(url)
     params = _params(url, parts.query, options, _REDIS_PARAMS)
     timeouts = {
@@ -155,4 +159,4 @@ def _open_redis(url: str, options: dict[str, object]) -> RedisStore:
     }
     # Our parameters are stripped: redis-py would treat the query as its own.
     base_url = urlunsplit((parts.scheme, parts.netloc, parts.path, "", ""))
-    return RedisStore(base_url, ttl_s=params.get("ttl"), **timeouts)
+    return RedisStore(base_url, ttl_s=params.get("ttl"), mac_key=mac_key, **timeouts)
