@@ -28,9 +28,10 @@ class ServeConfig:
     has one, else sessions live only in this process's memory. "memory" forces memory."""
     session_ttl_s: float = 1800.0
     """Idle seconds after which a chat session expires."""
-    session_memory_mb: float = 512.0
-    """MiB of session KV kept in process memory (least recently used are dropped)."""
-    anonymous_memory_mb: float = 256.0
+    session_memory_mb: float = 1024.0
+    """MiB of session KV kept in process memory (least recently used are dropped); a 6K-token
+    context of the packaged model is ~290 MiB in float32."""
+    anonymous_memory_mb: float = 1024.0
     """MiB of KV of anonymous contexts (turns without a session id, found again by prefix),
     a budget apart from the sessions'; kept in process memory only, never in Redis."""
     session_lock_ttl_s: float = 10.0

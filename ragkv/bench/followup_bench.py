@@ -34,7 +34,7 @@ def _ingest(http: httpx.Client, text: str, name: str) -> tuple[str, int]:
     response = http.post("/v1/documents", json={"text": text, "name": name, "background": False})
     response.raise_for_status()
     body = response.json()
-    return body["id"], body["ingest"]["chunks"]
+    return body["document"]["id"], body["ingest"]["chunks"]
 
 
 def _openai_turn(client, messages: list[dict], rag: dict, max_tokens: int) -> dict:
