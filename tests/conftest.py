@@ -37,7 +37,9 @@ def killable_redis() -> Iterator[RedisServer]:
 
 @pytest.fixture(scope="session")
 def engine():
-    """The packaged SmolLM2-135M engine (dequantised once into the cache, then ~4 s)."""
-    from ragkv.engine import Engine
+    """The packaged SmolLM2-135M engine (dequantised once into the cache, then ~4 s), in the
+    float32 reference numerics so exactness tests compare like with like; the fast formats
+    are checked against it in tests/test_numerics.py."""
+    from ragkv.engine import Engine, EngineConfig
 
-    return Engine()
+    return Engine(EngineConfig(weights="float32", prefill_weights="float32", kv_cache_dtype="float32"))

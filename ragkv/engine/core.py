@@ -18,11 +18,10 @@ from ragkv.engine.generation import GenerationConfig, TokenEvent, stream_tokens
 from ragkv.engine.kv_cache import KVCache
 from ragkv.engine.model import CausalLM, DecodeAttention
 from ragkv.engine.model_files import resolve_model_dir
+from ragkv.engine.numerics import DTYPES, WEIGHT_FORMATS, Numerics, resolve_numerics
 from ragkv.engine.prompt import DEFAULT_SYSTEM_PROMPT, ChatPrompt
 
 log = logging.getLogger("ragkv.engine")
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -30,7 +29,16 @@ class EngineConfig:
     model: str | None = None
     """Local Hugging Face folder (Llama, Mistral, Qwen2, Qwen3); None = packaged SmolLM2."""
     dtype: str = "float32"
-    """Compute dtype. float32 is fastest on CPUs without bf16 matrix units."""
+    """dtype of the residual stream (embeddings, norms, MLP activations)."""
+    weights: str = "auto"
+    """Linear-layer format for decode rows: float32, bfloat16, float16, int8 (per-channel) or
+    int4 (groups of 32); auto = int8 on a CPU with bf16 units, else `dtype`."""
+    prefill_weights: str = "auto"
+    """Linear-layer format for prefill, chunk KV and recompute (a dense dtype); auto =
+    bfloat16 on a CPU with bf16 units, else `dtype`."""
+    kv_cache_dtype: str = "auto"
+    """dtype of q/k/v, attention and the runtime KV cache (bfloat16 halves the bytes a
+    decode step reads at long context); auto = `dtype`."""
     kv_storage_dtype: str = "float16"
     """dtype of chunk K/V in the store (halves the bytes of float32)."""
     device: str = "cpu"
@@ -43,10 +51,20 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("dtype", "kv_storage_dtype"):
-            if getattr(self, name) not in _DTYPES:
-                raise ValueError(f"{name} must be one of {sorted(_DTYPES)}, got {getattr(self, name)!r}")
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"{name} must be one of {sorted(DTYPES)}, got {getattr(self, name)!r}")
+        for name, allowed in (
+            ("weights", WEIGHT_FORMATS), ("prefill_weights", tuple(DTYPES)), ("kv_cache_dtype", tuple(DTYPES))
+        ):
+            if getattr(self, name) not in ("auto", *allowed):
+                raise ValueError(f"{name} must be one of {['auto', *allowed]}, got {getattr(self, name)!r}")
+        self.numerics()
         if self.threads is not None and self.threads < 1:
             raise ValueError("threads must be >= 1")
+
+    def numerics(self) -> Numerics:
+        """The formats the model runs in, each "auto" resolved for this machine."""
+        return resolve_numerics(self.dtype, self.kv_cache_dtype, self.weights, self.prefill_weights, self.device)
 
 
 class Engine:
@@ -56,24 +74,24 @@ class Engine:
             torch.set_num_threads(config.threads)
         started = time.perf_counter()
         self.model_dir = resolve_model_dir(config.model)
-        self.model = CausalLM.load(self.model_dir, _DTYPES[config.dtype], config.device)
+        self.model = CausalLM.load(self.model_dir, device=config.device, numerics=config.numerics())
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.prompt = ChatPrompt(self.tokenizer, config.system_prompt)
         self.eos_token_ids = set(self.model.spec.eos_token_ids)
         """Tokens that end an answer (the model config's and the tokenizer's)."""
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        self.storage_dtype = _DTYPES[config.kv_storage_dtype]
+        self.storage_dtype = DTYPES[config.kv_storage_dtype]
         self.chunk_prefix_ids = self.prompt.prefix_ids if config.precompute_prefix else []
         self.fingerprint = model_fingerprint(
-            self.model_dir, self.model.spec, config.kv_storage_dtype, self.chunk_prefix_ids
+            self.model_dir, self.model.spec, config.kv_storage_dtype, self.chunk_prefix_ids, self.model.numerics
         )
         self.load_seconds = time.perf_counter() - started
         self._chunk_prefix_cache: KVCache | None = None
         self.codebook = None
         """A2ATS codebook (ragkv.sparse.A2ATSCodebook) of this model, when one is attached:
         encode_chunk then stores each chunk's codes with it."""
-        log.info("engine ready in %.1f s (fingerprint %s)", self.load_seconds, self.fingerprint)
+        log.info("engine ready in %.1f s (%s; fingerprint %s)", self.load_seconds, self.model.numerics, self.fingerprint)
 
     @property
     def spec(self):

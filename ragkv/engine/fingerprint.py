@@ -1,7 +1,8 @@
 """Model fingerprints: what makes one model's chunk KV differ from another's.
 
 The chunk store keys every blob by this value, so KV computed by other weights, another
-storage dtype, another architecture or another precompute prefix is never served.
+storage dtype, other numerics (weight formats, compute and cache dtypes), another
+architecture or another precompute prefix is never served.
 RoPE parameters are left out: keys are stored before rotation.
 """
 
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from ragkv.engine.model_files import cache_root
 from ragkv.engine.model_spec import ModelSpec
+from ragkv.engine.numerics import Numerics
 from ragkv.engine.weights import weight_files
 
 KV_FORMAT_VERSION = 2
@@ -44,8 +46,11 @@ def _file_digest(path: Path) -> str:
     return memo[memo_key]
 
 
-def model_fingerprint(model_dir: Path, spec: ModelSpec, storage_dtype: str, precompute_prefix: list[int]) -> str:
+def model_fingerprint(
+    model_dir: Path, spec: ModelSpec, storage_dtype: str, precompute_prefix: list[int], numerics: Numerics
+) -> str:
     payload = {
+        "numerics": numerics.fingerprint_fields(),
         "weights": [_file_digest(path) for path in weight_files(model_dir)],
         "spec": spec.fingerprint_fields(),
         "storage_dtype": storage_dtype,

@@ -22,6 +22,7 @@ from ragkv.kernels.rope import apply_rope
 from ragkv.engine.attention import causal_attention, decode_attention
 from ragkv.engine.kv_cache import KVCache
 from ragkv.engine.model_spec import ModelSpec
+from ragkv.engine.numerics import Numerics
 from ragkv.engine.rope import Rotary
 from ragkv.engine.weights import ModelWeights, load_weights
 
@@ -49,18 +50,28 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class CausalLM:
-    def __init__(self, spec: ModelSpec, weights: ModelWeights, dtype: torch.dtype, device: torch.device | str):
+    """`dtype` is the dtype of q/k/v, attention and the KV cache (what cache writers and
+    sparse selectors see); `hidden_dtype` that of the residual stream. They differ when
+    the numerics keep the stream in float32 and the cache in 16 bits."""
+
+    def __init__(self, spec: ModelSpec, weights: ModelWeights, numerics: Numerics, device: torch.device | str):
         self.spec = spec
         self.weights = weights
-        self.dtype = dtype
+        self.numerics = numerics
+        self.dtype = numerics.kv_dtype
+        self.hidden_dtype = numerics.hidden_dtype
         self.device = torch.device(device)
-        self.rotary = Rotary(spec.rope, device=self.device, dtype=dtype)
+        self.rotary = Rotary(spec.rope, device=self.device, dtype=self.hidden_dtype)
         self.scale = 1.0 / math.sqrt(spec.head_dim)
 
     @classmethod
-    def load(cls, model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> "CausalLM":
+    def load(
+        cls, model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu", numerics: Numerics | None = None
+    ) -> "CausalLM":
+        """`numerics` overrides `dtype`, which alone means everything in that dtype."""
+        numerics = numerics or Numerics.uniform(dtype)
         spec = ModelSpec.from_hf_config(AutoConfig.from_pretrained(model_dir))
-        return cls(spec, load_weights(model_dir, spec, dtype, device), dtype, device)
+        return cls(spec, load_weights(model_dir, spec, numerics, device), numerics, device)
 
     # -- building blocks -------------------------------------------------------------
 
@@ -69,9 +80,12 @@ class CausalLM:
 
     def project(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor) -> Projection:
         """Input norm and q/k/v projections of `hidden` [N, hidden] at `positions` [N]."""
+        return self._project(layer, hidden, *self.rotary.cos_sin(positions))
+
+    def _project(self, layer: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Projection:
         spec, w = self.spec, self.weights.layers[layer]
         x = rms_norm(hidden, w.input_norm, spec.rms_norm_eps)
-        qkv = x @ w.qkv
+        qkv = w.qkv(x)
         if w.qkv_bias is not None:
             qkv = qkv + w.qkv_bias
         n, d = hidden.shape[0], spec.head_dim
@@ -82,24 +96,29 @@ class CausalLM:
         if w.q_norm is not None:
             q = rms_norm(q, w.q_norm, spec.rms_norm_eps)
             k = rms_norm(k, w.k_norm, spec.rms_norm_eps)
-        cos, sin = self.rotary.cos_sin(positions)
-        return Projection(q=apply_rope(q, cos, sin), k=apply_rope(k, cos, sin), k_pre_rope=k, v=v)
+        kv_dtype = self.dtype
+        return Projection(
+            q=apply_rope(q, cos, sin).to(kv_dtype),
+            k=apply_rope(k, cos, sin).to(kv_dtype),
+            k_pre_rope=k.to(kv_dtype),
+            v=v.to(kv_dtype),
+        )
 
     def finish_layer(self, layer: int, hidden: torch.Tensor, attention_out: torch.Tensor) -> torch.Tensor:
         """o_proj + residual, then post-attention norm, MLP and residual. attention_out: [Hq, N, D]."""
         w = self.weights.layers[layer]
         n = hidden.shape[0]
-        hidden = hidden + attention_out.transpose(0, 1).reshape(n, -1) @ w.o_proj
+        hidden = hidden + w.o_proj(attention_out.transpose(0, 1).reshape(n, -1).to(hidden.dtype))
         x = rms_norm(hidden, w.post_attention_norm, self.spec.rms_norm_eps)
-        gate, up = (x @ w.gate_up).chunk(2, dim=-1)
-        return hidden + (F.silu(gate) * up) @ w.down
+        gate, up = w.gate_up(x).chunk(2, dim=-1)
+        return hidden + w.down(F.silu(gate) * up)
 
     def attend(self, layer: int, projection: Projection, positions: torch.Tensor, cache: KVCache, rows: int) -> torch.Tensor:
         keys, values = cache.layer(layer, rows)
         return causal_attention(projection.q, keys, values, positions, self.scale)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return rms_norm(hidden, self.weights.final_norm, self.spec.rms_norm_eps) @ self.weights.lm_head
+        return self.weights.lm_head(rms_norm(hidden, self.weights.final_norm, self.spec.rms_norm_eps))
 
     def new_cache(self, capacity: int) -> KVCache:
         return KVCache.allocate(self.spec, capacity, self.dtype, self.device)
@@ -174,9 +193,10 @@ class CausalLM:
         for cache, row in zip(caches, rows):
             cache.reserve(row + 1)
         positions = torch.tensor([cache.next_position for cache in caches], device=self.device)
+        cos, sin = self.rotary.cos_sin(positions)
         hidden = self.embed(torch.tensor(list(token_ids), device=self.device))
         for layer in range(self.spec.num_layers):
-            projection = self.project(layer, hidden, positions)
+            projection = self._project(layer, hidden, cos, sin)
             outs = []
             for b, (cache, row, attention) in enumerate(zip(caches, rows, attentions)):
                 cache.keys[layer, :, row] = projection.k[:, b]

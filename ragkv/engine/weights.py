@@ -1,4 +1,5 @@
-"""Model weights as plain tensors, laid out for the forward loop.
+"""Model weights laid out for the forward loop: norms and embeddings as plain tensors in
+the residual stream's dtype, every projection a `Linear` in the configured weight format.
 
 q/k/v projections are fused into one matrix and gate/up into another so each layer does
 two large matmuls instead of five small ones.
@@ -13,20 +14,22 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from ragkv.engine.linear import Linear
 from ragkv.engine.model_spec import ModelSpec
+from ragkv.engine.numerics import Numerics
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [hidden, (Hq + 2 Hkv) * D], transposed for x @ W
+    qkv: Linear  # hidden -> (Hq + 2 Hkv) * D
     qkv_bias: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    o_proj: torch.Tensor  # [Hq * D, hidden]
+    o_proj: Linear  # Hq * D -> hidden
     post_attention_norm: torch.Tensor
-    gate_up: torch.Tensor  # [hidden, 2 * intermediate]
-    down: torch.Tensor  # [intermediate, hidden]
+    gate_up: Linear  # hidden -> 2 * intermediate
+    down: Linear  # intermediate -> hidden
 
 
 @dataclass
@@ -34,7 +37,7 @@ class ModelWeights:
     embed: torch.Tensor  # [vocab, hidden]
     layers: list[LayerWeights]
     final_norm: torch.Tensor
-    lm_head: torch.Tensor  # [hidden, vocab]
+    lm_head: Linear  # hidden -> vocab
 
 
 def weight_files(model_dir: Path) -> list[Path]:
@@ -49,7 +52,7 @@ def weight_files(model_dir: Path) -> list[Path]:
     raise FileNotFoundError(f"no safetensors weights in {model_dir}")
 
 
-def load_weights(model_dir: Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str) -> ModelWeights:
+def load_weights(model_dir: Path, spec: ModelSpec, numerics: Numerics, device: torch.device | str) -> ModelWeights:
     raw: dict[str, torch.Tensor] = {}
     for path in weight_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as handle:
@@ -59,36 +62,39 @@ def load_weights(model_dir: Path, spec: ModelSpec, dtype: torch.dtype, device: t
     def take(name: str) -> torch.Tensor:
         if name not in raw:
             raise KeyError(f"weight {name!r} missing from {model_dir}")
-        return raw[name].to(device=device, dtype=dtype)
+        return raw[name].to(device=device, dtype=numerics.hidden_dtype)
 
     def optional(name: str) -> torch.Tensor | None:
         return take(name) if name in raw else None
 
+    def linear(*names: str) -> Linear:
+        """The named [out, in] weights stacked along out, in float32 until quantized."""
+        for name in names:
+            if name not in raw:
+                raise KeyError(f"weight {name!r} missing from {model_dir}")
+        return Linear(torch.cat([raw[name].to(device=device, dtype=torch.float32) for name in names]), numerics)
+
     layers = []
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
-        q, k, v = (take(p + f"self_attn.{n}_proj.weight") for n in "qkv")
         biases = [optional(p + f"self_attn.{n}_proj.bias") for n in "qkv"]
         layers.append(
             LayerWeights(
                 input_norm=take(p + "input_layernorm.weight"),
-                qkv=torch.cat((q, k, v), dim=0).t().contiguous(),
+                qkv=linear(*(p + f"self_attn.{n}_proj.weight" for n in "qkv")),
                 qkv_bias=torch.cat(biases) if all(b is not None for b in biases) else None,
                 q_norm=optional(p + "self_attn.q_norm.weight"),
                 k_norm=optional(p + "self_attn.k_norm.weight"),
-                o_proj=take(p + "self_attn.o_proj.weight").t().contiguous(),
+                o_proj=linear(p + "self_attn.o_proj.weight"),
                 post_attention_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=torch.cat(
-                    (take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")), dim=0
-                ).t().contiguous(),
-                down=take(p + "mlp.down_proj.weight").t().contiguous(),
+                gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                down=linear(p + "mlp.down_proj.weight"),
             )
         )
-    embed = take("model.embed_tokens.weight")
-    lm_head = embed if spec.tie_word_embeddings or "lm_head.weight" not in raw else take("lm_head.weight")
+    tied = spec.tie_word_embeddings or "lm_head.weight" not in raw
     return ModelWeights(
-        embed=embed,
+        embed=take("model.embed_tokens.weight"),
         layers=layers,
         final_norm=take("model.norm.weight"),
-        lm_head=lm_head.t().contiguous(),
+        lm_head=linear("model.embed_tokens.weight" if tied else "lm_head.weight"),
     )

@@ -1,0 +1,36 @@
+"""Each numerics option through the user path on a tiny model: ingest, every fusion
+strategy, generation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ragkv.cli.main import main
+from test_sparse_support import write_tiny_llama
+
+CORPUS = Path(__file__).resolve().parents[1] / "examples" / "corpus"
+STRATEGIES = ("full", "full_reuse", "pie", "epic", "cacheblend", "a3")
+OPTIONS = {
+    "auto": [],
+    "int8-float32-cache": ["--weights", "int8", "--prefill-weights", "float32", "--kv-cache-dtype", "float32"],
+    "bfloat16-prefill": ["--weights", "float32", "--prefill-weights", "bfloat16", "--kv-cache-dtype", "float32"],
+}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    patch = pytest.MonkeyPatch()
+    patch.setenv("RAGKV_CACHE", str(tmp_path_factory.mktemp("ragkv-cache")))
+    yield write_tiny_llama(tmp_path_factory.mktemp("tiny-llama-numerics"), with_tokenizer=True)
+    patch.undo()
+
+
+@pytest.mark.parametrize("option", sorted(OPTIONS))
+def test_option_ingests_fuses_and_answers(option, folder, tmp_path, capsys):
+    common = ["--data-dir", str(tmp_path), "--model", str(folder), *OPTIONS[option]]
+    assert main(["ingest", str(CORPUS), "--no-progress", *common]) == 0
+    for strategy in STRATEGIES:
+        code = main(["ask", "When was the light automated?", "--strategy", strategy, "--max-new-tokens", "3", *common])
+        assert code == 0, f"{option}/{strategy}: {capsys.readouterr().err}"
