@@ -51,3 +51,15 @@ def test_kl_is_zero_for_equal_logits_and_positive_otherwise():
     assert kl_divergence(logits, logits) == pytest.approx(0.0, abs=1e-7)
     assert kl_divergence(logits, logits.flip(0)) > 0.1
     assert set(OPTIONS) >= {"float32", "int8", "bfloat16"}
+
+
+def test_cli_writes_json(folder, tmp_path, capsys):
+    from ragkv.cli.main import main
+
+    out = tmp_path / "decode.json"
+    code = main(["bench", "decode", "--model", str(folder), "--options", "float32", "int8", "--contexts", "16",
+                 "--batches", "1", "2", "--batch-context", "8", "--steps", "2", "--out", str(out)])
+    assert code == 0
+    assert "ms@16" in capsys.readouterr().out
+    figures = json.loads(out.read_text())
+    assert {row["option"] for row in figures["speed"]} == {"float32", "int8"} and len(figures["batch"]) == 4

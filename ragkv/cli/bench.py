@@ -1,4 +1,5 @@
-"""`ragkv bench store | fusion | sparse`: argument parsing and result tables (sparse: ragkv.cli.bench_sparse)."""
+"""`ragkv bench store | fusion | sparse | decode`: argument parsing and result tables (sparse: ragkv.cli.bench_sparse,
+decode: ragkv.cli.bench_decode)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ragkv.cli import bench_sparse
+from ragkv.cli import bench_decode, bench_sparse
 from ragkv.cli.command import Command, CommandParser
 from ragkv.cli.options import add_common_options, runtime_config
 
@@ -37,9 +38,12 @@ def configure(bench: argparse.ArgumentParser) -> None:
     sparse = kinds.add_parser("sparse", help="sparse decode selectors vs dense: recall, answer F1, ms/token, memory")
     bench_sparse.configure(sparse)
 
+    decode = kinds.add_parser("decode", help="dense decode ms/token, batched tokens/s and quality per weight/KV format")
+    bench_decode.configure(decode)
+
 
 def run(args: argparse.Namespace) -> int:
-    handlers = {"store": _run_store, "fusion": _run_fusion, "sparse": bench_sparse.run}
+    handlers = {"store": _run_store, "fusion": _run_fusion, "sparse": bench_sparse.run, "decode": bench_decode.run}
     results = handlers[args.bench](args)
     if args.json:
         _write_json(args.json, results)

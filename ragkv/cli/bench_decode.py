@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from ragkv.cli.options import add_verbose_option
+
 
 def _progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
@@ -29,6 +31,7 @@ def configure(decode: argparse.ArgumentParser) -> None:
     decode.add_argument("--max-new-tokens", type=int, default=16, help="greedy answer length compared (default: 16)")
     decode.add_argument("--note", default="", help="free text stored with the results (e.g. machine load)")
     decode.add_argument("--json", "--out", dest="json", type=Path, default=None, help="write all figures to this file")
+    add_verbose_option(decode)
 
 
 def run(args: argparse.Namespace) -> dict:
