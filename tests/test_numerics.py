@@ -105,7 +105,7 @@ def test_auto_picks_by_cpu_capability(monkeypatch, bf16_units):
     monkeypatch.setattr(numerics_module, "cpu_has_bf16_units", lambda: bf16_units)
     resolved = resolve_numerics("float32", "auto", "auto", "auto", "cpu")
     if bf16_units:
-        assert resolved == Numerics("float32", "float32", "int8", "bfloat16")
+        assert resolved == Numerics("float32", "bfloat16", "int8", "bfloat16")
     else:
         assert resolved == Numerics.uniform(torch.float32)
     assert resolve_numerics("float32", "float16", "int4", "float32", "cpu").weights == "int4"

@@ -38,7 +38,7 @@ class EngineConfig:
     bfloat16 on a CPU with bf16 units, else `dtype`."""
     kv_cache_dtype: str = "auto"
     """dtype of q/k/v, attention and the runtime KV cache (bfloat16 halves the bytes a
-    decode step reads at long context); auto = `dtype`."""
+    decode step reads at long context); auto = bfloat16 on a CPU with bf16 units, else `dtype`."""
     kv_storage_dtype: str = "float16"
     """dtype of chunk K/V in the store (halves the bytes of float32)."""
     device: str = "cpu"

@@ -7,9 +7,9 @@ Four choices, each a plain dtype or weight format name:
 - prefill_weights: the linear layers for many rows (prefill, chunk KV, recompute).
 
 "auto" picks by CPU capability: with bf16 matrix units (AVX512-BF16 / AMX) decode runs
-int8 weights on bf16 activations and prefill runs bf16 GEMMs; without them everything
-stays float32, which MKL runs well on any x86 CPU. The KV cache stays in the residual
-stream's dtype unless set.
+int8 weights on bf16 activations, prefill runs bf16 GEMMs and the KV cache is bf16 (half
+the bytes a long-context step reads); without them everything stays float32, which MKL
+runs well on any x86 CPU.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class Numerics:
         return asdict(self)
 
 
-_BF16_CPU_DEFAULTS = {"kv_cache_dtype": "float32", "weights": "int8", "prefill_weights": "bfloat16"}
+_BF16_CPU_DEFAULTS = {"kv_cache_dtype": "bfloat16", "weights": "int8", "prefill_weights": "bfloat16"}
 
 
 def resolve_numerics(dtype: str, kv_cache_dtype: str, weights: str, prefill_weights: str, device: str) -> Numerics:
