@@ -60,6 +60,8 @@ def _readings(state: AppState) -> Iterator[Reading]:
         yield "counter", "ragkv_store_misses", "Chunk lookups each tier missed", labels, tier.misses
         yield "counter", "ragkv_store_corrupt", "Blobs each tier found corrupt (dropped, recomputed)", labels, tier.corrupt
         yield "counter", "ragkv_store_errors", "Backend operations that failed and were absorbed (Redis down)", labels, tier.errors
+        yield "counter", "ragkv_store_evictions", "Chunks evicted to stay within --store-capacity (each recomputed on its next use)", labels, tier.evictions
+        yield "gauge", "ragkv_store_capacity_bytes", "The --store-capacity bound of each tier", labels, tier.capacity_bytes
     if stats.lru is not None:
         yield "gauge", "ragkv_store_lru_bytes", "Bytes in the in-process chunk LRU", {}, stats.lru.bytes
     redis_up = [tier.healthy() for tier in redis_tiers(state.runtime.store)]

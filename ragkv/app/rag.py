@@ -117,7 +117,7 @@ class RagPipeline:
                 tensors = self.engine.encode_chunk(token_ids)
                 self.store.put(self.chunk_key(chunk.chunk_hash), tensors)
                 recomputed.append(index)
-            loaded.append(LoadedChunk(tensors["tokens"].tolist(), tensors["keys"], tensors["values"]))
+            loaded.append(LoadedChunk(tensors["tokens"].tolist(), *self.engine.kv_format.unpack(tensors)))
             if stored is not None:
                 stored.append(tensors)
         if recomputed:

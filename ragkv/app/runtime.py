@@ -27,8 +27,14 @@ class RuntimeConfig:
     shares documents between replicas on several hosts (see ingest.registry_url)."""
     store_secret: str | None = field(default=None, repr=False)
     """Deployment secret for blob MACs (see StorageConfig)."""
+    store_capacity: int | None = None
+    """Bytes of chunk KV the LMDB store keeps; beyond it the least recently used chunks are
+    evicted (and recomputed from their text when next retrieved). None = unbounded."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     ingest: IngestConfig = field(default_factory=IngestConfig)
+
+    def __post_init__(self) -> None:
+        self.storage  # StorageConfig validates the storage fields (store_capacity)
 
     @property
     def lmdb_path(self) -> Path:
@@ -40,7 +46,7 @@ class RuntimeConfig:
 
     @property
     def storage(self) -> StorageConfig:
-        return StorageConfig(self.data_dir, self.store_url, self.registry_url, self.store_secret)
+        return StorageConfig(self.data_dir, self.store_url, self.registry_url, self.store_secret, self.store_capacity)
 
 
 class Runtime:

@@ -34,6 +34,13 @@ class StorageConfig:
     store_secret: str | None = field(default=None, repr=False)
     """Deployment secret: chunk blobs carry a MAC keyed by it instead of a CRC-32, so a
     party that can write to a shared store cannot plant KV (store.blob). None = CRC-32."""
+    store_capacity: int | None = None
+    """Bytes of chunk KV the LMDB store keeps; beyond it the least recently used chunks are
+    evicted (and recomputed from their text when next retrieved). None = unbounded."""
+
+    def __post_init__(self) -> None:
+        if self.store_capacity is not None and self.store_capacity < 1:
+            raise ValueError(f"store_capacity must be a positive number of bytes, got {self.store_capacity}")
 
     @property
     def lmdb_path(self) -> Path:
@@ -60,7 +67,9 @@ class Storage:
             Path(config.data_dir).mkdir(parents=True, exist_ok=True)
         self.env = LMDBEnvironment(config.lmdb_path, create=create)
         try:
-            self.store: ChunkStore = open_store(config.resolved_store_url, create=create, secret=config.store_secret)
+            capacity = {} if config.store_capacity is None else {"capacity": config.store_capacity}
+            self.store: ChunkStore = open_store(config.resolved_store_url, create=create, secret=config.store_secret,
+                                                **capacity)
         except BaseException:
             self.env.close()
             raise

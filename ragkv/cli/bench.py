@@ -17,11 +17,21 @@ from ragkv.cli.options import add_common_options, runtime_config
 def configure(bench: argparse.ArgumentParser) -> None:
     kinds = bench.add_subparsers(dest="bench", required=True, parser_class=CommandParser)
 
-    store = kinds.add_parser("store", help="chunk store write/read throughput vs a raw file read")
+    store = kinds.add_parser("store", help="chunk store throughput; bytes/token, load time and fidelity per KV format")
     add_common_options(store)
     store.add_argument("--chunks", type=int, default=64, help="chunks written and read (default: 64)")
     store.add_argument("--tokens-per-chunk", type=int, default=512)
     store.add_argument("--redis", default=None, help="also bench this redis URL (e.g. redis://127.0.0.1:6379/0)")
+    store.add_argument("--formats", nargs="+", default=None,
+                       help="KV storage formats compared: float32 float16 bfloat16 int8 int4 (default: all)")
+    store.add_argument("--data", type=Path, default=None,
+                       help="also measure each format's first-token KL and answer agreement vs float16 on this dataset")
+    store.add_argument("--limit", type=int, default=8, help="examples for the fidelity figures (default: 8)")
+    store.add_argument("--passages", type=int, default=10, help="passages per example (default: 10)")
+    store.add_argument("--strategies", nargs="+", default=["full_reuse", "a3"],
+                       help="fusion strategies the fidelity is measured under (default: full_reuse a3)")
+    store.add_argument("--ratio", type=float, default=0.15, help="recompute ratio r (default: 0.15)")
+    store.add_argument("--max-new-tokens", type=int, default=32)
     store.add_argument("--json", type=Path, default=None, help="write all figures to this file")
 
     fusion = kinds.add_parser("fusion", help="fusion strategies vs full prefill: fidelity and TTFT")
@@ -59,7 +69,16 @@ def _run_store(args: argparse.Namespace) -> dict:
     from ragkv.store.url import open_store
     from transformers import AutoConfig
 
+    from ragkv.bench.storage_bench import run_format_load_bench
+    from ragkv.engine.kv_storage import KV_STORAGE_FORMATS
+
+    args.formats = args.formats or list(KV_STORAGE_FORMATS)
+    unknown = sorted(set(args.formats) - set(KV_STORAGE_FORMATS))
+    if unknown:
+        raise ValueError(f"unknown KV storage format(s) {unknown}; choose from {list(KV_STORAGE_FORMATS)}")
     spec = ModelSpec.from_hf_config(AutoConfig.from_pretrained(resolve_model_dir(args.model)))
+    if args.data_dir:
+        args.data_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="ragkv-bench-", dir=args.data_dir) as scratch:
         stores = {"lmdb": open_store(f"lmdb://{Path(scratch, 'lmdb').resolve()}")}
         if args.redis:
@@ -72,8 +91,38 @@ def _run_store(args: argparse.Namespace) -> dict:
         finally:
             for store in stores.values():
                 store.close()
+        results["formats"] = run_format_load_bench(spec, args.formats, chunks=min(args.chunks, 16),
+                                                   tokens_per_chunk=args.tokens_per_chunk, tmp_dir=scratch)
     print(json.dumps(results, indent=2))
+    print(f"{'format':<10} {'bytes/token':>11} {'read ms':>8} {'place ms':>8} {'load ms/chunk':>13}")
+    for name, row in results["formats"].items():
+        print(f"{name:<10} {row['bytes_per_token']:>11,.0f} {row['read_ms_per_chunk']:>8.2f} "
+              f"{row['place_ms_per_chunk']:>8.2f} {row['load_ms_per_chunk']:>13.2f}")
+    if args.data is not None:
+        results["fidelity"] = _run_format_fidelity(args)
     return results
+
+
+def _run_format_fidelity(args: argparse.Namespace) -> dict:
+    from ragkv.bench.datasets import load_examples
+    from ragkv.bench.fusion_bench import parse_strategy
+    from ragkv.bench.storage_bench import REFERENCE_FORMAT, run_format_fidelity_bench
+    from ragkv.engine import Engine, EngineConfig
+    from ragkv.cli.config_args import config_from_args
+
+    examples = load_examples(args.data, args.limit, args.passages)
+    strategies = [parse_strategy(spec, args.ratio) for spec in args.strategies]
+    formats = [name for name in args.formats if name != REFERENCE_FORMAT]
+    engine = Engine(config_from_args(EngineConfig, args))
+    fidelity = run_format_fidelity_bench(engine, examples, formats, strategies, max_new_tokens=args.max_new_tokens,
+                                         progress=lambda message: print(message, file=sys.stderr, flush=True))
+    print(f"{fidelity['examples']} examples x {fidelity['passages_per_example']:.0f} passages, against {REFERENCE_FORMAT} chunks")
+    print(f"{'strategy':<24} {'format':<10} {'bytes/token':>11} {'KL':>8} {'KL max':>8} {'top1':>5} {'F1 vs f16':>9}")
+    for label, per_format in fidelity["strategies"].items():
+        for name, row in per_format.items():
+            print(f"{label:<24} {name:<10} {row['bytes_per_token']:>11,.0f} {row['first_token_kl']:>8.4f} "
+                  f"{row['first_token_kl_max']:>8.4f} {row['top1_agreement']:>5.2f} {row['answer_f1_vs_float16']:>9.2f}")
+    return fidelity
 
 
 def _run_fusion(args: argparse.Namespace) -> dict:

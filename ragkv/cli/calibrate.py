@@ -68,7 +68,7 @@ def backfill_codes(runtime, tenant: str) -> int:
             if tensors is None or codebook.codes_of(tensors) is not None:
                 continue
             fresh = dict(tensors)
-            fresh.update(codebook.chunk_tensors(tensors["keys"].to(engine.model.dtype)))
+            fresh.update(codebook.chunk_tensors(engine.kv_format.dense_keys(tensors, engine.model.dtype)))
             store.put(key, fresh)
             updated += 1
     return updated

@@ -49,6 +49,8 @@ class Summary:
             "failed": len(self.failures), "unsupported": len(self.unsupported), "tokens": total("tokens"),
             "chunks": total("chunks"), "computed_chunks": total("computed_chunks"),
             "reused_chunks": total("reused_chunks"), "stored_bytes": total("stored_bytes"),
+            "stored_tokens": total("stored_tokens"),
+            "bytes_per_token": round(total("stored_bytes") / total("stored_tokens"), 1) if total("stored_tokens") else 0.0,
             "seconds": round(time.perf_counter() - self.started, 3),
         }
 
@@ -62,7 +64,7 @@ class Summary:
         return (f"total: {t['ingested']} of {t['files']} files ingested{present}, {t['failed']} failed, "
                 f"{t['unsupported']} unsupported skipped; {t['tokens']} tokens, {t['chunks']} chunks "
                 f"({t['computed_chunks']} computed, {t['reused_chunks']} reused), "
-                f"{t['stored_bytes'] / 2**20:.1f} MiB stored, {t['seconds']:.1f} s")
+                f"{t['stored_bytes'] / 2**20:.1f} MiB stored ({t['bytes_per_token']:,.0f} bytes/token), {t['seconds']:.1f} s")
 
 
 class Progress:
@@ -144,7 +146,8 @@ def run(args: argparse.Namespace) -> int:
 def _document(path: Path, result) -> dict:
     return {"id": result.doc_id, "path": str(path), "tokens": result.tokens, "chunks": result.chunks,
             "computed_chunks": result.computed_chunks, "reused_chunks": result.reused_chunks,
-            "stored_bytes": result.stored_bytes, "seconds": round(result.seconds, 3),
+            "stored_bytes": result.stored_bytes, "stored_tokens": result.stored_tokens,
+            "bytes_per_token": round(result.bytes_per_token, 1), "seconds": round(result.seconds, 3),
             "duplicate_of_existing": result.duplicate_of_existing}
 
 
@@ -152,7 +155,9 @@ def _document_line(document: dict) -> str:
     note = " (identical text already ingested)" if document["duplicate_of_existing"] else ""
     rate = document["tokens"] / document["seconds"] if document["seconds"] else 0.0
     return (f"{document['id']}  {document['path']}  {document['tokens']} tokens, {document['chunks']} chunks "
-            f"({document['computed_chunks']} computed, {document['reused_chunks']} reused), {rate:.0f} tokens/s{note}")
+            f"({document['computed_chunks']} computed, {document['reused_chunks']} reused), "
+            f"{document['stored_bytes'] / 2**20:.1f} MiB stored ({document['bytes_per_token']:,.0f} bytes/token), "
+            f"{rate:.0f} tokens/s{note}")
 
 
 COMMAND = Command("ingest", "ingest files or folders (.txt, .md, .rst, .csv, .html, ...)", configure, run,

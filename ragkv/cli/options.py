@@ -21,6 +21,9 @@ def add_store_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--store-secret", default=None,
                        help="deployment secret: chunk blobs carry a MAC keyed by it instead of a CRC-32 "
                             "(default: $RAGKV_STORE_SECRET; prefer the variable, a flag shows in `ps`)")
+    from ragkv.app.storage import StorageConfig
+
+    add_config_options(group, StorageConfig, skip=("store_url", "registry_url", "store_secret"))
 
 
 def _store_secret(args: argparse.Namespace) -> str | None:
@@ -50,7 +53,7 @@ def storage_config(args: argparse.Namespace):
     from ragkv.app.storage import StorageConfig, default_data_dir
 
     return StorageConfig(data_dir=args.data_dir or default_data_dir(), store_url=args.store,
-                         store_secret=_store_secret(args), **_registry(args))
+                         store_secret=_store_secret(args), store_capacity=args.store_capacity, **_registry(args))
 
 
 def _registry(args: argparse.Namespace) -> dict:
@@ -68,6 +71,7 @@ def runtime_config(args: argparse.Namespace, **ingest_overrides):
         store_url=args.store,
         **_registry(args),
         store_secret=_store_secret(args),
+        store_capacity=args.store_capacity,
         engine=config_from_args(EngineConfig, args),
         ingest=config_from_args(IngestConfig, args, **ingest_overrides),
     )

@@ -16,6 +16,7 @@ from transformers import AutoTokenizer
 from ragkv.engine.fingerprint import model_fingerprint
 from ragkv.engine.generation import GenerationConfig, TokenEvent, stream_tokens
 from ragkv.engine.kv_cache import KVCache
+from ragkv.engine.kv_storage import KV_STORAGE_FORMATS
 from ragkv.engine.model import CausalLM, DecodeAttention
 from ragkv.engine.model_files import resolve_model_dir
 from ragkv.engine.numerics import DTYPES, WEIGHT_FORMATS, Numerics, resolve_numerics
@@ -39,8 +40,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     """dtype of q/k/v, attention and the runtime KV cache (bfloat16 halves the bytes a
     decode step reads at long context); auto = bfloat16 on a CPU with bf16 units, else `dtype`."""
-    kv_storage_dtype: str = "float16"
-    """dtype of chunk K/V in the store (halves the bytes of float32)."""
+    kv_storage: str = "float16"
+    """Format of chunk K/V in the store: float32, float16, bfloat16, int8 or int4 (KIVI-style
+    integer codes, dequantised while placed); part of the model fingerprint."""
     device: str = "cpu"
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     precompute_prefix: bool = True
@@ -50,9 +52,10 @@ class EngineConfig:
     """torch intra-op threads; None keeps torch's default (all cores)."""
 
     def __post_init__(self) -> None:
-        for name in ("dtype", "kv_storage_dtype"):
-            if getattr(self, name) not in DTYPES:
-                raise ValueError(f"{name} must be one of {sorted(DTYPES)}, got {getattr(self, name)!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.kv_storage not in KV_STORAGE_FORMATS:
+            raise ValueError(f"kv_storage must be one of {sorted(KV_STORAGE_FORMATS)}, got {self.kv_storage!r}")
         for name, allowed in (
             ("weights", WEIGHT_FORMATS), ("prefill_weights", tuple(DTYPES)), ("kv_cache_dtype", tuple(DTYPES))
         ):
@@ -81,10 +84,10 @@ class Engine:
         """Tokens that end an answer (the model config's and the tokenizer's)."""
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        self.storage_dtype = DTYPES[config.kv_storage_dtype]
+        self.kv_format = KV_STORAGE_FORMATS[config.kv_storage]
         self.chunk_prefix_ids = self.prompt.prefix_ids if config.precompute_prefix else []
         self.fingerprint = model_fingerprint(
-            self.model_dir, self.model.spec, config.kv_storage_dtype, self.chunk_prefix_ids, self.model.numerics
+            self.model_dir, self.model.spec, self.kv_format.descriptor, self.chunk_prefix_ids, self.model.numerics
         )
         self.load_seconds = time.perf_counter() - started
         self._chunk_prefix_cache: KVCache | None = None
@@ -112,17 +115,13 @@ class Engine:
 
     def encode_chunk(self, token_ids: list[int]) -> dict[str, torch.Tensor]:
         """The stored form of a chunk: pre-RoPE keys/values [layers, kv_heads, T, D] in the
-        storage dtype, the token ids they were computed from, and with a codebook attached
-        its A2ATS codes [layers, kv_heads, T] int16."""
+        storage format (ragkv.engine.kv_storage), the token ids they were computed from, and
+        with a codebook attached its A2ATS codes [layers, kv_heads, T] int16."""
         keys, values = self.model.chunk_kv(torch.tensor(token_ids), self.chunk_prefix_cache())
-        tensors = {
-            "keys": keys.to(self.storage_dtype).contiguous(),
-            "values": values.to(self.storage_dtype).contiguous(),
-            "tokens": torch.tensor(token_ids, dtype=torch.int32),
-        }
+        tensors = {**self.kv_format.pack(keys, values), "tokens": torch.tensor(token_ids, dtype=torch.int32)}
         if self.codebook is not None:
             # "codes" + "codebook_id", from the keys as stored (what a query will read back)
-            tensors.update(self.codebook.chunk_tensors(tensors["keys"].to(self.model.dtype)))
+            tensors.update(self.codebook.chunk_tensors(self.kv_format.dense_keys(tensors, self.model.dtype)))
         return tensors
 
     def stream(

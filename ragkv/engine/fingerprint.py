@@ -47,13 +47,16 @@ def _file_digest(path: Path) -> str:
 
 
 def model_fingerprint(
-    model_dir: Path, spec: ModelSpec, storage_dtype: str, precompute_prefix: list[int], numerics: Numerics
+    model_dir: Path, spec: ModelSpec, storage_format: str, precompute_prefix: list[int], numerics: Numerics
 ) -> str:
+    """`storage_format` is the KV storage descriptor (ragkv.engine.kv_storage); a float
+    format's descriptor is its dtype name, so float16 stores from before the integer
+    formats keep their fingerprint."""
     payload = {
         "numerics": numerics.fingerprint_fields(),
         "weights": [_file_digest(path) for path in weight_files(model_dir)],
         "spec": spec.fingerprint_fields(),
-        "storage_dtype": storage_dtype,
+        "storage_dtype": storage_format,
         "precompute_prefix": precompute_prefix,
         "format": KV_FORMAT_VERSION,
     }

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ragkv.fusion.layout import FusionInput, Layout
+from ragkv.kernels.place_kv import place_keys, place_values
 from ragkv.engine.kv_cache import KVCache
 from ragkv.engine.model import CausalLM, Projection
 
@@ -141,14 +142,12 @@ class FusionStrategy(ABC):
                 raise ValueError("the prefix KV must be given and match the prefix length")
             cache.keys[:, :, : layout.prefix_len] = prefix_cache.keys[:, :, : layout.prefix_len]
             cache.values[:, :, : layout.prefix_len] = prefix_cache.values[:, :, : layout.prefix_len]
-        spec = model.spec
         for index, chunk in enumerate(fusion_input.chunks):
             start, end = layout.chunk_spans[index]
-            positions = self.chunk_key_positions(layout, fusion_input, index).to(model.device)
-            keys = chunk.keys.to(device=model.device, dtype=model.dtype)
-            rotated = model.rotary.rotate(keys.reshape(-1, end - start, spec.head_dim), positions)
-            cache.keys[:, :, start:end] = rotated.view(spec.num_layers, spec.num_kv_heads, end - start, spec.head_dim)
-            cache.values[:, :, start:end].copy_(chunk.values)  # converts dtype in place, no temporary
+            cos, sin = model.rotary.cos_sin(self.chunk_key_positions(layout, fusion_input, index).to(model.device))
+            # Integer-coded chunks are dequantised inside these two writes (kernels.place_kv).
+            place_keys(cache.keys[:, :, start:end], chunk.keys, cos, sin)
+            place_values(cache.values[:, :, start:end], chunk.values)
 
 
 def top_k_rows(scores: torch.Tensor, budget: int) -> torch.Tensor:

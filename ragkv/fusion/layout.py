@@ -6,17 +6,20 @@ from dataclasses import dataclass
 
 import torch
 
+from ragkv.kernels.kv_quant import QuantizedKV
+
 
 @dataclass
 class LoadedChunk:
-    """A chunk as read from the store: token ids and pre-RoPE K/V [layers, kv_heads, T, D]."""
+    """A chunk as read from the store: token ids and pre-RoPE K/V [layers, kv_heads, T, D],
+    float or integer-coded (dequantised when placed)."""
 
     token_ids: list[int]
-    keys: torch.Tensor
-    values: torch.Tensor
+    keys: torch.Tensor | QuantizedKV
+    values: torch.Tensor | QuantizedKV
 
     def __post_init__(self) -> None:
-        if self.keys.shape != self.values.shape or self.keys.shape[2] != len(self.token_ids):
+        if tuple(self.keys.shape) != tuple(self.values.shape) or self.keys.shape[2] != len(self.token_ids):
             raise ValueError("chunk keys/values must be [layers, kv_heads, len(token_ids), head_dim]")
 
 

@@ -75,7 +75,14 @@ class IngestResult:
     duplicate_of_existing: bool = False
     timings: dict[str, float] = field(default_factory=dict)
     stored_bytes: int = 0
-    """Tensor bytes of the chunk KV this ingestion wrote (reused chunks cost nothing)."""
+    """Bytes of chunk KV blobs this ingestion wrote (chunks already in the store cost none)."""
+    stored_tokens: int = 0
+    """Tokens of the chunks it wrote."""
+
+    @property
+    def bytes_per_token(self) -> float:
+        """What one token of this document costs in the store, in the engine's KV format."""
+        return self.stored_bytes / self.stored_tokens if self.stored_tokens else 0.0
 
     @property
     def tokens_per_second(self) -> float:
@@ -136,7 +143,7 @@ class Ingestor:
         timings = {"precompute": 0.0, "store_write": 0.0}
         journal_entry = self.journal.begin(self.chunk_key(h) for _, h in todo) if todo else None
         try:
-            stored_bytes = self._precompute(name, todo, added, timings, progress)
+            stored_bytes, stored_tokens = self._precompute(name, todo, added, timings, progress)
             embed_started = time.perf_counter()
             embeddings = self.embedder.embed_passages([text[c.char_start : c.char_end] for c in chunks])
             timings["embed"] = time.perf_counter() - embed_started
@@ -165,32 +172,33 @@ class Ingestor:
                 self.journal.end(journal_entry)
         computed = len(todo)
         return IngestResult(record.doc_id, name, len(chunks), record.num_tokens, computed, len(chunks) - computed,
-                            time.perf_counter() - started, timings=timings, stored_bytes=stored_bytes)
+                            time.perf_counter() - started, timings=timings, stored_bytes=stored_bytes,
+                            stored_tokens=stored_tokens)
 
     def _missing(self, chunks, hashes) -> list:
         """(chunk, hash) of the chunks the store lacks, each once (a chunk can repeat)."""
         todo = [(chunk, h) for chunk, h in zip(chunks, hashes) if not self.store.contains(self.chunk_key(h))]
         return list({h: (chunk, h) for chunk, h in todo}.values())
 
-    def _precompute(self, name, unique, added, timings, progress) -> int:
-        """Encode and store each chunk of `unique`; returns the tensor bytes written."""
+    def _precompute(self, name, unique, added, timings, progress) -> tuple[int, int]:
+        """Encode and store each chunk of `unique`; returns the blob bytes and tokens written."""
         bar = tqdm(total=len(unique), desc=f"precompute {name}", unit="chunk", disable=not self.config.show_progress or not unique)
-        stored_bytes = 0
+        stored_bytes = stored_tokens = 0
         for done, (chunk, chunk_hash) in enumerate(unique, start=1):
             t0 = time.perf_counter()
             tensors = self.engine.encode_chunk(chunk.token_ids)
             t1 = time.perf_counter()
             key = self.chunk_key(chunk_hash)
             added.append(key)  # first: a put that fails half-way may still have written
-            self.store.put(key, tensors, required=True)
-            stored_bytes += sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
+            stored_bytes += self.store.put(key, tensors, required=True)
+            stored_tokens += chunk.num_tokens
             timings["precompute"] += t1 - t0
             timings["store_write"] += time.perf_counter() - t1
             bar.update(1)
             if progress is not None:
                 progress(done, len(unique))
         bar.close()
-        return stored_bytes
+        return stored_bytes, stored_tokens
 
     def _roll_back(self, added: list[ChunkKey]) -> None:
         for key in added:

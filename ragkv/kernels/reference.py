@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ragkv.kernels.kv_quant import QuantizedKV, code_halves
+
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """cat(-x2, x1) over the last dim, the Hugging Face Llama RoPE convention."""
@@ -94,3 +96,31 @@ def selective_attention(
         q_rows.float()[None], k_cache.float()[None], v_cache.float()[None], attn_mask=mask, scale=scale, enable_gqa=True
     )
     return out[0].to(q_rows.dtype)
+
+
+def dequantize(quantized: QuantizedKV) -> torch.Tensor:
+    """Float32 [L, H, T, D] of quantised K/V: minimum + code * scale, per group."""
+    low, high = code_halves(quantized.codes, quantized.bits)
+    codes = torch.cat((low, high), dim=-1)
+    layers, heads, tokens, dim = quantized.shape
+    if quantized.grouping == "tokens":
+        index = torch.arange(tokens, device=codes.device) // quantized.group
+        scale, minimum = quantized.scale.float()[:, :, index], quantized.minimum.float()[:, :, index]
+    elif quantized.scale.shape[1] == 1 and heads > 1:  # one group across the layer's heads
+        scale, minimum = quantized.scale.float(), quantized.minimum.float()
+    else:
+        scale = quantized.scale.float().repeat_interleave(quantized.group, dim=3)
+        minimum = quantized.minimum.float().repeat_interleave(quantized.group, dim=3)
+    return minimum + codes * scale
+
+
+def place_keys(stored: torch.Tensor | QuantizedKV, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Stored pre-RoPE keys [L, H, T, D] -> dequantised, rotated keys in `dtype`."""
+    keys = dequantize(stored) if isinstance(stored, QuantizedKV) else stored.float()
+    layers, heads, tokens, dim = keys.shape
+    return rope(keys.reshape(-1, tokens, dim), cos, sin).view(layers, heads, tokens, dim).to(dtype)
+
+
+def place_values(stored: torch.Tensor | QuantizedKV, dtype: torch.dtype) -> torch.Tensor:
+    """Stored values [L, H, T, D] -> dequantised values in `dtype`."""
+    return (dequantize(stored) if isinstance(stored, QuantizedKV) else stored).to(dtype)

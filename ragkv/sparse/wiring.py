@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ragkv.engine.kv_storage import dense
 from ragkv.sparse.config import SparseConfig
 from ragkv.sparse.prompt import PromptState
 
@@ -22,7 +23,7 @@ def sparse_chunk_codes(engine, config: SparseConfig | None, chunks, stored: list
     for chunk, tensors in zip(chunks, stored):
         found = codebook.codes_of(tensors)
         if found is None:
-            found = codebook.encode(chunk.keys.to(device=engine.model.device, dtype=engine.model.dtype))
+            found = codebook.encode(dense(chunk.keys, engine.model.dtype).to(engine.model.device))
         codes.append(found)
     return codes
 

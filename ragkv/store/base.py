@@ -117,7 +117,7 @@ class ChunkStore(ABC):
             raise ValueError("mac_key must be at least 16 bytes (see store.blob.mac_key_of)")
         self._mac_key = mac_key
         self._counter_lock = threading.Lock()
-        self._hits = self._misses = self._corrupt = self._errors = 0
+        self._hits = self._misses = self._corrupt = self._errors = self._evictions = 0
         self._closed = False
         self._burst_log = BurstLog(logger, f"{self.backend} store")
         self._last_error: BaseException | None = None
@@ -182,12 +182,13 @@ class ChunkStore(ABC):
         metadata: Mapping[str, str] | None = None,
         *,
         required: bool = False,
-    ) -> None:
-        """Store ``tensors`` (and string ``metadata``) under ``key``, replacing any old value."""
-        self.put_many([(key, tensors, metadata)], required=required)
+    ) -> int:
+        """Store ``tensors`` (and string ``metadata``) under ``key``, replacing any old value;
+        returns the bytes of the blob written."""
+        return self.put_many([(key, tensors, metadata)], required=required)
 
-    def put_many(self, items: Iterable[PutItem], *, required: bool = False) -> None:
-        """Store several chunks in one backend round trip / transaction.
+    def put_many(self, items: Iterable[PutItem], *, required: bool = False) -> int:
+        """Store several chunks in one backend round trip / transaction; returns the blobs' bytes.
 
         A write the backend cannot take is dropped (counted, logged) unless ``required``:
         then it raises :class:`StoreUnavailableError`, for writers that must not report
@@ -199,6 +200,7 @@ class ChunkStore(ABC):
             pairs.append((key.to_bytes(), encode_blob(tensors, metadata, mac_key=self._mac_key)))
         if pairs and not self._store_raw(pairs) and required:
             raise StoreUnavailableError(f"the {self.backend} store could not take the write: {self._last_error}")
+        return sum(len(blob) for _, blob in pairs)
 
     def delete(self, key: ChunkKey) -> bool:
         """Remove ``key``; ``True`` if something was removed."""
@@ -219,7 +221,14 @@ class ChunkStore(ABC):
                 misses=self._misses,
                 corrupt=self._corrupt,
                 errors=self._errors,
+                evictions=self._evictions,
+                capacity_bytes=self.capacity_bytes,
             )
+
+    @property
+    def capacity_bytes(self) -> int | None:
+        """The most bytes of chunks this store keeps (least recently used go first); None: unbounded."""
+        return None
 
     def close(self) -> None:
         """Release the backend; idempotent.  Further use raises :class:`StoreError`."""
@@ -276,6 +285,10 @@ class ChunkStore(ABC):
     def _count_corrupt(self) -> None:
         with self._counter_lock:
             self._corrupt += 1
+
+    def _count_evictions(self, evicted: int) -> None:
+        with self._counter_lock:
+            self._evictions += evicted
 
     def _check_open(self) -> None:
         if self._closed:

@@ -4,18 +4,30 @@ LMDB reads are served straight from the page cache through a memory map, so a
 warm read costs one copy into the decode buffer.  The store lives in the
 ``"chunks"`` sub-database of a shared :class:`LMDBEnvironment`, next to the
 other ragkv sub-databases in the same directory.
+
+With ``capacity_bytes`` the chunks sub-database is kept at most that large: every write
+transaction that would exceed it deletes least-recently-used chunks (see
+:mod:`store.recency`) in the same transaction. Chunks this process read most recently
+are never evicted, so one query's working set survives its own write-backs; an evicted
+chunk is a plain miss, which the query path recomputes and puts back.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 
 from ragkv.store.base import BlobStore, RawBlob, Usage
 from ragkv.store.lmdb_env import DEFAULT_MAP_SIZE, LMDBEnvironment
+from ragkv.store.recency import LRU_DB, USE_DB, RecencyIndex, TouchLog, now_stamp
 
 CHUNKS_DB = "chunks"
 _KEY_BATCH = 1024  # keys listed per read transaction by iter_keys
+_TOUCH_BATCH = 256  # reads remembered before their last-use stamps are written
+_PINNED = 64  # most recently read chunks that eviction leaves alone (>= one query's top_k)
+
+logger = logging.getLogger("ragkv.store")
 
 
 class LMDBStore(BlobStore):
@@ -25,15 +37,34 @@ class LMDBStore(BlobStore):
     backend = "lmdb"
     durable = True
 
-    def __init__(self, path: str | os.PathLike[str], *, map_size: int = DEFAULT_MAP_SIZE, create: bool = True,
-                 mac_key: bytes | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        map_size: int = DEFAULT_MAP_SIZE,
+        create: bool = True,
+        mac_key: bytes | None = None,
+        capacity_bytes: int | None = None,
+    ) -> None:
+        if capacity_bytes is not None and (isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int)
+                                           or capacity_bytes < 1):
+            raise ValueError(f"capacity_bytes must be a positive int or None; got {capacity_bytes!r}")
+        self._capacity = capacity_bytes
         self._env = LMDBEnvironment(path, map_size=map_size, create=create)
         try:
             self._db = self._env.db(CHUNKS_DB)
+            self._recency = RecencyIndex(self._env.db(USE_DB), self._env.db(LRU_DB))
+            if capacity_bytes is not None:
+                self._env.write(lambda txn: self._recency.track_untracked(txn, self._db))
         except BaseException:
             self._env.close()
             raise
+        self._touches = TouchLog(_PINNED)
         super().__init__(mac_key=mac_key)
+
+    @property
+    def capacity_bytes(self) -> int | None:
+        return self._capacity
 
     @property
     def path(self) -> str:
@@ -45,17 +76,59 @@ class LMDBStore(BlobStore):
     def _get_raw_many(self, keys: list[bytes]) -> list[RawBlob | None]:
         with self._env.read() as txn:
             # The memoryviews die with the transaction: copy each hit out once.
-            return [None if (value := txn.get(key, db=self._db)) is None else bytearray(value) for key in keys]
+            found = [None if (value := txn.get(key, db=self._db)) is None else bytearray(value) for key in keys]
+        if self._capacity is not None:
+            waiting = self._touches.record(key for key, blob in zip(keys, found) if blob is not None)
+            if waiting >= _TOUCH_BATCH:
+                self._env.write(self._write_touches)
+        return found
 
     def _put_raw_many(self, pairs: list[tuple[bytes, RawBlob]]) -> None:
-        def put_all(txn) -> None:
+        def put_all(txn) -> int:
+            stamp = now_stamp()
             for key, blob in pairs:
                 txn.put(key, blob, db=self._db)
+                self._recency.touch(txn, key, stamp)  # two small puts; kept even without a capacity
+            if self._capacity is None:
+                return 0
+            self._write_touches(txn)
+            return self._evict(txn, frozenset(key for key, _ in pairs))
 
-        self._env.write(put_all)
+        self._count_evictions(self._env.write(put_all))
 
     def _delete_raw(self, key: bytes) -> bool:
-        return self._env.write(lambda txn: txn.delete(key, db=self._db))
+        def delete(txn) -> bool:
+            self._recency.forget(txn, key)
+            return txn.delete(key, db=self._db)
+
+        return self._env.write(delete)
+
+    def _write_touches(self, txn) -> None:
+        pending = self._touches.take()
+        try:
+            for key, stamp in pending.items():
+                if txn.get(key, db=self._db) is not None:  # not deleted since it was read
+                    self._recency.touch(txn, key, stamp)
+        except BaseException:
+            self._touches.restore(pending)
+            raise
+
+    def _evict(self, txn, written: frozenset[bytes]) -> int:
+        """Delete least-recently-used chunks until the chunks fit the capacity; how many."""
+        if self._bytes_in(txn) <= self._capacity:
+            return 0
+        evicted = 0
+        for key in self._recency.pop_oldest(txn, written | self._touches.pinned()):
+            evicted += bool(txn.delete(key, db=self._db))
+            if self._bytes_in(txn) <= self._capacity:
+                return evicted
+        logger.warning("LMDB store %s holds more than its capacity of %d bytes: the rest is in use",
+                       self._env.path, self._capacity)
+        return evicted
+
+    def _bytes_in(self, txn) -> int:
+        stat = txn.stat(self._db)
+        return (stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]) * stat["psize"]
 
     def _contains_raw(self, key: bytes) -> bool:
         with self._env.read() as txn:
@@ -68,9 +141,7 @@ class LMDBStore(BlobStore):
 
     def _usage(self) -> Usage:
         with self._env.read() as txn:
-            stat = txn.stat(self._db)
-        pages = stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]
-        return Usage(entries=stat["entries"], bytes=pages * stat["psize"])
+            return Usage(entries=txn.stat(self._db)["entries"], bytes=self._bytes_in(txn))
 
     def _iter_raw_keys(self, prefix: bytes) -> Iterator[bytes]:
         # Short read transactions, so a long listing never holds back map
@@ -92,4 +163,6 @@ class LMDBStore(BlobStore):
             start = batch[-1] + b"\x00"  # smallest key after the last one seen
 
     def _close(self) -> None:
+        if self._capacity is not None:
+            self._env.write(self._write_touches)
         self._env.close()

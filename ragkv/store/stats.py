@@ -38,6 +38,8 @@ class StoreStats:
     *and* in ``corrupt``.  ``errors`` counts backend operations that failed
     and were absorbed (a dead Redis).  ``entries``/``bytes`` describe what the
     backend holds right now, or are ``None`` when it cannot be asked.
+    ``evictions`` counts chunks deleted to stay within ``capacity_bytes``
+    (``None``: the store is unbounded); each one costs a recompute on its next use.
     """
 
     backend: str
@@ -47,13 +49,15 @@ class StoreStats:
     misses: int
     corrupt: int
     errors: int
+    evictions: int = 0
+    capacity_bytes: int | None = None
     lru: LRUStats | None = None
     tiers: tuple[StoreStats, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.backend, str) or not self.backend:
             raise ValueError(f"StoreStats.backend must be a non-empty str; got {self.backend!r}")
-        _check_counts(self, ("entries", "bytes", "hits", "misses", "corrupt", "errors"))
+        _check_counts(self, ("entries", "bytes", "hits", "misses", "corrupt", "errors", "evictions", "capacity_bytes"))
         if self.lru is not None and not isinstance(self.lru, LRUStats):
             raise TypeError("StoreStats.lru must be an LRUStats or None")
         if not isinstance(self.tiers, tuple) or not all(isinstance(t, StoreStats) for t in self.tiers):
@@ -63,7 +67,7 @@ class StoreStats:
         """JSON-ready form; ``lru``/``tiers`` appear only for composite stores."""
         out: dict[str, object] = {
             name: getattr(self, name)
-            for name in ("backend", "entries", "bytes", "hits", "misses", "corrupt", "errors")
+            for name in ("backend", "entries", "bytes", "hits", "misses", "corrupt", "errors", "evictions", "capacity_bytes")
         }
         if self.lru is not None:
             out["lru"] = self.lru.to_dict()

@@ -67,6 +67,8 @@ class TieredStore(ChunkStore):
             own,
             corrupt=own.corrupt + sum(t.corrupt for t in tiers),
             errors=own.errors + sum(t.errors for t in tiers),
+            evictions=sum(t.evictions for t in tiers),
+            capacity_bytes=tiers[0].capacity_bytes,
             lru=self._lru.stats(),
             tiers=tiers,
         )

@@ -6,6 +6,7 @@ URL forms (query parameters are optional; keyword ``options`` to
     lmdb:///abs/path/to/dir          LMDB directory, absolute path
     lmdb://relative/path             ... relative to the working directory
         ?map_size=BYTES              initial LMDB map size (grows on demand)
+        &capacity=BYTES              keep at most BYTES of chunks (least recently used evicted)
 
     redis://host:6379/0              Redis database 0 (rediss:// for TLS)
         ?ttl=SECONDS                 expire entries after SECONDS
@@ -17,6 +18,7 @@ URL forms (query parameters are optional; keyword ``options`` to
         &redis=redis://host:6379/0   optional Redis tier below LMDB
         &redis_ttl=SECONDS           TTL for that Redis tier
         &map_size=BYTES              as for lmdb://
+        &capacity=BYTES              as for lmdb:// (bounds the LMDB tier)
 
 Example: ``tiered+lmdb:///var/lib/ragkv/kv?lru_mb=512&redis=redis://cache:6379/2``.
 A Redis URL nested in ``redis=`` containing ``&`` must be percent-encoded.
@@ -63,7 +65,16 @@ def _redis_url(value: object) -> str:
     return value
 
 
-_LMDB_PARAMS: dict[str, Callable[[object], object]] = {"map_size": _int}
+def _capacity(value: object) -> int | None:
+    if value is None:
+        return None
+    capacity = _int(value)
+    if capacity < 1:
+        raise ValueError("capacity must be a positive number of bytes")
+    return capacity
+
+
+_LMDB_PARAMS: dict[str, Callable[[object], object]] = {"map_size": _int, "capacity": _capacity}
 _REDIS_PARAMS: dict[str, Callable[[object], object]] = {
     "ttl": _float,
     "connect_timeout": _float,
@@ -74,6 +85,7 @@ _TIERED_PARAMS: dict[str, Callable[[object], object]] = {
     "redis": _redis_url,
     "redis_ttl": _float,
     "map_size": _int,
+    "capacity": _capacity,
 }
 
 
@@ -145,7 +157,7 @@ def _open_lmdb(url: str, netloc: str, path: str, params: _Params, create: bool, 
         raise ValueError(f"store URL {_redact(url)} names no LMDB directory")
     try:
         return LMDBStore(os.path.expanduser(location), map_size=params.get("map_size", DEFAULT_MAP_SIZE), create=create,
-                         mac_key=mac_key)
+                         mac_key=mac_key, capacity_bytes=params.get("capacity"))
     except FileNotFoundError:
         raise FileNotFoundError(f"no chunk store at {_redact(url)} (nothing was created)") from None
 

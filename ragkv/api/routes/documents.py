@@ -37,6 +37,7 @@ def check_doc_id(doc_id: str) -> str:
 def ingest_summary(result: IngestResult) -> dict:
     return {"chunks": result.chunks, "tokens": result.tokens, "computed_chunks": result.computed_chunks,
             "reused_chunks": result.reused_chunks, "seconds": round(result.seconds, 3),
+            "stored_bytes": result.stored_bytes, "bytes_per_token": round(result.bytes_per_token, 1),
             "duplicate_of_existing": result.duplicate_of_existing}
 
 
