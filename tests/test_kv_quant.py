@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ragkv.engine.kv_storage import KV_STORAGE_FORMATS, dense
+from ragkv.engine.kv_storage import KV_STORAGE_FORMATS, KVStorageFormat, dense
 from ragkv.kernels import reference
 from ragkv.kernels.kv_quant import QuantizedKV, quantize
 from ragkv.kernels.place_kv import place_keys, place_values
@@ -61,6 +61,12 @@ def test_storage_format_round_trip_error(name, relative_bound):
     assert fmt.quantized == (name.startswith("int"))
 
 
+def test_descriptors_name_the_groups():
+    assert KV_STORAGE_FORMATS["int4"].descriptor == "int4:k256:vlayer"
+    assert KV_STORAGE_FORMATS["int8"].descriptor == "int8:k128:v64"
+    assert KV_STORAGE_FORMATS["float16"].descriptor == "float16"  # unchanged: old float16 stores stay valid
+
+
 def test_four_bit_codes_are_half_the_bytes_of_eight():
     x = kv_like(3)
     eight, four = quantize(x, 8, "channels", 64), quantize(x, 4, "channels", 64)
@@ -73,10 +79,17 @@ def test_constant_group_round_trips_exactly():
     torch.testing.assert_close(reference.dequantize(quantize(x, 4, "tokens", 128)), x)
 
 
-@pytest.mark.parametrize("name", ["int8", "int4", "float16"])
+PLACEMENT_FORMATS = {
+    **{name: KV_STORAGE_FORMATS[name] for name in ("int8", "int4", "float16")},
+    "int4 per-head values": KVStorageFormat("int4", bits=4, key_group=32, value_group=64),
+    "int8 half-head values": KVStorageFormat("int8", bits=8, key_group=300, value_group=32),
+}
+
+
+@pytest.mark.parametrize("name", list(PLACEMENT_FORMATS))
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_fused_placement_equals_dequantise_then_place(name, out_dtype):
-    fmt = KV_STORAGE_FORMATS[name]
+    fmt = PLACEMENT_FORMATS[name]
     stored_keys, stored_values = fmt.unpack(fmt.pack(kv_like(4), kv_like(5)))
     layers, heads, tokens, dim = SHAPE
     cos, sin = rope_tables(tokens, dim)

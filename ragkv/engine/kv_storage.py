@@ -6,9 +6,12 @@ A format turns a chunk's pre-RoPE keys and values into the named tensors of its 
 placement kernel dequantises while rotating). The format's descriptor is part of the
 model fingerprint, so a chunk stored in one format is never read as another.
 
-Group sizes were chosen by measured first-token KL on MuSiQue (see BENCHMARKS.md):
-keys per channel over runs of ``key_group`` tokens, values per token over
-``value_group`` channels, float16 scale and minimum per group.
+Keys are grouped per channel over runs of ``key_group`` tokens, values per token over
+``value_group`` channels (or all of a layer's KV heads), with a float16 scale and minimum
+per group. The groups were chosen by measured first-token KL on MuSiQue dev passages
+(`ragkv bench store --data ...`): int4 with 256-token key groups and one value group per
+token and layer costs 5,974 bytes per token of a 512-token SmolLM2 chunk (float16: 23,044)
+and adds a first-token KL of a few thousandths; smaller groups cost more bytes for little.
 """
 
 from __future__ import annotations
@@ -32,8 +35,9 @@ class KVStorageFormat:
     bits: int = 16
     key_group: int = 0
     """Integer formats: tokens that share one per-channel key scale."""
-    value_group: int = 0
-    """Integer formats: channels that share one per-token value scale."""
+    value_group: int | None = None
+    """Integer formats: channels that share one per-token value scale; None = all of a
+    layer's KV heads (kv_heads x head_dim channels)."""
 
     @property
     def quantized(self) -> bool:
@@ -42,7 +46,8 @@ class KVStorageFormat:
     @property
     def descriptor(self) -> str:
         """What the model fingerprint records: the float dtype's name, or bits and groups."""
-        return self.name if not self.quantized else f"{self.name}:k{self.key_group}:v{self.value_group}"
+        values = "layer" if self.value_group is None else self.value_group
+        return self.name if not self.quantized else f"{self.name}:k{self.key_group}:v{values}"
 
     def pack(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
         """Blob tensors of a chunk's pre-RoPE keys/values [layers, kv_heads, T, head_dim]."""
@@ -50,7 +55,7 @@ class KVStorageFormat:
             return {"keys": keys.to(self.float_dtype).contiguous(), "values": values.to(self.float_dtype).contiguous()}
         tensors = {}
         for name, quantized in (("keys", quantize(keys, self.bits, "tokens", self.key_group)),
-                                ("values", quantize(values, self.bits, "channels", self.value_group))):
+                                ("values", quantize(values, self.bits, "channels", self._value_group(values.shape)))):
             tensors.update({f"{name}.{part}": getattr(quantized, part) for part in _QUANTIZED_PARTS})
         return tensors
 
@@ -62,12 +67,15 @@ class KVStorageFormat:
                 raise ValueError(f"chunk blob is not in the {self.name} format")
             return keys, values
         try:
-            return (
-                QuantizedKV(*(tensors[f"keys.{part}"] for part in _QUANTIZED_PARTS), self.bits, "tokens", self.key_group),
-                QuantizedKV(*(tensors[f"values.{part}"] for part in _QUANTIZED_PARTS), self.bits, "channels", self.value_group),
-            )
+            keys = QuantizedKV(*(tensors[f"keys.{part}"] for part in _QUANTIZED_PARTS), self.bits, "tokens", self.key_group)
+            values = QuantizedKV(*(tensors[f"values.{part}"] for part in _QUANTIZED_PARTS), self.bits, "channels",
+                                 self._value_group(keys.shape))
         except KeyError as exc:
             raise ValueError(f"chunk blob is not in the {self.name} format: no {exc.args[0]!r}") from exc
+        return keys, values
+
+    def _value_group(self, shape: tuple[int, ...]) -> int:
+        return shape[1] * shape[3] if self.value_group is None else self.value_group
 
     def dense_keys(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """The stored pre-RoPE keys as a float tensor (what a query reads back)."""
@@ -85,5 +93,5 @@ KV_STORAGE_FORMATS: dict[str, KVStorageFormat] = {
     "float16": KVStorageFormat("float16", torch.float16, 16),
     "bfloat16": KVStorageFormat("bfloat16", torch.bfloat16, 16),
     "int8": KVStorageFormat("int8", bits=8, key_group=128, value_group=64),
-    "int4": KVStorageFormat("int4", bits=4, key_group=128, value_group=64),
+    "int4": KVStorageFormat("int4", bits=4, key_group=256, value_group=None),
 }
