@@ -76,7 +76,8 @@ def test_ingest_stores_every_chunk_and_registers_the_document(ingestor, engine):
         tensors = ingestor.store.get(ingestor.chunk_key(chunk.chunk_hash))
         assert tensors is not None
         assert tensors["tokens"].tolist() == engine.tokenize(LIGHTHOUSE)[chunk.token_start : chunk.token_end]
-        assert tensors["keys"].shape == (30, 3, chunk.token_end - chunk.token_start, 64)
+        keys, _ = engine.kv_format.unpack(tensors)
+        assert tuple(keys.shape) == (30, 3, chunk.token_end - chunk.token_start, 64)
 
 
 def test_reingesting_identical_text_reuses_everything(ingestor):

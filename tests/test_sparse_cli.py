@@ -54,7 +54,8 @@ def test_calibrate_stores_the_codebook_and_backfills_codes(setup, capsys):
         assert backfilled == len(hashes) > 0
         for chunk_hash in hashes:
             tensors = runtime.store.get(runtime.rag.chunk_key(chunk_hash))
-            assert torch.equal(codebook.codes_of(tensors), codebook.encode(tensors["keys"].float()))
+            keys = runtime.engine.kv_format.dense_keys(tensors, torch.float32)
+            assert torch.equal(codebook.codes_of(tensors), codebook.encode(keys))
 
 
 def test_bench_sparse_writes_figures(setup, tmp_path, capsys):

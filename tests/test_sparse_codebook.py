@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from ragkv.engine import Engine, EngineConfig
+from ragkv.engine.kv_storage import dense
 from ragkv.fusion import FusionConfig, FusionInput, LoadedChunk
 from ragkv.engine.generation import GenerationConfig
 from ragkv.app.rag import PreparedQuery, QueryConfig, RagPipeline
@@ -107,7 +108,7 @@ def ingest_chunks(engine, tmp_path, codebook, count=3):
         store.close()
     finally:
         engine.codebook = None
-    chunks = [LoadedChunk(t["tokens"].tolist(), t["keys"], t["values"]) for t in stored]
+    chunks = [LoadedChunk(t["tokens"].tolist(), *engine.kv_format.unpack(t)) for t in stored]
     return chunks, stored
 
 
@@ -124,7 +125,7 @@ def test_codes_stored_at_ingestion_equal_codes_at_query_time(tmp_path, engine, c
         assert tensors["codes"].dtype == torch.int16
         assert tensors["codes"].shape == chunk.keys.shape[:3]
         # the codes of the keys exactly as a query reads them back from the store
-        assert torch.equal(tensors["codes"], codebook.encode(chunk.keys.float()))
+        assert torch.equal(tensors["codes"], codebook.encode(dense(chunk.keys, torch.float32)))
     config = SparseConfig(selector="a2ats", budget=1.0)
     engine.codebook = codebook
     try:
@@ -155,7 +156,7 @@ def test_changed_codebook_never_serves_stale_codes(tmp_path, engine, codebook):
     finally:
         engine.codebook = None
     for chunk, got in zip(chunks, codes):
-        assert torch.equal(got, newer.encode(chunk.keys.float()))
+        assert torch.equal(got, newer.encode(dense(chunk.keys, torch.float32)))
     # chunks stored without codes (ingested before calibration) get them computed too
     bare = [{k: v for k, v in t.items() if k not in ("codes", "codebook_id")} for t in stored]
     engine.codebook = codebook
