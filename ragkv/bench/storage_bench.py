@@ -119,6 +119,8 @@ def run_format_fidelity_bench(engine: Engine, examples: list[Example], formats: 
                 tally["answer_f1"].append(token_f1(answer, [reference_answer]))
                 tally["bytes"].append(sum(nbytes for _, nbytes in stored[name]))
                 tally["tokens"].append(sum(len(ids) for ids, _, _ in raw))
+                progress(f"example {number} {label} {name}: KL {tally['kl'][-1]:.5f} top1 {tally['top1'][-1]:.0f} "
+                         f"answer F1 vs {REFERENCE_FORMAT} {tally['answer_f1'][-1]:.2f}")
     return {
         "examples": len(examples),
         "passages_per_example": statistics.fmean(len(e.passages) for e in examples),

@@ -2,9 +2,10 @@
 
 Keys are stored before RoPE; placing them rotates them to their global positions. For
 quantised chunks the dequantisation is fused into that step: each token group's codes
-are unpacked into the two rotate-half halves, scaled, rotated and written straight into
-the cache slice, so no full-size float copy of the chunk is made first. Float chunks
-take the plain RoPE kernel (:func:`kernels.apply_rope`).
+are cast straight into its cache rows (4-bit: the low nibbles into the first half of
+head_dim, the high nibbles into the second, the rotate-half pair), scaled in place and
+rotated in place, so no float copy of the chunk is made first. Float chunks take the
+plain RoPE kernel (:func:`kernels.apply_rope`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ragkv.kernels.checks import FLOAT_DTYPES, check_dtype, check_shape, require
-from ragkv.kernels.kv_quant import QuantizedKV, code_halves
+from ragkv.kernels.kv_quant import QuantizedKV
 from ragkv.kernels.rope import apply_rope
 
 Stored = torch.Tensor | QuantizedKV
@@ -38,13 +39,16 @@ def place_keys(out: torch.Tensor, stored: Stored, cos: torch.Tensor, sin: torch.
     cos, sin = cos[:, :half].float(), sin[:, :half].float()
     stored = stored.to(out.device)
     for tokens_of, rows in stored.group_slices():
-        first, second = _dequantized_halves(stored, tokens_of, rows, half)
         target = out[:, :, tokens_of]
+        work = _float32_rows(target)
+        _dequantize_into(work, stored, tokens_of, rows)
+        first, second = work[..., :half], work[..., half:]
         cos_t, sin_t = cos[tokens_of], sin[tokens_of]
-        torch.mul(first, cos_t, out=target[..., :half])
-        target[..., :half].addcmul_(second, sin_t, value=-1)
-        torch.mul(second, cos_t, out=target[..., half:])
-        target[..., half:].addcmul_(first, sin_t)
+        saved = first.clone()  # rotation reads both halves before writing either
+        first.mul_(cos_t).addcmul_(second, sin_t, value=-1)
+        second.mul_(cos_t).addcmul_(saved, sin_t)
+        if work is not target:
+            target.copy_(work)
 
 
 def place_values(out: torch.Tensor, stored: Stored) -> None:
@@ -53,48 +57,43 @@ def place_values(out: torch.Tensor, stored: Stored) -> None:
     if not isinstance(stored, QuantizedKV):
         out.copy_(stored)  # converts dtype in place, no temporary
         return
-    half = out.shape[3] // 2
     stored = stored.to(out.device)
     for tokens_of, rows in stored.group_slices():
-        first, second = _dequantized_halves(stored, tokens_of, rows, half)
-        out[:, :, tokens_of, :half] = first
-        out[:, :, tokens_of, half:] = second
+        target = out[:, :, tokens_of]
+        work = _float32_rows(target)
+        _dequantize_into(work, stored, tokens_of, rows)
+        if work is not target:
+            target.copy_(work)
 
 
-def _dequantized_halves(stored: QuantizedKV, tokens_of: slice, rows: slice, half: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float32 dimensions [0, D/2) and [D/2, D) of one token group, dequantised in place."""
-    first, second = code_halves(stored.codes[:, :, tokens_of], stored.bits)
-    scale, minimum = stored.scale[:, :, rows], stored.minimum[:, :, rows]
-    if stored.grouping == "tokens":
-        scales = (scale[..., :half], scale[..., half:])
-        minima = (minimum[..., :half], minimum[..., half:])
+def _float32_rows(target: torch.Tensor) -> torch.Tensor:
+    """Where a group is computed: the cache rows themselves when they are float32, else a
+    float32 buffer (a float16/bfloat16 cache would round every intermediate step)."""
+    return target if target.dtype == torch.float32 else torch.empty(target.shape, device=target.device)
+
+
+def _dequantize_into(target: torch.Tensor, stored: QuantizedKV, tokens_of: slice, rows: slice) -> None:
+    """Dequantise one token group straight into its cache rows: the codes are cast on the
+    copy and scaled in place, so no full-size float temporary is made (on CPUs the page
+    faults of fresh temporaries cost more than the arithmetic)."""
+    half = target.shape[3] // 2
+    codes = stored.codes[:, :, tokens_of]
+    if stored.bits == 4:
+        target[..., :half].copy_(codes & 0x0F)
+        target[..., half:].copy_(codes >> 4)
     else:
-        scales, minima = _channel_groups(scale, half, stored.group), _channel_groups(minimum, half, stored.group)
-    return (_affine(first, scales[0], minima[0], stored.group, stored.grouping),
-            _affine(second, scales[1], minima[1], stored.group, stored.grouping))
-
-
-def _channel_groups(per_group: torch.Tensor, half: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The per-token group parameters of each half: one group spanning both, or each its own."""
-    if group > half:
-        return per_group, per_group
-    split = half // group
-    return per_group[..., :split], per_group[..., split:]
-
-
-def _affine(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, group: int, grouping: str) -> torch.Tensor:
-    if grouping == "tokens" or scale.shape[-1] == 1:
-        return codes.mul_(scale).add_(minimum)
-    grouped = codes.unflatten(-1, (scale.shape[-1], group))
-    return grouped.mul_(scale.unsqueeze(-1)).add_(minimum.unsqueeze(-1)).flatten(-2)
+        target.copy_(codes)
+    scale, minimum = stored.scale[:, :, rows].float(), stored.minimum[:, :, rows].float()
+    if stored.grouping == "tokens" or scale.shape[-1] == 1:  # per channel, or one group per head/layer
+        target.mul_(scale).add_(minimum)
+    else:
+        grouped = target.unflatten(-1, (scale.shape[-1], stored.group))
+        grouped.mul_(scale.unsqueeze(-1)).add_(minimum.unsqueeze(-1))
 
 
 def _check(out: torch.Tensor, stored: Stored) -> None:
     check_dtype("out", out, FLOAT_DTYPES)
     require(out.dim() == 4 and out.shape[3] % 2 == 0, f"out must be [L, H, T, D] with D even, got {tuple(out.shape)}")
     require(tuple(stored.shape) == tuple(out.shape), f"stored K/V {tuple(stored.shape)} does not match its cache rows {tuple(out.shape)}")
-    if isinstance(stored, QuantizedKV):
-        require(stored.grouping == "tokens" or stored.group > out.shape[3] // 2 or (out.shape[3] // 2) % stored.group == 0,
-                "a channel group must span both halves of head_dim or tile one half")
-    else:
+    if not isinstance(stored, QuantizedKV):
         check_dtype("stored", stored, FLOAT_DTYPES)
