@@ -132,7 +132,7 @@ def ingested_chunks(engine: Engine, example: Example) -> tuple[list[LoadedChunk]
     and as the query path loads it."""
     stored = [decode_blob(encode_blob(engine.encode_chunk(ids))).tensors
               for ids in (engine.tokenize(passage) for passage in example.passages) if ids]
-    return [LoadedChunk(t["tokens"].tolist(), t["keys"], t["values"]) for t in stored], stored
+    return [LoadedChunk(t["tokens"].tolist(), *engine.kv_format.unpack(t)) for t in stored], stored
 
 
 class UserPrompt:
