@@ -13,6 +13,7 @@ from ragkv.engine.fingerprint import model_fingerprint
 from ragkv.engine.kv_storage import KV_STORAGE_FORMATS
 from ragkv.fusion import FusionInput, FullReuse, LoadedChunk
 from ragkv.ingest.embedder import Embedder
+from ragkv.ingest.journal import IngestJournal
 from ragkv.ingest.pipeline import IngestConfig, Ingestor
 from ragkv.ingest.registry_lmdb import LMDBRegistry
 from ragkv.store.lmdb_env import LMDBEnvironment
@@ -75,7 +76,8 @@ def test_an_evicted_chunk_is_recomputed_and_put_back(engine, embedder, tmp_path)
         one_chunk = sizing.stats().bytes
     store = LMDBStore(tmp_path / "db", capacity_bytes=2 * one_chunk)
     try:
-        ingestor = Ingestor(engine, store, LMDBRegistry(env), embedder, IngestConfig(chunk_tokens=64, show_progress=False))
+        ingestor = Ingestor(engine, store, LMDBRegistry(env), embedder, IngestJournal(env),
+                            IngestConfig(chunk_tokens=64, show_progress=False))
         doc_ids = [ingestor.ingest_text(text, f"t{i}.txt").doc_id for i, text in enumerate(TEXTS)]
         assert store.stats().evictions > 0
         record = ingestor.registry.get("default", doc_ids[0])
