@@ -29,7 +29,8 @@ QUESTION = "When was Gull Point Light first lit?"
 
 
 def test_every_format_has_its_own_fingerprint(engine):
-    prints = {name: model_fingerprint(engine.model_dir, engine.model.spec, fmt.descriptor, engine.chunk_prefix_ids)
+    prints = {name: model_fingerprint(engine.model_dir, engine.model.spec, fmt.descriptor, engine.chunk_prefix_ids,
+                                      engine.model.numerics)
               for name, fmt in KV_STORAGE_FORMATS.items()}
     assert len(set(prints.values())) == len(prints)
     assert prints[engine.config.kv_storage] == engine.fingerprint

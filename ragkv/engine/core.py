@@ -30,7 +30,16 @@ class EngineConfig:
     model: str | None = None
     """Local Hugging Face folder (Llama, Mistral, Qwen2, Qwen3); None = packaged SmolLM2."""
     dtype: str = "float32"
-    """Compute dtype. float32 is fastest on CPUs without bf16 matrix units."""
+    """dtype of the residual stream (embeddings, norms, MLP activations)."""
+    weights: str = "auto"
+    """Linear-layer format for decode rows: float32, bfloat16, float16, int8 (per-channel) or
+    int4 (groups of 32); auto = int8 on a CPU with bf16 units, else `dtype`."""
+    prefill_weights: str = "auto"
+    """Linear-layer format for prefill, chunk KV and recompute (a dense dtype); auto =
+    bfloat16 on a CPU with bf16 units, else `dtype`."""
+    kv_cache_dtype: str = "auto"
+    """dtype of q/k/v, attention and the runtime KV cache (bfloat16 halves the bytes a
+    decode step reads at long context); auto = bfloat16 on a CPU with bf16 units, else `dtype`."""
     kv_storage: str = "int4"
     """Format of chunk K/V in the store: float32, float16, bfloat16, int8 or int4 (KIVI-style
     integer codes, dequantised while placed); part of the model fingerprint. int4 costs a
