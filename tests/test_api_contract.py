@@ -9,13 +9,16 @@ of this module share it and run in file order.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from pathlib import Path
 
 import httpx
 import numpy as np
+import openai
 import pytest
+import torch
 import uvicorn
 from fastapi import FastAPI, Request
 
@@ -25,6 +28,9 @@ from ragkv.api.launcher import ServerProcess, free_port
 from ragkv.api.metrics import Metrics
 from ragkv.api.middleware import ServingMiddleware
 from ragkv.api.responses import SafeJSONResponse
+from ragkv.api.schemas import SEED_MAX
+from ragkv.engine.model_files import resolve_model_dir
+from ragkv.ingest.embedder import Embedder
 from ragkv.ingest.registry import ChunkRecord, DocumentRecord
 from ragkv.ingest.registry_lmdb import LMDBRegistry
 from ragkv.store.lmdb_env import LMDBEnvironment
@@ -89,9 +95,10 @@ def test_snapkv_capacity_below_the_rows_it_must_keep_is_400(http):
 def test_seed_outside_64_bits_is_400_and_greedy_decoding_ignores_the_seed(http):
     assert "seed" in _error(http.post("/v1/query", json={**QUESTION, "seed": 2**64}), 400)["message"]
     assert "seed" in _error(http.post("/v1/chat/completions", json={**CHAT, "seed": -(2**63) - 1}), 400)["message"]
-    greedy = [http.post("/v1/query", json={**QUESTION, "seed": seed}).json()["answer"] for seed in (None, 2**64 - 1)]
+    assert "seed" in _error(http.post("/v1/query", json={**QUESTION, "seed": SEED_MAX + 1}), 400)["message"]
+    greedy = [http.post("/v1/query", json={**QUESTION, "seed": seed}).json()["answer"] for seed in (None, SEED_MAX)]
     assert greedy[0] == greedy[1]
-    sampled = http.post("/v1/query", json={**QUESTION, "seed": 2**64 - 1, "temperature": 0.7})
+    sampled = http.post("/v1/query", json={**QUESTION, "seed": SEED_MAX, "temperature": 0.7})
     assert sampled.status_code == 200, sampled.text
 
 
@@ -237,3 +244,128 @@ def test_safe_json_response_renders_lone_surrogates_as_escapes():
     body = SafeJSONResponse({"k": "\udfff", "ok": "é"}).body
     assert json.loads(body) == {"k": "\udfff", "ok": "é"}
     assert SafeJSONResponse({"ok": "é"}).body == '{"ok":"é"}'.encode()
+
+
+# -- OpenAI completions and embeddings, LangChain -------------------------------------------------
+
+def _openai(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server["process"].url + "/v1", api_key=KEY, max_retries=0, timeout=300)
+
+
+def test_completions_continue_the_prompt_as_transformers_greedy_does(server):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = resolve_model_dir(None)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    text = "The lighthouse keeper climbed the stairs and"
+    ids = tokenizer(text)["input_ids"]
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        generated = reference.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids):]
+    expected = tokenizer.decode(generated, skip_special_tokens=True)
+
+    client = _openai(server)
+    by_ids = client.completions.create(model="ragkv", prompt=ids, max_tokens=8)
+    assert by_ids.object == "text_completion" and by_ids.choices[0].text == expected
+    assert by_ids.usage.prompt_tokens == len(ids) and by_ids.usage.total_tokens == len(ids) + by_ids.usage.completion_tokens
+    by_text = client.completions.create(model="ragkv", prompt=text, max_tokens=8)
+    assert by_text.choices[0].text == expected
+
+    other = "Apples grow best on slopes where"
+    batch = client.completions.create(model="ragkv", prompt=[text, other], max_tokens=4)
+    single = client.completions.create(model="ragkv", prompt=other, max_tokens=4)
+    assert [c.index for c in batch.choices] == [0, 1] and batch.choices[1].text == single.choices[0].text
+
+    chunks = list(client.completions.create(model="ragkv", prompt=text, max_tokens=8, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+    assert chunks[-1].usage.completion_tokens == by_ids.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+
+
+def test_completions_with_rag_answer_like_query_with_citations(server, http):
+    client = _openai(server)
+    answer = client.completions.create(model="ragkv", prompt=QUESTION["question"], max_tokens=4,
+                                       extra_body={"rag": {"enabled": True, "top_k": 1}})
+    choice = answer.model_dump()["choices"][0]
+    query = http.post("/v1/query", json=QUESTION).json()
+    assert choice["text"] == query["answer"] and choice["rag"]["citations"] == query["citations"]
+    assert answer.usage.prompt_tokens == query["usage"]["prompt_tokens"]
+
+
+def test_completions_refuse_what_they_do_not_serve(server, http):
+    with pytest.raises(openai.BadRequestError):
+        _openai(server).completions.create(model="ragkv", prompt="x", max_tokens=2, echo=True)
+    error = _error(http.post("/v1/completions", json={"model": "ragkv", "prompt": "x", "max_tokens": MODEL_CONTEXT}), 400)
+    assert error["code"] == "context_length_exceeded"
+    assert _error(http.post("/v1/completions", json={"model": "gpt-3.5", "prompt": "x"}), 404)["code"] == "model_not_found"
+    assert _error(http.post("/v1/completions", json={"model": "ragkv", "prompt": [10**9]}), 400)["code"] == "bad_token_id"
+
+
+def test_embeddings_match_the_packaged_embedder(server, http):
+    texts = ["Gull Point Light was first lit in 1871.", "Apples grow on the south-facing slope."]
+    expected = Embedder().embed_passages(texts)
+    response = _openai(server).embeddings.create(model="all-MiniLM-L6-v2", input=texts)  # the client asks for base64
+    assert [item.index for item in response.data] == [0, 1] and response.model == "all-MiniLM-L6-v2"
+    np.testing.assert_allclose(np.array([item.embedding for item in response.data]), expected, atol=1e-5)
+    assert response.usage.prompt_tokens == response.usage.total_tokens > 2 * 8
+    floats = http.post("/v1/embeddings", json={"model": "all-MiniLM-L6-v2", "input": texts[0]}).json()
+    np.testing.assert_allclose(floats["data"][0]["embedding"], expected[0], atol=1e-5)
+    assert _error(http.post("/v1/embeddings", json={"model": "text-embedding-3-small", "input": "x"}), 404)
+    assert _error(http.post("/v1/embeddings", json={"model": "all-MiniLM-L6-v2", "input": "x", "dimensions": 8}), 400)
+    assert {m.id for m in _openai(server).models.list().data} >= {"all-MiniLM-L6-v2"}
+
+
+def test_langchain_sees_numbered_sources_and_the_session(server, http):
+    from langchain_openai import ChatOpenAI
+
+    def chat(**extra) -> ChatOpenAI:
+        return ChatOpenAI(model="ragkv", base_url=server["process"].url + "/v1", api_key=KEY, max_tokens=6,
+                          temperature=0, max_retries=0, extra_body={"sources": True, "rag": {"top_k": 2}, **extra})
+
+    message = chat().invoke("When was Gull Point Light first lit?")
+    assert "[1][2]" in message.content and "\n\nSources:\n[1] lighthouses.md, chunk 0 (doc_" in message.content
+    session = re.search(r"Session: (\S+)", message.content).group(1)
+    follow = "".join(chunk.content for chunk in chat(session_id=session).stream("Who was its last keeper?"))
+    assert follow.endswith(f"Session: {session}")
+    raw = http.post("/v1/chat/completions", json={**CHAT, "sources": True, "rag": {"top_k": 2},
+                                                  "messages": [{"role": "user", "content": "Tell me about Linden Gold."}]}).json()
+    content, citations = raw["choices"][0]["message"]["content"], raw["rag"]["citations"]
+    for number, citation in enumerate(citations, 1):
+        assert f"[{number}] {citation['name']}, chunk {citation['chunk_index']} ({citation['document_id']})" in content
+    plain = http.post("/v1/chat/completions", json=CHAT).json()["choices"][0]["message"]["content"]
+    assert "Sources:" not in plain
+
+
+# -- OpenAPI document and offline docs -----------------------------------------------------------
+
+def test_openapi_declares_bodies_errors_and_bearer_auth(http):
+    schema = http.get("/openapi.json").json()
+    assert schema["components"]["securitySchemes"]["bearerAuth"] == {
+        "type": "http", "scheme": "bearer", "description": schema["components"]["securitySchemes"]["bearerAuth"]["description"]}
+    for path, operations in schema["paths"].items():
+        for method, operation in operations.items():
+            responses = operation["responses"]
+            assert "422" not in responses, (method, path)
+            assert any(code.startswith("2") and responses[code].get("content") for code in responses), (method, path)
+            if path.startswith("/v1/"):
+                assert operation["security"] == [{"bearerAuth": []}] and "401" in responses, (method, path)
+            for code, response in responses.items():
+                if code[0] in "45" and path != "/health":  # /health answers 503 with its report
+                    ref = response["content"]["application/json"]["schema"]["$ref"]
+                    assert ref.endswith("/ErrorResponse"), (method, path, code)
+    upload = schema["paths"]["/v1/documents"]["post"]["requestBody"]["content"]
+    assert upload["multipart/form-data"]["schema"]["properties"]["file"]["format"] == "binary"
+    assert upload["application/json"]["schema"]["$ref"].endswith("/DocumentCreate")
+    chat = schema["components"]["schemas"]["ChatRequest"]["properties"]
+    assert len(chat) >= 13 and all(field.get("description") for field in chat.values())
+
+
+def test_docs_page_loads_swagger_from_the_server_itself(http):
+    page = http.get("/docs")
+    assert page.status_code == 200
+    assets = re.findall(r"""(?:src|href)=['"]([^'"]+)['"]""", page.text)
+    assert assets and all(asset.startswith("/") for asset in assets), assets  # nothing from another host
+    for asset in assets:
+        response = http.get(asset)
+        assert response.status_code == 200 and len(response.content) > 100, asset

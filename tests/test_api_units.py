@@ -51,8 +51,7 @@ def test_requests_convert_to_typed_configs_or_400():
     config = query_config(request, generation, limits)
     assert config.top_k == 3 and config.fusion.strategy == "cacheblend" and config.fusion.ratio == 0.3
     assert config.generation.max_new_tokens == 8 and config.generation.stop == ("\n\n",)
-    for kwargs, fragment in (({"strategy": "nope"}, "unknown fusion strategy"), ({"ratio": 1.5}, "ratio"),
-                             ({"top_k": 9}, "at most 8")):
+    for kwargs, fragment in (({"strategy": "a3:nope=1"}, "nope"), ({"top_k": 9}, "at most 8")):
         with pytest.raises(ApiError) as error:
             query_config(QueryRequest(question="q", **kwargs), generation, limits)
         assert error.value.status == 400 and fragment in error.value.message
@@ -60,11 +59,16 @@ def test_requests_convert_to_typed_configs_or_400():
         generation_config(65, None, None, None, None, limits)
     with pytest.raises(ApiError, match="temperature"):
         generation_config(8, -1.0, None, None, None, limits)
+    for kwargs in ({"selector": "nonsense"}, {"strategy": "nope"}, {"ratio": 1.5}, {"question": " \n"}, {"seed": 2**64}):
+        with pytest.raises(ValueError):
+            QueryRequest(**{"question": "q", **kwargs})
+    with pytest.raises(ValueError, match="surrogate"):
+        ChatRequest(model="m", messages=[{"role": "user", "content": "hi \udc80"}])
     with pytest.raises(ValueError):
-        QueryRequest(question="q", selector="nonsense")
-    chat = ChatRequest(model="m", messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}], n=2)
+        ChatRequest(model="m", messages=[{"role": "user", "content": "hi"}], n=2)
+    chat = ChatRequest(model="m", messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}], tools=[{}])
     assert chat.messages[0].text() == "hi"
-    with pytest.raises(ApiError, match="n must be 1"):
+    with pytest.raises(ApiError, match="tools are not supported"):
         chat.refuse_unsupported()
 
 

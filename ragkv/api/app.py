@@ -22,8 +22,9 @@ from ragkv.api.errors import install_error_handlers
 from ragkv.api.jobs import JobRegistry
 from ragkv.api.metrics import Metrics, Reading
 from ragkv.api.middleware import ServingMiddleware
+from ragkv.api.openapi import install_docs
 from ragkv.api.responses import SafeJSONResponse
-from ragkv.api.routes import chat, documents, query, system
+from ragkv.api.routes import chat, completions, documents, query, system
 from ragkv.api.service import Service
 from ragkv.api.sessions import RedisSessions, open_sessions
 from ragkv.api.state import AppState, redis_tiers
@@ -131,10 +132,12 @@ def create_app(config: ServeConfig = ServeConfig()) -> FastAPI:
             state.runtime.close()
 
     app = FastAPI(title="ragkv", version="0.1.0", lifespan=lifespan, default_response_class=SafeJSONResponse,
+                  docs_url=None, redoc_url=None,
                   description="RAG serving over precomputed chunk KV caches: documents, questions, OpenAI-compatible chat.")
     app.state.authenticator = authenticator
     install_error_handlers(app)
-    for module in (system, documents, query, chat):
+    install_docs(app, config)
+    for module in (system, documents, query, chat, completions):
         app.include_router(module.router)
     app.add_middleware(ServingMiddleware, metrics=metrics, authenticator=authenticator,
                        max_body_bytes=int(config.max_body_kb * 1024),

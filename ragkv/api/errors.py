@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from ragkv.api.responses import SafeJSONResponse
 from ragkv.app.contexts import SessionBusyError
@@ -110,11 +111,22 @@ def _describe_validation(error: RequestValidationError) -> tuple[int, str, str, 
     return 400, "invalid_parameters", "; ".join(messages) + more, param
 
 
+def _allowed_methods(request: Request) -> list[str]:
+    """Every method some route serves on this path (Starlette's 405 names only the first
+    matching route's)."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        match, _ = route.matches({**request.scope, "method": "GET"})
+        if match != Match.NONE:
+            methods.update(getattr(route, "methods", None) or ())
+    return sorted(methods)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, error: ApiError) -> SafeJSONResponse:
         return SafeJSONResponse(error_body(error.status, error.code, error.message, request_id_of(request), error.param),
-                            status_code=error.status, headers=error.headers)
+                                status_code=error.status, headers=error.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, error: RequestValidationError) -> SafeJSONResponse:
@@ -125,10 +137,15 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, error: StarletteHTTPException) -> SafeJSONResponse:
         code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(error.status_code, "http_error")
         message = str(error.detail) if error.detail else "error"
+        headers = getattr(error, "headers", None)
         if error.status_code == 404 and message == "Not Found":
             message = f"no route {request.method} {request.url.path}"
+        if error.status_code == 405:
+            allowed = _allowed_methods(request)
+            message = f"{request.method} is not allowed on {request.url.path}; use {', '.join(allowed)}"
+            headers = {**(headers or {}), "Allow": ", ".join(allowed)}
         return SafeJSONResponse(error_body(error.status_code, code, message, request_id_of(request)),
-                            status_code=error.status_code, headers=getattr(error, "headers", None))
+                                status_code=error.status_code, headers=headers)
 
     @app.exception_handler(InputError)
     async def _input(request: Request, error: InputError) -> SafeJSONResponse:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 from ragkv.api.config import ServeConfig
 from ragkv.api.errors import ApiError
@@ -28,7 +28,12 @@ except ImportError:  # pragma: no cover - depends on the engine build
 
 MAX_METADATA_BYTES = 16 * 1024
 DEFAULT_MAX_TOKENS = 128
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+# I-JSON safe integers: every JSON parser reads them exactly (a 64-bit seed may not survive
+# a client's float conversion, and 2**64 - 1 is not representable as a double).
+SEED_MIN, SEED_MAX = -(2**53 - 1), 2**53 - 1
+
+# Exact integers (the generated bounds would be floats).
+SEED_SCHEMA = {"anyOf": [{"type": "integer", "minimum": SEED_MIN, "maximum": SEED_MAX}, {"type": "null"}]}
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -53,7 +58,10 @@ def unpaired_surrogate_at(value: Any, where: str = "body") -> str | None:
     return None
 
 
-class _Text(BaseModel):
+class UnicodeText(BaseModel):
+    # Strict types: JSON true is not the number 1, "5" is not an integer (as the schema says).
+    model_config = ConfigDict(strict=True)
+
     @model_validator(mode="before")
     @classmethod
     def _valid_unicode(cls, data: Any) -> Any:
@@ -63,25 +71,62 @@ class _Text(BaseModel):
         return data
 
 
-class _Strict(_Text):
+class _Strict(UnicodeText):
     model_config = ConfigDict(extra="forbid")
 
 
-class RetrievalOptions(_Strict):
-    """Retrieval, fusion and decode options shared by /v1/query and the chat `rag` field."""
+DOC_ID_PATTERN = r"^[A-Za-z0-9_.-]{1,128}$"
+SESSION_ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,128}$"
+# Text that is not blank. Checked by a validator (for its message) and declared as a
+# pattern (JSON Schema patterns search: some character that is not white space).
+NOT_BLANK_SCHEMA = {"pattern": r"\S"}
 
-    top_k: int = Field(5, ge=1, description="chunks retrieved")
-    document_ids: list[str] | None = Field(None, min_length=1, max_length=256,
-                                           description="restrict retrieval to these documents")
-    strategy: str = Field(DEFAULT_STRATEGY, description="fusion strategy spec: a name (" + ", ".join(STRATEGY_NAMES)
+
+def not_blank(value: str) -> str:
+    if not value.strip():
+        raise ValueError("must not be empty or only white space")
+    return value
+
+
+NotBlank = Annotated[str, AfterValidator(not_blank)]
+
+Stop = Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=4)] | None
+STOP_DESCRIPTION = "up to 4 non-empty strings that end the answer (not included)"
+
+
+class RetrievalOptions(_Strict):
+    """Retrieval and fusion options shared by /v1/query and the chat `rag` field."""
+
+    top_k: int = Field(5, ge=1, description="chunks retrieved (the server caps it, see --max-top-k)")
+    document_ids: list[Annotated[str, Field(pattern=DOC_ID_PATTERN)]] | None = Field(
+        None, min_length=1, max_length=256, description="restrict retrieval to these documents")
+    strategy: str = Field(DEFAULT_STRATEGY, json_schema_extra={"pattern": rf"^({'|'.join(STRATEGY_NAMES)})(:.+)?$"},
+                          description="fusion strategy spec: a name (" + ", ".join(STRATEGY_NAMES)
                           + ") or name:option=value,... (e.g. a3:ratio=0.3)")
-    ratio: float | None = Field(None, description="share of document tokens recomputed (a3, cacheblend); "
+    ratio: float | None = Field(None, ge=0, le=1, description="share of document tokens recomputed (a3, cacheblend); "
                                 "overrides the spec's")
-    selector: str = Field("dense", description="decode attention selector: " + ", ".join(SELECTOR_NAMES))
+
+    @field_validator("strategy")
+    @classmethod
+    def _known_strategy(cls, value: str) -> str:
+        name = value.split(":", 1)[0]
+        if name not in STRATEGY_NAMES or value == name + ":":
+            raise ValueError(f"unknown fusion strategy {name!r}; choose one of {', '.join(STRATEGY_NAMES)}")
+        return value
+
+
+class SparseOptions(_Strict):
+    """Sparse decode options of /v1/query (a chat session decodes dense: it keeps its exact KV)."""
+
+    selector: str = Field("dense", json_schema_extra={"enum": list(SELECTOR_NAMES)},
+                          description="decode attention selector: " + ", ".join(SELECTOR_NAMES))
     budget: float | None = Field(None, gt=0, description="sparse decode budget per KV head, sinks and recent window "
-                                 "included: a fraction of the cached rows in (0, 1] or a whole row count > 1")
+                                 "included: a fraction of the cached rows in (0, 1] or a whole row count > 1",
+                                 json_schema_extra={"anyOf": [{"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+                                                              {"type": "integer", "minimum": 2}, {"type": "null"}]})
     snapkv_capacity: int | None = Field(None, ge=1, description="SnapKV: prompt rows kept per layer and KV head after "
-                                        "the first token (None: no eviction)")
+                                        "the first token (None: no eviction); at least the prefix and question rows "
+                                        "(else 400 snapkv_capacity_too_small)")
 
     @field_validator("selector")
     @classmethod
@@ -95,26 +140,26 @@ class RetrievalOptions(_Strict):
         return self.selector != "dense" or self.budget is not None or self.snapkv_capacity is not None
 
 
-class QueryRequest(RetrievalOptions):
-    question: str = Field(min_length=1, max_length=100_000)
-    max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=1)
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
-    stop: str | list[str] | None = None
-    stream: bool = False
+class QueryRequest(RetrievalOptions, SparseOptions):
+    question: NotBlank = Field(min_length=1, max_length=100_000, json_schema_extra=NOT_BLANK_SCHEMA, description="the question, answered from the tenant's documents")
+    max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=1, description="tokens to generate at most (the server caps it)")
+    temperature: float = Field(0.0, ge=0, le=10, description="0: greedy decoding; above 0: sampling")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass (with temperature > 0)")
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX, json_schema_extra=SEED_SCHEMA, description="seed of the sampler (64 bits); greedy ignores it")
+    stop: Stop = Field(None, description=STOP_DESCRIPTION)
+    stream: StrictBool = Field(False, description="answer as server-sent events: retrieval, token..., done, [DONE]")
 
 
 class DocumentCreate(_Strict):
-    text: str
-    name: str = Field("document.txt", min_length=1, max_length=256)
-    metadata: dict[str, Any] | None = None
-    background: bool | None = Field(None, description="force (true) or refuse (false) a background job; default by size")
+    text: NotBlank = Field(json_schema_extra=NOT_BLANK_SCHEMA, description="the document's text")
+    name: str = Field("document.txt", min_length=1, max_length=256, description="a name shown in citations")
+    metadata: dict[str, Any] | None = Field(None, description=f"a JSON object kept with the document (at most {MAX_METADATA_BYTES} bytes)")
+    background: StrictBool | None = Field(None, description="force (true) or refuse (false) a background job; default by size")
 
 
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="allow")
-    type: str
+    type: str = Field(json_schema_extra={"enum": ["text"]}, description="only text parts are served")
     text: str | None = None
 
 
@@ -138,26 +183,27 @@ class ChatMessage(BaseModel):
 
 
 class ChatRag(RetrievalOptions):
-    enabled: bool = Field(True, description="retrieve documents for this turn")
-    session_id: str | None = None
+    enabled: StrictBool = Field(True, description="retrieve documents for this turn")
+    session_id: str | None = Field(None, pattern=SESSION_ID_PATTERN, description="the same as the top-level session_id")
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
-    include_usage: bool = Field(False, description="send a last chunk with the token usage (and empty choices)")
+    include_usage: StrictBool = Field(False, description="send a last chunk with the token usage (and empty choices)")
 
 
 class ResponseFormat(BaseModel):
     model_config = ConfigDict(extra="allow")
-    type: str = Field(description="'text' is served; 'json_object' and 'json_schema' are refused with 400 "
+    type: str = Field(json_schema_extra={"enum": ["text"]},
+                      description="'text' is served; 'json_object' and 'json_schema' are refused with 400 "
                                   "(the server does not constrain decoding to JSON)")
 
 
-class ChatRequest(_Text):
+class ChatRequest(UnicodeText):
     # OpenAI clients send fields this server does not use (user, metadata, ...): ignored,
     # except those whose meaning cannot be honoured, refused below.
     model_config = ConfigDict(extra="allow")
-    model: str = Field(min_length=1, description="the served model's id (GET /v1/models) or the alias 'ragkv'")
+    model: str = Field(min_length=1, examples=["ragkv"], description="the served model's id (GET /v1/models) or the alias 'ragkv'")
     messages: list[ChatMessage] = Field(min_length=1, description="the conversation; the last message must be the "
                                         "user's. With a session only the last message is new: earlier ones are "
                                         "already in the session's KV")
@@ -167,21 +213,21 @@ class ChatRequest(_Text):
                                               "wins when both are given")
     temperature: float | None = Field(None, ge=0, le=10, description="0 or absent: greedy decoding; above 0: sampling")
     top_p: float | None = Field(None, gt=0, le=1, description="nucleus sampling mass (with temperature > 0)")
-    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX, description="seed of the sampler (64 bits); "
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX, json_schema_extra=SEED_SCHEMA, description="seed of the sampler (64 bits); "
                              "greedy decoding ignores it")
-    stop: str | list[str] | None = Field(None, description="up to 4 strings that end the answer (not included)")
-    stream: bool = Field(False, description="answer as server-sent events (chat.completion.chunk objects, then [DONE])")
+    stop: Stop = Field(None, description=STOP_DESCRIPTION)
+    stream: StrictBool = Field(False, description="answer as server-sent events (chat.completion.chunk objects, then [DONE])")
     stream_options: StreamOptions | None = Field(None, description="streaming options: include_usage")
-    n: int = Field(1, description="choices per request: only 1 is served")
+    n: int = Field(1, ge=1, le=1, description="choices per request: only 1 is served")
     response_format: ResponseFormat | None = Field(None, description="only {'type': 'text'} is served")
     rag: ChatRag | None = Field(None, description="ragkv extension: retrieval, fusion and session options")
-    session_id: str | None = Field(None, description="ragkv extension: continue this chat session (its KV is kept "
+    sources: StrictBool = Field(False, description="ragkv extension: end the message content with numbered source markers, "
+                          "a 'Sources:' block and the session id (for clients that read only the text)")
+    session_id: str | None = Field(None, pattern=SESSION_ID_PATTERN, description="ragkv extension: continue this chat session (its KV is kept "
                                    "server-side); a new id is made when absent and returned as session_id")
 
     def refuse_unsupported(self) -> None:
         extra = self.model_extra or {}
-        if self.n != 1:
-            raise ApiError(400, "unsupported_parameter", "n must be 1: one choice per request", param="n")
         for name in ("tools", "functions", "tool_choice", "function_call"):
             if extra.get(name):
                 raise ApiError(400, "unsupported_parameter", f"{name} are not supported by this server", param=name)
@@ -228,7 +274,7 @@ def query_config(options: RetrievalOptions, generation: GenerationConfig, limits
     try:
         fusion = FusionConfig(strategy=options.strategy, ratio=options.ratio)
         extra = {}
-        if options.wants_sparse:
+        if isinstance(options, SparseOptions) and options.wants_sparse:
             extra["sparse"] = sparse_config(options)
         return QueryConfig(top_k=options.top_k, doc_ids=tuple(options.document_ids) if options.document_ids else None,
                            fusion=fusion, generation=generation, **extra)
@@ -236,7 +282,7 @@ def query_config(options: RetrievalOptions, generation: GenerationConfig, limits
         raise ApiError(400, "invalid_parameters", str(error)) from None
 
 
-def sparse_config(options: RetrievalOptions):
+def sparse_config(options: SparseOptions):
     """ValueError (-> 400) when the SparseConfig refuses the values."""
     if SparseConfig is None:
         raise ApiError(400, "unsupported_selector", "this build serves dense decode only", param="selector")

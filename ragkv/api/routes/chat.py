@@ -14,6 +14,9 @@ Extensions (the openai client sends them with `extra_body=`):
               X-Session-Id header); continuing with that id makes it a session. The answer
               carries a `rag` object (citations, timings, turn, context_tokens: prompt
               rows taken from a cached context).
+  sources     true: the message content ends with numbered source markers, a
+              "Sources:" block and the session id (api.sources), for clients that
+              read only the text (LangChain).
 temperature defaults to 0 (greedy) when not given.
 """
 
@@ -21,15 +24,21 @@ from __future__ import annotations
 
 import time
 import uuid
+from typing import Annotated
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Path, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ragkv.api.auth import tenant_of
 from ragkv.api.errors import ApiError
+from ragkv.api.openapi import errors, sse_or
+from ragkv.api.responses_schema import ChatCompletion, Deleted, Model, ModelList, SessionList
+from ragkv.api.routes.completions import EMBEDDING_MODEL_ID
 from ragkv.api.routes.query import SSE_HEADERS
-from ragkv.api.schemas import DEFAULT_MAX_TOKENS, ChatRag, ChatRequest, generation_config, query_config
+from ragkv.api.schemas import (DEFAULT_MAX_TOKENS, SESSION_ID_PATTERN, ChatRag, ChatRequest, generation_config,
+                               query_config)
 from ragkv.api.sessions import check_session_id
+from ragkv.api.sources import sources_block
 from ragkv.api.state import app_state
 from ragkv.api.streaming import JobStream, run_job, sse, sse_events
 from ragkv.app.chat import ChatTurn
@@ -61,7 +70,9 @@ def _rag_extension(completion: Completion, session_id: str) -> dict:
             "timings": completion.timings.to_dict(), "session": info.get("session")}
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", responses={
+    **sse_or(ChatCompletion, "the completion, or with stream: true chat.completion.chunk events then [DONE]"),
+    **errors(400, 401, 404, 409, 413, 503)})
 async def chat_completions(request: Request, body: ChatRequest):
     state = app_state(request)
     tenant = tenant_of(request)
@@ -75,9 +86,6 @@ async def chat_completions(request: Request, body: ChatRequest):
         raise ApiError(400, "conflicting_session_id", "session_id and rag.session_id differ", param="session_id")
     named = body.session_id or rag.session_id
     session_id = check_session_id(named) if named else new_context_id()
-    if rag.wants_sparse:
-        raise ApiError(400, "unsupported_parameter", "chat decodes dense (a session keeps and extends its exact KV); "
-                       "sparse selectors, budgets and SnapKV apply to /v1/query", param="rag.selector")
     max_tokens = body.max_completion_tokens or body.max_tokens or DEFAULT_MAX_TOKENS
     generation = generation_config(max_tokens, body.temperature, body.top_p, body.seed, body.stop, state.config)
     config = query_config(rag, generation, state.config)
@@ -87,11 +95,15 @@ async def chat_completions(request: Request, body: ChatRequest):
     created = int(time.time())
     headers = {"X-Session-Id": session_id}
 
+    def sources(outcome: Completion) -> str:
+        return sources_block([c.to_dict() for c in outcome.citations], session_id)
+
     if not body.stream:
         outcome: Completion = await run_job(request, state.worker, job)
+        content = outcome.text + (sources(outcome) if body.sources else "")
         return JSONResponse(
             {"id": completion_id, "object": "chat.completion", "created": created, "model": state.model_id,
-             "choices": [{"index": 0, "message": {"role": "assistant", "content": outcome.text},
+             "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
                           "finish_reason": _FINISH.get(outcome.finish_reason, "stop"), "logprobs": None}],
              "usage": outcome.usage.to_openai(), "session_id": session_id, "rag": _rag_extension(outcome, session_id)},
             headers=headers)
@@ -107,7 +119,8 @@ async def chat_completions(request: Request, body: ChatRequest):
         return [chunk({"content": value})] if kind == "token" else []
 
     def finish(outcome: Completion):
-        events = [chunk({}, _FINISH.get(outcome.finish_reason, "stop"), session_id=session_id,
+        events = [chunk({"content": sources(outcome)})] if body.sources else []
+        events += [chunk({}, _FINISH.get(outcome.finish_reason, "stop"), session_id=session_id,
                         rag=_rag_extension(outcome, session_id))]
         if include_usage:
             events.append({"id": completion_id, "object": "chat.completion.chunk", "created": created,
@@ -125,32 +138,33 @@ async def chat_completions(request: Request, body: ChatRequest):
     return StreamingResponse(events(), media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", responses={200: {"model": ModelList}, **errors(401)})
 def list_models(request: Request):
     state = app_state(request)
     tenant_of(request)
-    return {"object": "list", "data": [{"id": state.model_id, "object": "model", "created": int(state.started),
-                                        "owned_by": "ragkv"}]}
+    return {"object": "list", "data": [{"id": model_id, "object": "model", "created": int(state.started), "owned_by": "ragkv"}
+                                       for model_id in (state.model_id, EMBEDDING_MODEL_ID)]}
 
 
-@router.get("/v1/models/{model_id}")
+@router.get("/v1/models/{model_id}", responses={200: {"model": Model}, **errors(401, 404)})
 def get_model(request: Request, model_id: str):
     state = app_state(request)
     tenant_of(request)
-    if model_id not in (state.model_id, "ragkv"):
+    if model_id not in (state.model_id, "ragkv", EMBEDDING_MODEL_ID):
         raise ApiError(404, "model_not_found", f"the model {model_id!r} does not exist")
-    return {"id": state.model_id, "object": "model", "created": int(state.started), "owned_by": "ragkv"}
+    served = EMBEDDING_MODEL_ID if model_id == EMBEDDING_MODEL_ID else state.model_id
+    return {"id": served, "object": "model", "created": int(state.started), "owned_by": "ragkv"}
 
 
-@router.get("/v1/sessions")
+@router.get("/v1/sessions", responses={200: {"model": SessionList}, **errors(401)})
 def list_sessions(request: Request):
     """Sessions of this tenant held in this process's memory."""
     state = app_state(request)
     return {"object": "list", "data": [s.summary() for s in state.sessions.list(tenant_of(request))]}
 
 
-@router.delete("/v1/sessions/{session_id}")
-def delete_session(request: Request, session_id: str):
+@router.delete("/v1/sessions/{session_id}", responses={200: {"model": Deleted}, **errors(400, 401, 404, 409)})
+def delete_session(request: Request, session_id: Annotated[str, Path(pattern=SESSION_ID_PATTERN)]):
     state = app_state(request)
     if not state.sessions.delete(tenant_of(request), check_session_id(session_id)):
         raise ApiError(404, "session_not_found", f"no session {session_id!r}")

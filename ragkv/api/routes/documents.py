@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
-import re
+from typing import Annotated
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Path, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
@@ -14,7 +14,10 @@ from starlette.datastructures import UploadFile
 from ragkv.api.auth import tenant_of
 from ragkv.api.errors import ApiError, as_api_error
 from ragkv.api.jobs import CANCELLED, FAILED, SUCCEEDED, JobRecord
-from ragkv.api.schemas import DocumentCreate, check_metadata
+from ragkv.api.openapi import errors
+from ragkv.api.responses_schema import (Deleted, DocumentCreated, DocumentDetail, DocumentList, JobAccepted, JobList,
+                                        JobStatus)
+from ragkv.api.schemas import DOC_ID_PATTERN, DocumentCreate, check_metadata
 from ragkv.api.state import AppState, app_state
 from ragkv.api.streaming import run_job
 from ragkv.api.worker import Job, JobCancelled
@@ -25,13 +28,7 @@ from ragkv.ingest.validation import check_text
 log = logging.getLogger("ragkv.api")
 router = APIRouter(tags=["documents"])
 
-_DOC_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
-
-
-def check_doc_id(doc_id: str) -> str:
-    if not _DOC_ID.match(doc_id):
-        raise ApiError(400, "bad_document_id", "document ids are 1-128 characters of [A-Za-z0-9_.-]", param="document_id")
-    return doc_id
+DocumentId = Annotated[str, Path(pattern=DOC_ID_PATTERN, description="1-128 characters of [A-Za-z0-9_.-]")]
 
 
 def ingest_summary(result: IngestResult) -> dict:
@@ -49,6 +46,15 @@ def _pydantic_message(error: ValidationError) -> str:
     return "; ".join(parts)
 
 
+def _form_flag(value, name: str) -> bool | None:
+    if value is None:
+        return None
+    flag = {"true": True, "false": False}.get(str(value).strip().lower())
+    if flag is None:
+        raise ApiError(400, "invalid_parameters", f"{name} must be true or false", param=name)
+    return flag
+
+
 async def _read_document(request: Request, state: AppState) -> tuple[str, str, dict | None, bool | None]:
     """(text, name, metadata, background) from a JSON body or a multipart upload."""
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
@@ -61,9 +67,7 @@ async def _read_document(request: Request, state: AppState) -> tuple[str, str, d
         name = str(form.get("name") or upload.filename or "upload.txt")
         data = await upload.read()
         text = document_text(data, name, limit)
-        background = form.get("background")
-        flag = None if background is None else str(background).lower() in ("1", "true", "yes")
-        return text, name, check_metadata(form.get("metadata")), flag
+        return text, name, check_metadata(form.get("metadata")), _form_flag(form.get("background"), "background")
     if content_type not in ("application/json", ""):
         raise ApiError(415, "unsupported_media_type",
                        "send the document as JSON {\"text\": ..., \"name\": ...} or as multipart/form-data with a 'file' field")
@@ -81,7 +85,26 @@ async def _read_document(request: Request, state: AppState) -> tuple[str, str, d
     return check_text(document.text, document.name, limit), document.name, check_metadata(document.metadata), document.background
 
 
-@router.post("/v1/documents", status_code=201)
+_DOCUMENT_BODY = {
+    "required": True,
+    "content": {
+        "application/json": {"schema": {"$ref": "#/components/schemas/DocumentCreate"}},
+        "multipart/form-data": {"schema": {
+            "type": "object", "required": ["file"],
+            "properties": {
+                "file": {"type": "string", "format": "binary", "description": "the document: .txt, .md, .html, .json, ..."},
+                "name": {"type": "string", "description": "its name (default: the file name)"},
+                "metadata": {"type": "string", "description": "a JSON object, as text"},
+                "background": {"type": "boolean", "description": "force (true) or refuse (false) a background job"},
+            }}},
+    },
+}
+
+
+@router.post("/v1/documents", status_code=201, openapi_extra={"requestBody": _DOCUMENT_BODY},
+             responses={201: {"model": DocumentCreated, "description": "ingested"},
+                        202: {"model": JobAccepted, "description": "ingesting in the background: poll status_url"},
+                        **errors(400, 401, 413, 415, 503)})
 async def create_document(request: Request):
     """Ingest a document (JSON {text, name, metadata} or a multipart 'file' upload). Small
     documents answer 201 when ingested; large ones (or background=true) answer 202 with a
@@ -133,18 +156,18 @@ def _tracked(state: AppState, record: JobRecord, body):
     return tracked
 
 
-@router.get("/v1/documents")
+@router.get("/v1/documents", responses={200: {"model": DocumentList}, **errors(401)})
 def list_documents(request: Request):
     state = app_state(request)
     records = state.runtime.registry.list(tenant_of(request))
     return {"object": "list", "data": [record.summary() for record in records]}
 
 
-@router.get("/v1/documents/{doc_id}")
-def get_document(request: Request, doc_id: str, include_text: bool = False):
+@router.get("/v1/documents/{doc_id}", responses={200: {"model": DocumentDetail}, **errors(400, 401, 404)})
+def get_document(request: Request, doc_id: DocumentId, include_text: bool = False):
     state = app_state(request)
     tenant = tenant_of(request)
-    record = state.runtime.registry.get(tenant, check_doc_id(doc_id))
+    record = state.runtime.registry.get(tenant, doc_id)
     out = {**record.summary(), "fingerprint": record.fingerprint,
            "chunks": [{"index": c.index, "tokens": c.token_end - c.token_start, "char_start": c.char_start,
                        "char_end": c.char_end} for c in record.chunks]}
@@ -153,21 +176,21 @@ def get_document(request: Request, doc_id: str, include_text: bool = False):
     return out
 
 
-@router.delete("/v1/documents/{doc_id}")
-async def delete_document(request: Request, doc_id: str):
+@router.delete("/v1/documents/{doc_id}", responses={200: {"model": Deleted}, **errors(400, 401, 404, 503)})
+async def delete_document(request: Request, doc_id: DocumentId):
     state = app_state(request)
-    job = Job("delete", state.service.delete_body(check_doc_id(doc_id), tenant_of(request)))
+    job = Job("delete", state.service.delete_body(doc_id, tenant_of(request)))
     record = await run_job(request, state.worker, job)
     return {"id": record.doc_id, "object": "document", "deleted": True}
 
 
-@router.get("/v1/jobs")
+@router.get("/v1/jobs", responses={200: {"model": JobList}, **errors(401)})
 def list_jobs(request: Request):
     state = app_state(request)
     return {"object": "list", "data": [job.to_dict() for job in state.jobs.list(tenant_of(request))]}
 
 
-@router.get("/v1/jobs/{job_id}")
+@router.get("/v1/jobs/{job_id}", responses={200: {"model": JobStatus}, **errors(401, 404)})
 def get_job(request: Request, job_id: str):
     state = app_state(request)
     record = state.jobs.get(tenant_of(request), job_id)

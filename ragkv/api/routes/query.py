@@ -9,6 +9,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from ragkv.api.auth import tenant_of
+from ragkv.api.openapi import errors, sse_or
+from ragkv.api.responses_schema import QueryResponse
 from ragkv.api.schemas import QueryRequest, generation_config, query_config
 from ragkv.app.request import Completion
 from ragkv.api.state import app_state
@@ -25,7 +27,8 @@ def outcome_body(query_id: str, completion: Completion) -> dict:
             "usage": completion.usage.to_dict(), "timings": completion.timings.to_dict()}
 
 
-@router.post("/v1/query")
+@router.post("/v1/query", responses={**sse_or(QueryResponse, "the answer, or with stream: true server-sent events"),
+                                     **errors(400, 401, 404, 413, 503)})
 async def query(request: Request, body: QueryRequest):
     """Retrieve, fuse and answer. With `stream: true` the answer comes as server-sent events:
     {"type": "retrieval", citations, timings}, then {"type": "token", "text"} per token, then

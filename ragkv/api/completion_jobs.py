@@ -1,0 +1,122 @@
+"""Model worker bodies of /v1/completions and /v1/embeddings (see api.worker for bodies).
+
+A completion continues each prompt as it is (no chat template), or, with `rag.enabled`,
+answers it as a question over the tenant's documents exactly like /v1/query. Several
+prompts run one after another in one job; what the body yields is tagged with the
+prompt's index: ("prepared", (i, info)), ("token", (i, text)).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ragkv.app.runtime import Runtime
+from ragkv.engine.generation import GenerationConfig
+from ragkv.ingest.errors import InputError
+
+Body = Callable[[object], Generator]
+
+
+@dataclass
+class CompletionOutcome:
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    citations: list[dict] = field(default_factory=list)
+
+
+def _tagged(index: int, generator: Generator) -> Generator:
+    """Re-yield `generator`'s (kind, value) items as (kind, (index, value)); its return value."""
+    try:
+        while True:
+            try:
+                kind, value = next(generator)
+            except StopIteration as stop:
+                return stop.value
+            yield kind, (index, value)
+    finally:
+        generator.close()
+
+
+def plain_completions_body(runtime: Runtime, prompts: Sequence[str | list[int]], generation: GenerationConfig,
+                           max_input_tokens: int) -> Body:
+    engine = runtime.engine
+    limit = engine.spec.rope.max_position_embeddings
+    vocabulary = engine.spec.vocab_size
+
+    def token_ids(prompt: str | list[int], index: int) -> list[int]:
+        ids = engine.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        where = f"prompt {index}" if len(prompts) > 1 else "the prompt"
+        if not ids:
+            raise InputError("empty_prompt", f"{where} has no tokens")
+        if max(ids) >= vocabulary:
+            raise InputError("bad_token_id", f"{where} holds token id {max(ids)}; the vocabulary has {vocabulary}")
+        if len(ids) > max_input_tokens:
+            raise InputError("too_many_tokens", f"{where} is {len(ids)} tokens; the limit is {max_input_tokens}")
+        if len(ids) + generation.max_new_tokens > limit:
+            raise InputError("context_length_exceeded", f"{where} is {len(ids)} tokens and max_tokens is "
+                             f"{generation.max_new_tokens}: above the model's context of {limit}")
+        return ids
+
+    def one(ids: list[int]) -> Generator:
+        started = time.perf_counter()
+        cache, logits = engine.prefill(ids, generation.max_new_tokens)
+        yield "prepared", {"ttft": round(time.perf_counter() - started, 4)}
+        pieces, finish, generated = [], "length", 0
+        for event in engine.stream(cache, logits, generation):
+            generated += 1
+            finish = event.finish_reason or finish
+            if event.text:
+                pieces.append(event.text)
+                yield "token", event.text
+        return CompletionOutcome("".join(pieces), finish, len(ids), generated)
+
+    def body(job) -> Generator:
+        all_ids = [token_ids(prompt, index) for index, prompt in enumerate(prompts)]  # refuse before any work
+        outcomes = []
+        for index, ids in enumerate(all_ids):
+            outcomes.append((yield from _tagged(index, one(ids))))
+        return outcomes
+
+    return body
+
+
+def rag_completions_body(query_body: Callable[[str], Body], prompts: Sequence[str]) -> Body:
+    """`query_body(question)` is the /v1/query body for the request's tenant and config."""
+
+    def body(job) -> Generator:
+        outcomes = []
+        for index, prompt in enumerate(prompts):
+            outcome = yield from _tagged(index, query_body(prompt)(job))
+            usage = outcome.usage
+            outcomes.append(CompletionOutcome(outcome.text, outcome.finish_reason, usage["prompt_tokens"],
+                                              usage["completion_tokens"], outcome.citations))
+        return outcomes
+
+    return body
+
+
+def embeddings_body(runtime: Runtime, texts: list[str]) -> Body:
+    """(vectors [n, dimension] float32 unit rows, tokens read) for the texts."""
+    embedder = runtime.embedder
+
+    def body(job) -> Generator:
+        tokenizer = embedder.model.tokenizer
+        tokens = sum(len(ids) for ids in tokenizer(texts, add_special_tokens=True)["input_ids"])
+        vectors = np.asarray(embedder.embed_passages(texts), dtype=np.float32)
+        return vectors, tokens
+        yield  # a generator: embedding is one step
+
+    return body
+
+
+def check_rag_prompts(prompts: Sequence[str | list[int]]) -> list[str]:
+    if any(not isinstance(prompt, str) for prompt in prompts):
+        raise InputError("unsupported_prompt", "with rag.enabled the prompt must be text (a question), not token ids")
+    return list(prompts)
+

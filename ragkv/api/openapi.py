@@ -1,0 +1,118 @@
+"""The OpenAPI document (/openapi.json) and the Swagger UI at /docs, served offline.
+
+Routes declare their success bodies and the error statuses they send (`errors(...)`);
+this module adds what holds for every route: the bearer API key on /v1/, 401 and 413
+where the middleware sends them, and no 422 (validation errors are 400, in the OpenAI
+error shape). The Swagger UI assets ship in the package (ragkv/api/static): no CDN.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastapi import FastAPI
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import HTMLResponse
+from fastapi.staticfiles import StaticFiles
+
+from ragkv.api.config import ServeConfig
+from ragkv.api.responses_schema import ErrorResponse
+from ragkv.api.schemas import DocumentCreate
+
+SWAGGER_ASSETS = Path(__file__).resolve().parent / "static" / "swagger-ui"
+ASSETS_PATH = "/docs/assets"
+SECURITY_SCHEME = "bearerAuth"
+PROTECTED_PREFIX = "/v1/"
+
+def capped_fields(limits: ServeConfig) -> list[tuple[str, str, int]]:
+    return [("QueryRequest", "top_k", limits.max_top_k), ("ChatRag", "top_k", limits.max_top_k),
+            ("QueryRequest", "max_tokens", limits.max_new_tokens), ("ChatRequest", "max_tokens", limits.max_new_tokens),
+            ("ChatRequest", "max_completion_tokens", limits.max_new_tokens),
+            ("CompletionRequest", "max_tokens", limits.max_new_tokens)]
+
+
+_ERROR_DESCRIPTIONS = {
+    400: "Invalid request: the message says what is wrong (validation errors included)",
+    401: "Missing or invalid API key",
+    404: "No such document, job, session or model (another tenant's ids included)",
+    409: "The chat session is answering another request",
+    413: "The request body (or document metadata) is too large",
+    415: "Unsupported content type",
+    503: "The model worker is overloaded or stopping: retry after Retry-After seconds",
+}
+
+
+def errors(*statuses: int) -> dict[int | str, dict]:
+    """`responses=` entries for these error statuses, each with the body actually sent."""
+    return {status: {"model": ErrorResponse, "description": _ERROR_DESCRIPTIONS[status]} for status in statuses}
+
+
+_SSE_EVENT = {"type": "object", "required": ["data"], "description": "one server-sent event",
+              "properties": {"event": {"type": "string"},
+                             "data": {"type": "string", "description": "a JSON object; the last event is [DONE]"}}}
+
+
+def sse_or(model: type, description: str) -> dict[int | str, dict]:
+    """A 200 that is JSON, or server-sent events with `stream: true`."""
+    return {200: {"model": model, "description": description,
+                  "content": {"text/event-stream": {"schema": _SSE_EVENT}}}}
+
+
+def _error_response() -> dict:
+    return {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+
+
+def _cap(schema: dict, model: str, field: str, maximum: int) -> None:
+    """Document a limit the server config sets (the route refuses more with 400)."""
+    prop = schema.get(model, {}).get("properties", {}).get(field)
+    if prop is None:
+        return
+    for branch in prop.get("anyOf", [prop]):
+        if branch.get("type") == "integer":
+            branch["maximum"] = maximum
+
+
+def build_openapi(app: FastAPI, limits: ServeConfig) -> dict:
+    if app.openapi_schema:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    components = schema.setdefault("components", {})
+    schemas = components.setdefault("schemas", {})
+    for model, field, maximum in capped_fields(limits):
+        _cap(schemas, model, field, maximum)
+    for name in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(name, None)
+    for model in (ErrorResponse, DocumentCreate):  # bodies the routes read themselves
+        model_schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(model_schema.pop("$defs", {}))
+        schemas.setdefault(model.__name__, model_schema)
+    components["securitySchemes"] = {SECURITY_SCHEME: {
+        "type": "http", "scheme": "bearer",
+        "description": "An API key from --api-keys / $RAGKV_API_KEYS; not needed when the server has none"}}
+    for path, operations in schema.get("paths", {}).items():
+        for method, operation in operations.items():
+            responses = operation.setdefault("responses", {})
+            responses.pop("422", None)
+            if path.startswith(PROTECTED_PREFIX):
+                operation["security"] = [{SECURITY_SCHEME: []}]
+                responses.setdefault("401", {"description": _ERROR_DESCRIPTIONS[401], **_error_response()})
+            if "requestBody" in operation:
+                responses.setdefault("400", {"description": _ERROR_DESCRIPTIONS[400], **_error_response()})
+                responses.setdefault("413", {"description": _ERROR_DESCRIPTIONS[413], **_error_response()})
+    app.openapi_schema = schema
+    return schema
+
+
+def install_docs(app: FastAPI, limits: ServeConfig) -> None:
+    """/openapi.json and an offline Swagger UI at /docs (create the app with docs_url=None)."""
+    app.openapi = lambda: build_openapi(app, limits)
+    app.mount(ASSETS_PATH, StaticFiles(directory=SWAGGER_ASSETS), name="swagger-ui-assets")
+
+    @app.get("/docs", include_in_schema=False)
+    def swagger_ui() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url=app.openapi_url, title=f"{app.title} API",
+                                   swagger_js_url=f"{ASSETS_PATH}/swagger-ui-bundle.js",
+                                   swagger_css_url=f"{ASSETS_PATH}/swagger-ui.css",
+                                   swagger_favicon_url=f"{ASSETS_PATH}/favicon-32x32.png",
+                                   swagger_ui_parameters={"persistAuthorization": True})
