@@ -77,7 +77,15 @@ def test_top_p_keeps_only_the_nucleus():
     assert draws == {0, 1}
 
 
-@pytest.mark.parametrize("bad", [dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5)])
+def test_extreme_sampling_settings_draw_the_argmax():
+    logits = torch.tensor([1.0, 3.0, 2.0, 3.0 - 1e-3])
+    for config in (SamplingConfig(temperature=9.0, top_p=5e-324, seed=0), SamplingConfig(temperature=1e-300, seed=0)):
+        assert {Sampler(config)(logits) for _ in range(20)} == {1}
+    assert Sampler(SamplingConfig(temperature=0.0, seed=2**64 - 1)).generator is None  # greedy draws nothing
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(seed=2**64),
+                                 dict(seed=-(2**63) - 1)])
 def test_bad_sampling_settings_are_refused(bad):
     with pytest.raises(ValueError):
         SamplingConfig(**bad)

@@ -10,7 +10,7 @@ from ragkv.api.schemas import (SEED_MAX, SEED_MIN, SEED_SCHEMA, STOP_DESCRIPTION
                                UnicodeText)
 
 MAX_PROMPTS = 16
-MAX_EMBEDDING_INPUTS = 2048
+MAX_EMBEDDING_INPUTS = 256  # OpenAI takes 2048; one request must not hold the CPU worker long
 MINILM_DIMENSION = 384
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]

@@ -35,11 +35,15 @@ class Sampler:
     def __call__(self, logits: torch.Tensor) -> int:
         if self.config.temperature == 0.0:
             return int(logits.argmax())
-        probs = torch.softmax(logits.float() / self.config.temperature, dim=-1)
+        # Shift, then scale in float64: a tiny temperature (even 5e-324) must give the argmax,
+        # not 0 / 0 or inf - inf = NaN.
+        shifted = logits.double() - logits.max().double()
+        probs = torch.softmax(shifted / self.config.temperature, dim=-1)
         if self.config.top_p < 1.0:
             sorted_probs, order = probs.sort(descending=True)
             # Drop a token when the mass before it already reaches top_p; the first always stays.
             drop = sorted_probs.cumsum(-1) - sorted_probs >= self.config.top_p
+            drop[0] = False  # guaranteed, whatever the rounding of the sums
             sorted_probs[drop] = 0.0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         return int(torch.multinomial(probs.cpu(), 1, generator=self.generator))
