@@ -1,9 +1,9 @@
 """Model worker bodies of /v1/completions and /v1/embeddings (see api.worker for bodies).
 
-A completion continues each prompt as it is (no chat template), or, with `rag.enabled`,
-answers it as a question over the tenant's documents exactly like /v1/query. Several
-prompts run one after another in one job; what the body yields is tagged with the
-prompt's index: ("prepared", (i, info)), ("token", (i, text)).
+A plain completion continues each prompt as it is (no chat template). Several prompts run
+one after another in one job; what the body yields is tagged with the prompt's index:
+("prepared", (i, info)), ("token", (i, text)). (With `rag.enabled` the route runs the
+/v1/query request instead.)
 """
 
 from __future__ import annotations
@@ -86,21 +86,6 @@ def plain_completions_body(runtime: Runtime, prompts: Sequence[str | list[int]],
     return body
 
 
-def rag_completions_body(query_body: Callable[[str], Body], prompts: Sequence[str]) -> Body:
-    """`query_body(question)` is the /v1/query body for the request's tenant and config."""
-
-    def body(job) -> Generator:
-        outcomes = []
-        for index, prompt in enumerate(prompts):
-            outcome = yield from _tagged(index, query_body(prompt)(job))
-            usage = outcome.usage
-            outcomes.append(CompletionOutcome(outcome.text, outcome.finish_reason, usage["prompt_tokens"],
-                                              usage["completion_tokens"], outcome.citations))
-        return outcomes
-
-    return body
-
-
 def embeddings_body(runtime: Runtime, texts: list[str]) -> Body:
     """(vectors [n, dimension] float32 unit rows, tokens read) for the texts."""
     embedder = runtime.embedder
@@ -113,10 +98,4 @@ def embeddings_body(runtime: Runtime, texts: list[str]) -> Body:
         yield  # a generator: embedding is one step
 
     return body
-
-
-def check_rag_prompts(prompts: Sequence[str | list[int]]) -> list[str]:
-    if any(not isinstance(prompt, str) for prompt in prompts):
-        raise InputError("unsupported_prompt", "with rag.enabled the prompt must be text (a question), not token ids")
-    return list(prompts)
 

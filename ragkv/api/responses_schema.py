@@ -146,7 +146,11 @@ class RagUsage(_Open):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    reused_tokens: int = Field(description="prompt tokens whose KV was read, not computed (stored chunks, a session)")
+    cached_tokens: int | None = Field(None, description="prompt tokens whose KV was read, not computed (stored "
+                                                        "chunks, a session); also prompt_tokens_details.cached_tokens")
+    reused_tokens: int | None = Field(None, description="the same count under its earlier name (chat)")
+    document_tokens: int | None = Field(None, description="prompt tokens of retrieved chunks")
+    prompt_tokens_details: dict[str, int] | None = Field(None, description="OpenAI's form: cached_tokens")
     computed_tokens: int = Field(description="prompt tokens whose KV was computed for this request")
     recomputed_tokens: int = Field(description="document tokens computed: selective recompute and chunks the store "
                                                "could not give (miss, corrupt blob)")

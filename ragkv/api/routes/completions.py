@@ -2,9 +2,9 @@
 
 /v1/completions continues the prompt as it is: OpenAI's semantics, what LlamaIndex's
 non-chat mode and other RAG tools expect when they put the retrieved context in the
-prompt themselves. With the extension `rag: {"enabled": true, ...}` each prompt is
-instead answered as a question over the tenant's documents, like /v1/query, and the
-answer carries `rag.citations` per choice.
+prompt themselves. With the extension `rag: {"enabled": true, ...}` the prompt (one
+question, a string) is instead answered over the tenant's documents exactly as /v1/query
+answers it, and the choice carries `rag.citations`.
 
 /v1/embeddings embeds with the packaged all-MiniLM-L6-v2 (the retrieval embedder).
 """
@@ -19,10 +19,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from ragkv.api.auth import tenant_of
-from ragkv.api.completion_jobs import (CompletionOutcome, check_rag_prompts, embeddings_body, plain_completions_body,
-                                       rag_completions_body)
+from ragkv.api.completion_jobs import CompletionOutcome, embeddings_body, plain_completions_body
 from ragkv.api.completion_schemas import CompletionRequest, EmbeddingRequest
-from ragkv.api.errors import ApiError, as_api_error
+from ragkv.api.errors import ApiError
 from ragkv.api.openapi import errors, sse_or
 from ragkv.api.responses_schema import Completion, EmbeddingList
 from ragkv.api.routes.query import SSE_HEADERS
@@ -30,7 +29,7 @@ from ragkv.api.schemas import generation_config, query_config
 from ragkv.api.state import app_state
 from ragkv.api.streaming import JobStream, run_job, sse, sse_events
 from ragkv.api.worker import Job
-from ragkv.ingest.errors import InputError
+from ragkv.app.request import Completion as QueryCompletion
 
 router = APIRouter(tags=["openai"])
 
@@ -55,6 +54,14 @@ def _refuse_unsupported(body: CompletionRequest) -> None:
             raise ApiError(400, "unsupported_parameter", f"{name} is not supported by this server", param=name)
 
 
+def _outcomes(result: list[CompletionOutcome] | QueryCompletion) -> list[CompletionOutcome]:
+    """A plain job's outcomes, or the one of a /v1/query request (rag.enabled)."""
+    if isinstance(result, list):
+        return result
+    return [CompletionOutcome(result.text, result.finish_reason, result.usage.prompt_tokens, result.usage.completion_tokens,
+                              [citation.to_dict() for citation in result.citations])]
+
+
 def _usage(outcomes: list[CompletionOutcome]) -> dict:
     prompt = sum(o.prompt_tokens for o in outcomes)
     completion = sum(o.completion_tokens for o in outcomes)
@@ -77,15 +84,14 @@ async def completions(request: Request, body: CompletionRequest):
     generation = generation_config(body.max_tokens, body.temperature, body.top_p, body.seed, body.stop, state.config)
     rag = body.rag
     config = query_config(rag, generation, state.config) if rag is not None else None  # validated even when disabled
-    if rag is not None and rag.enabled:
-        try:
-            questions = check_rag_prompts(prompts)
-        except InputError as error:
-            raise as_api_error(error) from None
-        job_body = rag_completions_body(lambda question: state.service.query_body(question, tenant, config), questions)
+    with_citations = rag is not None and rag.enabled
+    if with_citations:
+        if len(prompts) != 1 or not isinstance(prompts[0], str):
+            raise ApiError(400, "unsupported_prompt", "with rag.enabled the prompt is one question, as a string",
+                           param="prompt")
+        job = state.service.query_job(prompts[0], tenant, config)
     else:
-        job_body = plain_completions_body(state.runtime, prompts, generation, state.config.max_input_tokens)
-    job = Job("completion", job_body)
+        job = Job("completion", plain_completions_body(state.runtime, prompts, generation, state.config.max_input_tokens))
     completion_id = "cmpl-" + uuid.uuid4().hex[:24]
     created = int(time.time())
 
@@ -99,9 +105,8 @@ async def completions(request: Request, body: CompletionRequest):
         return {"id": completion_id, "object": "text_completion", "created": created, "model": state.model_id,
                 "choices": choices, **extra}
 
-    with_citations = rag is not None and rag.enabled
     if not body.stream:
-        outcomes: list[CompletionOutcome] = await run_job(request, state.worker, job)
+        outcomes = _outcomes(await run_job(request, state.worker, job))
         return envelope([choice(i, o.text, _FINISH.get(o.finish_reason, "stop"), o.citations if with_citations else None)
                          for i, o in enumerate(outcomes)], usage=_usage(outcomes))
 
@@ -109,10 +114,11 @@ async def completions(request: Request, body: CompletionRequest):
     stream = await JobStream.start(request, state.worker, job)
 
     def render(kind: str, value):
-        index, text = value
+        index, text = value if isinstance(value, tuple) else (0, value)  # a query request yields bare text
         return [envelope([choice(index, text, None)])] if kind == "token" else []
 
-    def finish(outcomes: list[CompletionOutcome]):
+    def finish(result):
+        outcomes = _outcomes(result)
         events = [envelope([choice(i, "", _FINISH.get(o.finish_reason, "stop"), o.citations if with_citations else None)])
                   for i, o in enumerate(outcomes)]
         if include_usage:
