@@ -66,7 +66,7 @@ def test_top_level_keys_of_other_commands_are_ignored(tmp_path):
 
 @pytest.mark.parametrize("toml, message", [
     ("prot = 9001\n", "'prot' (no ragkv command has them)"),
-    ("[serve]\nchunk-tokens = 256\n", "[serve] unknown option(s) 'chunk-tokens' for `ragkv serve`"),
+    ("[serve]\ntop-k = 5\n", "[serve] unknown option(s) 'top-k' for `ragkv serve`"),
     ("[serve]\nport = \"high\"\n", "port: bad value 'high'"),
     ("[serve]\nport = 80.5\n", "port must be an integer"),
     ("[serve]\naccess-log = \"yes\"\n", "access-log must be true or false"),

@@ -101,15 +101,22 @@ def test_a_chat_session_started_on_one_replica_continues_on_the_other(replicas):
     (a, b), _ = replicas
     with httpx.Client(base_url=a.url, timeout=180) as http:
         assert http.post("/v1/documents", json={"text": TEXT, "name": "ferry.txt"}).status_code == 201
-    first = openai.OpenAI(base_url=a.url + "/v1", api_key="unused", max_retries=0).chat.completions.create(
+    client_a = openai.OpenAI(base_url=a.url + "/v1", api_key="unused", max_retries=0)
+    first = client_a.chat.completions.create(
         model="ragkv", max_tokens=4, extra_body={"rag": {"top_k": 1}},
         messages=[{"role": "user", "content": QUESTION}])
     assert first.rag["turn"] == 1 and first.rag["citations"][0]["name"] == "ferry.txt"
-    second = openai.OpenAI(base_url=b.url + "/v1", api_key="unused", max_retries=0).chat.completions.create(
+    # Sending the id back makes the context a named session, kept in the shared session store.
+    second = client_a.chat.completions.create(
+        model="ragkv", max_tokens=4, extra_body={"session_id": first.session_id, "rag": {"enabled": False}},
+        messages=[{"role": "user", "content": "Who runs it?"}])
+    assert second.session_id == first.session_id and second.rag["turn"] == 2
+    third = openai.OpenAI(base_url=b.url + "/v1", api_key="unused", max_retries=0).chat.completions.create(
         model="ragkv", max_tokens=4, extra_body={"session_id": first.session_id, "rag": {"enabled": False}},
         messages=[{"role": "user", "content": "In which year was it launched?"}])
-    assert second.session_id == first.session_id and second.rag["turn"] == 2
-    assert second.usage.reused_tokens >= first.usage.prompt_tokens  # turn 1's KV, from the shared session store
+    assert third.session_id == first.session_id and third.rag["turn"] == 3
+    cached = third.usage.prompt_tokens_details.cached_tokens
+    assert cached >= second.usage.prompt_tokens  # turns 1-2's KV, from the shared session store
 
 
 def test_registry_down_is_a_503_and_a_degraded_health(replicas):

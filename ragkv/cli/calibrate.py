@@ -55,6 +55,8 @@ def run(args: argparse.Namespace) -> int:
 
 def backfill_codes(runtime, tenant: str) -> int:
     """Give the tenant's stored chunks codes under the engine's codebook (stale ones replaced)."""
+    import torch
+
     engine, store, codebook = runtime.engine, runtime.store, runtime.engine.codebook
     done: set[str] = set()
     updated = 0
@@ -68,7 +70,7 @@ def backfill_codes(runtime, tenant: str) -> int:
             if tensors is None or codebook.codes_of(tensors) is not None:
                 continue
             fresh = dict(tensors)
-            fresh.update(codebook.chunk_tensors(engine.kv_format.dense_keys(tensors, engine.model.dtype)))
+            fresh.update(codebook.chunk_tensors(engine.kv_format.dense_keys(tensors, torch.float32)))
             store.put(key, fresh)
             updated += 1
     return updated

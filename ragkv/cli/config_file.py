@@ -60,12 +60,16 @@ def load_config(path: Path) -> dict:
         raise ConfigFileError(f"config file {path} is not valid TOML: {error}") from None
 
 
-def values_for(config: dict, path: Path, command: str, commands: set[str]) -> tuple[dict, dict]:
-    """(top-level values, the command's own table) of a loaded config."""
-    shared = {key: value for key, value in config.items() if key not in commands}
+def values_for(config: dict, path: Path, command: str, commands: set[str], option_keys: set[str]) -> tuple[dict, dict]:
+    """(top-level values, the command's own table) of a loaded config. A command's name is
+    its table; a scalar under a name that is also an option (`store`: the command and
+    `--store`) is that option's value."""
+    shared = {key: value for key, value in config.items() if key not in commands or not isinstance(value, dict)}
     own = config.get(command, {})
     if not isinstance(own, dict):
-        raise ConfigFileError(f"{path}: [{command}] must be a table of options")
+        if command not in option_keys:
+            raise ConfigFileError(f"{path}: [{command}] must be a table of options")
+        own = {}
     return shared, own
 
 

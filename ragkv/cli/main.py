@@ -49,7 +49,7 @@ def build_parser(only: str | None = None, config: tuple[Path, dict] | None = Non
 
 def _apply_config_file(parser: argparse.ArgumentParser, command: str, path: Path, config: dict) -> None:
     """The command's table strictly; top-level keys this command lacks must be another's."""
-    shared, own = values_for(config, path, command, {c.name for c in COMMANDS})
+    shared, own = values_for(config, path, command, {c.name for c in COMMANDS}, set(option_actions(parser)))
     unknown = apply_config(parser, shared, path, "", strict=False)
     apply_config(parser, own, path, f"[{command}] ")
     if unknown:

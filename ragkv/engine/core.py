@@ -121,8 +121,9 @@ class Engine:
         keys, values = self.model.chunk_kv(torch.tensor(token_ids), self.chunk_prefix_cache())
         tensors = {**self.kv_format.pack(keys, values), "tokens": torch.tensor(token_ids, dtype=torch.int32)}
         if self.codebook is not None:
-            # "codes" + "codebook_id", from the keys as stored (what a query will read back)
-            tensors.update(self.codebook.chunk_tensors(self.kv_format.dense_keys(tensors, self.model.dtype)))
+            # "codes" + "codebook_id", from the keys as stored (what a query reads back), in
+            # float32 like the query side, so codes never depend on the compute dtype
+            tensors.update(self.codebook.chunk_tensors(self.kv_format.dense_keys(tensors, torch.float32)))
         return tensors
 
     def stream(

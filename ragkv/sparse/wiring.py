@@ -23,7 +23,7 @@ def sparse_chunk_codes(engine, config: SparseConfig | None, chunks, stored: list
     for chunk, tensors in zip(chunks, stored):
         found = codebook.codes_of(tensors)
         if found is None:
-            found = codebook.encode(dense(chunk.keys, engine.model.dtype).to(engine.model.device))
+            found = codebook.encode(dense(chunk.keys, torch.float32).to(engine.model.device))
         codes.append(found)
     return codes
 
