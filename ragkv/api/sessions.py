@@ -22,19 +22,17 @@ import json
 import logging
 import re
 import threading
-import time
 import uuid
 
 import redis
 import torch
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from ragkv.api.errors import ApiError
 from ragkv.app.contexts import Context, ContextCache, Insertion, Match, SessionBusyError, SessionNotFoundError
 from ragkv.engine.kv_cache import KVCache
 from ragkv.store.blob import decode_blob, encode_blob
 from ragkv.store.errors import CorruptBlobError
+from ragkv.store.redis_link import RedisLink
 
 log = logging.getLogger("ragkv.api.sessions")
 
@@ -95,10 +93,9 @@ class RedisSessions:
         self.memory = memory
         self.ttl_ms = max(1, int(ttl_s * 1000))
         self.lock_ms = max(1, int(lock_ttl_s * 1000))
-        self._retry_after_s = retry_after_s
-        self._down_until = 0.0
-        self._client = redis.Redis.from_url(url, socket_connect_timeout=connect_timeout_s, socket_timeout=op_timeout_s,
-                                            retry=Retry(NoBackoff(), 0))
+        self._link = RedisLink(url, connect_timeout_s=connect_timeout_s, op_timeout_s=op_timeout_s,
+                               retry_after_s=retry_after_s)
+        self._client = self._link.client
         self._owner = uuid.uuid4().hex
         self.errors = 0
         self._logged_down = False
@@ -117,20 +114,15 @@ class RedisSessions:
         return f"ragkv:session:{tenant}:{session_id}:{part}"
 
     def healthy(self) -> bool:
-        try:
-            self._client.ping()
-        except redis.RedisError:
-            return False
-        self._down_until = 0.0
-        return True
+        return self._link.healthy()
 
     def _available(self) -> bool:
-        return time.monotonic() >= self._down_until
+        return self._link.available()
 
     def _failed(self, operation: str, error: Exception) -> None:
         with self._lock:
             self.errors += 1
-            self._down_until = time.monotonic() + self._retry_after_s
+            self._link.mark_down()
             if not self._logged_down:
                 self._logged_down = True
                 log.warning("session store: redis %s failed (%s); sessions fall back to process memory", operation, error)

@@ -12,17 +12,15 @@ Use a dedicated Redis database: ``stats().entries`` is its ``DBSIZE``.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from urllib.parse import urlsplit
 
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from ragkv.store.base import BlobStore, RawBlob, Usage
 from ragkv.store.errors import StoreUnavailableError
+from ragkv.store.redis_link import RedisLink
 
 _SCHEMES = ("redis", "rediss", "unix")
 _SCAN_BATCH = 1000
@@ -69,16 +67,11 @@ class RedisStore(BlobStore):
         _check_positive("op_timeout_s", op_timeout_s)
         _check_positive("retry_after_s", retry_after_s)
         self._ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
-        self._retry_after_s = retry_after_s
-        self._down_until = 0.0
         parts = urlsplit(url)
         self._where = parts.path if parts.scheme == "unix" else f"{parts.hostname}:{parts.port or 6379}{parts.path}"
-        self._client = redis.Redis.from_url(
-            url,
-            socket_connect_timeout=connect_timeout_s,
-            socket_timeout=op_timeout_s,
-            retry=Retry(NoBackoff(), 0),  # the default retries with backoff would hang a request
-        )
+        self._link = RedisLink(url, connect_timeout_s=connect_timeout_s, op_timeout_s=op_timeout_s,
+                               retry_after_s=retry_after_s)
+        self._client = self._link.client
         super().__init__(mac_key=mac_key)
 
     def __repr__(self) -> str:
@@ -86,22 +79,17 @@ class RedisStore(BlobStore):
 
     def healthy(self) -> bool:
         """PING the server now (ignoring any back-off); ``True`` if it answered."""
-        try:
-            self._client.ping()
-        except redis.RedisError:
-            return False
-        self._down_until = 0.0
-        return True
+        return self._link.healthy()
 
     @contextmanager
     def _call(self) -> Iterator[None]:
         """Fail fast while backing off; start backing off on a connection failure."""
-        if time.monotonic() < self._down_until:
+        if not self._link.available():
             raise StoreUnavailableError(f"redis at {self._where} is down; not retried yet")
         try:
             yield
         except (redis.ConnectionError, redis.TimeoutError):
-            self._down_until = time.monotonic() + self._retry_after_s
+            self._link.mark_down()
             raise
 
     def _get_raw_many(self, keys: list[bytes]) -> list[RawBlob | None]:
