@@ -12,6 +12,7 @@ from ragkv.engine.fingerprint import model_fingerprint
 from ragkv.engine.linear import Int4Kernel, Int8Kernel
 from ragkv.engine.model import CausalLM
 from ragkv.engine.numerics import Numerics, resolve_numerics
+from ragkv.kernels import cpu_extension
 from tiny_models import make_tiny_model
 
 STEPS = 6
@@ -107,7 +108,9 @@ def test_auto_picks_by_cpu_capability(monkeypatch, bf16_units):
     if bf16_units:
         assert resolved == Numerics("float32", "bfloat16", "int8", "bfloat16")
     else:
-        assert resolved == Numerics.uniform(torch.float32)
+        # no bf16 GEMMs; the cache is bf16 only where the compiled kernels read it natively
+        kv = "bfloat16" if cpu_extension.buildable() else "float32"
+        assert resolved == Numerics("float32", kv, "int8", "float32")
     assert resolve_numerics("float32", "float16", "int4", "float32", "cpu").weights == "int4"
 
 
@@ -118,3 +121,11 @@ def test_fingerprint_changes_with_numerics(folder, reference):
     seen = {fingerprint(numerics) for numerics, _ in OPTIONS.values()}
     assert len(seen) == len(OPTIONS)
     assert fingerprint(Numerics.uniform(torch.float32)) not in seen
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_attention_widens_16_bit_caches_where_the_cpu_would_emulate_them(monkeypatch, native):
+    monkeypatch.setattr(numerics_module, "cpu_has_bf16_units", lambda: native)
+    cpu = torch.device("cpu")
+    assert numerics_module.attention_compute_dtype(torch.bfloat16, cpu) == (torch.bfloat16 if native else torch.float32)
+    assert numerics_module.attention_compute_dtype(torch.float32, cpu) == torch.float32

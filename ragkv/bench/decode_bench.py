@@ -21,18 +21,33 @@ import torch
 from ragkv.bench.datasets import Example
 from ragkv.engine.kv_cache import KVCache
 from ragkv.engine.model import CausalLM
-from ragkv.engine.numerics import Numerics
+from ragkv.engine.numerics import Numerics, resolve_numerics
 
 REFERENCE = "float32"
 OPTIONS: dict[str, Numerics] = {
+    "auto": resolve_numerics("float32", "auto", "auto", "auto", "cpu"),
     "float32": Numerics("float32", "float32", "float32", "float32"),
     "bfloat16": Numerics("bfloat16", "bfloat16", "bfloat16", "bfloat16"),
     "bf16-weights": Numerics("float32", "bfloat16", "bfloat16", "bfloat16"),
     "int8": Numerics("float32", "float32", "int8", "bfloat16"),
+    "int8-f32kv": Numerics("float32", "float32", "int8", "float32"),
     "int8-bf16kv": Numerics("float32", "bfloat16", "int8", "bfloat16"),
     "int4-bf16kv": Numerics("float32", "bfloat16", "int4", "bfloat16"),
 }
-"""Named numerics (residual dtype, KV cache dtype, decode weights, prefill weights)."""
+"""Named numerics (residual dtype, KV cache dtype, decode weights, prefill weights); "auto"
+is what the engine picks on this machine."""
+
+PYTHON_LOOP = "+python"
+"""Suffix of an option that decodes through the Python forward loop even where the compiled
+decode step applies (its reference, and what it is measured against)."""
+
+
+def option_names() -> list[str]:
+    return [*OPTIONS, *(name + PYTHON_LOOP for name in OPTIONS)]
+
+
+def _numerics_of(option: str) -> Numerics:
+    return OPTIONS[option.removesuffix(PYTHON_LOOP)]
 
 
 @dataclass(frozen=True)
@@ -163,11 +178,11 @@ def run_decode_bench(
     max_new_tokens: int,
     progress: Callable[[str], None] = lambda message: None,
 ) -> DecodeBenchResult:
-    unknown = [name for name in options if name not in OPTIONS]
+    unknown = [name for name in options if name not in option_names()]
     if unknown:
-        raise ValueError(f"unknown options {unknown}; known: {sorted(OPTIONS)}")
+        raise ValueError(f"unknown options {unknown}; known: {option_names()}")
     result = DecodeBenchResult(
-        threads=torch.get_num_threads(), steps=steps, numerics={name: asdict(OPTIONS[name]) for name in options}
+        threads=torch.get_num_threads(), steps=steps, numerics={name: asdict(_numerics_of(name)) for name in options}
     )
     reference: list[tuple[torch.Tensor, list[int]]] = []
     if prompts:
@@ -177,7 +192,8 @@ def run_decode_bench(
         del model
     for name in options:
         progress(f"{name}: loading")
-        model = load(OPTIONS[name])
+        model = load(_numerics_of(name))
+        model.compiled_decode = not name.endswith(PYTHON_LOOP)
         weight_bytes = decode_weight_bytes(model)
         for context in contexts:
             progress(f"{name}: decode at {context}")
@@ -216,21 +232,21 @@ def rag_prompts(tokenize: Callable[[str], list[int]], segments: Callable, exampl
 def format_table(result: DecodeBenchResult) -> str:
     lines = [f"threads {result.threads}, median of {result.steps} steps. {result.note}".strip(), ""]
     contexts = sorted({row.context for row in result.speed})
-    lines.append("option        " + "".join(f"{f'ms@{c}':>10}{'GB/s':>7}" for c in contexts))
+    lines.append("option              " + "".join(f"{f'ms@{c}':>10}{'GB/s':>7}" for c in contexts))
     for name in dict.fromkeys(row.option for row in result.speed):
         cells = {row.context: row for row in result.speed if row.option == name}
-        lines.append(f"{name:<14}" + "".join(f"{cells[c].ms_per_token:>10.1f}{cells[c].gb_per_s:>7.1f}" for c in contexts))
+        lines.append(f"{name:<20}" + "".join(f"{cells[c].ms_per_token:>10.1f}{cells[c].gb_per_s:>7.1f}" for c in contexts))
     if result.batch:
         lines += ["", "batched decode, tokens/s (context " + str(result.batch[0].context) + " each)"]
         batches = sorted({row.batch for row in result.batch})
-        lines.append("option        " + "".join(f"{f'B={b}':>9}" for b in batches))
+        lines.append("option              " + "".join(f"{f'B={b}':>9}" for b in batches))
         for name in dict.fromkeys(row.option for row in result.batch):
             cells = {row.batch: row for row in result.batch if row.option == name}
-            lines.append(f"{name:<14}" + "".join(f"{cells[b].tokens_per_s:>9.1f}" for b in batches))
+            lines.append(f"{name:<20}" + "".join(f"{cells[b].tokens_per_s:>9.1f}" for b in batches))
     if result.quality:
         lines += ["", "quality vs float32 (first token through decode_step)",
-                  "option         KL mean   KL max  top1  answer"]
+                  "option               KL mean   KL max  top1  answer"]
         for row in result.quality:
-            lines.append(f"{row.option:<14}{row.first_token_kl_mean:>8.4f}{row.first_token_kl_max:>9.4f}"
+            lines.append(f"{row.option:<20}{row.first_token_kl_mean:>8.4f}{row.first_token_kl_max:>9.4f}"
                          f"{row.first_token_top1_agreement:>6.2f}{row.answer_agreement:>8.2f}")
     return "\n".join(lines)

@@ -14,12 +14,14 @@ def _progress(message: str) -> None:
 
 
 def configure(decode: argparse.ArgumentParser) -> None:
-    from ragkv.bench.decode_bench import OPTIONS
+    from ragkv.bench.decode_bench import PYTHON_LOOP, option_names
 
     decode.add_argument("--model", default=None, help="local Hugging Face folder (default: packaged SmolLM2)")
     decode.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    decode.add_argument("--options", nargs="+", default=list(OPTIONS), choices=list(OPTIONS),
-                        help="numerics options to measure (default: all)")
+    decode.add_argument("--options", nargs="+", default=["auto", "float32", "int8-f32kv", "int8-bf16kv"],
+                        choices=option_names(),
+                        help=f"numerics options to measure; a {PYTHON_LOOP} suffix forces the Python forward loop "
+                             "(default: auto float32 int8-f32kv int8-bf16kv)")
     decode.add_argument("--contexts", nargs="*", type=int, default=[2048, 4096, 8192],
                         help="cached rows for ms/token (default: 2048 4096 8192)")
     decode.add_argument("--batches", nargs="*", type=int, default=[1, 4, 8], help="batch sizes (default: 1 4 8)")

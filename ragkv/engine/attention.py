@@ -10,7 +10,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ragkv.kernels.decode_attention import decode_attention as batched_decode_attention
 from ragkv.kernels.selective_attention import selective_attention
+
+from ragkv.engine.numerics import attention_compute_dtype
 
 
 def causal_attention(
@@ -19,30 +22,20 @@ def causal_attention(
     """q [Hq, N, D] at `positions` [N] over cache rows keys/values [Hkv, T, D] (row j = position j)."""
     rows, cached = q.shape[1], keys.shape[1]
     first, last = int(positions[0]), int(positions[-1])
-    if rows == cached and first == 0 and last == cached - 1 and rows == last - first + 1:
-        return _sdpa(q, keys, values, scale, is_causal=True)
     if rows == 1 and first >= cached - 1:
         return decode_attention(q, keys, values, scale)
+    compute = attention_compute_dtype(keys.dtype, keys.device)
+    if compute != keys.dtype:
+        # widened per layer: a copy of the rows is cheap next to the attention itself
+        return causal_attention(q.to(compute), keys.to(compute), values.to(compute), positions, scale).to(q.dtype)
+    if rows == cached and first == 0 and last == cached - 1 and rows == last - first + 1:
+        return _sdpa(q, keys, values, scale, is_causal=True)
     return selective_attention(q, keys, values, positions, scale)
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-    """Rows that see every cached row (decode): no mask."""
-    if q.device.type != "cpu":
-        return _sdpa(q, keys, values, scale, is_causal=False)
-    return _cpu_decode_attention(q, keys, values, scale)
-
-
-def _cpu_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-    # torch's CPU SDPA runs a decode row 5-8x slower in bf16 than two matmuls per KV head,
-    # and copies a cache slice that is not contiguous across heads; each head's rows are.
-    kv_heads, rows, dim = keys.shape
-    grouped = q.reshape(kv_heads, -1, dim)
-    out = torch.empty_like(grouped)
-    for head in range(kv_heads):
-        scores = (grouped[head] @ keys[head].t()).float().mul_(scale)
-        torch.mm(torch.softmax(scores, dim=-1).to(values.dtype), values[head], out=out[head])
-    return out.view(q.shape)
+    """Rows that see every cached row (decode): no mask. q [Hq, 1, D] over keys/values [Hkv, T, D]."""
+    return batched_decode_attention(q.transpose(0, 1), [keys], [values], [keys.shape[1]], scale).transpose(0, 1)
 
 
 def _sdpa(q, keys, values, scale: float, is_causal: bool) -> torch.Tensor:

@@ -90,6 +90,8 @@ class Engine:
         self.fingerprint = model_fingerprint(
             self.model_dir, self.model.spec, self.kv_format.descriptor, self.chunk_prefix_ids, self.model.numerics
         )
+        # built now rather than at the first request's first token (a first build takes ~1 min)
+        self.model.compiled_decoder()
         self.load_seconds = time.perf_counter() - started
         self._chunk_prefix_cache: KVCache | None = None
         self.codebook = None

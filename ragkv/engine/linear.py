@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ragkv.engine.numerics import DTYPES, Numerics, cpu_has_bf16_units
+from ragkv.engine.numerics import DTYPES, Numerics
 
 DECODE_ROWS = 16
 """Row counts up to this use the decode kernel (decode steps and batches); more use the dense one."""
@@ -20,10 +20,11 @@ INT4_GROUP_SIZE = 32
 INT4_INNER_K_TILES = 2
 
 
-def _kernel_activation_dtype() -> torch.dtype:
-    # torch's packed CPU kernels run several times faster on bf16 activations where the
-    # CPU has bf16 units, and far slower than float32 MKL on them where it has none.
-    return torch.bfloat16 if cpu_has_bf16_units() else torch.float32
+PACKED_ACTIVATION_DTYPE = torch.bfloat16
+"""Activations of torch's packed int8/int4 CPU kernels: they are vectorised for bf16 and
+not for float32. SmolLM2's 30 layers for one decode row: int8 8 ms on bf16 activations
+against 102 ms on float32 ones (AVX2 CPU without bf16 units, where float32 MKL took 15 ms;
+BENCHMARKS.md); CPUs with AVX512-BF16 gain more."""
 
 
 class DenseKernel:
@@ -39,7 +40,7 @@ class Int8Kernel:
     quantizing, so the kernel's dequantization is exactly the quantizer's."""
 
     def __init__(self, weight: torch.Tensor):
-        self.dtype = _kernel_activation_dtype()
+        self.dtype = PACKED_ACTIVATION_DTYPE
         weight = weight.float()
         scales = (weight.abs().amax(dim=1) / 127).clamp_min(1e-12).to(self.dtype)
         self.scales = scales
@@ -57,7 +58,7 @@ class Int4Kernel:
         out_features, in_features = weight.shape
         if in_features % INT4_GROUP_SIZE:
             raise ValueError(f"int4 weights need in_features divisible by {INT4_GROUP_SIZE}, got {in_features}")
-        self.dtype = _kernel_activation_dtype()
+        self.dtype = PACKED_ACTIVATION_DTYPE
         groups = weight.float().view(out_features, in_features // INT4_GROUP_SIZE, INT4_GROUP_SIZE)
         low, high = groups.amin(-1), groups.amax(-1)
         scale = ((high - low) / 15).clamp_min(1e-12)

@@ -7,6 +7,7 @@ attention that reads selected cache rows). Nothing here patches transformers.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,12 +20,17 @@ from transformers import AutoConfig
 
 from ragkv.kernels.rope import apply_rope
 
-from ragkv.engine.attention import causal_attention, decode_attention
+from ragkv.kernels.decode_attention import decode_attention as batched_decode_attention
+
+from ragkv.engine.attention import causal_attention
+from ragkv.engine.compiled_decode import CompiledDecoder, unsupported_reason
 from ragkv.engine.kv_cache import KVCache
 from ragkv.engine.model_spec import ModelSpec
 from ragkv.engine.numerics import Numerics
 from ragkv.engine.rope import Rotary
 from ragkv.engine.weights import ModelWeights, load_weights
+
+log = logging.getLogger("ragkv.engine")
 
 
 @dataclass
@@ -63,6 +69,11 @@ class CausalLM:
         self.device = torch.device(device)
         self.rotary = Rotary(spec.rope, device=self.device, dtype=self.hidden_dtype)
         self.scale = 1.0 / math.sqrt(spec.head_dim)
+        self.compiled_decode = True
+        """Run dense decode steps through the compiled step where it covers this model
+        (ragkv.engine.compiled_decode); False keeps the Python loop (its reference)."""
+        self._compiled_decoder: CompiledDecoder | None = None
+        self._compiled_decoder_checked = False
 
     @classmethod
     def load(
@@ -179,8 +190,9 @@ class CausalLM:
     ) -> torch.Tensor:
         """Append one token to each of B requests and return their next-token logits [B, vocab].
 
-        The B rows share every weight matmul; attention stays per request, over its own
-        cache (own length and RoPE position), with its own sparse attention if given."""
+        The B rows share every weight matmul and the dense requests one attention call
+        (each over its own cache, own length and RoPE position); a request with a sparse
+        attention runs its own."""
         if len(token_ids) != len(caches):
             raise ValueError(f"{len(token_ids)} tokens for {len(caches)} caches")
         if attentions is None:
@@ -192,23 +204,53 @@ class CausalLM:
         rows = [cache.length for cache in caches]
         for cache, row in zip(caches, rows):
             cache.reserve(row + 1)
+            cache.length = row + 1
+        decoder = self.compiled_decoder() if all(attention is None for attention in attentions) else None
+        if decoder is not None:
+            logits = decoder.step(token_ids, caches, rows)
+            for cache in caches:
+                cache.next_position += 1
+            return logits.to(self.hidden_dtype)
         positions = torch.tensor([cache.next_position for cache in caches], device=self.device)
         cos, sin = self.rotary.cos_sin(positions)
         hidden = self.embed(torch.tensor(list(token_ids), device=self.device))
+        dense = [b for b, attention in enumerate(attentions) if attention is None]
+        lengths = [rows[b] + 1 for b in dense]
         for layer in range(self.spec.num_layers):
             projection = self._project(layer, hidden, cos, sin)
-            outs = []
-            for b, (cache, row, attention) in enumerate(zip(caches, rows, attentions)):
+            for b, (cache, row) in enumerate(zip(caches, rows)):
                 cache.keys[layer, :, row] = projection.k[:, b]
                 cache.values[layer, :, row] = projection.v[:, b]
-                cache.length = row + 1
-                q = projection.q[:, b : b + 1]
-                if attention is None:
-                    keys, values = cache.layer(layer)
-                    outs.append(decode_attention(q, keys, values, self.scale))
-                else:
-                    outs.append(attention(layer, q, cache, self.scale))
-            hidden = self.finish_layer(layer, hidden, torch.cat(outs, dim=1) if len(outs) > 1 else outs[0])
+            queries = projection.q.transpose(0, 1)  # [B, Hq, D]
+            if len(dense) == len(caches):
+                out = self._dense_decode(layer, queries, caches, lengths)
+            else:
+                out = torch.empty_like(queries)
+                if dense:
+                    out[dense] = self._dense_decode(layer, queries[dense], [caches[b] for b in dense], lengths)
+                for b, (cache, attention) in enumerate(zip(caches, attentions)):
+                    if attention is not None:
+                        out[b] = attention(layer, projection.q[:, b : b + 1], cache, self.scale)[:, 0]
+            hidden = self.finish_layer(layer, hidden, out.transpose(0, 1))
         for cache in caches:
             cache.next_position += 1
         return self.logits(hidden)
+
+    def compiled_decoder(self) -> CompiledDecoder | None:
+        """The compiled decode step for this model, built on first use; None where it does not apply."""
+        if not self.compiled_decode:
+            return None
+        if not self._compiled_decoder_checked:
+            self._compiled_decoder_checked = True
+            reason = unsupported_reason(self)
+            if reason is None:
+                self._compiled_decoder = CompiledDecoder(self)
+            else:
+                log.info("decode runs the Python loop: the compiled step does not apply (%s)", reason)
+        return self._compiled_decoder
+
+    def _dense_decode(self, layer: int, queries: torch.Tensor, caches: Sequence[KVCache], lengths: list[int]) -> torch.Tensor:
+        """One attention call for every dense request of a step, each over its own cache."""
+        return batched_decode_attention(
+            queries, [cache.keys[layer] for cache in caches], [cache.values[layer] for cache in caches], lengths, self.scale
+        )

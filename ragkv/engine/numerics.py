@@ -2,14 +2,21 @@
 
 Four choices, each a plain dtype or weight format name:
 - dtype: the residual stream (embeddings, norms, MLP activations);
-- kv_cache_dtype: q/k/v, attention and the runtime KV cache (`CausalLM.dtype`);
+- kv_cache_dtype: q/k/v and the runtime KV cache (`CausalLM.dtype`);
 - weights: the linear layers when few rows pass through them (decode, small batches);
 - prefill_weights: the linear layers for many rows (prefill, chunk KV, recompute).
 
-"auto" picks by CPU capability: with bf16 matrix units (AVX512-BF16 / AMX) decode runs
-int8 weights on bf16 activations, prefill runs bf16 GEMMs and the KV cache is bf16 (half
-the bytes a long-context step reads); without them everything stays float32, which MKL
-runs well on any x86 CPU.
+"auto" picks by measurement on two CPU kinds (BENCHMARKS.md):
+- decode weights: int8 on any CPU (torch's packed kernel, or the compiled decode step,
+  reads a quarter of float32's bytes and both run faster than float32 MKL on either kind);
+- prefill weights: bfloat16 where the CPU has bf16 matrix units (AVX512-BF16 / AMX: a
+  bf16 GEMM 4.4x float32), else the residual dtype (without them torch emulates bf16 and
+  a GEMM is ~12x slower than float32);
+- KV cache: bfloat16 (half the bytes a long-context decode step reads) where the CPU has
+  bf16 units or the compiled CPU kernels can be built (they read bf16 rows and compute in
+  float32); else the residual dtype.
+Attention math on 16-bit caches runs in float32 on CPUs that cannot multiply that type
+natively (`attention_compute_dtype`).
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ from functools import lru_cache
 from pathlib import Path
 
 import torch
+
+from ragkv.kernels import cpu_extension
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8", "int4")
@@ -33,6 +42,26 @@ def cpu_has_bf16_units() -> bool:
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+@lru_cache(maxsize=1)
+def cpu_has_fp16_units() -> bool:
+    """True when this CPU multiplies float16 natively (AVX512-FP16 or AMX-FP16)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_fp16" in flags or "amx_fp16" in flags
+
+
+def attention_compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype attention over a `dtype` cache computes in: the cache's own where the
+    device multiplies it natively, float32 on CPUs that would emulate it (a bf16 matmul
+    ran 6.7x slower than float32 on an AVX2 CPU)."""
+    if device.type != "cpu" or dtype == torch.float32:
+        return dtype
+    native = cpu_has_bf16_units() if dtype == torch.bfloat16 else cpu_has_fp16_units()
+    return dtype if native else torch.float32
 
 
 @dataclass(frozen=True)
@@ -73,18 +102,19 @@ class Numerics:
         return asdict(self)
 
 
-_BF16_CPU_DEFAULTS = {"kv_cache_dtype": "bfloat16", "weights": "int8", "prefill_weights": "bfloat16"}
-
-
 def resolve_numerics(dtype: str, kv_cache_dtype: str, weights: str, prefill_weights: str, device: str) -> Numerics:
-    """Replace each "auto" by the format measured fastest for `device` (see module doc):
-    the bf16/int8 mix on a CPU with bf16 units, else the residual stream's dtype."""
+    """Replace each "auto" by the format measured fastest for `device` (see module doc)."""
     on_cpu = torch.device(device).type == "cpu"
     if weights in ("int8", "int4") and not on_cpu:
         raise ValueError(f"weights={weights!r} uses torch's packed CPU kernels; it needs device='cpu'")
-    use_bf16_mix = on_cpu and cpu_has_bf16_units()
+    bf16_units = on_cpu and cpu_has_bf16_units()
+    automatic = {
+        "weights": "int8" if on_cpu else dtype,
+        "prefill_weights": "bfloat16" if bf16_units else dtype,
+        "kv_cache_dtype": "bfloat16" if bf16_units or (on_cpu and cpu_extension.buildable()) else dtype,
+    }
     chosen = {"kv_cache_dtype": kv_cache_dtype, "weights": weights, "prefill_weights": prefill_weights}
     for name, value in chosen.items():
         if value == "auto":
-            chosen[name] = _BF16_CPU_DEFAULTS[name] if use_bf16_mix else dtype
+            chosen[name] = automatic[name]
     return Numerics(dtype=dtype, **chosen)

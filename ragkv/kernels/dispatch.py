@@ -4,9 +4,10 @@ Each launcher asks :func:`select_backend` once and then runs exactly one
 implementation, so the rules for "which code runs" live in one place:
 
 * ``"auto"`` picks Triton for CUDA tensors when Triton imports, then FlashInfer
-  (only for ops that have it) for CUDA tensors when FlashInfer imports, else the
-  torch reference. CPU tensors always get the reference under ``"auto"``: Triton's
-  CPU interpreter is a testing tool, far slower than torch.
+  (only for ops that have it) for CUDA tensors when FlashInfer imports, then the
+  compiled CPU kernel (``"cpp"``, only for ops that have it) for CPU tensors when it
+  builds on this machine, else the torch path. Triton never runs CPU tensors under
+  ``"auto"``: its CPU interpreter is a testing tool, far slower than torch.
 * ``"triton"`` additionally runs on CPU tensors when ``TRITON_INTERPRET=1`` is set,
   which is how the test-suite exercises the kernels without a GPU.
 * Forcing a backend the op lacks, or one that cannot run here, raises
@@ -26,12 +27,13 @@ from typing import Literal
 
 import torch
 
-Backend = Literal["auto", "torch", "triton", "flashinfer"]
-BACKENDS: tuple[str, ...] = ("auto", "torch", "triton", "flashinfer")
+Backend = Literal["auto", "torch", "triton", "flashinfer", "cpp"]
+BACKENDS: tuple[str, ...] = ("auto", "torch", "triton", "flashinfer", "cpp")
 
 # Order in which "auto" tries the accelerated backends. Triton comes first because
-# it is the path the test-suite verifies (under the interpreter).
-_AUTO_ORDER: tuple[str, ...] = ("triton", "flashinfer")
+# it is the path the test-suite verifies (under the interpreter); the device decides
+# between the GPU ones and "cpp".
+_AUTO_ORDER: tuple[str, ...] = ("triton", "flashinfer", "cpp")
 
 
 class BackendUnavailableError(RuntimeError):
@@ -63,6 +65,14 @@ def _unusable_reason(backend: str, device: torch.device, forced: bool) -> str | 
         if device.type == "cuda" or (forced and triton_interpret()):
             return None
         return f"tensors are on {device.type} and TRITON_INTERPRET=1 is not set"
+    if backend == "cpp":
+        if device.type != "cpu":
+            return f"the compiled CPU kernels need CPU tensors, got {device.type}"
+        from ragkv.kernels import cpu_extension
+
+        if cpu_extension.load() is None:
+            return "the compiled CPU kernels could not be built here (see the log)"
+        return None
     if backend == "flashinfer":
         if device.type != "cuda":
             return f"flashinfer needs CUDA tensors, got {device.type}"

@@ -124,3 +124,18 @@ def place_keys(stored: torch.Tensor | QuantizedKV, cos: torch.Tensor, sin: torch
 def place_values(stored: torch.Tensor | QuantizedKV, dtype: torch.dtype) -> torch.Tensor:
     """Stored values [L, H, T, D] -> dequantised values in `dtype`."""
     return (dequantize(stored) if isinstance(stored, QuantizedKV) else stored).to(dtype)
+
+
+def decode_attention(
+    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], lengths: list[int], scale: float
+) -> torch.Tensor:
+    """Dense decode attention of B requests: q [B, Hq, D]; request b attends to the first
+    lengths[b] rows of keys[b]/values[b] [Hkv, capacity, D]. Returns [B, Hq, D] in q.dtype."""
+    outs = []
+    for b, length in enumerate(lengths):
+        k, v = keys[b][:, :length].float(), values[b][:, :length].float()
+        hkv, dim = k.shape[0], k.shape[2]
+        grouped = q[b].float().reshape(hkv, -1, dim)
+        weights = torch.softmax(grouped @ k.transpose(1, 2) * scale, dim=-1)
+        outs.append((weights @ v).reshape(q.shape[1], dim))
+    return torch.stack(outs).to(q.dtype)

@@ -1,0 +1,85 @@
+"""A whole decode step in one compiled call, for the models and formats it covers.
+
+The Python forward loop issues ~20 torch ops per layer; for one decode row each costs
+more in dispatch than in arithmetic, and torch's packed int8 kernel runs well below the
+memory limit on CPUs without bf16 units. The compiled step (`ragkv/kernels/cpu/ops.cpp`)
+runs norms, int8 projections, RoPE, the cache append, batched attention and the MLP of
+every layer without returning to Python. It covers Llama-style models (no q/k/v bias, no
+q/k norms) with int8 decode weights, a float32 residual stream and a float32 or bfloat16
+cache on the CPU; everything else, and sparse decode, runs the Python loop. The Python
+loop is its reference (tests/test_compiled_decode.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from ragkv.engine.kv_cache import KVCache
+from ragkv.engine.linear import Int8Kernel
+from ragkv.kernels import cpu_extension
+
+if TYPE_CHECKING:
+    from ragkv.engine.model import CausalLM
+
+_CACHE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def unsupported_reason(model: "CausalLM") -> str | None:
+    """Why the compiled step cannot run `model`, or None when it can."""
+    weights, spec = model.weights, model.spec
+    if model.device.type != "cpu":
+        return f"it runs on the CPU, the model is on {model.device.type}"
+    if model.numerics.weights != "int8":
+        return f"it runs int8 decode weights, the model's are {model.numerics.weights}"
+    if model.hidden_dtype != torch.float32 or model.dtype not in _CACHE_DTYPES:
+        return "it needs a float32 residual stream and a float32 or bfloat16 cache"
+    if any(layer.qkv_bias is not None or layer.q_norm is not None for layer in weights.layers):
+        return "q/k/v biases and q/k norms are not covered"
+    if spec.head_dim % 8 or spec.head_dim > 256 or spec.num_heads // spec.num_kv_heads > 16:
+        return "head_dim must be a multiple of 8 (<= 256) and GQA groups at most 16"
+    if cpu_extension.load() is None:
+        return "the compiled CPU kernels could not be built here"
+    return None
+
+
+def _int8(linear) -> tuple[torch.Tensor, torch.Tensor]:
+    kernel = linear.few_rows
+    if not isinstance(kernel, Int8Kernel):
+        raise TypeError(f"expected an int8 decode kernel, got {type(kernel).__name__}")
+    return kernel.weight, kernel.scales
+
+
+class CompiledDecoder:
+    """The compiled step bound to one model's weights (shared, not copied)."""
+
+    def __init__(self, model: "CausalLM"):
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"the compiled decode step cannot run this model: {reason}")
+        self.model = model
+        layers = []
+        for layer in model.weights.layers:
+            layers.append([
+                layer.input_norm, *_int8(layer.qkv), *_int8(layer.o_proj),
+                layer.post_attention_norm, *_int8(layer.gate_up), *_int8(layer.down),
+            ])
+        spec = model.spec
+        self._compiled = cpu_extension.load().DecodeModel(
+            layers, model.weights.final_norm, *_int8(model.weights.lm_head),
+            spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.rms_norm_eps, model.scale,
+        )
+
+    def step(self, token_ids: Sequence[int], caches: Sequence[KVCache], rows: Sequence[int]) -> torch.Tensor:
+        """Write each token's K/V at row rows[b] of caches[b] (room reserved, lengths set by
+        the caller), attend over rows [0, rows[b]] and return logits [B, vocab]."""
+        model = self.model
+        positions = torch.tensor([cache.next_position for cache in caches])
+        cos, sin = model.rotary.cos_sin(positions)
+        hidden = model.embed(torch.tensor(list(token_ids)))
+        return self._compiled.step(
+            hidden.float(), cos.float(), sin.float(),
+            [cache.keys for cache in caches], [cache.values for cache in caches], list(rows),
+        )

@@ -1,0 +1,328 @@
+// Dense decode attention for a batch of requests, each over its own KV cache (CPU).
+//
+// Work is split into (request, KV head, block of cache rows) items spread over torch's
+// intra-op threads; each item keeps a partial softmax (max, sum, weighted values) and the
+// partials of a head are merged at the end (split-K "flash decoding"). Keys and values are
+// read once in their stored dtype (float32 or bfloat16) and widened to float32 in
+// registers, so a 16-bit cache costs half the memory traffic of a float32 one on CPUs
+// without bf16 arithmetic. All arithmetic is float32.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <utility>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace ragkv {
+
+
+constexpr int64_t kBlockRows = 256;
+
+inline float load_float(const float* p, int64_t i) { return p[i]; }
+
+inline float load_float(const at::BFloat16* p, int64_t i) {
+  uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+// exp for x <= 0 (softmax arguments), vectorisable: 2^(x log2 e) split into integer and
+// fractional parts, the fraction by a degree-6 polynomial (relative error ~2e-7).
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float y = x * 1.44269504088896341f;
+  const float n = std::floor(y);
+  const float f = y - n;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  int32_t bits;
+  std::memcpy(&bits, &p, sizeof(bits));
+  bits += static_cast<int32_t>(n) << 23;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+struct Item {
+  int64_t request, head, row_begin, row_end;
+};
+
+constexpr int64_t kMaxGroup = 16;
+constexpr int64_t kMaxDim = 256;
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+inline __m256 load8(const at::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+// Lane j of the result is the sum of the 8 lanes of a[j].
+inline __m256 sum_lanes8(const __m256* a) {
+  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+// scores[g][r] = q_g . k_r for `rows` rows, 8 rows at a time: each group of rows is widened
+// once into `widened`, then every query head of the group runs 8 independent FMA chains.
+// Fetch `count` rows starting at `row` into cache (lines past the buffer's end are never
+// touched by a prefetch fault: x86 drops prefetches of unmapped addresses).
+template <typename T>
+inline void prefetch_rows(const T* base, int64_t row, int64_t count, int64_t row_stride, int64_t dim) {
+  const int64_t bytes = dim * static_cast<int64_t>(sizeof(T));
+  for (int64_t j = 0; j < count; ++j) {
+    const char* line = reinterpret_cast<const char*>(base + (row + j) * row_stride);
+    for (int64_t offset = 0; offset < bytes; offset += 64) _mm_prefetch(line + offset, _MM_HINT_T0);
+  }
+}
+
+template <typename T>
+void block_scores(const float* q, const T* keys, const T* values, int64_t row_stride, int64_t rows, int64_t group,
+                  int64_t dim, float* scores, int64_t scores_stride) {
+  alignas(32) float widened[8 * kMaxDim];
+  for (int64_t r = 0; r < rows; r += 8) {
+    const int64_t n = std::min<int64_t>(8, rows - r);
+    // keys 64 rows ahead, and this group's values for block_values, which reads them next
+    prefetch_rows(keys, r + 64, 8, row_stride, dim);
+    prefetch_rows(values, r, n, row_stride, dim);
+    for (int64_t j = 0; j < 8; ++j)
+      for (int64_t d = 0; d < dim; d += 8)
+        _mm256_store_ps(widened + j * dim + d, j < n ? load8(keys + (r + j) * row_stride + d) : _mm256_setzero_ps());
+    for (int64_t g = 0; g < group; ++g) {
+      __m256 acc[8];
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < dim; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + g * dim + d);
+        for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(_mm256_load_ps(widened + j * dim + d), qv, acc[j]);
+      }
+      _mm256_storeu_ps(scores + g * scores_stride + r, sum_lanes8(acc));
+    }
+  }
+}
+
+// partial[g][0:dim] = sum_r p[g][r] v_r, two 8-wide column slices at a time so 2 x Group
+// FMA chains are in flight; Group is a template argument so the accumulators stay in registers.
+template <int Group, typename T>
+void block_values_for(const float* p, const T* values, int64_t row_stride, int64_t rows, int64_t dim,
+                      int64_t p_stride, float* partial) {
+  for (int64_t d = 0; d < dim; d += 16) {
+    const bool pair = d + 8 < dim;
+    __m256 lo[Group], hi[Group];
+    for (int g = 0; g < Group; ++g) lo[g] = hi[g] = _mm256_setzero_ps();
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* v = values + r * row_stride + d;
+      const __m256 v_lo = load8(v), v_hi = pair ? load8(v + 8) : _mm256_setzero_ps();
+      for (int g = 0; g < Group; ++g) {
+        const __m256 weight = _mm256_broadcast_ss(p + g * p_stride + r);
+        lo[g] = _mm256_fmadd_ps(weight, v_lo, lo[g]);
+        hi[g] = _mm256_fmadd_ps(weight, v_hi, hi[g]);
+      }
+    }
+    for (int g = 0; g < Group; ++g) {
+      _mm256_storeu_ps(partial + g * (dim + 2) + d, lo[g]);
+      if (pair) _mm256_storeu_ps(partial + g * (dim + 2) + d + 8, hi[g]);
+    }
+  }
+}
+
+template <typename T>
+void block_values(const float* p, const T* values, int64_t row_stride, int64_t rows, int64_t group, int64_t dim,
+                  int64_t p_stride, float* partial) {
+  // GQA groups above 8 are split into slices of at most 8 query heads
+  for (int64_t g0 = 0; g0 < group; g0 += 8) {
+    const float* pg = p + g0 * p_stride;
+    float* out = partial + g0 * (dim + 2);
+    switch (std::min<int64_t>(8, group - g0)) {
+      case 1: block_values_for<1, T>(pg, values, row_stride, rows, dim, p_stride, out); break;
+      case 2: block_values_for<2, T>(pg, values, row_stride, rows, dim, p_stride, out); break;
+      case 3: block_values_for<3, T>(pg, values, row_stride, rows, dim, p_stride, out); break;
+      case 4: block_values_for<4, T>(pg, values, row_stride, rows, dim, p_stride, out); break;
+      case 5: block_values_for<5, T>(pg, values, row_stride, rows, dim, p_stride, out); break;
+      case 6: block_values_for<6, T>(pg, values, row_stride, rows, dim, p_stride, out); break;
+      case 7: block_values_for<7, T>(pg, values, row_stride, rows, dim, p_stride, out); break;
+      default: block_values_for<8, T>(pg, values, row_stride, rows, dim, p_stride, out); break;
+    }
+  }
+}
+
+inline __m256 exp_nonpositive8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 y = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+  const __m256 n = _mm256_floor_ps(y);
+  const __m256 f = _mm256_sub_ps(y, n);
+  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256i exponent = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
+  return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), exponent));
+}
+
+inline float max_lanes(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  return _mm_cvtss_f32(m);
+}
+
+inline float sum_lanes(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+
+// scores[0:rows] <- exp(scores - max); returns (max, sum).
+inline std::pair<float, float> block_softmax(float* scores, int64_t rows) {
+  const int64_t full = rows / 8 * 8;
+  __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t r = 0; r < full; r += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(scores + r));
+  float m = max_lanes(vmax);
+  for (int64_t r = full; r < rows; ++r) m = std::max(m, scores[r]);
+  const __m256 shift = _mm256_set1_ps(m);
+  __m256 vsum = _mm256_setzero_ps();
+  for (int64_t r = 0; r < full; r += 8) {
+    const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(scores + r), shift));
+    _mm256_storeu_ps(scores + r, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  float sum = sum_lanes(vsum);
+  for (int64_t r = full; r < rows; ++r) {
+    scores[r] = exp_nonpositive(scores[r] - m);
+    sum += scores[r];
+  }
+  return {m, sum};
+}
+#else
+inline std::pair<float, float> block_softmax(float* scores, int64_t rows) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t r = 0; r < rows; ++r) m = std::max(m, scores[r]);
+  float sum = 0.f;
+  for (int64_t r = 0; r < rows; ++r) {
+    scores[r] = exp_nonpositive(scores[r] - m);
+    sum += scores[r];
+  }
+  return {m, sum};
+}
+template <typename T>
+void block_scores(const float* q, const T* keys, const T* values, int64_t row_stride, int64_t rows, int64_t group,
+                  int64_t dim, float* scores, int64_t scores_stride) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < group; ++g) {
+      float s = 0.f;
+      for (int64_t d = 0; d < dim; ++d) s += q[g * dim + d] * load_float(keys + r * row_stride, d);
+      scores[g * scores_stride + r] = s;
+    }
+}
+
+template <typename T>
+void block_values(const float* p, const T* values, int64_t row_stride, int64_t rows, int64_t group, int64_t dim,
+                  int64_t p_stride, float* partial) {
+  for (int64_t g = 0; g < group; ++g) std::fill(partial + g * (dim + 2), partial + g * (dim + 2) + dim, 0.f);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t d = 0; d < dim; ++d)
+        partial[g * (dim + 2) + d] += p[g * p_stride + r] * load_float(values + r * row_stride, d);
+}
+#endif
+
+// One block of rows of one KV head: for each of its `group` query heads the block's score
+// max, exp-sum and exp-weighted value sum, written to `partial` = [group][dim + 2].
+template <typename T>
+void attend_block(const float* q, const T* keys, const T* values, int64_t row_stride, int64_t row_begin,
+                  int64_t row_end, int64_t group, int64_t dim, float* partial) {
+  const int64_t rows = row_end - row_begin;
+  constexpr int64_t stride = kBlockRows + 8;  // room for the last 8-row group's padding lanes
+  alignas(32) float scores[kMaxGroup * stride];
+  block_scores<T>(q, keys + row_begin * row_stride, values + row_begin * row_stride, row_stride, rows, group, dim,
+                  scores, stride);
+  for (int64_t g = 0; g < group; ++g) {
+    const auto [m, sum] = block_softmax(scores + g * stride, rows);
+    partial[g * (dim + 2) + dim] = m;
+    partial[g * (dim + 2) + dim + 1] = sum;
+  }
+  block_values<T>(scores, values + row_begin * row_stride, row_stride, rows, group, dim, stride, partial);
+}
+
+
+// One request's cache layer: rows of `dim` elements, `head_stride` elements between KV heads.
+template <typename T>
+struct CacheView {
+  const T* keys;
+  const T* values;
+  int64_t head_stride;
+  int64_t row_stride;
+  int64_t length;
+};
+
+// out[b][h] (float32, [B, heads, dim]) = attention of q[b][h] (float32, pre-scaled by the
+// softmax scale) over views[b].
+template <typename T>
+void decode_attention(const float* q, const std::vector<CacheView<T>>& views, int64_t heads, int64_t kv_heads,
+                      int64_t dim, float* out) {
+  const int64_t group = heads / kv_heads, batch = static_cast<int64_t>(views.size());
+  std::vector<Item> items;
+  std::vector<int64_t> first_item{0};
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t h = 0; h < kv_heads; ++h)
+      for (int64_t r = 0; r < views[b].length; r += kBlockRows)
+        items.push_back({b, h, r, std::min(r + kBlockRows, views[b].length)});
+    first_item.push_back(static_cast<int64_t>(items.size()));
+  }
+  std::vector<float> partials(items.size() * group * (dim + 2));
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const Item& item = items[i];
+      const CacheView<T>& view = views[item.request];
+      attend_block<T>(q + (item.request * heads + item.head * group) * dim, view.keys + item.head * view.head_stride,
+                      view.values + item.head * view.head_stride, view.row_stride, item.row_begin, item.row_end,
+                      group, dim, partials.data() + i * group * (dim + 2));
+    }
+  });
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / kv_heads, h = bh % kv_heads;
+      for (int64_t g = 0; g < group; ++g) {
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t i = first_item[b]; i < first_item[b + 1]; ++i)
+          if (items[i].head == h) m = std::max(m, partials[(i * group + g) * (dim + 2) + dim]);
+        float* o = out + (b * heads + h * group + g) * dim;
+        std::fill(o, o + dim, 0.f);
+        float total = 0.f;
+        for (int64_t i = first_item[b]; i < first_item[b + 1]; ++i) {
+          if (items[i].head != h) continue;
+          const float* part = partials.data() + (i * group + g) * (dim + 2);
+          const float weight = std::exp(part[dim] - m);
+          total += weight * part[dim + 1];
+          for (int64_t d = 0; d < dim; ++d) o[d] += weight * part[d];
+        }
+        const float inverse = 1.f / total;
+        for (int64_t d = 0; d < dim; ++d) o[d] *= inverse;
+      }
+    }
+  });
+}
+
+}  // namespace ragkv

@@ -1,0 +1,231 @@
+// The compiled CPU ops (ragkv.kernels.cpu_extension builds this file once per machine):
+// batched dense decode attention, and a whole decode step of a Llama-style model with int8
+// weights that runs every layer without returning to Python between ops.
+#include <torch/extension.h>
+
+#include <cmath>
+#include <vector>
+
+#include "attention.h"
+#include "int8_linear.h"
+
+namespace ragkv {
+namespace {
+
+// Views of one layer of each request's cache: [layers, Hkv, rows, D] caches with `layer`,
+// or [Hkv, rows, D] cache layers with layer = -1.
+template <typename T>
+std::vector<CacheView<T>> layer_views(const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
+                                      const std::vector<int64_t>& lengths, int64_t layer) {
+  std::vector<CacheView<T>> views;
+  for (size_t b = 0; b < keys.size(); ++b) {
+    const at::Tensor &k = keys[b], &v = values[b];
+    const int64_t heads_axis = k.dim() - 3, offset = layer < 0 ? 0 : layer * k.stride(0);
+    views.push_back({k.data_ptr<T>() + offset, v.data_ptr<T>() + offset, k.stride(heads_axis), k.stride(heads_axis + 1),
+                     lengths[b]});
+  }
+  return views;
+}
+
+void check_caches(const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
+                  const std::vector<int64_t>& lengths, int64_t batch, int64_t kv_heads, int64_t dim, int64_t rank) {
+  TORCH_CHECK(static_cast<int64_t>(keys.size()) == batch && static_cast<int64_t>(values.size()) == batch &&
+                  static_cast<int64_t>(lengths.size()) == batch,
+              "one key, value and length per request");
+  const auto dtype = keys[0].scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "caches must be float32 or bfloat16");
+  for (int64_t b = 0; b < batch; ++b) {
+    const at::Tensor &k = keys[b], &v = values[b];
+    TORCH_CHECK(k.dim() == rank && v.sizes() == k.sizes() && v.strides() == k.strides(),
+                "keys and values of a request must share shape and layout");
+    TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype, "every cache must share one dtype");
+    TORCH_CHECK(k.size(rank - 3) == kv_heads && k.size(rank - 1) == dim && k.stride(rank - 1) == 1,
+                "cache layers must be [Hkv, rows, D] with contiguous rows");
+    TORCH_CHECK(lengths[b] >= 1 && lengths[b] <= k.size(rank - 2), "length out of range");
+  }
+}
+
+}  // namespace
+
+// q [B, Hq, D]; keys[b], values[b] [Hkv, capacity_b, D]; request b attends to its first
+// lengths[b] rows. Returns [B, Hq, D] float32.
+at::Tensor decode_attention_op(const at::Tensor& q, const std::vector<at::Tensor>& keys,
+                               const std::vector<at::Tensor>& values, const std::vector<int64_t>& lengths,
+                               double scale) {
+  TORCH_CHECK(q.dim() == 3, "q must be [B, Hq, D]");
+  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = keys.at(0).size(0);
+  TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= kMaxGroup, "query heads per KV head must be <= 16");
+  TORCH_CHECK(dim % 8 == 0 && dim <= kMaxDim, "head_dim must be a multiple of 8, at most 256");
+  check_caches(keys, values, lengths, batch, kv_heads, dim, 3);
+  const at::Tensor q_scaled = (q.to(at::kFloat) * scale).contiguous();
+  at::Tensor out = at::empty({batch, heads, dim}, q.options().dtype(at::kFloat));
+  if (keys[0].scalar_type() == at::kFloat)
+    decode_attention<float>(q_scaled.data_ptr<float>(), layer_views<float>(keys, values, lengths, -1), heads,
+                            kv_heads, dim, out.data_ptr<float>());
+  else
+    decode_attention<at::BFloat16>(q_scaled.data_ptr<float>(), layer_views<at::BFloat16>(keys, values, lengths, -1),
+                                   heads, kv_heads, dim, out.data_ptr<float>());
+  return out;
+}
+
+// x [rows, in] float32 @ (weight [out, in] int8 * scales [out] bf16)^T -> [rows, out] float32.
+at::Tensor int8_linear_op(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [rows, in] float32");
+  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.is_contiguous() && weight.size(1) == x.size(1) &&
+                  weight.size(1) % 8 == 0,
+              "weight must be contiguous int8 [out, in], in a multiple of 8");
+  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.numel() == weight.size(0), "scales must be bf16 [out]");
+  const at::Tensor xc = x.contiguous(), sc = scales.contiguous();
+  at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
+  int8_linear(xc.data_ptr<float>(), x.size(0), x.size(1), weight.data_ptr<int8_t>(), sc.data_ptr<at::BFloat16>(),
+              weight.size(0), y.data_ptr<float>());
+  return y;
+}
+
+// A Llama-style decoder (RMSNorm, fused q/k/v without bias or q/k norms, rotate-half RoPE,
+// GQA, SiLU-gated MLP) with int8 weights, as ragkv.engine.model.CausalLM lays it out.
+class DecodeModel {
+ public:
+  // layers[l] = {input_norm, qkv weight, qkv scales, o weight, o scales, post-attention norm,
+  //              gate_up weight, gate_up scales, down weight, down scales}
+  DecodeModel(std::vector<std::vector<at::Tensor>> layers, at::Tensor final_norm, at::Tensor lm_weight,
+              at::Tensor lm_scales, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale)
+      : layers_(std::move(layers)), final_norm_(std::move(final_norm)), lm_weight_(std::move(lm_weight)),
+        lm_scales_(std::move(lm_scales)), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim),
+        eps_(static_cast<float>(eps)), scale_(static_cast<float>(scale)) {
+    TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= kMaxGroup, "query heads per KV head must be <= 16");
+    TORCH_CHECK(head_dim % 8 == 0 && head_dim <= kMaxDim, "head_dim must be a multiple of 8, at most 256");
+    for (const auto& layer : layers_) {
+      TORCH_CHECK(layer.size() == 10, "each layer needs 10 tensors");
+      for (int i : {1, 3, 6, 8}) TORCH_CHECK(layer[i].scalar_type() == at::kChar && layer[i].is_contiguous(), "int8 weights");
+      for (int i : {2, 4, 7, 9}) TORCH_CHECK(layer[i].scalar_type() == at::kBFloat16, "bf16 scales");
+      for (int i : {0, 5}) TORCH_CHECK(layer[i].scalar_type() == at::kFloat, "float32 norms");
+      for (int i : {1, 3, 6, 8}) TORCH_CHECK(layer[i].size(1) % 8 == 0, "in_features must be a multiple of 8");
+    }
+    hidden_size_ = final_norm_.size(0);
+    intermediate_ = layers_.at(0)[6].size(0) / 2;
+  }
+
+  // hidden [B, hidden] float32 embeddings of the new tokens; cos/sin [B, D] float32 at their
+  // positions; keys[b]/values[b] [layers, Hkv, capacity, D] caches whose row rows[b] is
+  // written. Returns next-token logits [B, vocab] float32.
+  at::Tensor step(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
+                  const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
+                  const std::vector<int64_t>& rows) const {
+    const int64_t batch = hidden.size(0);
+    TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.size(1) == hidden_size_, "hidden must be [B, hidden] float32");
+    TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.size(0) == batch &&
+                    cos.size(1) == head_dim_ && sin.sizes() == cos.sizes(),
+                "cos/sin must be [B, head_dim] float32");
+    std::vector<int64_t> lengths(rows);
+    for (auto& length : lengths) length += 1;
+    check_caches(keys, values, lengths, batch, kv_heads_, head_dim_, 4);
+    for (const auto& k : keys) TORCH_CHECK(k.size(0) == static_cast<int64_t>(layers_.size()), "cache layer count");
+    if (keys[0].scalar_type() == at::kFloat) return run<float>(hidden, cos, sin, keys, values, rows, lengths);
+    return run<at::BFloat16>(hidden, cos, sin, keys, values, rows, lengths);
+  }
+
+ private:
+  void rms_norm(const float* x, const at::Tensor& weight, float* out, int64_t batch) const {
+    const float* w = weight.data_ptr<float>();
+    for (int64_t b = 0; b < batch; ++b) {
+      const float* xb = x + b * hidden_size_;
+      float squares = 0.f;
+      for (int64_t i = 0; i < hidden_size_; ++i) squares += xb[i] * xb[i];
+      const float inverse = 1.f / std::sqrt(squares / hidden_size_ + eps_);
+      for (int64_t i = 0; i < hidden_size_; ++i) out[b * hidden_size_ + i] = w[i] * (xb[i] * inverse);
+    }
+  }
+
+  // x * cos + rotate_half(x) * sin for one head vector
+  void rope(const float* x, const float* cos, const float* sin, float factor, float* out) const {
+    const int64_t half = head_dim_ / 2;
+    for (int64_t d = 0; d < half; ++d) {
+      out[d] = (x[d] * cos[d] - x[d + half] * sin[d]) * factor;
+      out[d + half] = (x[d + half] * cos[d + half] + x[d] * sin[d + half]) * factor;
+    }
+  }
+
+  template <typename T>
+  at::Tensor run(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
+                 const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
+                 const std::vector<int64_t>& rows, const std::vector<int64_t>& lengths) const {
+    const int64_t batch = hidden.size(0), hs = hidden_size_, dim = head_dim_;
+    const int64_t qkv_width = (heads_ + 2 * kv_heads_) * dim, attention_width = heads_ * dim;
+    const auto f32 = hidden.options().dtype(at::kFloat);
+    at::Tensor residual = hidden.contiguous().clone();
+    at::Tensor normed = at::empty({batch, hs}, f32), update = at::empty({batch, hs}, f32);
+    at::Tensor qkv = at::empty({batch, qkv_width}, f32), queries = at::empty({batch, attention_width}, f32);
+    at::Tensor attended = at::empty({batch, attention_width}, f32);
+    at::Tensor gate_up = at::empty({batch, 2 * intermediate_}, f32), gated = at::empty({batch, intermediate_}, f32);
+    const at::Tensor cos_c = cos.contiguous(), sin_c = sin.contiguous();
+    float* x = residual.data_ptr<float>();
+    std::vector<float> rotated(dim);
+    for (size_t layer = 0; layer < layers_.size(); ++layer) {
+      const auto& w = layers_[layer];
+      rms_norm(x, w[0], normed.data_ptr<float>(), batch);
+      int8_linear(normed.data_ptr<float>(), batch, hs, w[1].data_ptr<int8_t>(), w[2].data_ptr<at::BFloat16>(),
+                  qkv_width, qkv.data_ptr<float>());
+      for (int64_t b = 0; b < batch; ++b) {
+        const float* row = qkv.data_ptr<float>() + b * qkv_width;
+        const float* c = cos_c.data_ptr<float>() + b * dim;
+        const float* s = sin_c.data_ptr<float>() + b * dim;
+        for (int64_t h = 0; h < heads_; ++h)
+          rope(row + h * dim, c, s, scale_, queries.data_ptr<float>() + (b * heads_ + h) * dim);
+        T* k_cache = keys[b].data_ptr<T>() + layer * keys[b].stride(0) + rows[b] * keys[b].stride(2);
+        T* v_cache = values[b].data_ptr<T>() + layer * values[b].stride(0) + rows[b] * values[b].stride(2);
+        for (int64_t h = 0; h < kv_heads_; ++h) {
+          rope(row + (heads_ + h) * dim, c, s, 1.f, rotated.data());
+          const float* v = row + (heads_ + kv_heads_ + h) * dim;
+          for (int64_t d = 0; d < dim; ++d) {
+            k_cache[h * keys[b].stride(1) + d] = static_cast<T>(rotated[d]);
+            v_cache[h * values[b].stride(1) + d] = static_cast<T>(v[d]);
+          }
+        }
+      }
+      decode_attention<T>(queries.data_ptr<float>(), layer_views<T>(keys, values, lengths, layer), heads_, kv_heads_,
+                          dim, attended.data_ptr<float>());
+      int8_linear(attended.data_ptr<float>(), batch, attention_width, w[3].data_ptr<int8_t>(),
+                  w[4].data_ptr<at::BFloat16>(), hs, update.data_ptr<float>());
+      add_into(x, update.data_ptr<float>(), batch * hs);
+      rms_norm(x, w[5], normed.data_ptr<float>(), batch);
+      int8_linear(normed.data_ptr<float>(), batch, hs, w[6].data_ptr<int8_t>(), w[7].data_ptr<at::BFloat16>(),
+                  2 * intermediate_, gate_up.data_ptr<float>());
+      for (int64_t b = 0; b < batch; ++b) {
+        const float* g = gate_up.data_ptr<float>() + b * 2 * intermediate_;
+        float* out = gated.data_ptr<float>() + b * intermediate_;
+        for (int64_t i = 0; i < intermediate_; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * g[intermediate_ + i];
+      }
+      int8_linear(gated.data_ptr<float>(), batch, intermediate_, w[8].data_ptr<int8_t>(),
+                  w[9].data_ptr<at::BFloat16>(), hs, update.data_ptr<float>());
+      add_into(x, update.data_ptr<float>(), batch * hs);
+    }
+    rms_norm(x, final_norm_, normed.data_ptr<float>(), batch);
+    at::Tensor logits = at::empty({batch, lm_weight_.size(0)}, f32);
+    int8_linear(normed.data_ptr<float>(), batch, hs, lm_weight_.data_ptr<int8_t>(), lm_scales_.data_ptr<at::BFloat16>(),
+                lm_weight_.size(0), logits.data_ptr<float>());
+    return logits;
+  }
+
+  static void add_into(float* x, const float* update, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) x[i] += update[i];
+  }
+
+  std::vector<std::vector<at::Tensor>> layers_;
+  at::Tensor final_norm_, lm_weight_, lm_scales_;
+  int64_t heads_, kv_heads_, head_dim_, hidden_size_ = 0, intermediate_ = 0;
+  float eps_, scale_;
+};
+
+}  // namespace ragkv
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &ragkv::decode_attention_op, "batched dense decode attention over per-request caches",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("int8_linear", &ragkv::int8_linear_op, "few-row float32 x int8 matmul with per-channel scales",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  pybind11::class_<ragkv::DecodeModel>(m, "DecodeModel")
+      .def(pybind11::init<std::vector<std::vector<at::Tensor>>, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t,
+                          int64_t, double, double>())
+      .def("step", &ragkv::DecodeModel::step, pybind11::call_guard<pybind11::gil_scoped_release>());
+}

@@ -1,0 +1,88 @@
+"""The compiled CPU kernels (`ragkv/kernels/cpu/*.cpp`), built once per machine.
+
+torch's C++ extension builder compiles them on first use with the machine's compiler
+(gcc is part of the supported platform), tuned for this CPU (`-march=native`), into a
+folder keyed by the sources, the torch version and the CPU's feature flags, so a cache
+folder shared by different machines never loads code built for another CPU. A machine
+without a compiler, or a build that fails, keeps the torch paths: `load()` returns None
+and says why once in the log.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import logging
+import os
+import platform
+import shutil
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger("ragkv.kernels")
+
+_FOLDER = Path(__file__).parent / "cpu"
+SOURCES = (_FOLDER / "ops.cpp",)
+HEADERS = (_FOLDER / "attention.h", _FOLDER / "int8_linear.h")
+_MACHINES = ("x86_64", "AMD64")
+"""The kernels' vector paths are AVX2; elsewhere they would compile to slow scalar loops."""
+DISABLE_VARIABLE = "RAGKV_CPU_EXTENSION"
+"""Set to 0 to never build or use the compiled CPU kernels (the torch paths run instead)."""
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build_directory() -> Path:
+    digest = hashlib.sha256()
+    for source in (*SOURCES, *HEADERS):
+        digest.update(source.read_bytes())
+    digest.update(torch.__version__.encode())
+    digest.update(_cpu_flags().encode())
+    root = Path(os.environ.get("RAGKV_CACHE", Path.home() / ".cache" / "ragkv"))
+    return root / "cpu_extension" / digest.hexdigest()[:16]
+
+
+def buildable() -> bool:
+    """Whether `load()` can be expected to succeed here (not disabled, a supported machine,
+    a C++ compiler and ninja present), without building anything."""
+    if os.environ.get(DISABLE_VARIABLE, "1").strip() == "0" or platform.machine() not in _MACHINES:
+        return False
+    return shutil.which(os.environ.get("CXX", "c++")) is not None and importlib.util.find_spec("ninja") is not None
+
+
+@functools.cache
+def load() -> ModuleType | None:
+    """The compiled module, building it on first call; None where it cannot be had."""
+    if not buildable():
+        log.info("compiled CPU kernels not built (disabled, %s, or no compiler/ninja); torch paths run instead",
+                 platform.machine())
+        return None
+    from torch.utils import cpp_extension
+
+    directory = build_directory()
+    directory.mkdir(parents=True, exist_ok=True)
+    if not any(directory.glob("*.so")):
+        log.info("building the compiled CPU kernels into %s (once per machine, about a minute)", directory)
+    try:
+        return cpp_extension.load(
+            name=f"ragkv_cpu_{directory.name}",
+            sources=[str(source) for source in SOURCES],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(directory),
+            verbose=False,
+        )
+    except Exception as error:  # no compiler, no ninja, a failed build: the torch paths still work
+        log.warning("compiled CPU kernels unavailable (%s); using the torch paths", str(error).splitlines()[0])
+        return None

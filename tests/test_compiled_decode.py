@@ -1,0 +1,111 @@
+"""The compiled decode step against its reference, the Python forward loop, on tiny random
+Llama checkpoints with int8 decode weights: same greedy tokens, close logits, same cache
+rows; batched equal to one request at a time; and the models it does not cover."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ragkv.engine.compiled_decode import unsupported_reason
+from ragkv.engine.model import CausalLM
+from ragkv.engine.numerics import Numerics
+from ragkv.kernels import cpu_extension
+from tiny_models import make_tiny_model
+
+pytestmark = pytest.mark.skipif(not cpu_extension.buildable(), reason="no C++ compiler or ninja on this machine")
+
+PROMPT_LENGTHS = (5, 300, 31, 9)
+STEPS = 10
+
+
+def _numerics(kv: str) -> Numerics:
+    return Numerics(dtype="float32", kv_cache_dtype=kv, weights="int8", prefill_weights="float32")
+
+
+@pytest.fixture(scope="module", params=["llama", "llama3-rope"])
+def folder(request, tmp_path_factory):
+    return make_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def _load(folder, kv: str, compiled: bool) -> CausalLM:
+    model = CausalLM.load(folder, numerics=_numerics(kv))
+    model.compiled_decode = compiled
+    assert (model.compiled_decoder() is not None) == compiled
+    return model
+
+
+def _prefilled(model: CausalLM):
+    caches, logits = [], []
+    for seed, length in enumerate(PROMPT_LENGTHS):
+        prompt = torch.randint(3, 128, (length,), generator=torch.Generator().manual_seed(seed))
+        cache = model.new_cache(length + STEPS)
+        logits.append(model.prefill(prompt, cache))
+        caches.append(cache)
+    return caches, torch.stack(logits)
+
+
+@pytest.mark.parametrize("kv", ["float32", "bfloat16"])
+def test_compiled_step_follows_the_python_loop(folder, kv):
+    python, compiled = _load(folder, kv, False), _load(folder, kv, True)
+    python_caches, python_logits = _prefilled(python)
+    compiled_caches, compiled_logits = _prefilled(compiled)
+    for _ in range(STEPS):
+        tokens = python_logits.argmax(-1).tolist()
+        assert compiled_logits.argmax(-1).tolist() == tokens
+        python_logits = python.decode_batch(tokens, python_caches)
+        compiled_logits = compiled.decode_batch(tokens, compiled_caches)
+        # the Python loop rounds q, attention outputs and packed-kernel activations to
+        # bf16; the compiled step keeps them in float32
+        torch.testing.assert_close(compiled_logits, python_logits, atol=0.15, rtol=0.02)
+    for alone, batched in zip(python_caches, compiled_caches):
+        assert batched.length == alone.length and batched.next_position == alone.next_position
+        rows = alone.length
+        for name in ("keys", "values"):
+            torch.testing.assert_close(
+                getattr(batched, name)[:, :, :rows].float(), getattr(alone, name)[:, :, :rows].float(),
+                atol=0.05, rtol=0.02,
+            )
+
+
+def test_compiled_batch_equals_compiled_one_at_a_time(folder):
+    model = _load(folder, "bfloat16", True)
+    alone_caches, alone_logits = _prefilled(model)
+    batch_caches, batch_logits = _prefilled(model)
+    for _ in range(STEPS):
+        tokens = batch_logits.argmax(-1).tolist()
+        assert tokens == alone_logits.argmax(-1).tolist()
+        alone_logits = torch.stack([model.decode_step(t, c) for t, c in zip(tokens, alone_caches)])
+        batch_logits = model.decode_batch(tokens, batch_caches)
+        torch.testing.assert_close(batch_logits, alone_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_compiled_step_is_closer_to_float32_than_the_python_int8_loop(folder):
+    """Keeping activations in float32 must not cost accuracy against float32 weights."""
+    reference = CausalLM.load(folder, numerics=Numerics.uniform(torch.float32))
+    reference_caches, reference_logits = _prefilled(reference)
+    errors = {}
+    for compiled in (False, True):
+        model = _load(folder, "float32", compiled)
+        caches, _ = _prefilled(model)
+        tokens = reference_logits.argmax(-1).tolist()
+        errors[compiled] = (model.decode_batch(tokens, caches) - reference.decode_batch(tokens, [c.clone(2) for c in reference_caches])).abs().max()
+    assert errors[True] <= errors[False] * 1.05
+
+
+@pytest.mark.parametrize(
+    "family,numerics,reason",
+    [
+        ("llama", Numerics.uniform(torch.float32), "int8"),
+        ("qwen2", Numerics("float32", "float32", "int8", "float32"), "bias"),
+        ("qwen3", Numerics("float32", "float32", "int8", "float32"), "bias"),
+        ("llama", Numerics("float32", "float16", "int8", "float32"), "cache"),
+    ],
+)
+def test_models_it_does_not_cover_keep_the_python_loop(tmp_path, family, numerics, reason):
+    model = CausalLM.load(make_tiny_model(family, tmp_path), numerics=numerics)
+    assert reason in unsupported_reason(model)
+    assert model.compiled_decoder() is None
+    cache = model.new_cache(8)
+    model.prefill(torch.tensor([3, 4, 5]), cache)
+    assert model.decode_step(6, cache).shape == (model.spec.vocab_size,)
