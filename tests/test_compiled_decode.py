@@ -1,6 +1,7 @@
 """The compiled decode step against its reference, the Python forward loop, on tiny random
 Llama checkpoints with int8 decode weights: same greedy tokens, close logits, same cache
-rows; batched equal to one request at a time; and the models it does not cover."""
+rows; and the models it does not cover. Batched against one request at a time:
+tests/test_decode_batch.py."""
 
 from __future__ import annotations
 
@@ -66,18 +67,6 @@ def test_compiled_step_follows_the_python_loop(folder, kv):
                 getattr(batched, name)[:, :, :rows].float(), getattr(alone, name)[:, :, :rows].float(),
                 atol=0.05, rtol=0.02,
             )
-
-
-def test_compiled_batch_equals_compiled_one_at_a_time(folder):
-    model = _load(folder, "bfloat16", True)
-    alone_caches, alone_logits = _prefilled(model)
-    batch_caches, batch_logits = _prefilled(model)
-    for _ in range(STEPS):
-        tokens = batch_logits.argmax(-1).tolist()
-        assert tokens == alone_logits.argmax(-1).tolist()
-        alone_logits = torch.stack([model.decode_step(t, c) for t, c in zip(tokens, alone_caches)])
-        batch_logits = model.decode_batch(tokens, batch_caches)
-        torch.testing.assert_close(batch_logits, alone_logits, atol=1e-4, rtol=1e-4)
 
 
 def test_compiled_step_is_closer_to_float32_than_the_python_int8_loop(folder):

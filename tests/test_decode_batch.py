@@ -6,15 +6,26 @@ import pytest
 import torch
 
 from ragkv.engine.model import CausalLM
+from ragkv.engine.numerics import Numerics
+from ragkv.kernels import cpu_extension
 from tiny_models import make_tiny_model
 
 PROMPT_LENGTHS = (5, 17, 31, 9)
 STEPS = 12
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> CausalLM:
-    return CausalLM.load(make_tiny_model("llama", tmp_path_factory.mktemp("llama")))
+@pytest.fixture(scope="module", params=["python-loop", "compiled-step"])
+def model(request, tmp_path_factory) -> CausalLM:
+    """The float32 Python loop, and int8 weights over a bf16 cache, which run the compiled
+    decode step where it builds (ragkv.engine.compiled_decode)."""
+    folder = make_tiny_model("llama", tmp_path_factory.mktemp("llama"))
+    if request.param == "python-loop":
+        return CausalLM.load(folder)
+    if not cpu_extension.buildable():
+        pytest.skip("no C++ compiler or ninja on this machine")
+    model = CausalLM.load(folder, numerics=Numerics("float32", "bfloat16", "int8", "float32"))
+    assert model.compiled_decoder() is not None
+    return model
 
 
 def _prompt(length: int, seed: int) -> torch.Tensor:
@@ -53,15 +64,20 @@ def test_batch_rows_use_their_own_sparse_attention(model):
             calls.append(index)
             keys, values = cache.layer(layer)
             return torch.nn.functional.scaled_dot_product_attention(
-                q[None], keys[None], values[None], scale=scale, enable_gqa=True
-            )[0]
+                q[None].float(), keys[None].float(), values[None].float(), scale=scale, enable_gqa=True
+            )[0].to(q.dtype)
         return attention
 
     caches, logits = _prefilled(model)
     reference_caches, reference = _prefilled(model)
     tokens = logits.argmax(-1).tolist()
     got = model.decode_batch(tokens, caches, [counting(0), None, counting(2), None])
-    expected = model.decode_batch(tokens, reference_caches)
+    # a batch with sparse rows runs the Python loop: compare with the Python loop's dense step
+    compiled, model.compiled_decode = model.compiled_decode, False
+    try:
+        expected = model.decode_batch(tokens, reference_caches)
+    finally:
+        model.compiled_decode = compiled
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     assert calls.count(0) == calls.count(2) == model.spec.num_layers and len(calls) == 2 * model.spec.num_layers
 

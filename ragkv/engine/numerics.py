@@ -22,8 +22,6 @@ natively (`attention_compute_dtype`).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from functools import lru_cache
-from pathlib import Path
 
 import torch
 
@@ -34,24 +32,14 @@ WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8", "int4")
 """int8: per-output-channel symmetric; int4: groups of INT4_GROUP_SIZE with scale and zero."""
 
 
-@lru_cache(maxsize=1)
 def cpu_has_bf16_units() -> bool:
     """True when this CPU multiplies bf16 natively (AVX512-BF16 or AMX-BF16)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_extension.cpu_flags())
 
 
-@lru_cache(maxsize=1)
 def cpu_has_fp16_units() -> bool:
     """True when this CPU multiplies float16 natively (AVX512-FP16 or AMX-FP16)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_fp16" in flags or "amx_fp16" in flags
+    return bool({"avx512_fp16", "amx_fp16"} & cpu_extension.cpu_flags())
 
 
 def attention_compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:

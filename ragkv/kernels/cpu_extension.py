@@ -33,14 +33,16 @@ DISABLE_VARIABLE = "RAGKV_CPU_EXTENSION"
 """Set to 0 to never build or use the compiled CPU kernels (the torch paths run instead)."""
 
 
-def _cpu_flags() -> str:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
-                return line.split(":", 1)[1].strip()
+                return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return platform.processor()
+    return frozenset()
 
 
 def build_directory() -> Path:
@@ -48,7 +50,8 @@ def build_directory() -> Path:
     for source in (*SOURCES, *HEADERS):
         digest.update(source.read_bytes())
     digest.update(torch.__version__.encode())
-    digest.update(_cpu_flags().encode())
+    digest.update(" ".join(sorted(cpu_flags())).encode())
+    digest.update(platform.processor().encode())
     root = Path(os.environ.get("RAGKV_CACHE", Path.home() / ".cache" / "ragkv"))
     return root / "cpu_extension" / digest.hexdigest()[:16]
 
