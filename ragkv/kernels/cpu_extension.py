@@ -1,9 +1,10 @@
 """The compiled CPU kernels (`ragkv/kernels/cpu/*.cpp`), built once per machine.
 
 torch's C++ extension builder compiles them on first use with the machine's compiler
-(gcc is part of the supported platform), tuned for this CPU (`-march=native`), into a
-folder keyed by the sources, the torch version and the CPU's feature flags, so a cache
-folder shared by different machines never loads code built for another CPU. A machine
+(gcc is part of the supported platform; `scripts/install.sh` builds them once), tuned for
+this CPU (`-march=native`), into a folder under $RAGKV_KERNEL_CACHE keyed by the sources,
+the torch version and the CPU's feature flags, so a cache folder shared by different
+machines never loads code built for another CPU. A machine
 without a compiler, or a build that fails, keeps the torch paths: `load()` returns None
 and says why once in the log.
 """
@@ -31,6 +32,10 @@ _MACHINES = ("x86_64", "AMD64")
 """The kernels' vector paths are AVX2; elsewhere they would compile to slow scalar loops."""
 DISABLE_VARIABLE = "RAGKV_CPU_EXTENSION"
 """Set to 0 to never build or use the compiled CPU kernels (the torch paths run instead)."""
+CACHE_VARIABLE = "RAGKV_KERNEL_CACHE"
+"""Where builds are kept. Not under $RAGKV_CACHE (model conversions): a process pointed at
+another model cache must not pay a minute's build again."""
+DEFAULT_CACHE = Path.home() / ".cache" / "ragkv" / "cpu_extension"
 
 
 @functools.cache
@@ -52,8 +57,7 @@ def build_directory() -> Path:
     digest.update(torch.__version__.encode())
     digest.update(" ".join(sorted(cpu_flags())).encode())
     digest.update(platform.processor().encode())
-    root = Path(os.environ.get("RAGKV_CACHE", Path.home() / ".cache" / "ragkv"))
-    return root / "cpu_extension" / digest.hexdigest()[:16]
+    return Path(os.environ.get(CACHE_VARIABLE, DEFAULT_CACHE)) / digest.hexdigest()[:16]
 
 
 def buildable() -> bool:
@@ -89,3 +93,8 @@ def load() -> ModuleType | None:
     except Exception as error:  # no compiler, no ninja, a failed build: the torch paths still work
         log.warning("compiled CPU kernels unavailable (%s); using the torch paths", str(error).splitlines()[0])
         return None
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print("compiled CPU kernels:", "ready" if load() is not None else "unavailable (torch paths run)")
