@@ -1,12 +1,15 @@
 """Attention-side kernels for ragkv: tensors in, tensors out, no model code.
 
-Every op has a torch reference (:mod:`kernels.reference`) and a Triton kernel;
-sparse decode also has a FlashInfer path. Each launcher takes
-``backend="auto"|"torch"|"triton"|"flashinfer"``; see :mod:`kernels.dispatch`
-for how "auto" chooses. triton and flashinfer are optional imports.
+Every op has a torch reference (:mod:`kernels.reference`); most have a Triton
+kernel, sparse decode also a FlashInfer path, and dense batched decode attention a
+compiled CPU kernel (``cpu/``, built by :mod:`kernels.cpu_extension`). Each launcher
+takes ``backend="auto"|"torch"|"triton"|"flashinfer"|"cpp"``; see
+:mod:`kernels.dispatch` for how "auto" chooses. triton and flashinfer are optional
+imports.
 """
 
 from ragkv.kernels.code_scores import code_score_topk
+from ragkv.kernels.decode_attention import decode_attention
 from ragkv.kernels.dispatch import BackendUnavailableError
 from ragkv.kernels.rope import apply_rope
 from ragkv.kernels.selective_attention import selective_attention
@@ -16,6 +19,7 @@ __all__ = [
     "BackendUnavailableError",
     "apply_rope",
     "code_score_topk",
+    "decode_attention",
     "selective_attention",
     "sparse_decode_attention",
 ]
