@@ -38,8 +38,9 @@ def unsupported_reason(model: "CausalLM") -> str | None:
         return "it needs a float32 residual stream and a float32 or bfloat16 cache"
     if any(layer.qkv_bias is not None or layer.q_norm is not None for layer in weights.layers):
         return "q/k/v biases and q/k norms are not covered"
-    if spec.head_dim % 8 or spec.head_dim > 256 or spec.num_heads // spec.num_kv_heads > 16:
-        return "head_dim must be a multiple of 8 (<= 256) and GQA groups at most 16"
+    if not cpu_extension.supports_heads(spec.num_heads, spec.num_kv_heads, spec.head_dim):
+        return (f"head_dim must be a multiple of 8 (<= {cpu_extension.MAX_HEAD_DIM}) and GQA groups at most "
+                f"{cpu_extension.MAX_GROUP}")
     if cpu_extension.load() is None:
         return "the compiled CPU kernels could not be built here"
     return None

@@ -27,7 +27,7 @@ log = logging.getLogger("ragkv.kernels")
 
 _FOLDER = Path(__file__).parent / "cpu"
 SOURCES = (_FOLDER / "ops.cpp",)
-HEADERS = (_FOLDER / "attention.h", _FOLDER / "int8_linear.h")
+HEADERS = (_FOLDER / "attention.h", _FOLDER / "int8_linear.h", _FOLDER / "vec.h")
 _MACHINES = ("x86_64", "AMD64")
 """The kernels' vector paths are AVX2; elsewhere they would compile to slow scalar loops."""
 DISABLE_VARIABLE = "RAGKV_CPU_EXTENSION"
@@ -36,6 +36,17 @@ CACHE_VARIABLE = "RAGKV_KERNEL_CACHE"
 """Where builds are kept. Not under $RAGKV_CACHE (model conversions): a process pointed at
 another model cache must not pay a minute's build again."""
 DEFAULT_CACHE = Path.home() / ".cache" / "ragkv" / "cpu_extension"
+
+
+MAX_GROUP = 16
+"""Query heads per KV head the compiled attention takes (kMaxGroup in cpu/attention.h)."""
+MAX_HEAD_DIM = 256
+"""Largest head dim (kMaxDim in cpu/attention.h); it must also be a multiple of 8 (AVX2 lanes)."""
+
+
+def supports_heads(heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether the compiled attention takes this head geometry (its C++ checks, stated once here)."""
+    return heads % kv_heads == 0 and heads // kv_heads <= MAX_GROUP and head_dim % 8 == 0 and head_dim <= MAX_HEAD_DIM
 
 
 @functools.cache

@@ -12,22 +12,17 @@ from __future__ import annotations
 
 import torch
 
-from ragkv.kernels import reference, torch_cpu
+from ragkv.kernels import cpu_extension, reference, torch_cpu
 from ragkv.kernels.checks import FLOAT_DTYPES, check_dtype, require
 from ragkv.kernels.dispatch import Backend, select_backend
 
 _CPP_DTYPES = (torch.float32, torch.bfloat16)
-_CPP_MAX_GROUP = 16
-_CPP_MAX_DIM = 256
 
 
 def _cpp_supports(q: torch.Tensor, keys: list[torch.Tensor]) -> bool:
-    kv_heads, dim = keys[0].shape[0], q.shape[2]
     return (
         keys[0].dtype in _CPP_DTYPES
-        and q.shape[1] // kv_heads <= _CPP_MAX_GROUP
-        and dim % 8 == 0
-        and dim <= _CPP_MAX_DIM
+        and cpu_extension.supports_heads(q.shape[1], keys[0].shape[0], q.shape[2])
         and all(k.stride(2) == 1 for k in keys)
     )
 
@@ -70,8 +65,6 @@ def decode_attention(
     kernels = ("cpp",) if _cpp_supports(q, keys) else ()
     chosen = select_backend("decode_attention", backend, device, kernels=kernels)
     if chosen == "cpp":
-        from ragkv.kernels import cpu_extension
-
         out = cpu_extension.load().decode_attention(q.float().contiguous(), keys, values, list(lengths), scale)
         return out.to(q.dtype)
     if device.type == "cpu":

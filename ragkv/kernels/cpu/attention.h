@@ -19,6 +19,8 @@
 #include <utility>
 #include <vector>
 
+#include "vec.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -27,15 +29,6 @@ namespace ragkv {
 
 
 constexpr int64_t kBlockRows = 256;
-
-inline float load_float(const float* p, int64_t i) { return p[i]; }
-
-inline float load_float(const at::BFloat16* p, int64_t i) {
-  uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
 
 // exp for x <= 0 (softmax arguments), vectorisable: 2^(x log2 e) split into integer and
 // fractional parts, the fraction by a degree-6 polynomial (relative error ~2e-7).
@@ -185,13 +178,6 @@ inline float max_lanes(__m256 v) {
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
   m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
   return _mm_cvtss_f32(m);
-}
-
-inline float sum_lanes(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
 }
 
 // scores[0:rows] <- exp(scores - max); returns (max, sum).

@@ -14,27 +14,15 @@
 #include <cstdint>
 #include <cstring>
 
+#include "vec.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
 
 namespace ragkv {
 
-inline float bf16_to_float(at::BFloat16 value) {
-  uint32_t bits = static_cast<uint32_t>(value.x) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
-
 #if defined(__AVX2__) && defined(__FMA__)
-inline float sum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
-}
-
 inline __m256 widen_int8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
@@ -60,7 +48,7 @@ inline void int8_tile(const float* x, int64_t x_stride, const int8_t* w, int64_t
     }
   }
   for (int r = 0; r < Rows; ++r)
-    for (int j = 0; j < Outs; ++j) y[r * y_stride + o + j] = sum8(acc[r][j]) * bf16_to_float(scales[o + j]);
+    for (int j = 0; j < Outs; ++j) y[r * y_stride + o + j] = sum_lanes(acc[r][j]) * load_float(scales, o + j);
 }
 
 template <int Rows>
@@ -96,7 +84,7 @@ inline void int8_linear(const float* x, int64_t rows, int64_t in, const int8_t* 
         for (int64_t o = block; o < block_end; ++o) {
           float s = 0.f;
           for (int64_t i = 0; i < in; ++i) s += x[r * in + i] * static_cast<float>(w[o * in + i]);
-          y[r * out + o] = s * bf16_to_float(scales[o]);
+          y[r * out + o] = s * load_float(scales, o);
         }
 #endif
     }

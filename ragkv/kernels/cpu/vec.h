@@ -1,0 +1,34 @@
+// Scalar and AVX2 helpers shared by the CPU kernels: widening bf16 to float32 and
+// reducing a vector's lanes.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace ragkv {
+
+inline float load_float(const float* p, int64_t i) { return p[i]; }
+
+inline float load_float(const at::BFloat16* p, int64_t i) {
+  uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline float sum_lanes(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+}  // namespace ragkv
