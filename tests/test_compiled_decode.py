@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ragkv.engine.compiled_decode import unsupported_reason
+from ragkv.engine.compiled_decode import COMPILED_PREFILL_ROWS, unsupported_reason
 from ragkv.engine.model import CausalLM
 from ragkv.engine.numerics import Numerics
 from ragkv.kernels import cpu_extension
@@ -80,6 +80,38 @@ def test_compiled_step_is_closer_to_float32_than_the_python_int8_loop(folder):
         tokens = reference_logits.argmax(-1).tolist()
         errors[compiled] = (model.decode_batch(tokens, caches) - reference.decode_batch(tokens, [c.clone(2) for c in reference_caches])).abs().max()
     assert errors[True] <= errors[False] * 1.05
+
+
+@pytest.mark.parametrize("kv", ["float32", "bfloat16"])
+@pytest.mark.parametrize("new_tokens", [1, 7, 16, 32])
+def test_a_short_prefill_after_a_prefix_follows_the_python_loop(folder, kv, new_tokens):
+    """A chat turn's new tokens go through the compiled step: each token attends causally
+    to the prefix and the new tokens before it."""
+    python, compiled = _load(folder, kv, False), _load(folder, kv, True)
+    prefix = torch.randint(3, 128, (200,), generator=torch.Generator().manual_seed(1))
+    turn = torch.randint(3, 128, (new_tokens,), generator=torch.Generator().manual_seed(2))
+    results = []
+    for model in (python, compiled):
+        cache = model.new_cache(8)
+        model.prefill(prefix, cache)
+        results.append((model.prefill(turn, cache), cache))
+    (python_logits, python_cache), (compiled_logits, compiled_cache) = results
+    assert compiled_cache.length == compiled_cache.next_position == 200 + new_tokens
+    torch.testing.assert_close(compiled_logits, python_logits, atol=0.15, rtol=0.02)
+    for name in ("keys", "values"):
+        torch.testing.assert_close(
+            getattr(compiled_cache, name)[:, :, : 200 + new_tokens].float(),
+            getattr(python_cache, name)[:, :, : 200 + new_tokens].float(), atol=0.05, rtol=0.02,
+        )
+
+
+def test_a_long_or_first_prefill_keeps_the_python_loop(folder, monkeypatch):
+    model = _load(folder, "float32", True)
+    monkeypatch.setattr(type(model.compiled_decoder()), "extend", lambda *args: pytest.fail("compiled prefill"))
+    cache = model.new_cache(8)
+    model.prefill(torch.arange(3, 13), cache)
+    model.prefill(torch.arange(3, 3 + COMPILED_PREFILL_ROWS + 1), cache)
+    assert cache.length == 10 + COMPILED_PREFILL_ROWS + 1
 
 
 @pytest.mark.parametrize(

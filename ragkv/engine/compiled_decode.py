@@ -26,6 +26,11 @@ if TYPE_CHECKING:
 
 _CACHE_DTYPES = (torch.float32, torch.bfloat16)
 
+COMPILED_PREFILL_ROWS = 32
+"""Prefills of up to this many rows after a cached prefix (a chat turn's new tokens) run
+through the compiled step too, on the int8 decode weights: 21 rows over a 6.2K-token cache
+took 234 ms against 337 ms in the Python loop, 64 rows about the same in both (AVX2 CPU)."""
+
 
 def unsupported_reason(model: "CausalLM") -> str | None:
     """Why the compiled step cannot run `model`, or None when it can."""
@@ -76,11 +81,20 @@ class CompiledDecoder:
     def step(self, token_ids: Sequence[int], caches: Sequence[KVCache], rows: Sequence[int]) -> torch.Tensor:
         """Write each token's K/V at row rows[b] of caches[b] (room reserved, lengths set by
         the caller), attend over rows [0, rows[b]] and return logits [B, vocab]."""
+        positions = [cache.next_position for cache in caches]
+        return self._run(token_ids, positions, caches, rows, list(range(len(caches))))
+
+    def extend(self, token_ids: Sequence[int], cache: KVCache, start: int) -> torch.Tensor:
+        """A short prefill: token j goes to row and position start + j (room reserved by
+        the caller) and attends causally; returns the last token's logits [vocab]."""
+        rows = list(range(start, start + len(token_ids)))
+        return self._run(token_ids, rows, [cache] * len(rows), rows, [len(rows) - 1])[0]
+
+    def _run(self, token_ids, positions, caches, rows, logit_rows) -> torch.Tensor:
         model = self.model
-        positions = torch.tensor([cache.next_position for cache in caches])
-        cos, sin = model.rotary.cos_sin(positions)
+        cos, sin = model.rotary.cos_sin(torch.tensor(positions))
         hidden = model.embed(torch.tensor(list(token_ids)))
         return self._compiled.step(
             hidden.float(), cos.float(), sin.float(),
-            [cache.keys for cache in caches], [cache.values for cache in caches], list(rows),
+            [cache.keys for cache in caches], [cache.values for cache in caches], list(rows), logit_rows,
         )

@@ -23,7 +23,7 @@ from ragkv.kernels.rope import apply_rope
 from ragkv.kernels.decode_attention import decode_attention as batched_decode_attention
 
 from ragkv.engine.attention import causal_attention
-from ragkv.engine.compiled_decode import CompiledDecoder, unsupported_reason
+from ragkv.engine.compiled_decode import COMPILED_PREFILL_ROWS, CompiledDecoder, unsupported_reason
 from ragkv.engine.kv_cache import KVCache
 from ragkv.engine.model_spec import ModelSpec
 from ragkv.engine.numerics import Numerics
@@ -149,6 +149,11 @@ class CausalLM:
         """Append `token_ids` [N] to `cache` and return the logits of the last token [vocab]."""
         start, n = cache.length, token_ids.numel()
         cache.reserve(start + n)
+        decoder = self.compiled_decoder() if start > 0 and 0 < n <= COMPILED_PREFILL_ROWS else None
+        if decoder is not None:
+            logits = decoder.extend(token_ids.tolist(), cache, start)
+            cache.length = cache.next_position = start + n
+            return logits.to(self.hidden_dtype)
         positions = torch.arange(start, start + n, device=self.device)
         hidden = self.embed(token_ids.to(self.device))
         for layer in range(self.spec.num_layers):

@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <utility>
 #include <vector>
@@ -67,16 +68,6 @@ inline __m256 load8(const at::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 
-// Lane j of the result is the sum of the 8 lanes of a[j].
-inline __m256 sum_lanes8(const __m256* a) {
-  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
-  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
-  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
-  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
-}
-
-// scores[g][r] = q_g . k_r for `rows` rows, 8 rows at a time: each group of rows is widened
-// once into `widened`, then every query head of the group runs 8 independent FMA chains.
 // Fetch `count` rows starting at `row` into cache (lines past the buffer's end are never
 // touched by a prefetch fault: x86 drops prefetches of unmapped addresses).
 template <typename T>
@@ -88,26 +79,50 @@ inline void prefetch_rows(const T* base, int64_t row, int64_t count, int64_t row
   }
 }
 
+// Lanes 0-3 of the result: the sums of the 8 lanes of a[0..3].
+inline __m128 sum_lanes4(const __m256* a) {
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+// scores[g][r] = q_g . k_r for Group query heads, 4 rows at a time read straight from the
+// cache: 4 x Group independent FMA chains, each key vector widened once for the Group
+// heads. Writes 4 scores per group of rows (the buffer has room past the last row).
+template <int Group, typename T>
+void block_scores_for(const float* q, const T* keys, const T* values, int64_t row_stride, int64_t rows, int64_t dim,
+                      float* scores, int64_t scores_stride) {
+  for (int64_t r = 0; r < rows; r += 4) {
+    const T* k[4];
+    for (int j = 0; j < 4; ++j) k[j] = keys + (r + std::min<int64_t>(j, rows - r - 1)) * row_stride;
+    // keys 64 rows ahead, and values for block_values, which reads them next
+    prefetch_rows(keys, r + 64, 4, row_stride, dim);
+    prefetch_rows(values, r + 32, 4, row_stride, dim);
+    __m256 acc[Group][4];
+    for (int g = 0; g < Group; ++g)
+      for (int j = 0; j < 4; ++j) acc[g][j] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < dim; d += 8) {
+      __m256 key[4];
+      for (int j = 0; j < 4; ++j) key[j] = load8(k[j] + d);
+      for (int g = 0; g < Group; ++g) {
+        const __m256 qv = _mm256_loadu_ps(q + g * dim + d);
+        for (int j = 0; j < 4; ++j) acc[g][j] = _mm256_fmadd_ps(qv, key[j], acc[g][j]);
+      }
+    }
+    for (int g = 0; g < Group; ++g) _mm_storeu_ps(scores + g * scores_stride + r, sum_lanes4(acc[g]));
+  }
+}
+
 template <typename T>
 void block_scores(const float* q, const T* keys, const T* values, int64_t row_stride, int64_t rows, int64_t group,
                   int64_t dim, float* scores, int64_t scores_stride) {
-  alignas(32) float widened[8 * kMaxDim];
-  for (int64_t r = 0; r < rows; r += 8) {
-    const int64_t n = std::min<int64_t>(8, rows - r);
-    // keys 64 rows ahead, and this group's values for block_values, which reads them next
-    prefetch_rows(keys, r + 64, 8, row_stride, dim);
-    prefetch_rows(values, r, n, row_stride, dim);
-    for (int64_t j = 0; j < 8; ++j)
-      for (int64_t d = 0; d < dim; d += 8)
-        _mm256_store_ps(widened + j * dim + d, j < n ? load8(keys + (r + j) * row_stride + d) : _mm256_setzero_ps());
-    for (int64_t g = 0; g < group; ++g) {
-      __m256 acc[8];
-      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
-      for (int64_t d = 0; d < dim; d += 8) {
-        const __m256 qv = _mm256_loadu_ps(q + g * dim + d);
-        for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(_mm256_load_ps(widened + j * dim + d), qv, acc[j]);
-      }
-      _mm256_storeu_ps(scores + g * scores_stride + r, sum_lanes8(acc));
+  // query heads in slices of 3: 12 accumulators and 4 key vectors fill the 16 registers
+  for (int64_t g0 = 0; g0 < group; g0 += 3) {
+    const float* qg = q + g0 * dim;
+    float* out = scores + g0 * scores_stride;
+    switch (std::min<int64_t>(3, group - g0)) {
+      case 1: block_scores_for<1, T>(qg, keys, values, row_stride, rows, dim, out, scores_stride); break;
+      case 2: block_scores_for<2, T>(qg, keys, values, row_stride, rows, dim, out, scores_stride); break;
+      default: block_scores_for<3, T>(qg, keys, values, row_stride, rows, dim, out, scores_stride); break;
     }
   }
 }
@@ -240,7 +255,7 @@ template <typename T>
 void attend_block(const float* q, const T* keys, const T* values, int64_t row_stride, int64_t row_begin,
                   int64_t row_end, int64_t group, int64_t dim, float* partial) {
   const int64_t rows = row_end - row_begin;
-  constexpr int64_t stride = kBlockRows + 8;  // room for the last 8-row group's padding lanes
+  constexpr int64_t stride = kBlockRows + 8;  // room for the last 4-row group's padding lanes
   alignas(32) float scores[kMaxGroup * stride];
   block_scores<T>(q, keys + row_begin * row_stride, values + row_begin * row_stride, row_stride, rows, group, dim,
                   scores, stride);
@@ -277,9 +292,21 @@ void decode_attention(const float* q, const std::vector<CacheView<T>>& views, in
         items.push_back({b, h, r, std::min(r + kBlockRows, views[b].length)});
     first_item.push_back(static_cast<int64_t>(items.size()));
   }
+  // Rows of one request in a prefill chunk each come as a request over the same cache:
+  // run the items of one cache block back to back so the block is read from memory once.
+  std::vector<int64_t> schedule(items.size());
+  for (size_t i = 0; i < items.size(); ++i) schedule[i] = static_cast<int64_t>(i);
+  std::stable_sort(schedule.begin(), schedule.end(), [&](int64_t a, int64_t b) {
+    const Item &x = items[a], &y = items[b];
+    const T *x_keys = views[x.request].keys, *y_keys = views[y.request].keys;
+    if (x_keys != y_keys) return std::less<const T*>()(x_keys, y_keys);
+    if (x.head != y.head) return x.head < y.head;
+    return x.row_begin < y.row_begin;
+  });
   std::vector<float> partials(items.size() * group * (dim + 2));
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
+    for (int64_t s = begin; s < end; ++s) {
+      const int64_t i = schedule[s];
       const Item& item = items[i];
       const CacheView<T>& view = views[item.request];
       attend_block<T>(q + (item.request * heads + item.head * group) * dim, view.keys + item.head * view.head_stride,

@@ -3,6 +3,7 @@
 // weights that runs every layer without returning to Python between ops.
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -108,10 +109,12 @@ class DecodeModel {
 
   // hidden [B, hidden] float32 embeddings of the new tokens; cos/sin [B, D] float32 at their
   // positions; keys[b]/values[b] [layers, Hkv, capacity, D] caches whose row rows[b] is
-  // written. Returns next-token logits [B, vocab] float32.
+  // written, attending to rows [0, rows[b]]. Several tokens of one request (a short
+  // prefill) pass the same cache with consecutive rows. Returns next-token logits
+  // [len(logit_rows), vocab] float32 of the batch rows logit_rows.
   at::Tensor step(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
                   const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
-                  const std::vector<int64_t>& rows) const {
+                  const std::vector<int64_t>& rows, const std::vector<int64_t>& logit_rows) const {
     const int64_t batch = hidden.size(0);
     TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.size(1) == hidden_size_, "hidden must be [B, hidden] float32");
     TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.size(0) == batch &&
@@ -121,8 +124,9 @@ class DecodeModel {
     for (auto& length : lengths) length += 1;
     check_caches(keys, values, lengths, batch, kv_heads_, head_dim_, 4);
     for (const auto& k : keys) TORCH_CHECK(k.size(0) == static_cast<int64_t>(layers_.size()), "cache layer count");
-    if (keys[0].scalar_type() == at::kFloat) return run<float>(hidden, cos, sin, keys, values, rows, lengths);
-    return run<at::BFloat16>(hidden, cos, sin, keys, values, rows, lengths);
+    for (const int64_t row : logit_rows) TORCH_CHECK(row >= 0 && row < batch, "logit row out of range");
+    if (keys[0].scalar_type() == at::kFloat) return run<float>(hidden, cos, sin, keys, values, rows, lengths, logit_rows);
+    return run<at::BFloat16>(hidden, cos, sin, keys, values, rows, lengths, logit_rows);
   }
 
  private:
@@ -149,7 +153,8 @@ class DecodeModel {
   template <typename T>
   at::Tensor run(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
                  const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
-                 const std::vector<int64_t>& rows, const std::vector<int64_t>& lengths) const {
+                 const std::vector<int64_t>& rows, const std::vector<int64_t>& lengths,
+                 const std::vector<int64_t>& logit_rows) const {
     const int64_t batch = hidden.size(0), hs = hidden_size_, dim = head_dim_;
     const int64_t qkv_width = (heads_ + 2 * kv_heads_) * dim, attention_width = heads_ * dim;
     const auto f32 = hidden.options().dtype(at::kFloat);
@@ -200,9 +205,12 @@ class DecodeModel {
                   w[9].data_ptr<at::BFloat16>(), hs, update.data_ptr<float>());
       add_into(x, update.data_ptr<float>(), batch * hs);
     }
-    rms_norm(x, final_norm_, normed.data_ptr<float>(), batch);
-    at::Tensor logits = at::empty({batch, lm_weight_.size(0)}, f32);
-    int8_linear(normed.data_ptr<float>(), batch, hs, lm_weight_.data_ptr<int8_t>(), lm_scales_.data_ptr<at::BFloat16>(),
+    const int64_t outputs = static_cast<int64_t>(logit_rows.size());
+    for (int64_t i = 0; i < outputs; ++i)
+      std::copy(x + logit_rows[i] * hs, x + (logit_rows[i] + 1) * hs, update.data_ptr<float>() + i * hs);
+    rms_norm(update.data_ptr<float>(), final_norm_, normed.data_ptr<float>(), outputs);
+    at::Tensor logits = at::empty({outputs, lm_weight_.size(0)}, f32);
+    int8_linear(normed.data_ptr<float>(), outputs, hs, lm_weight_.data_ptr<int8_t>(), lm_scales_.data_ptr<at::BFloat16>(),
                 lm_weight_.size(0), logits.data_ptr<float>());
     return logits;
   }
