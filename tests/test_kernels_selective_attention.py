@@ -13,7 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ragkv.kernels import reference, selective_attention
+from ragkv.kernels import cpu_extension, reference, selective_attention
+from ragkv.kernels.dispatch import BackendUnavailableError
+from ragkv.kernels.selective_attention import reads_cache_in_place
 
 # bfloat16 is absent: the interpreter's tl.dot multiplies bfloat16 as raw uint16 bits
 # (numpy has no bfloat16), so only a GPU can check that path.
@@ -103,3 +105,42 @@ def test_grouped_torch_path_matches_reference_on_many_unsorted_rows(dtype):
     positions = torch.randperm(t, generator=g)[:300]
     out = selective_attention(q, k, v, positions, 0.125, backend="torch")
     torch.testing.assert_close(out, reference.selective_attention(q, k, v, positions, 0.125), **TOL[dtype])
+
+
+needs_cpp = pytest.mark.skipif(not cpu_extension.buildable(), reason="no C++ compiler or ninja on this machine")
+
+
+@needs_cpp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,t", [(1, 9), (7, 40), (45, 300), (300, 700)])  # tiles of 1 to 10 rows, 1 to 22 key blocks
+@pytest.mark.parametrize("hkv,group", [(3, 3), (2, 1), (1, 8)])
+def test_cpp_matches_reference_on_unsorted_rows(hkv, group, n, t, dtype):
+    """The compiled kernel: any row order, duplicates, position 0 and the last row."""
+    q, k, v, g = make_inputs(hkv, group, n, t, 64, dtype, seed=n + t)
+    positions = torch.randint(0, t, (n,), generator=g)
+    positions[0] = t - 1
+    if n > 2:
+        positions[1], positions[2] = 0, positions[-1]
+    out = selective_attention(q, k, v, positions, 0.125, backend="cpp")
+    expected = reference.selective_attention(q.float(), k.float(), v.float(), positions, 0.125)
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected, **tolerance)
+
+
+@needs_cpp
+def test_cpp_reads_a_cache_slice_in_place_and_is_chosen_by_auto():
+    q, k, v, _ = make_inputs(3, 3, 20, 90, 64, torch.bfloat16, seed=5)
+    k_view, v_view = k[:, :60], v[:, :60]  # rows of a larger buffer, as the engine passes them
+    positions = torch.arange(40, 60)
+    assert reads_cache_in_place(q, k_view, v_view)
+    out = selective_attention(q, k_view, v_view, positions, 0.125)
+    expected = reference.selective_attention(q.float(), k_view.float(), v_view.float(), positions, 0.125)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_cpp_is_not_offered_for_head_dims_it_does_not_tile():
+    q, k, v, _ = make_inputs(1, 2, 3, 10, 40, torch.float32, seed=0)
+    assert not reads_cache_in_place(q, k, v)
+    with pytest.raises(BackendUnavailableError, match="no cpp backend"):
+        selective_attention(q, k, v, torch.tensor([1, 2, 3]), 0.1, backend="cpp")

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ragkv.kernels.decode_attention import decode_attention as batched_decode_attention
-from ragkv.kernels.selective_attention import selective_attention
+from ragkv.kernels.selective_attention import reads_cache_in_place, selective_attention
 
 from ragkv.engine.numerics import attention_compute_dtype
 
@@ -24,11 +24,14 @@ def causal_attention(
     first, last = int(positions[0]), int(positions[-1])
     if rows == 1 and first >= cached - 1:
         return decode_attention(q, keys, values, scale)
+    whole_prefix = rows == cached and first == 0 and last == cached - 1
+    if not whole_prefix and reads_cache_in_place(q, keys, values):
+        return selective_attention(q, keys, values, positions, scale)
     compute = attention_compute_dtype(keys.dtype, keys.device)
     if compute != keys.dtype:
         # widened per layer: a copy of the rows is cheap next to the attention itself
         return causal_attention(q.to(compute), keys.to(compute), values.to(compute), positions, scale).to(q.dtype)
-    if rows == cached and first == 0 and last == cached - 1 and rows == last - first + 1:
+    if whole_prefix:
         return _sdpa(q, keys, values, scale, is_causal=True)
     return selective_attention(q, keys, values, positions, scale)
 

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from ragkv.kernels import torch_cpu
+from ragkv.kernels import cpu_extension, torch_cpu
 from ragkv.kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check_dtype, check_shape, common_device, require
 from ragkv.kernels.dispatch import Backend, select_backend
 
@@ -26,6 +26,29 @@ def _tile_sizes(dtype: torch.dtype, head_dim: int) -> tuple[int, int]:
     if dtype == torch.float32:
         return (32, 32) if head_dim <= 128 else (16, 16)
     return (64, 32) if head_dim <= 128 else (32, 32)
+
+
+_CPP_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _kernels(q_rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[str, ...]:
+    """The accelerated backends for these inputs: Triton always, the compiled CPU kernel
+    for float32/bfloat16 caches with contiguous rows and head_dim a multiple of 16."""
+    cpp = (
+        k_cache.dtype in _CPP_DTYPES
+        and q_rows.shape[2] % 16 == 0
+        and cpu_extension.supports_heads(q_rows.shape[0], k_cache.shape[0], q_rows.shape[2])
+        and k_cache.stride(2) == 1
+        and v_cache.stride() == k_cache.stride()
+    )
+    return ("triton", "cpp") if cpp else ("triton",)
+
+
+def reads_cache_in_place(q_rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether backend "auto" runs the compiled CPU kernel for these inputs: it reads a
+    bfloat16 cache as stored and computes in float32, so callers need not widen it."""
+    kernels = _kernels(q_rows, k_cache, v_cache)
+    return select_backend("selective_attention", "auto", q_rows.device, kernels) == "cpp"
 
 
 def selective_attention(
@@ -45,7 +68,8 @@ def selective_attention(
         row_positions: [N] int, absolute position of each query row, in [0, T)
             (precondition, unchecked); any order, duplicates allowed.
         scale: softmax scale, usually 1/sqrt(D).
-        backend: "auto", "torch" or "triton".
+        backend: "auto", "torch", "triton" or "cpp" (CPU; float32/bfloat16 caches,
+            head_dim a multiple of 16).
 
     Returns out [Hq, N, D] in q_rows' dtype: row i attends to rows j <= row_positions[i].
     """
@@ -63,9 +87,13 @@ def selective_attention(
     require(hkv > 0 and t > 0 and hq % hkv == 0, f"need T > 0 and Hq ({hq}) a multiple of Hkv ({hkv})")
     device = common_device(q_rows=q_rows, k_cache=k_cache, v_cache=v_cache, row_positions=row_positions)
 
-    chosen = select_backend("selective_attention", backend, device, kernels=("triton",))
+    chosen = select_backend("selective_attention", backend, device, kernels=_kernels(q_rows, k_cache, v_cache))
     if chosen == "torch":
         return torch_cpu.selective_attention(q_rows, k_cache, v_cache, row_positions, scale)
+    if chosen == "cpp":
+        limits = (row_positions.long() + 1).tolist()
+        out = cpu_extension.load().selective_attention(q_rows.transpose(0, 1), k_cache, v_cache, limits, scale)
+        return out.transpose(0, 1).to(q_rows.dtype)
 
     import triton
 

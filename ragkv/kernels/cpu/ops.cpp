@@ -9,6 +9,7 @@
 
 #include "attention.h"
 #include "int8_linear.h"
+#include "selective_attention.h"
 
 namespace ragkv {
 namespace {
@@ -66,6 +67,30 @@ at::Tensor decode_attention_op(const at::Tensor& q, const std::vector<at::Tensor
   else
     decode_attention<at::BFloat16>(q_scaled.data_ptr<float>(), layer_views<at::BFloat16>(keys, values, lengths, -1),
                                    heads, kv_heads, dim, out.data_ptr<float>());
+  return out;
+}
+
+// q [N, Hq, D]; keys/values one cache layer [Hkv, rows, D]; query row i attends to the
+// first limits[i] rows. Returns [N, Hq, D] float32.
+at::Tensor selective_attention_op(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                                  const std::vector<int64_t>& limits, double scale) {
+  TORCH_CHECK(q.dim() == 3, "q must be [N, Hq, D]");
+  const int64_t n = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = keys.size(0);
+  TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= kMaxGroup, "query heads per KV head must be <= 16");
+  TORCH_CHECK(dim % 16 == 0 && dim <= kMaxDim, "head_dim must be a multiple of 16, at most 256");
+  TORCH_CHECK(static_cast<int64_t>(limits.size()) == n, "one limit per query row");
+  check_caches({keys}, {values}, {keys.size(1)}, 1, kv_heads, dim, 3);
+  for (const int64_t limit : limits) TORCH_CHECK(limit >= 1 && limit <= keys.size(1), "limit out of range");
+  const at::Tensor q_scaled = (q.to(at::kFloat) * scale).contiguous();
+  at::Tensor out = at::empty({n, heads, dim}, q.options().dtype(at::kFloat));
+  if (keys.scalar_type() == at::kFloat)
+    selective_attention<float>(q_scaled.data_ptr<float>(), keys.data_ptr<float>(), values.data_ptr<float>(),
+                               keys.stride(0), keys.stride(1), limits.data(), n, heads, kv_heads, dim,
+                               out.data_ptr<float>());
+  else
+    selective_attention<at::BFloat16>(q_scaled.data_ptr<float>(), keys.data_ptr<at::BFloat16>(),
+                                      values.data_ptr<at::BFloat16>(), keys.stride(0), keys.stride(1), limits.data(),
+                                      n, heads, kv_heads, dim, out.data_ptr<float>());
   return out;
 }
 
@@ -229,6 +254,9 @@ class DecodeModel {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &ragkv::decode_attention_op, "batched dense decode attention over per-request caches",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("selective_attention", &ragkv::selective_attention_op,
+        "causal-by-position attention of many query rows over one cache layer",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("int8_linear", &ragkv::int8_linear_op, "few-row float32 x int8 matmul with per-channel scales",
         pybind11::call_guard<pybind11::gil_scoped_release>());
