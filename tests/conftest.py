@@ -1,12 +1,22 @@
-"""Shared fixtures: a real redis-server for the store tests (no mocks)."""
+"""Shared fixtures: a real redis-server for the store tests (no mocks).
+
+Triton kernels run in its CPU interpreter in this process (tests compare them with the
+torch references). The variable must be set before anything imports triton: triton
+decides when its own library functions (`tl.zeros`, ...) are defined whether they are
+interpreted, and a test module collected earlier may import it indirectly.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
 
-import pytest
+os.environ["TRITON_INTERPRET"] = "1"
 
-from redis_server import RedisServer  # pytest puts tests/ on sys.path (no tests/__init__.py)
+from collections.abc import Iterator  # noqa: E402
+
+import pytest  # noqa: E402
+
+from redis_server import RedisServer  # noqa: E402  pytest puts tests/ on sys.path (no tests/__init__.py)
 
 
 def _started_server() -> RedisServer:

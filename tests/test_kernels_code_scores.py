@@ -1,12 +1,5 @@
 """code_score_topk: Triton vs torch reference, and the reference vs brute force."""
 
-import os
-
-# Must precede any triton import: triton.jit picks the CPU interpreter when a kernel
-# is defined. Set here rather than in tests/conftest.py (owned elsewhere); it leaks to
-# the rest of the pytest process, which is harmless on CPU-only machines.
-os.environ["TRITON_INTERPRET"] = "1"
-
 import pytest
 import torch
 

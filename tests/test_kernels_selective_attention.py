@@ -1,12 +1,5 @@
 """selective_attention: Triton vs torch reference, and agreement with causal SDPA."""
 
-import os
-
-# Must precede any triton import: triton.jit picks the CPU interpreter when a kernel
-# is defined. Set here rather than in tests/conftest.py (owned elsewhere); it leaks to
-# the rest of the pytest process, which is harmless on CPU-only machines.
-os.environ["TRITON_INTERPRET"] = "1"
-
 import math
 
 import pytest
