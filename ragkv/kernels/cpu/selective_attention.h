@@ -182,8 +182,9 @@ void selective_attention(const float* q, const T* keys, const T* values, int64_t
   std::vector<int64_t> order(n);
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return limits[a] < limits[b]; });
-  // Tiles as large as the lanes allow, but enough of them to keep every thread busy.
-  const int64_t wanted_tiles = (8 * at::get_num_threads() + kv_heads - 1) / kv_heads;
+  // Tiles as large as the lanes allow (few lanes leave the FMAs waiting on widening and
+  // softmax), but two per thread at least.
+  const int64_t wanted_tiles = (2 * at::get_num_threads() + kv_heads - 1) / kv_heads;
   const int64_t tile_rows = std::clamp<int64_t>((n + wanted_tiles - 1) / wanted_tiles, 1, kLanes / group);
   const int64_t tiles = (n + tile_rows - 1) / tile_rows;
   at::parallel_for(0, kv_heads * tiles, 1, [&](int64_t begin, int64_t end) {
