@@ -8,7 +8,9 @@ and running jobs are cancelled) and closes everything.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
+import threading
 from collections.abc import Iterator
 from contextlib import asynccontextmanager
 from urllib.parse import parse_qsl, urlsplit
@@ -110,15 +112,32 @@ def _build_state(config: ServeConfig, metrics: Metrics) -> AppState:
     return state
 
 
+async def _start_model_thread(config: ServeConfig, metrics: Metrics) -> AppState:
+    """Build the state on a new thread that then runs the model worker loop: every torch
+    op of the server runs on that one thread (see ModelWorker.run)."""
+    built: concurrent.futures.Future[AppState] = concurrent.futures.Future()
+
+    def model_thread() -> None:
+        try:
+            state = _build_state(config, metrics)
+        except BaseException as error:
+            built.set_exception(error)
+            return
+        built.set_result(state)
+        state.worker.run()
+
+    threading.Thread(target=model_thread, name="ragkv-model-worker", daemon=True).start()
+    return await asyncio.wrap_future(built)
+
+
 def create_app(config: ServeConfig = ServeConfig()) -> FastAPI:
     metrics = Metrics()
     authenticator = Authenticator(load_api_keys(config.api_keys_file))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        state = await asyncio.to_thread(_build_state, config, metrics)
+        state = await _start_model_thread(config, metrics)
         metrics.add_scrape_time(lambda: _readings(state))
-        state.worker.start()
         app.state.ragkv = state
         tenants = ", ".join(sorted(authenticator.tenants)) if authenticator.enabled else "default (no API keys)"
         log.info(f"serving {state.model_id} on http://{config.host}:{config.port}; store {state.runtime.store.backend}, "
