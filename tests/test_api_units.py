@@ -7,6 +7,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -155,6 +156,28 @@ def test_worker_interleaves_cancels_and_bounds_its_queue():
 
 
 # -- replicas sharing one data folder -----------------------------------------------------------
+
+def test_worker_runs_its_jobs_on_the_thread_that_calls_run():
+    """The server builds the engine on one thread and then runs the worker loop there, so
+    every torch op of the process runs on one thread (one OpenMP pool)."""
+    async def scenario():
+        worker = ModelWorker()
+        threads: list[str] = []
+
+        def body(job):
+            threads.append(threading.current_thread().name)
+            yield 1
+            return "done"
+
+        model_thread = threading.Thread(target=worker.run, name="built-the-engine")
+        model_thread.start()
+        assert await worker.submit(Job("q", body)).wait() == "done"
+        assert threads == ["built-the-engine"] and worker.alive
+        await asyncio.to_thread(worker.stop)
+        assert not model_thread.is_alive() and not worker.alive
+
+    asyncio.run(scenario())
+
 
 def test_registry_of_another_replica_sees_new_documents(tmp_path):
     import numpy as np

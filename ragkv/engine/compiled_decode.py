@@ -6,8 +6,10 @@ memory limit on CPUs without bf16 units. The compiled step (`ragkv/kernels/cpu/o
 runs norms, int8 projections, RoPE, the cache append, batched attention and the MLP of
 every layer without returning to Python. It covers Llama-style models (no q/k/v bias, no
 q/k norms) with int8 decode weights, a float32 residual stream and a float32 or bfloat16
-cache on the CPU; everything else, and sparse decode, runs the Python loop. The Python
-loop is its reference (tests/test_compiled_decode.py).
+cache on the CPU; everything else, and sparse decode, runs the Python loop. Several rows
+of one request may share a cache in a step, each attending causally to the rows before it:
+that is how a chat turn's few new tokens are prefilled (`extend`). The Python loop is its
+reference (tests/test_compiled_decode.py).
 """
 
 from __future__ import annotations
