@@ -17,6 +17,6 @@ if [ "${1:-}" = "--dev" ]; then
 else
     python3 -m pip install -q -e .
 fi
-# The compiled CPU kernels (decode attention, the int8 decode step), built once for this
+# The compiled CPU kernels (decode and selective attention, the int8 decode step), built once for this
 # CPU (about a minute); where they cannot be built ragkv runs its torch paths.
-python3 -m ragkv.kernels.cpu_extension
+python3 -c 'from ragkv.kernels import cpu_extension; cpu_extension.build_and_report()'

@@ -106,6 +106,7 @@ def load() -> ModuleType | None:
         return None
 
 
-if __name__ == "__main__":
+def build_and_report() -> None:
+    """Build now and say whether the kernels are there (scripts/install.sh calls this)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     print("compiled CPU kernels:", "ready" if load() is not None else "unavailable (torch paths run)")
