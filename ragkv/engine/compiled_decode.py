@@ -26,8 +26,6 @@ from ragkv.kernels import cpu_extension
 if TYPE_CHECKING:
     from ragkv.engine.model import CausalLM
 
-_CACHE_DTYPES = (torch.float32, torch.bfloat16)
-
 COMPILED_PREFILL_ROWS = 32
 """Prefills of up to this many rows after a cached prefix (a chat turn's new tokens) run
 through the compiled step too, on the int8 decode weights: 21 rows over a 6.2K-token cache
@@ -41,7 +39,7 @@ def unsupported_reason(model: "CausalLM") -> str | None:
         return f"it runs on the CPU, the model is on {model.device.type}"
     if model.numerics.weights != "int8":
         return f"it runs int8 decode weights, the model's are {model.numerics.weights}"
-    if model.hidden_dtype != torch.float32 or model.dtype not in _CACHE_DTYPES:
+    if model.hidden_dtype != torch.float32 or model.dtype not in cpu_extension.CACHE_DTYPES:
         return "it needs a float32 residual stream and a float32 or bfloat16 cache"
     if any(layer.qkv_bias is not None or layer.q_norm is not None for layer in weights.layers):
         return "q/k/v biases and q/k norms are not covered"

@@ -38,6 +38,8 @@ another model cache must not pay a minute's build again."""
 DEFAULT_CACHE = Path.home() / ".cache" / "ragkv" / "cpu_extension"
 
 
+CACHE_DTYPES = (torch.float32, torch.bfloat16)
+"""Cache dtypes the compiled attention reads (widened to float32 in registers)."""
 MAX_GROUP = 16
 """Query heads per KV head the compiled attention takes (kMaxGroup in cpu/attention.h)."""
 MAX_HEAD_DIM = 256

@@ -16,12 +16,10 @@ from ragkv.kernels import cpu_extension, reference, torch_cpu
 from ragkv.kernels.checks import FLOAT_DTYPES, check_dtype, require
 from ragkv.kernels.dispatch import Backend, select_backend
 
-_CPP_DTYPES = (torch.float32, torch.bfloat16)
-
 
 def _cpp_supports(q: torch.Tensor, keys: list[torch.Tensor]) -> bool:
     return (
-        keys[0].dtype in _CPP_DTYPES
+        keys[0].dtype in cpu_extension.CACHE_DTYPES
         and cpu_extension.supports_heads(q.shape[1], keys[0].shape[0], q.shape[2])
         and all(k.stride(2) == 1 for k in keys)
     )

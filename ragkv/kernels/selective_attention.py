@@ -28,14 +28,12 @@ def _tile_sizes(dtype: torch.dtype, head_dim: int) -> tuple[int, int]:
     return (64, 32) if head_dim <= 128 else (32, 32)
 
 
-_CPP_DTYPES = (torch.float32, torch.bfloat16)
-
 
 def _kernels(q_rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[str, ...]:
     """The accelerated backends for these inputs: Triton always, the compiled CPU kernel
     for float32/bfloat16 caches with contiguous rows and head_dim a multiple of 16."""
     cpp = (
-        k_cache.dtype in _CPP_DTYPES
+        k_cache.dtype in cpu_extension.CACHE_DTYPES
         and q_rows.shape[2] % 16 == 0
         and cpu_extension.supports_heads(q_rows.shape[0], k_cache.shape[0], q_rows.shape[2])
         and k_cache.stride(2) == 1
