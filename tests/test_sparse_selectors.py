@@ -204,7 +204,7 @@ def test_logit_aggregation_uses_the_code_kernel_consistently(model, codebook, pr
     """With plain WRoPE and summed logits, a2ats's kernel top-k equals scoring the
     group-summed rotated query against each row's centroid by hand."""
     cache, _ = prefilled(model, prompt_ids)
-    config = SparseConfig(selector="a2ats:mean_key=false", budget=60, window=8, sinks=4, head_aggregation="logits")
+    config = SparseConfig(selector="a2ats:mean_key=false,rerank=0", budget=60, window=8, sinks=4, head_aggregation="logits")
     attention = config.build(PromptState.from_prefill(model, cache, prompt_ids), codebook)
     q = torch.randn(model.spec.num_heads, 1, model.spec.head_dim, generator=torch.Generator().manual_seed(5))
     layer, start, end, k = 1, 4, ROWS - 8, 60 - 12

@@ -21,12 +21,12 @@ on all attended rows; answer F1 against the dense answer and against the gold an
 Speed, per context length: passages are concatenated (repeated when short) to the
 longest length and prefilled once; each shorter context is a prefix of that cache
 (causal, so exactly its own prefill). Every selector then decodes `timing_steps` tokens
-(teacher-forced on the text), interleaved step by step with the others; ms/token is the
-median after `warmup_steps`, both for the whole decode step and for the attention alone
-(the part a selector changes); speed-ups are over the engine's default dense decode
-attention. Setup (per-request k-means, factor fits, codes of fresh rows) is timed apart.
-On a small shared CPU run it with `--threads 1`: torch's thread pool otherwise spends
-milliseconds per op waiting for descheduled threads.
+(teacher-forced on the text) through the engine's own decode step, interleaved step by
+step with the others; ms/token is the median whole step after `warmup_steps`, and the
+speed-up is over the engine's default dense decode in the same run. Each row says which
+step ran: 'compiled' (ragkv.engine.compiled_decode, which runs A2ATS itself) or 'python'
+(the forward loop, for the other selectors). Setup (per-request k-means, factor fits,
+codes of fresh rows) is timed apart.
 
 Auxiliary memory: bytes per cached token held by the selector (codes, factors) over all
 layers and KV heads, as a fraction of the KV bytes per token in fp16; fixed state
@@ -45,7 +45,6 @@ from dataclasses import dataclass, field
 import torch
 
 from ragkv.bench.datasets import Example
-from ragkv.engine.attention import decode_attention
 from ragkv.engine.spec_string import split_spec
 from ragkv.bench.metrics import token_f1
 from ragkv.engine import Engine
@@ -235,30 +234,12 @@ def prefix_cache(cache: KVCache, rows: int, extra: int) -> KVCache:
     return KVCache(keys, values, rows, rows)
 
 
-class TimedAttention:
-    """Wraps a DecodeAttention (None = the engine's dense decode attention) and adds up the
-    seconds spent inside it."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.seconds = 0.0
-
-    def __call__(self, layer: int, q: torch.Tensor, cache: KVCache, scale: float) -> torch.Tensor:
-        started = time.perf_counter()
-        if self.inner is None:
-            keys, values = cache.layer(layer)
-            out = decode_attention(q, keys, values, scale)
-        else:
-            out = self.inner(layer, q, cache, scale)
-        self.seconds += time.perf_counter() - started
-        return out
-
-
 def run_speed(engine: Engine, examples: Sequence[Example], configs: dict[str, SparseConfig], lengths: Sequence[int],
               timing_steps: int, warmup_steps: int, progress: Callable[[str], None]) -> dict:
-    """Per length, every configuration decodes the same tokens; steps are interleaved
-    (step i of every configuration, then step i + 1) so that load drift on a shared
-    machine hits all of them alike; figures are medians over the timed steps."""
+    """Per length, every configuration decodes the same tokens through the engine's own
+    decode step (compiled where it covers the selector); steps are interleaved (step i of
+    every configuration, then step i + 1) so that load drift on a shared machine hits all
+    of them alike; figures are medians over the timed steps."""
     model = engine.model
     steps = timing_steps + warmup_steps
     longest = max(lengths)
@@ -277,28 +258,32 @@ def run_speed(engine: Engine, examples: Sequence[Example], configs: dict[str, Sp
             setup_started = time.perf_counter()
             # the last rows stand in for the question window (SnapKV, LRQK's query sample)
             attention = build(config, engine, cache, ids[:length], prefix_len, length - QUESTION_WINDOW)
-            runs[name] = (cache, TimedAttention(attention), time.perf_counter() - setup_started, [], [])
+            setup_s = time.perf_counter() - setup_started
+            runs[name] = (cache, attention, setup_s, decode_path(model, attention, cache), [])
         progress(f"speed: {length} tokens: {steps} interleaved decode steps")
         for step in range(steps):
-            for name, (cache, timed, _, step_times, attention_times) in runs.items():
-                timed.seconds = 0.0
+            for cache, attention, _, _, step_times in runs.values():
                 t0 = time.perf_counter()
-                model.decode_step(ids[length + step], cache, timed)
+                model.decode_step(ids[length + step], cache, attention)
                 if step >= warmup_steps:
                     step_times.append(time.perf_counter() - t0)
-                    attention_times.append(timed.seconds)
         per_length = {name: {"ms_per_token": 1000 * statistics.median(step_times),
-                             "attention_ms_per_token": 1000 * statistics.median(attention_times),
                              "ms_per_token_mean": 1000 * mean(step_times),
-                             "setup_s": setup_s}
-                      for name, (_, _, setup_s, step_times, attention_times) in runs.items()}
+                             "setup_s": setup_s, "decode_path": path}
+                      for name, (_, _, setup_s, path, step_times) in runs.items()}
         runs.clear()
         dense = per_length["engine_dense"]
         for row in per_length.values():
             row["speedup"] = dense["ms_per_token"] / row["ms_per_token"]
-            row["attention_speedup"] = dense["attention_ms_per_token"] / row["attention_ms_per_token"]
         results[str(length)] = per_length
     return {"prefill_s": prefill_s, "threads": torch.get_num_threads(), "context_lengths": results}
+
+
+def decode_path(model, attention: Selector | None, cache: KVCache) -> str:
+    """'compiled' when the engine's compiled step runs this attention, else 'python'."""
+    if model.compiled_decoder() is None:
+        return "python"
+    return "compiled" if attention is None or attention.compiled_plan(cache) is not None else "python"
 
 
 def aux_memory(engine: Engine, configs: dict[str, SparseConfig], examples: Sequence[Example]) -> dict:
@@ -348,7 +333,7 @@ def format_table(results: dict) -> str:
     width = max(12, *(len(name) for name in names))
     header = f"{'selector':<{width}} {'recall':>6} {'mass_r':>6} {'kept':>6} {'F1 dense':>8} {'F1 gold':>7} {'aux %KV':>7}"
     for length in lengths:
-        header += f" {'ms@' + length:>8} {'x':>5} {'attn ms':>7} {'x':>5}"
+        header += f" {'ms@' + length:>8} {'x':>5}"
     if "quality" in results:
         q = results["quality"]
         lines.append(f"budget {results['budget']} (sinks {results['sinks']} + window {results['window']} included); "
@@ -363,7 +348,7 @@ def format_table(results: dict) -> str:
                 f"{(100 * mem['aux_fraction_of_kv_fp16']) if mem else 0.0:>7.2f}")
         for length in lengths:
             cell = speed[length].get(name)
-            line += (f" {cell['ms_per_token']:>8.1f} {cell['speedup']:>5.2f} {cell['attention_ms_per_token']:>7.1f} "
-                     f"{cell['attention_speedup']:>5.2f}") if cell else f" {'':>8} {'':>5} {'':>7} {'':>5}"
-        lines.append(line)
+            line += f" {cell['ms_per_token']:>8.1f} {cell['speedup']:>5.2f}" if cell else f" {'':>8} {'':>5}"
+        paths = {speed[length][name]["decode_path"] for length in lengths if name in speed[length]}
+        lines.append(line + (f"  ({', '.join(sorted(paths))} step)" if paths else ""))
     return "\n".join(lines)

@@ -6,7 +6,9 @@ memory limit on CPUs without bf16 units. The compiled step (`ragkv/kernels/cpu/o
 runs norms, int8 projections, RoPE, the cache append, batched attention and the MLP of
 every layer without returning to Python. It covers Llama-style models (no q/k/v bias, no
 q/k norms) with int8 decode weights, a float32 residual stream and a float32 or bfloat16
-cache on the CPU; everything else, and sparse decode, runs the Python loop. Several rows
+cache on the CPU; everything else runs the Python loop. A request may decode with A2ATS
+sparse attention (its selector's `compiled_plan`; other selectors run the Python loop).
+Several rows
 of one request may share a cache in a step, each attending causally to the rows before it:
 that is how a chat turn's few new tokens are prefilled (`extend`). The Python loop is its
 reference (tests/test_compiled_decode.py).
@@ -78,11 +80,12 @@ class CompiledDecoder:
             spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.rms_norm_eps, model.scale,
         )
 
-    def step(self, token_ids: Sequence[int], caches: Sequence[KVCache], rows: Sequence[int]) -> torch.Tensor:
+    def step(self, token_ids: Sequence[int], caches: Sequence[KVCache], rows: Sequence[int], plans: Sequence = ()) -> torch.Tensor:
         """Write each token's K/V at row rows[b] of caches[b] (room reserved, lengths set by
-        the caller), attend over rows [0, rows[b]] and return logits [B, vocab]."""
+        the caller), attend over rows [0, rows[b]] and return logits [B, vocab]. plans: none,
+        or one per request, None (dense) or a sparse selector's `compiled_plan`."""
         positions = [cache.next_position for cache in caches]
-        return self._run(token_ids, positions, caches, rows, list(range(len(caches))))
+        return self._run(token_ids, positions, caches, rows, list(range(len(caches))), list(plans))
 
     def extend(self, token_ids: Sequence[int], cache: KVCache, start: int) -> torch.Tensor:
         """A short prefill: token j goes to row and position start + j (room reserved by
@@ -90,11 +93,11 @@ class CompiledDecoder:
         rows = list(range(start, start + len(token_ids)))
         return self._run(token_ids, rows, [cache] * len(rows), rows, [len(rows) - 1])[0]
 
-    def _run(self, token_ids, positions, caches, rows, logit_rows) -> torch.Tensor:
+    def _run(self, token_ids, positions, caches, rows, logit_rows, plans=()) -> torch.Tensor:
         model = self.model
         cos, sin = model.rotary.cos_sin(torch.tensor(positions))
         hidden = model.embed(torch.tensor(list(token_ids)))
         return self._compiled.step(
             hidden.float(), cos.float(), sin.float(),
-            [cache.keys for cache in caches], [cache.values for cache in caches], list(rows), logit_rows,
+            [cache.keys for cache in caches], [cache.values for cache in caches], list(rows), logit_rows, list(plans),
         )

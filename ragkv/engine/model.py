@@ -50,6 +50,12 @@ class DecodeAttention(Protocol):
     def __call__(self, layer: int, q: torch.Tensor, cache: KVCache, scale: float) -> torch.Tensor: ...
 
 
+def compiled_plan(attention: DecodeAttention | None, cache: KVCache):
+    """The compiled step's plan for a sparse attention (None: dense, or not compiled)."""
+    method = getattr(attention, "compiled_plan", None)
+    return None if method is None else method(cache)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     variance = x.pow(2).mean(-1, keepdim=True)
     return weight * (x * torch.rsqrt(variance + eps))
@@ -197,7 +203,8 @@ class CausalLM:
 
         The B rows share every weight matmul and the dense requests one attention call
         (each over its own cache, own length and RoPE position); a request with a sparse
-        attention runs its own."""
+        attention runs its own. The compiled step runs the batch where it covers the model
+        and every sparse attention in it gives a plan (A2ATS); otherwise the Python loop."""
         if len(token_ids) != len(caches):
             raise ValueError(f"{len(token_ids)} tokens for {len(caches)} caches")
         if attentions is None:
@@ -210,9 +217,10 @@ class CausalLM:
         for cache, row in zip(caches, rows):
             cache.reserve(row + 1)
             cache.length = row + 1
-        decoder = self.compiled_decoder() if all(attention is None for attention in attentions) else None
-        if decoder is not None:
-            logits = decoder.step(token_ids, caches, rows)
+        decoder = self.compiled_decoder()
+        plans = [] if decoder is None else [compiled_plan(attention, cache) for attention, cache in zip(attentions, caches)]
+        if decoder is not None and all(plan is not None or attention is None for plan, attention in zip(plans, attentions)):
+            logits = decoder.step(token_ids, caches, rows, plans if any(plan is not None for plan in plans) else ())
             for cache in caches:
                 cache.next_position += 1
             return logits.to(self.hidden_dtype)

@@ -162,26 +162,37 @@ class Selector(ABC):
         k = min(max(self.config.budget_rows(rows) - head - tail, 0), end - start)
         return start, end, k
 
+    def step_span(self, layer: int, cache: KVCache) -> tuple[int, int, int]:
+        """(start, end, k) of this step at `layer`: rows [start, end) are scored and k of
+        them kept. Rows that left the window get their per-row state here, EXTEND_BATCH at
+        a time; until then they stay exact a little longer, inside the budget."""
+        rows = cache.length
+        start, end, k = self.span(rows)
+        ready = self.ready[layer]
+        if k == end - start or end <= ready:
+            return start, end, k
+        if end - ready >= EXTEND_BATCH or ready <= start:
+            self.extend(layer, cache, ready, end)
+            self.ready[layer] = end
+            return start, end, k
+        k = min(max(self.config.budget_rows(rows) - start - (rows - ready), 0), ready - start)
+        return start, ready, k
+
     def indices(self, layer: int, q: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, int, int]:
         rows, heads = cache.length, self.spec.num_kv_heads
-        start, end, k = self.span(rows)
+        start, end, k = self.step_span(layer, cache)
         if k == end - start:
             return torch.arange(rows, device=q.device).expand(heads, rows), start, end
-        ready = self.ready[layer]
-        if end > ready:
-            if end - ready >= EXTEND_BATCH or ready <= start:
-                self.extend(layer, cache, ready, end)
-                self.ready[layer] = end
-            else:
-                # rows that left the window since the last extension stay exact a little
-                # longer (their state is built EXTEND_BATCH rows at a time); the budget still holds
-                end = ready
-                k = min(max(self.config.budget_rows(rows) - start - (rows - end), 0), end - start)
         parts = [torch.arange(start, device=q.device).expand(heads, start)]
         if k:
             parts.append(self.select(layer, q, cache, start, end, k).to(q.device))
         parts.append(torch.arange(end, rows, device=q.device).expand(heads, rows - end))
         return torch.cat(parts, dim=1), start, end
+
+    def compiled_plan(self, cache: KVCache):
+        """This step's state for the compiled decode step, or None where this selector runs
+        the Python loop (the default)."""
+        return None
 
     def __call__(self, layer: int, q: torch.Tensor, cache: KVCache, scale: float) -> torch.Tensor:
         indices, start, end = self.indices(layer, q, cache)

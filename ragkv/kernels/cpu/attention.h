@@ -268,6 +268,27 @@ void attend_block(const float* q, const T* keys, const T* values, int64_t row_st
 }
 
 
+// out[g] (float32 [group][dim]) = the softmax-weighted value sum of `count` partials, partial
+// i at first + i * group * (dim + 2), each [group][dim + 2] as attend_block writes them.
+inline void merge_partials(const float* first, int64_t count, int64_t group, int64_t dim, float* out) {
+  const int64_t stride = group * (dim + 2);
+  for (int64_t g = 0; g < group; ++g) {
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < count; ++i) m = std::max(m, first[i * stride + g * (dim + 2) + dim]);
+    float* o = out + g * dim;
+    std::fill(o, o + dim, 0.f);
+    float total = 0.f;
+    for (int64_t i = 0; i < count; ++i) {
+      const float* part = first + i * stride + g * (dim + 2);
+      const float weight = std::exp(part[dim] - m);
+      total += weight * part[dim + 1];
+      for (int64_t d = 0; d < dim; ++d) o[d] += weight * part[d];
+    }
+    const float inverse = 1.f / total;
+    for (int64_t d = 0; d < dim; ++d) o[d] *= inverse;
+  }
+}
+
 // One request's cache layer: rows of `dim` elements, `head_stride` elements between KV heads.
 template <typename T>
 struct CacheView {
@@ -317,23 +338,12 @@ void decode_attention(const float* q, const std::vector<CacheView<T>>& views, in
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / kv_heads, h = bh % kv_heads;
-      for (int64_t g = 0; g < group; ++g) {
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t i = first_item[b]; i < first_item[b + 1]; ++i)
-          if (items[i].head == h) m = std::max(m, partials[(i * group + g) * (dim + 2) + dim]);
-        float* o = out + (b * heads + h * group + g) * dim;
-        std::fill(o, o + dim, 0.f);
-        float total = 0.f;
-        for (int64_t i = first_item[b]; i < first_item[b + 1]; ++i) {
-          if (items[i].head != h) continue;
-          const float* part = partials.data() + (i * group + g) * (dim + 2);
-          const float weight = std::exp(part[dim] - m);
-          total += weight * part[dim + 1];
-          for (int64_t d = 0; d < dim; ++d) o[d] += weight * part[d];
-        }
-        const float inverse = 1.f / total;
-        for (int64_t d = 0; d < dim; ++d) o[d] *= inverse;
-      }
+      // a request's items are pushed head by head, so one head's partials are consecutive
+      int64_t first = first_item[b];
+      while (items[first].head != h) ++first;
+      int64_t count = 0;
+      while (first + count < first_item[b + 1] && items[first + count].head == h) ++count;
+      merge_partials(partials.data() + first * group * (dim + 2), count, group, dim, out + (b * heads + h * group) * dim);
     }
   });
 }

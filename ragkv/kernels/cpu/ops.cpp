@@ -1,12 +1,16 @@
 // The compiled CPU ops (ragkv.kernels.cpu_extension builds this file once per machine):
-// batched dense decode attention, and a whole decode step of a Llama-style model with int8
-// weights that runs every layer without returning to Python between ops.
+// batched dense decode attention, A2ATS sparse decode attention, and a whole decode step of
+// a Llama-style model with int8 weights that runs every layer without returning to Python
+// between ops.
 #include <torch/extension.h>
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
+#include <tuple>
 #include <vector>
 
+#include "a2ats.h"
 #include "attention.h"
 #include "int8_linear.h"
 #include "selective_attention.h"
@@ -94,6 +98,101 @@ at::Tensor selective_attention_op(const at::Tensor& q, const at::Tensor& keys, c
   return out;
 }
 
+// One request's A2ATS state for one decode step, as ragkv.sparse.a2ats holds it: codes
+// [layers, Hkv, capacity] int16, residual centroids transposed [layers, Hkv, D, C] float32,
+// key mean [layers, Hkv, D] float32 (empty: no mean-key term), rotary [positions, D] float32
+// ([cos | sin] of every rotation pair at each position), wrope cos/sin [D] float32 at relative
+// position (offset - current position); rows [start, end) are scored and k of them kept:
+// the codes pick `candidates` (>= k; more: the k of them with the most exact mass), ranking
+// by the group's summed probabilities, or its summed logits when `logits`.
+class A2atsPlan {
+ public:
+  A2atsPlan(at::Tensor codes, at::Tensor centroids_t, at::Tensor key_mean, at::Tensor rotary, at::Tensor wrope_cos,
+            at::Tensor wrope_sin, int64_t start, int64_t end, int64_t k, int64_t candidates, bool logits)
+      : codes_(std::move(codes)), centroids_t_(std::move(centroids_t)), key_mean_(std::move(key_mean)),
+        rotary_(std::move(rotary)), wrope_cos_(std::move(wrope_cos)), wrope_sin_(std::move(wrope_sin)),
+        start_(start), end_(end), k_(k), candidates_(candidates), logits_(logits) {
+    TORCH_CHECK(codes_.dim() == 3 && codes_.scalar_type() == at::kShort && codes_.stride(2) == 1,
+                "codes must be [layers, Hkv, capacity] int16 with contiguous rows");
+    TORCH_CHECK(centroids_t_.dim() == 4 && centroids_t_.scalar_type() == at::kFloat && centroids_t_.is_contiguous(),
+                "centroids must be contiguous [layers, Hkv, D, C] float32");
+    TORCH_CHECK(key_mean_.numel() == 0 || (key_mean_.scalar_type() == at::kFloat && key_mean_.is_contiguous() &&
+                                           key_mean_.dim() == 3),
+                "key mean must be contiguous [layers, Hkv, D] float32 or empty");
+    TORCH_CHECK(rotary_.dim() == 2 && rotary_.scalar_type() == at::kFloat && rotary_.is_contiguous(),
+                "rotary table must be contiguous [positions, D] float32");
+    TORCH_CHECK(wrope_cos_.scalar_type() == at::kFloat && wrope_cos_.is_contiguous() &&
+                    wrope_sin_.scalar_type() == at::kFloat && wrope_sin_.is_contiguous(),
+                "wrope cos/sin must be contiguous float32");
+    TORCH_CHECK(0 <= start_ && start_ <= end_ && 0 <= k_ && k_ <= candidates_, "need 0 <= start <= end, 0 <= k <= candidates");
+  }
+
+  // Checks the state against a model and a cache of `length` rows.
+  void check(int64_t layers, int64_t kv_heads, int64_t dim, int64_t length) const {
+    TORCH_CHECK(codes_.size(0) == layers && codes_.size(1) == kv_heads && codes_.size(2) >= end_,
+                "codes must cover every layer, KV head and candidate row");
+    TORCH_CHECK(centroids_t_.size(0) == layers && centroids_t_.size(1) == kv_heads && centroids_t_.size(2) == dim,
+                "centroids must be [layers, Hkv, D, C] of this model");
+    TORCH_CHECK(key_mean_.numel() == 0 || key_mean_.sizes() == at::IntArrayRef({layers, kv_heads, dim}),
+                "key mean must be [layers, Hkv, D] of this model");
+    TORCH_CHECK(rotary_.size(1) == dim && rotary_.size(0) >= std::max<int64_t>(end_, 24),
+                "rotary table must cover every candidate position and positions 0..23");
+    TORCH_CHECK(wrope_cos_.numel() == dim && wrope_sin_.numel() == dim, "wrope cos/sin must have head_dim elements");
+    TORCH_CHECK(end_ <= length, "candidate rows beyond the cache");
+  }
+
+  A2atsLayer layer(int64_t l) const {
+    return {codes_.data_ptr<int16_t>() + l * codes_.stride(0),
+            codes_.stride(1),
+            centroids_t_.data_ptr<float>() + l * centroids_t_.stride(0),
+            centroids_t_.size(3),
+            key_mean_.numel() == 0 ? nullptr : key_mean_.data_ptr<float>() + l * key_mean_.stride(0),
+            rotary_.data_ptr<float>(),
+            wrope_cos_.data_ptr<float>(),
+            wrope_sin_.data_ptr<float>(),
+            start_,
+            end_,
+            k_,
+            candidates_,
+            logits_};
+  }
+
+  int64_t k() const { return std::min(k_, end_ - start_); }
+  int64_t layers() const { return codes_.size(0); }
+  bool selects() const { return k_ < end_ - start_; }
+
+ private:
+  at::Tensor codes_, centroids_t_, key_mean_, rotary_, wrope_cos_, wrope_sin_;
+  int64_t start_, end_, k_, candidates_;
+  bool logits_;
+};
+
+// q [Hq, D] over one cache layer keys/values [Hkv, capacity, D] of `length` rows with the
+// A2ATS state of `layer`. Returns (out [Hq, D] float32, chosen rows [Hkv, k] int64, in no order).
+std::tuple<at::Tensor, at::Tensor> a2ats_attention_op(const at::Tensor& q, const at::Tensor& keys,
+                                                      const at::Tensor& values, int64_t length, const A2atsPlan& plan,
+                                                      int64_t layer, double scale) {
+  TORCH_CHECK(q.dim() == 2, "q must be [Hq, D]");
+  const int64_t heads = q.size(0), dim = q.size(1), kv_heads = keys.size(0);
+  TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= kMaxGroup, "query heads per KV head must be <= 16");
+  TORCH_CHECK(dim % 8 == 0 && dim <= kMaxDim, "head_dim must be a multiple of 8, at most 256");
+  check_caches({keys}, {values}, {length}, 1, kv_heads, dim, 3);
+  TORCH_CHECK(layer >= 0 && layer < plan.layers(), "layer out of range");
+  plan.check(plan.layers(), kv_heads, dim, length);
+  const at::Tensor q_scaled = (q.to(at::kFloat) * scale).contiguous();
+  at::Tensor out = at::empty({heads, dim}, q.options().dtype(at::kFloat));
+  at::Tensor chosen = at::empty({kv_heads, plan.k()}, q.options().dtype(at::kLong));
+  int64_t* chosen_ptr = plan.selects() ? chosen.data_ptr<int64_t>() : nullptr;
+  if (keys.scalar_type() == at::kFloat)
+    a2ats_attention<float>(q_scaled.data_ptr<float>(), layer_views<float>({keys}, {values}, {length}, -1)[0],
+                           plan.layer(layer), heads, kv_heads, dim, out.data_ptr<float>(), chosen_ptr);
+  else
+    a2ats_attention<at::BFloat16>(q_scaled.data_ptr<float>(),
+                                  layer_views<at::BFloat16>({keys}, {values}, {length}, -1)[0], plan.layer(layer),
+                                  heads, kv_heads, dim, out.data_ptr<float>(), chosen_ptr);
+  return {out, chosen};
+}
+
 // x [rows, in] float32 @ (weight [out, in] int8 * scales [out] bf16)^T -> [rows, out] float32.
 at::Tensor int8_linear_op(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [rows, in] float32");
@@ -135,11 +234,13 @@ class DecodeModel {
   // hidden [B, hidden] float32 embeddings of the new tokens; cos/sin [B, D] float32 at their
   // positions; keys[b]/values[b] [layers, Hkv, capacity, D] caches whose row rows[b] is
   // written, attending to rows [0, rows[b]]. Several tokens of one request (a short
-  // prefill) pass the same cache with consecutive rows. Returns next-token logits
-  // [len(logit_rows), vocab] float32 of the batch rows logit_rows.
+  // prefill) pass the same cache with consecutive rows. plans is empty (all dense) or has
+  // one entry per row: an A2ATS plan makes that request's attention sparse. Returns
+  // next-token logits [len(logit_rows), vocab] float32 of the batch rows logit_rows.
   at::Tensor step(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
                   const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
-                  const std::vector<int64_t>& rows, const std::vector<int64_t>& logit_rows) const {
+                  const std::vector<int64_t>& rows, const std::vector<int64_t>& logit_rows,
+                  const std::vector<std::optional<A2atsPlan>>& plans) const {
     const int64_t batch = hidden.size(0);
     TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.size(1) == hidden_size_, "hidden must be [B, hidden] float32");
     TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.size(0) == batch &&
@@ -150,8 +251,16 @@ class DecodeModel {
     check_caches(keys, values, lengths, batch, kv_heads_, head_dim_, 4);
     for (const auto& k : keys) TORCH_CHECK(k.size(0) == static_cast<int64_t>(layers_.size()), "cache layer count");
     for (const int64_t row : logit_rows) TORCH_CHECK(row >= 0 && row < batch, "logit row out of range");
-    if (keys[0].scalar_type() == at::kFloat) return run<float>(hidden, cos, sin, keys, values, rows, lengths, logit_rows);
-    return run<at::BFloat16>(hidden, cos, sin, keys, values, rows, lengths, logit_rows);
+    TORCH_CHECK(plans.empty() || static_cast<int64_t>(plans.size()) == batch, "no plans, or one per row");
+    for (int64_t b = 0; b < static_cast<int64_t>(plans.size()); ++b) {
+      if (!plans[b]) continue;
+      plans[b]->check(static_cast<int64_t>(layers_.size()), kv_heads_, head_dim_, lengths[b]);
+      for (int64_t other = 0; other < batch; ++other)
+        TORCH_CHECK(other == b || !keys[other].is_same(keys[b]), "a sparse request decodes one row of its own cache");
+    }
+    if (keys[0].scalar_type() == at::kFloat)
+      return run<float>(hidden, cos, sin, keys, values, rows, lengths, logit_rows, plans);
+    return run<at::BFloat16>(hidden, cos, sin, keys, values, rows, lengths, logit_rows, plans);
   }
 
  private:
@@ -179,7 +288,7 @@ class DecodeModel {
   at::Tensor run(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
                  const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
                  const std::vector<int64_t>& rows, const std::vector<int64_t>& lengths,
-                 const std::vector<int64_t>& logit_rows) const {
+                 const std::vector<int64_t>& logit_rows, const std::vector<std::optional<A2atsPlan>>& plans) const {
     const int64_t batch = hidden.size(0), hs = hidden_size_, dim = head_dim_;
     const int64_t qkv_width = (heads_ + 2 * kv_heads_) * dim, attention_width = heads_ * dim;
     const auto f32 = hidden.options().dtype(at::kFloat);
@@ -213,8 +322,8 @@ class DecodeModel {
           }
         }
       }
-      decode_attention<T>(queries.data_ptr<float>(), layer_views<T>(keys, values, lengths, layer), heads_, kv_heads_,
-                          dim, attended.data_ptr<float>());
+      attend<T>(queries.data_ptr<float>(), keys, values, lengths, plans, static_cast<int64_t>(layer),
+             attended.data_ptr<float>());
       int8_linear(attended.data_ptr<float>(), batch, attention_width, w[3].data_ptr<int8_t>(),
                   w[4].data_ptr<at::BFloat16>(), hs, update.data_ptr<float>());
       add_into(x, update.data_ptr<float>(), batch * hs);
@@ -240,6 +349,41 @@ class DecodeModel {
     return logits;
   }
 
+  // Every row's attention for one layer: one batched call for the dense requests, the
+  // sparse ones each over its own cache.
+  template <typename T>
+  void attend(const float* queries, const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
+              const std::vector<int64_t>& lengths, const std::vector<std::optional<A2atsPlan>>& plans, int64_t layer,
+              float* attended) const {
+    const int64_t width = heads_ * head_dim_, batch = static_cast<int64_t>(keys.size());
+    std::vector<int64_t> dense;
+    for (int64_t b = 0; b < batch; ++b)
+      if (plans.empty() || !plans[b]) dense.push_back(b);
+    if (static_cast<int64_t>(dense.size()) == batch) {
+      decode_attention<T>(queries, layer_views<T>(keys, values, lengths, layer), heads_, kv_heads_, head_dim_, attended);
+      return;
+    }
+    if (!dense.empty()) {
+      std::vector<at::Tensor> dense_keys, dense_values;
+      std::vector<int64_t> dense_lengths;
+      std::vector<float> q(dense.size() * width), out(dense.size() * width);
+      for (size_t i = 0; i < dense.size(); ++i) {
+        dense_keys.push_back(keys[dense[i]]);
+        dense_values.push_back(values[dense[i]]);
+        dense_lengths.push_back(lengths[dense[i]]);
+        std::copy(queries + dense[i] * width, queries + (dense[i] + 1) * width, q.begin() + i * width);
+      }
+      decode_attention<T>(q.data(), layer_views<T>(dense_keys, dense_values, dense_lengths, layer), heads_, kv_heads_,
+                          head_dim_, out.data());
+      for (size_t i = 0; i < dense.size(); ++i)
+        std::copy(out.begin() + i * width, out.begin() + (i + 1) * width, attended + dense[i] * width);
+    }
+    for (int64_t b = 0; b < batch; ++b)
+      if (!plans.empty() && plans[b])
+        a2ats_attention<T>(queries + b * width, layer_views<T>({keys[b]}, {values[b]}, {lengths[b]}, layer)[0],
+                           plans[b]->layer(layer), heads_, kv_heads_, head_dim_, attended + b * width, nullptr);
+  }
+
   static void add_into(float* x, const float* update, int64_t n) {
     for (int64_t i = 0; i < n; ++i) x[i] += update[i];
   }
@@ -258,6 +402,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("selective_attention", &ragkv::selective_attention_op,
         "causal-by-position attention of many query rows over one cache layer",
         pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("a2ats_attention", &ragkv::a2ats_attention_op, "A2ATS sparse decode attention over one cache layer",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  pybind11::class_<ragkv::A2atsPlan>(m, "A2atsPlan")
+      .def(pybind11::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t,
+                          int64_t, int64_t, bool>());
   m.def("int8_linear", &ragkv::int8_linear_op, "few-row float32 x int8 matmul with per-channel scales",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   pybind11::class_<ragkv::DecodeModel>(m, "DecodeModel")
