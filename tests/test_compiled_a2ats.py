@@ -53,9 +53,9 @@ def _calibrated(folder):
     return calibrate(model, lambda s: [b % 500 + 3 for b in s.encode()], text, [5, 6, 7], config)
 
 
-def _prompt(model: CausalLM, extra: int):
-    ids = torch.randint(3, 500, (ROWS,), generator=torch.Generator().manual_seed(3))
-    cache = model.new_cache(ROWS + extra)
+def _prompt(model: CausalLM, extra: int, rows: int = ROWS):
+    ids = torch.randint(3, 500, (rows,), generator=torch.Generator().manual_seed(3))
+    cache = model.new_cache(rows + extra)
     logits = model.prefill(ids, cache)
     return ids, cache, logits
 
@@ -199,3 +199,21 @@ def test_a_plan_that_keeps_every_row_is_dense_attention(small_folder, small_code
         logits = model.decode_batch(tokens, [cache, twin], [attention, None])
         torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
         tokens = logits.argmax(-1).tolist()
+
+
+def test_a_prompt_shorter_than_a_scoring_tile(small_folder, small_codebook):
+    """The compiled step reads the rotary rows of one whole scoring tile (64 positions)
+    whatever the prompt's length."""
+    rows = 40
+    model = CausalLM.load(small_folder, numerics=_numerics("float32"))
+    ids, cache, _ = _prompt(model, 1, rows)
+    config = SparseConfig(selector="a2ats:rerank=0", budget=0.6, sinks=2, window=4)
+    attention = config.build(PromptState.from_prefill(model, cache, ids, 3, rows - 4), small_codebook)
+    _decoding_row(cache)
+    plan = attention.compiled_plan(cache)
+    q = torch.randn(model.spec.num_heads, 1, model.spec.head_dim, generator=torch.Generator().manual_seed(2))
+    indices, start, end = attention.indices(0, q, cache)
+    _, chosen = cpu_extension.load().a2ats_attention(q[:, 0], cache.keys[0], cache.values[0], cache.length, plan, 0,
+                                                    model.scale)
+    assert 0 < chosen.shape[1] < end - start
+    assert torch.equal(chosen.sort(-1).values, indices[:, start : start + chosen.shape[1]].sort(-1).values)

@@ -202,21 +202,29 @@ class A2ATS(Selector):
 
     def rotary_table(self, positions: int) -> torch.Tensor:
         """[cos | sin] of every rotation pair at positions [0, positions), transposed:
-        [D, positions] (grown on demand)."""
+        [D, positions] (the Python scores' layout; grown on demand)."""
         if self._table is None or self._table.shape[1] < positions:
-            size = max(positions, 2 * (0 if self._table is None else self._table.shape[1]))
-            cos, sin = self.model.rotary.cos_sin(torch.arange(size, device=self.model.device))
-            half = self.spec.head_dim // 2
-            self._table = torch.cat((cos[:, :half], sin[:, :half]), dim=-1).float().T.contiguous()
+            self._table = self._rotary(self._grown(positions, self._table, 1)).T.contiguous()
         return self._table
 
     def rotary_rows(self, positions: int) -> torch.Tensor:
-        """The rotary table position-major, [positions, D] (the compiled step's layout: it
-        reads one position's row per tile of rows), for at least positions 0..23."""
-        table = self.rotary_table(max(positions, 24))
-        if self._rows is None or self._rows.shape[0] != table.shape[1]:
-            self._rows = table.T.contiguous()
+        """The same table position-major, [positions, D] (the compiled step's layout: it reads
+        one position's row per tile of rows), for at least positions 0..63 (its tile)."""
+        positions = max(positions, 64)
+        if self._rows is None or self._rows.shape[0] < positions:
+            self._rows = self._rotary(self._grown(positions, self._rows, 0))
         return self._rows
+
+    @staticmethod
+    def _grown(positions: int, table: torch.Tensor | None, axis: int) -> int:
+        """Size of a table grown to hold `positions` (doubling, so growth is amortised)."""
+        return max(positions, 2 * (0 if table is None else table.shape[axis]))
+
+    def _rotary(self, size: int) -> torch.Tensor:
+        """[size, D] float32: [cos | sin] of every rotation pair at positions [0, size)."""
+        cos, sin = self.model.rotary.cos_sin(torch.arange(size, device=self.model.device))
+        half = self.spec.head_dim // 2
+        return torch.cat((cos[:, :half], sin[:, :half]), dim=-1).float().contiguous()
 
     @property
     def fixed_bytes(self) -> int:

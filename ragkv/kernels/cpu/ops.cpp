@@ -135,8 +135,8 @@ class A2atsPlan {
                 "centroids must be [layers, Hkv, D, C] of this model");
     TORCH_CHECK(key_mean_.numel() == 0 || key_mean_.sizes() == at::IntArrayRef({layers, kv_heads, dim}),
                 "key mean must be [layers, Hkv, D] of this model");
-    TORCH_CHECK(rotary_.size(1) == dim && rotary_.size(0) >= std::max<int64_t>(end_, 24),
-                "rotary table must cover every candidate position and positions 0..23");
+    TORCH_CHECK(rotary_.size(1) == dim && rotary_.size(0) >= std::max(end_, a2ats_detail::kTileRows),
+                "rotary table must cover every candidate position and one scoring tile");
     TORCH_CHECK(wrope_cos_.numel() == dim && wrope_sin_.numel() == dim, "wrope cos/sin must have head_dim elements");
     TORCH_CHECK(end_ <= length, "candidate rows beyond the cache");
   }
