@@ -118,8 +118,9 @@ class RetrievalOptions(_Strict):
 class SparseOptions(_Strict):
     """Sparse decode options of /v1/query (a chat session decodes dense: it keeps its exact KV)."""
 
-    selector: str = Field("dense", json_schema_extra={"enum": list(SELECTOR_NAMES)},
-                          description="decode attention selector: " + ", ".join(SELECTOR_NAMES))
+    selector: str = Field("dense", json_schema_extra={"pattern": rf"^({'|'.join(SELECTOR_NAMES)})(:.+)?$"},
+                          description="decode attention selector spec: a name (" + ", ".join(SELECTOR_NAMES)
+                          + ") or name:option=value,... (e.g. a2ats:rerank=0)")
     budget: float | None = Field(None, gt=0, description="sparse decode budget per KV head, sinks and recent window "
                                  "included: a fraction of the cached rows in (0, 1] or a whole row count > 1",
                                  json_schema_extra={"anyOf": [{"type": "number", "exclusiveMinimum": 0, "maximum": 1},
@@ -131,13 +132,14 @@ class SparseOptions(_Strict):
     @field_validator("selector")
     @classmethod
     def _known_selector(cls, value: str) -> str:
-        if value not in SELECTOR_NAMES:
-            raise ValueError(f"unknown selector {value!r}; one of {', '.join(SELECTOR_NAMES)}")
+        name = value.split(":", 1)[0]
+        if name not in SELECTOR_NAMES or value == name + ":":
+            raise ValueError(f"unknown selector {name!r}; choose one of {', '.join(SELECTOR_NAMES)}")
         return value
 
     @property
     def wants_sparse(self) -> bool:
-        return self.selector != "dense" or self.budget is not None or self.snapkv_capacity is not None
+        return self.selector.split(":", 1)[0] != "dense" or self.budget is not None or self.snapkv_capacity is not None
 
 
 class QueryRequest(RetrievalOptions, SparseOptions):
