@@ -19,7 +19,7 @@ in kernels.code_score_topk.
 
 Rerank (option rerank, default 2): the codes pick rerank x k candidates and the k kept
 are those with the most exact attention mass among them, which reads the candidates' keys
-but not their values; it lifts recall of the oracle's mass from 0.88 to 0.97 on the dev
+but not their values; it lifts recall of the oracle's mass from 0.873 to 0.963 on the dev
 set (BENCHMARKS.md).
 
 On the CPU the whole selection runs inside the compiled decode step
@@ -58,7 +58,7 @@ class A2ATSOptions(SelectorOptions):
     """0 = off. Otherwise the codes pick rerank x k candidates and the k kept are the ones
     with the most exact attention mass among them: a step then also reads the keys
     (not the values) of (rerank - 1) x k rows beyond the budget. Default 2: recall of the
-    oracle's mass 0.966 against 0.879 with the codes alone (`ragkv bench sparse`, 5 dev
+    oracle's mass 0.963 against 0.873 with the codes alone (`ragkv bench sparse`, 5 dev
     examples of ~6.1K tokens, BENCHMARKS.md)."""
 
     def __post_init__(self) -> None:
@@ -123,7 +123,7 @@ class A2ATS(Selector):
         if len(spans) != 1:
             return None
         start, end, k = spans.pop()
-        candidates = min(end - start, math.ceil(self.options.rerank * k)) if self.options.rerank else k
+        candidates = self.candidates(start, end, k) if self.options.rerank else k
         cos, sin = self.wrope_rotation(cache)
         mean = self.codebook.key_mean if self.options.mean_key else self.codebook.key_mean.new_empty(0)
         return module.A2atsPlan(self.codes.data, self.centroids_t, mean, self.rotary_rows(end), cos[0], sin[0],
@@ -145,10 +145,13 @@ class A2ATS(Selector):
 
     def select(self, layer: int, q: torch.Tensor, cache: KVCache, start: int, end: int, k: int) -> torch.Tensor:
         if self.options.rerank:
-            candidates = min(end - start, math.ceil(self.options.rerank * k))
-            rows = self.approximate_rows(layer, q, cache, start, end, candidates)
+            rows = self.approximate_rows(layer, q, cache, start, end, self.candidates(start, end, k))
             return self.exact_rerank(layer, q, cache, start, end, rows, k)
         return self.approximate_rows(layer, q, cache, start, end, k)
+
+    def candidates(self, start: int, end: int, k: int) -> int:
+        """How many rows of [start, end) the codes pick for the rerank to keep k of."""
+        return min(end - start, math.ceil(self.options.rerank * k))
 
     def approximate_rows(self, layer: int, q: torch.Tensor, cache: KVCache, start: int, end: int, k: int) -> torch.Tensor:
         """The k rows [Hkv, k] the codes score highest."""
