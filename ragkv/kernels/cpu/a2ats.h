@@ -40,6 +40,7 @@ namespace ragkv {
 
 constexpr int64_t kScoreRows = 576;  // a multiple of every scoring tile (24, 32 and 64 rows)
 constexpr int64_t kTableColumns = 256;
+constexpr int64_t kRerankRows = 128;  // a multiple of the 4-row score tiles
 constexpr int kRadixBits = 11;
 
 // One layer of a request's A2ATS state, as the Python selector holds it.
@@ -436,32 +437,44 @@ void a2ats_attention(const float* q, const CacheView<T>& view, const A2atsLayer&
       });
     }
     at::parallel_for(0, kv_heads, 1, [&](int64_t begin, int64_t last) {
-      for (int64_t h = begin; h < last; ++h) {
+      for (int64_t h = begin; h < last; ++h)
         top_k(ranked + h * n, n, candidates, start, (rerank ? picked : chosen) + h * candidates);
-        if (!rerank) continue;
-        // the k candidates with the most exact attention mass, normalised with the fixed rows
-        const int64_t* rows_of = picked + h * candidates;
-        const int64_t stride = candidates + 8;
-        T* keys = scratch<21, T>(candidates * dim);
-        float* logits = scratch<22, float>(group * stride);
+    });
+    if (rerank) {
+      // the k candidates with the most exact attention mass, normalised with the fixed rows:
+      // their exact logits in (head, chunk of candidates) items, so both cores share the reads
+      const int64_t stride = candidates + 8, chunks = (candidates + kRerankRows - 1) / kRerankRows;
+      float* logits = scratch<15, float>(heads * stride);
+      at::parallel_for(0, kv_heads * chunks, 1, [&](int64_t begin, int64_t last) {
+        T* keys = scratch<21, T>(kRerankRows * dim);
+        for (int64_t item = begin; item < last; ++item) {
+          const int64_t h = item / chunks, first = item % chunks * kRerankRows;
+          const int64_t count = std::min(kRerankRows, candidates - first);
+          const int64_t* rows_of = picked + h * candidates + first;
+          gather_rows<T>(view.keys + h * view.head_stride, nullptr, view.row_stride, count, dim,
+                         [&](int64_t i) { return rows_of[i]; }, keys, nullptr);
+          block_scores<T>(q + h * group * dim, keys, keys, dim, count, group, dim, logits + h * group * stride + first,
+                          stride);
+        }
+      });
+      at::parallel_for(0, kv_heads, 1, [&](int64_t begin, int64_t last) {
         float* mass = scratch<23, float>(candidates);
         int64_t* best = scratch<24, int64_t>(k);
-        gather_rows<T>(view.keys + h * view.head_stride, nullptr, view.row_stride, candidates, dim,
-                       [&](int64_t i) { return rows_of[i]; }, keys, nullptr);
-        block_scores<T>(q + h * group * dim, keys, keys, dim, candidates, group, dim, logits, stride);
-        std::fill(mass, mass + candidates, 0.f);
-        for (int64_t g = 0; g < group; ++g) {
-          float* l = logits + g * stride;
-          const auto [m, sum] = block_softmax(l, candidates);
-          const float fixed = fixed_lse[h * group + g], exact = m + std::log(sum);
-          const float top = std::max(exact, fixed);
-          const float weight = std::exp(m - (top + std::log(std::exp(exact - top) + std::exp(fixed - top))));
-          for (int64_t i = 0; i < candidates; ++i) mass[i] += weight * l[i];
+        for (int64_t h = begin; h < last; ++h) {
+          std::fill(mass, mass + candidates, 0.f);
+          for (int64_t g = 0; g < group; ++g) {
+            float* l = logits + (h * group + g) * stride;
+            const auto [m, sum] = block_softmax(l, candidates);
+            const float fixed = fixed_lse[h * group + g], exact = m + std::log(sum);
+            const float top = std::max(exact, fixed);
+            const float weight = std::exp(m - (top + std::log(std::exp(exact - top) + std::exp(fixed - top))));
+            for (int64_t i = 0; i < candidates; ++i) mass[i] += weight * l[i];
+          }
+          top_k(mass, candidates, k, 0, best);
+          for (int64_t i = 0; i < k; ++i) chosen[h * k + i] = picked[h * candidates + best[i]];
         }
-        top_k(mass, candidates, k, 0, best);
-        for (int64_t i = 0; i < k; ++i) chosen[h * k + i] = rows_of[best[i]];
-      }
-    });
+      });
+    }
   }
 
   // exact attention over sinks + kept rows + window, gathered per head into chunks
