@@ -53,7 +53,9 @@ def test_requests_convert_to_typed_configs_or_400():
     assert config.top_k == 3 and config.fusion.strategy == "cacheblend" and config.fusion.ratio == 0.3
     assert config.generation.max_new_tokens == 8 and config.generation.stop == ("\n\n",)
     sparse = query_config(QueryRequest(question="q", selector="a2ats:rerank=0"), generation, limits).sparse
-    assert sparse.name == "a2ats" and sparse.options.rerank == 0
+    assert sparse.name == "a2ats" and sparse.options.rerank == 0 and sparse.head_aggregation == "probs"
+    logits = query_config(QueryRequest(question="q", head_aggregation="logits"), generation, limits).sparse
+    assert logits.name == "dense" and logits.head_aggregation == "logits"
     for kwargs, fragment in (({"strategy": "a3:nope=1"}, "nope"), ({"top_k": 9}, "at most 8"),
                              ({"selector": "a2ats:rerank=0.5"}, "rerank")):
         with pytest.raises(ApiError) as error:
@@ -63,8 +65,8 @@ def test_requests_convert_to_typed_configs_or_400():
         generation_config(65, None, None, None, None, limits)
     with pytest.raises(ApiError, match="temperature"):
         generation_config(8, -1.0, None, None, None, limits)
-    for kwargs in ({"selector": "nonsense"}, {"selector": "a2ats:"}, {"strategy": "nope"}, {"ratio": 1.5},
-                   {"question": " \n"}, {"seed": 2**64}):
+    for kwargs in ({"selector": "nonsense"}, {"selector": "a2ats:"}, {"head_aggregation": "max"}, {"strategy": "nope"},
+                   {"ratio": 1.5}, {"question": " \n"}, {"seed": 2**64}):
         with pytest.raises(ValueError):
             QueryRequest(**{"question": "q", **kwargs})
     with pytest.raises(ValueError, match="surrogate"):

@@ -125,6 +125,9 @@ class SparseOptions(_Strict):
                                  "included: a fraction of the cached rows in (0, 1] or a whole row count > 1",
                                  json_schema_extra={"anyOf": [{"type": "number", "exclusiveMinimum": 0, "maximum": 1},
                                                               {"type": "integer", "minimum": 2}, {"type": "null"}]})
+    head_aggregation: Literal["probs", "logits"] | None = Field(
+        None, description="how a KV head's query heads combine their scores when rows are chosen: 'probs' (summed "
+        "estimated probabilities, the default) or 'logits' (summed logits: cheaper)")
     snapkv_capacity: int | None = Field(None, ge=1, description="SnapKV: prompt rows kept per layer and KV head after "
                                         "the first token (None: no eviction); at least the prefix and question rows "
                                         "(else 400 snapkv_capacity_too_small)")
@@ -139,7 +142,8 @@ class SparseOptions(_Strict):
 
     @property
     def wants_sparse(self) -> bool:
-        return self.selector.split(":", 1)[0] != "dense" or self.budget is not None or self.snapkv_capacity is not None
+        return (self.selector.split(":", 1)[0] != "dense" or self.budget is not None or self.head_aggregation is not None
+                or self.snapkv_capacity is not None)
 
 
 class QueryRequest(RetrievalOptions, SparseOptions):
@@ -291,6 +295,8 @@ def sparse_config(options: SparseOptions):
     values = {"selector": options.selector}
     if options.budget is not None:
         values["budget"] = options.budget
+    if options.head_aggregation is not None:
+        values["head_aggregation"] = options.head_aggregation
     if options.snapkv_capacity is not None:
         values["snapkv_capacity"] = options.snapkv_capacity
     return SparseConfig(**values)
