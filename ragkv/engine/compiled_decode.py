@@ -8,10 +8,9 @@ every layer without returning to Python. It covers Llama-style models (no q/k/v 
 q/k norms) with int8 decode weights, a float32 residual stream and a float32 or bfloat16
 cache on the CPU; everything else runs the Python loop. A request may decode with A2ATS
 sparse attention (its selector's `compiled_plan`; other selectors run the Python loop).
-Several rows
-of one request may share a cache in a step, each attending causally to the rows before it:
-that is how a chat turn's few new tokens are prefilled (`extend`). The Python loop is its
-reference (tests/test_compiled_decode.py).
+Several rows of one request may share a cache in a step, each attending causally to the
+rows before it: that is how a chat turn's few new tokens are prefilled (`extend`). The
+Python loop is its reference (tests/test_compiled_decode.py).
 """
 
 from __future__ import annotations

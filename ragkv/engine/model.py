@@ -220,7 +220,7 @@ class CausalLM:
         decoder = self.compiled_decoder()
         plans = [] if decoder is None else [compiled_plan(attention, cache) for attention, cache in zip(attentions, caches)]
         if decoder is not None and all(plan is not None or attention is None for plan, attention in zip(plans, attentions)):
-            logits = decoder.step(token_ids, caches, rows, plans if any(plan is not None for plan in plans) else ())
+            logits = decoder.step(token_ids, caches, rows, plans)
             for cache in caches:
                 cache.next_position += 1
             return logits.to(self.hidden_dtype)

@@ -28,7 +28,6 @@ def _tile_sizes(dtype: torch.dtype, head_dim: int) -> tuple[int, int]:
     return (64, 32) if head_dim <= 128 else (32, 32)
 
 
-
 def _kernels(q_rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[str, ...]:
     """The accelerated backends for these inputs: Triton always, the compiled CPU kernel
     for float32/bfloat16 caches with contiguous rows and head_dim a multiple of 16."""

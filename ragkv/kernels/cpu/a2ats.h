@@ -51,6 +51,7 @@ struct A2atsLayer {
   int64_t centroids;            // C
   const float* key_mean;        // [Hkv, D]; nullptr = no mean-key term
   const float* rotary;          // [positions, D]: cos | sin of every rotation pair at each position
+  const float* rotary_tile;     // [kTileRows / 8][D][8]: the same for positions 0..kTileRows - 1, in score_rows' layout
   const float* wrope_cos;       // [D] at relative position (offset - current position)
   const float* wrope_sin;
   int64_t start, end, k;        // rows [start, end) are scored; k kept
@@ -345,9 +346,6 @@ void a2ats_attention(const float* q, const CacheView<T>& view, const A2atsLayer&
   int64_t* picked = scratch<7, int64_t>(kv_heads * std::max<int64_t>(candidates, 1));
   int64_t* chosen = scratch<8, int64_t>(kv_heads * std::max<int64_t>(k, 1));
   float* rank = scratch<9, float>(kv_heads * std::max<int64_t>(n, 1));
-  float* local = scratch<10, float>(kTileRows * dim);
-  for (int64_t j = 0; j < kTileRows; ++j)
-    for (int64_t d = 0; d < dim; ++d) local[(j / 8) * dim * 8 + d * 8 + j % 8] = plan.rotary[j * dim + d];
   if (k > 0 && k < n) {
     at::parallel_for(0, kv_heads, 1, [&](int64_t begin, int64_t last) {
       float* summed = scratch<20, float>(dim);
@@ -395,7 +393,7 @@ void a2ats_attention(const float* q, const CacheView<T>& view, const A2atsLayer&
         const int64_t count = block_begin(b + 1) - start - first;
         float* block = scores + h * scored * n + first;
         score_block(table + h * scored * C, coef + h * scored * dim, C,
-                    plan.codes + h * plan.codes_head_stride + start + first, plan.rotary, local, start + first, count,
+                    plan.codes + h * plan.codes_head_stride + start + first, plan.rotary, plan.rotary_tile, start + first, count,
                     scored, dim, block, n, mean_key);
         if (plan.logits) continue;
         for (int64_t g = 0; g < group; ++g) {
@@ -478,7 +476,7 @@ void a2ats_attention(const float* q, const CacheView<T>& view, const A2atsLayer&
   }
 
   // exact attention over sinks + kept rows + window, gathered per head into chunks
-  const int64_t kept = k < n ? k : n, attended = start + kept + (rows - end);
+  const int64_t attended = start + k + (rows - end);
   const int64_t chunks = (attended + kBlockRows - 1) / kBlockRows;
   float* partials = scratch<12, float>(kv_heads * chunks * group * (dim + 2));
   at::parallel_for(0, kv_heads * chunks, 1, [&](int64_t begin, int64_t last) {
@@ -491,8 +489,8 @@ void a2ats_attention(const float* q, const CacheView<T>& view, const A2atsLayer&
       const T* head_values = view.values + h * view.head_stride;
       auto row_of = [&](int64_t j) {
         if (j < start) return j;
-        if (j < start + kept) return k < n ? chosen[h * k + (j - start)] : j;
-        return end + (j - start - kept);
+        if (j < start + k) return k < n ? chosen[h * k + (j - start)] : j;
+        return end + (j - start - k);
       };
       gather_rows<T>(head_keys, head_values, view.row_stride, count, dim, [&](int64_t i) { return row_of(first + i); },
                      keys, values);

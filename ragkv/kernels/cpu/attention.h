@@ -338,11 +338,8 @@ void decode_attention(const float* q, const std::vector<CacheView<T>>& views, in
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / kv_heads, h = bh % kv_heads;
-      // a request's items are pushed head by head, so one head's partials are consecutive
-      int64_t first = first_item[b];
-      while (items[first].head != h) ++first;
-      int64_t count = 0;
-      while (first + count < first_item[b + 1] && items[first + count].head == h) ++count;
+      // a request's items are pushed head by head, the same number for every head
+      const int64_t count = (first_item[b + 1] - first_item[b]) / kv_heads, first = first_item[b] + h * count;
       merge_partials(partials.data() + first * group * (dim + 2), count, group, dim, out + (b * heads + h * group) * dim);
     }
   });

@@ -119,12 +119,19 @@ class A2atsPlan {
     TORCH_CHECK(key_mean_.numel() == 0 || (key_mean_.scalar_type() == at::kFloat && key_mean_.is_contiguous() &&
                                            key_mean_.dim() == 3),
                 "key mean must be contiguous [layers, Hkv, D] float32 or empty");
-    TORCH_CHECK(rotary_.dim() == 2 && rotary_.scalar_type() == at::kFloat && rotary_.is_contiguous(),
-                "rotary table must be contiguous [positions, D] float32");
+    TORCH_CHECK(rotary_.dim() == 2 && rotary_.scalar_type() == at::kFloat && rotary_.is_contiguous() &&
+                    rotary_.size(0) >= a2ats_detail::kTileRows,
+                "rotary table must be contiguous [positions, D] float32 covering one scoring tile");
     TORCH_CHECK(wrope_cos_.scalar_type() == at::kFloat && wrope_cos_.is_contiguous() &&
                     wrope_sin_.scalar_type() == at::kFloat && wrope_sin_.is_contiguous(),
                 "wrope cos/sin must be contiguous float32");
     TORCH_CHECK(0 <= start_ && start_ <= end_ && 0 <= k_ && k_ <= candidates_, "need 0 <= start <= end, 0 <= k <= candidates");
+    // the first kTileRows positions in score_rows' layout, once per step for every layer
+    const int64_t dim = rotary_.size(1);
+    const float* table = rotary_.data_ptr<float>();
+    rotary_tile_.resize(a2ats_detail::kTileRows * dim);
+    for (int64_t j = 0; j < a2ats_detail::kTileRows; ++j)
+      for (int64_t d = 0; d < dim; ++d) rotary_tile_[(j / 8) * dim * 8 + d * 8 + j % 8] = table[j * dim + d];
   }
 
   // Checks the state against a model and a cache of `length` rows.
@@ -135,8 +142,7 @@ class A2atsPlan {
                 "centroids must be [layers, Hkv, D, C] of this model");
     TORCH_CHECK(key_mean_.numel() == 0 || key_mean_.sizes() == at::IntArrayRef({layers, kv_heads, dim}),
                 "key mean must be [layers, Hkv, D] of this model");
-    TORCH_CHECK(rotary_.size(1) == dim && rotary_.size(0) >= std::max(end_, a2ats_detail::kTileRows),
-                "rotary table must cover every candidate position and one scoring tile");
+    TORCH_CHECK(rotary_.size(1) == dim && rotary_.size(0) >= end_, "rotary table must cover every candidate position");
     TORCH_CHECK(wrope_cos_.numel() == dim && wrope_sin_.numel() == dim, "wrope cos/sin must have head_dim elements");
     TORCH_CHECK(end_ <= length, "candidate rows beyond the cache");
   }
@@ -148,6 +154,7 @@ class A2atsPlan {
             centroids_t_.size(3),
             key_mean_.numel() == 0 ? nullptr : key_mean_.data_ptr<float>() + l * key_mean_.stride(0),
             rotary_.data_ptr<float>(),
+            rotary_tile_.data(),
             wrope_cos_.data_ptr<float>(),
             wrope_sin_.data_ptr<float>(),
             start_,
@@ -163,6 +170,7 @@ class A2atsPlan {
 
  private:
   at::Tensor codes_, centroids_t_, key_mean_, rotary_, wrope_cos_, wrope_sin_;
+  std::vector<float> rotary_tile_;
   int64_t start_, end_, k_, candidates_;
   bool logits_;
 };
