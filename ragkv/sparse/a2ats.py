@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import ClassVar
 
 import torch
@@ -45,6 +46,24 @@ from ragkv.sparse.base import RowBuffer, Selector
 from ragkv.sparse.codebook import A2ATSCodebook
 from ragkv.sparse.registry import SelectorOptions, register
 from ragkv.sparse.prompt import PromptState, unrotate_keys
+
+
+TILE_CENTROIDS = 16
+"""Centroids per tile of the compiled step's layout (kTileCentroids in a2ats.h)."""
+
+
+def centroid_tiles(codebook: A2ATSCodebook, mean_key: bool) -> torch.Tensor:
+    """The scoring centroids in the compiled step's layout, [L, Hkv, C / 16, D, 16] float16
+    (coordinate d of 16 centroids side by side, C zero-padded to a multiple of 16), so that
+    a step's table streams them contiguously. Built once per codebook and kept."""
+    kept = codebook.__dict__.setdefault("_tiles", {})
+    if mean_key not in kept:
+        centroids = codebook.scoring_centroids(mean_key)
+        layers, heads, size, dim = centroids.shape
+        padded = centroids.new_zeros((layers, heads, -(-size // TILE_CENTROIDS) * TILE_CENTROIDS, dim))
+        padded[:, :, :size] = centroids
+        kept[mean_key] = padded.view(layers, heads, -1, TILE_CENTROIDS, dim).transpose(3, 4).contiguous()
+    return kept[mean_key]
 
 
 @register
@@ -80,10 +99,6 @@ class A2ATS(Selector):
         self._rotation: tuple[int, torch.Tensor, torch.Tensor] | None = None
         self._table: torch.Tensor | None = None
         self._rows: torch.Tensor | None = None
-        centroids = self.codebook.centroids  # [L, Hkv, C, D]; WRoPE scores the residual to the mean key
-        if self.options.mean_key:
-            centroids = centroids - self.codebook.key_mean.unsqueeze(2)
-        self.centroids_t = centroids.transpose(2, 3).contiguous()  # [L, Hkv, D, C]: the per-step table is one bmm
         layers, heads, rows = self.spec.num_layers, self.spec.num_kv_heads, prompt.length
         codes = torch.zeros((layers, heads, rows), dtype=torch.int16, device=self.model.device)
         for layer in range(layers):
@@ -103,6 +118,11 @@ class A2ATS(Selector):
                     layer, unrotate_keys(self.model, keys, fresh_rows))
         self.codes = RowBuffer(codes)
         self.buffers.append(self.codes)
+
+    @cached_property
+    def centroids_t(self) -> torch.Tensor:
+        """[L, Hkv, D, C] float32 (the Python scores' table is one bmm against it)."""
+        return self.codebook.scoring_centroids(self.options.mean_key).float().transpose(2, 3).contiguous()
 
     def extend(self, layer: int, cache: KVCache, start: int, end: int) -> None:
         heads = self.spec.num_kv_heads
@@ -126,7 +146,7 @@ class A2ATS(Selector):
         candidates = self.candidates(start, end, k) if self.options.rerank else k
         cos, sin = self.wrope_rotation(cache)
         mean = self.codebook.key_mean if self.options.mean_key else self.codebook.key_mean.new_empty(0)
-        return module.A2atsPlan(self.codes.data, self.centroids_t, mean, self.rotary_rows(end), cos[0], sin[0],
+        return module.A2atsPlan(self.codes.data, centroid_tiles(self.codebook, self.options.mean_key), mean, self.rotary_rows(end), cos[0], sin[0],
                                 start, end, k, candidates, self.config.head_aggregation == "logits")
 
     def wrope_rotation(self, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:

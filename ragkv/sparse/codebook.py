@@ -87,6 +87,17 @@ class A2ATSCodebook:
         mapped = self.centroids @ self.transform  # c L: [layers, kv_heads, C, D]
         return mapped, mapped.pow(2).sum(-1)
 
+    def scoring_centroids(self, mean_key: bool) -> torch.Tensor:
+        """[layers, kv_heads, C, D] float16: the centroids the A2ATS scores use, less the key
+        mean when its term is scored exactly (mean_key). Rounded to float16 once and kept: the
+        compiled decode step streams them every step (half the bytes of float32), and the
+        Python reference uses the same values."""
+        kept = self.__dict__.setdefault("_scoring", {})
+        if mean_key not in kept:
+            centroids = self.centroids - self.key_mean.unsqueeze(2) if mean_key else self.centroids
+            kept[mean_key] = centroids.half()
+        return kept[mean_key]
+
     def check_model(self, spec) -> None:
         if self.shape != (spec.num_layers, spec.num_kv_heads, spec.head_dim):
             raise ValueError(f"the A2ATS codebook was built for (layers, kv_heads, head_dim) = {self.shape}, "
@@ -138,8 +149,10 @@ class A2ATSCodebook:
         return tensors[CODES_KEY]
 
     def centroid_scores(self, layer: int, query: torch.Tensor) -> torch.Tensor:
-        """query [Hkv, D] (already WRoPE-rotated) -> q.c for every centroid [Hkv, C] float32."""
-        return torch.bmm(self.centroids[layer], query.float().unsqueeze(-1)).squeeze(-1)
+        """query [Hkv, D] (already WRoPE-rotated) -> q.c for every centroid [Hkv, C] float32
+        (the float16 scoring centroids, as every A2ATS score uses)."""
+        centroids = self.scoring_centroids(mean_key=False)[layer].float()
+        return torch.bmm(centroids, query.float().unsqueeze(-1)).squeeze(-1)
 
     # -- serialisation (the application layer stores these; see ragkv.app.codebooks) ------
 

@@ -28,10 +28,12 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "attention.h"
@@ -39,7 +41,8 @@
 namespace ragkv {
 
 constexpr int64_t kScoreRows = 576;  // a multiple of every scoring tile (24, 32 and 64 rows)
-constexpr int64_t kTableColumns = 256;
+constexpr int64_t kTableColumns = 256;  // a multiple of kTileCentroids
+constexpr int64_t kTileCentroids = 16;
 constexpr int64_t kRerankRows = 128;  // a multiple of the 4-row score tiles
 constexpr int kRadixBits = 11;
 
@@ -47,8 +50,8 @@ constexpr int kRadixBits = 11;
 struct A2atsLayer {
   const int16_t* codes;         // codes[h * codes_head_stride + t]
   int64_t codes_head_stride;
-  const float* centroids_t;     // [Hkv, D, C] residual centroids, transposed
-  int64_t centroids;            // C
+  const at::Half* centroid_tiles;  // [Hkv, C / kTileCentroids, D, kTileCentroids] residual centroids
+  int64_t centroids;            // C, a multiple of kTileCentroids (the codebook's, padded)
   const float* key_mean;        // [Hkv, D]; nullptr = no mean-key term
   const float* rotary;          // [positions, D]: cos | sin of every rotation pair at each position
   const float* rotary_tile;     // [kTileRows / 8][D][8]: the same for positions 0..kTileRows - 1, in score_rows' layout
@@ -91,6 +94,15 @@ inline void rotate_coefficients(const float* coef, const float* rotary_row, int6
   }
 }
 
+// Fetch the cache lines of one row.
+template <typename T>
+inline void prefetch_row(const T* row, int64_t dim) {
+#if defined(__AVX2__) && defined(__FMA__)
+  for (int64_t offset = 0; offset < dim * static_cast<int64_t>(sizeof(T)); offset += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(row) + offset, _MM_HINT_T0);
+#endif
+}
+
 // x * cos + rotate_half(x) * sin
 inline void rotate(const float* x, const float* cos, const float* sin, int64_t dim, float* out) {
   const int64_t half = dim / 2;
@@ -100,42 +112,28 @@ inline void rotate(const float* x, const float* cos, const float* sin, int64_t d
   }
 }
 
-// (max, exp-sum) of the exact logits q . k_r over rows [begin, end) of one KV head.
-template <typename T>
-std::pair<float, float> exact_logsumexp_parts(const float* q, const T* keys, int64_t row_stride, int64_t begin,
-                                              int64_t end, int64_t dim) {
-  constexpr int64_t stride = kBlockRows + 8;
-  alignas(32) float scores[stride];
-  float m = -std::numeric_limits<float>::infinity(), sum = 0.f;
-  for (int64_t r = begin; r < end; r += kBlockRows) {
-    const int64_t rows = std::min(kBlockRows, end - r);
-    block_scores<T>(q, keys + r * row_stride, keys + r * row_stride, row_stride, rows, 1, dim, scores, stride);
-    const auto [block_max, block_sum] = block_softmax(scores, rows);
-    const float merged = std::max(m, block_max);
-    sum = sum * std::exp(m - merged) + block_sum * std::exp(block_max - merged);
-    m = merged;
-  }
-  return {m, sum};
-}
-
 #if defined(__AVX2__) && defined(__FMA__)
-// table[g][c] = rotated[g] . centroids[:, c] for Group query heads and 16 centroids from c.
-template <int Group>
-inline void table_columns16(const float* rotated, const float* centroids, int64_t C, int64_t dim, float* table) {
-  __m256 acc[Group][2];
-  for (int g = 0; g < Group; ++g) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
+// table[g][16 t + j] = rotated[g] . centroid 16 t + j, for Group query vectors and Tiles
+// consecutive tiles of 16 centroids ([D][16] float16 each).
+template <int Group, int Tiles>
+inline void table_tiles(const float* rotated, const at::Half* tiles, int64_t dim, float* table, int64_t table_stride) {
+  __m256 acc[Group][2 * Tiles];
+  for (int g = 0; g < Group; ++g)
+    for (int v = 0; v < 2 * Tiles; ++v) acc[g][v] = _mm256_setzero_ps();
   for (int64_t d = 0; d < dim; ++d) {
-    const __m256 c0 = _mm256_loadu_ps(centroids + d * C), c1 = _mm256_loadu_ps(centroids + d * C + 8);
+    __m256 c[2 * Tiles];
+    for (int t = 0; t < Tiles; ++t) {
+      const at::Half* row = tiles + (t * dim + d) * kTileCentroids;
+      c[2 * t] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
+      c[2 * t + 1] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 8)));
+    }
     for (int g = 0; g < Group; ++g) {
       const __m256 r = _mm256_broadcast_ss(rotated + g * dim + d);
-      acc[g][0] = _mm256_fmadd_ps(r, c0, acc[g][0]);
-      acc[g][1] = _mm256_fmadd_ps(r, c1, acc[g][1]);
+      for (int v = 0; v < 2 * Tiles; ++v) acc[g][v] = _mm256_fmadd_ps(r, c[v], acc[g][v]);
     }
   }
-  for (int g = 0; g < Group; ++g) {
-    _mm256_storeu_ps(table + g * C, acc[g][0]);
-    _mm256_storeu_ps(table + g * C + 8, acc[g][1]);
-  }
+  for (int g = 0; g < Group; ++g)
+    for (int v = 0; v < 2 * Tiles; ++v) _mm256_storeu_ps(table + g * table_stride + 8 * v, acc[g][v]);
 }
 
 // s[g][i] for Group query heads and 8 x Vectors rows: the table lookups through the codes,
@@ -166,28 +164,39 @@ inline void score_rows(const float* const* table, const float* const* coef, cons
 }
 #endif
 
-// table[g][c] for every query head g of one KV head and centroids [c0, c1).
-inline void table_block(const float* rotated, const float* centroids, int64_t C, int64_t c0, int64_t c1,
-                        int64_t group, int64_t dim, float* table) {
-  int64_t c = c0;
+// table[g][c] for the `group` query vectors of one KV head and centroids [c0, c1), both
+// multiples of kTileCentroids; tiles [C / kTileCentroids][D][kTileCentroids] float16.
+inline void table_block(const float* rotated, const at::Half* tiles, int64_t C, int64_t c0, int64_t c1, int64_t group,
+                        int64_t dim, float* table) {
+  int64_t tile = c0 / kTileCentroids;
+  const int64_t last = c1 / kTileCentroids, tile_size = dim * kTileCentroids;
 #if defined(__AVX2__) && defined(__FMA__)
-  for (; c + 16 <= c1; c += 16)
-    for (int64_t g0 = 0; g0 < group; g0 += 3) {
-      const float* r = rotated + g0 * dim;
-      float* out = table + g0 * C + c;
-      switch (std::min<int64_t>(3, group - g0)) {
-        case 1: table_columns16<1>(r, centroids + c, C, dim, out); break;
-        case 2: table_columns16<2>(r, centroids + c, C, dim, out); break;
-        default: table_columns16<3>(r, centroids + c, C, dim, out); break;
+  // tiles per pass so that group x 2 x tiles FMA chains hide the FMA latency
+  for (int64_t g0 = 0; g0 < group; g0 += 3) {
+    const float* r = rotated + g0 * dim;
+    float* out = table + g0 * C;
+    const int64_t slice = std::min<int64_t>(3, group - g0);
+    int64_t t = tile;
+    for (; slice == 1 && t + 4 <= last; t += 4)
+      table_tiles<1, 4>(r, tiles + t * tile_size, dim, out + t * kTileCentroids, C);
+    for (; slice == 2 && t + 2 <= last; t += 2)
+      table_tiles<2, 2>(r, tiles + t * tile_size, dim, out + t * kTileCentroids, C);
+    for (; t < last; ++t) switch (slice) {
+        case 1: table_tiles<1, 1>(r, tiles + t * tile_size, dim, out + t * kTileCentroids, C); break;
+        case 2: table_tiles<2, 1>(r, tiles + t * tile_size, dim, out + t * kTileCentroids, C); break;
+        default: table_tiles<3, 1>(r, tiles + t * tile_size, dim, out + t * kTileCentroids, C); break;
       }
-    }
+  }
+  tile = last;
 #endif
-  for (; c < c1; ++c)
-    for (int64_t g = 0; g < group; ++g) {
-      float s = 0.f;
-      for (int64_t d = 0; d < dim; ++d) s += rotated[g * dim + d] * centroids[d * C + c];
-      table[g * C + c] = s;
-    }
+  for (; tile < last; ++tile)
+    for (int64_t j = 0; j < kTileCentroids; ++j)
+      for (int64_t g = 0; g < group; ++g) {
+        float sum = 0.f;
+        for (int64_t d = 0; d < dim; ++d)
+          sum += rotated[g * dim + d] * static_cast<float>(tiles[(tile * dim + d) * kTileCentroids + j]);
+        table[g * C + tile * kTileCentroids + j] = sum;
+      }
 }
 
 // s[g][i] = table[g][codes[i]] + coef[g] . rotary[position + i] for `rows` rows from
@@ -231,70 +240,155 @@ inline void score_block(const float* table, const float* coef, int64_t C, const 
   }
 }
 
-// Bits of a float that order like the float, as unsigned integers.
-inline uint32_t order_bits(float value) {
-  uint32_t bits;
+// A float's bits as a signed integer that orders like the float (a negative float has its
+// magnitude bits flipped).
+inline int32_t order_key(float value) {
+  int32_t bits;
   std::memcpy(&bits, &value, sizeof(bits));
-  return bits & 0x80000000u ? ~bits : bits | 0x80000000u;
+  return bits ^ ((bits >> 31) & 0x7FFFFFFF);
 }
 
-// The positions of the k largest of values[0:n), offset by `offset`, in no order: a
-// histogram of the top kRadixBits bits finds the bin holding the k-th largest, every
-// value above it is kept and the bin itself is resolved by nth_element.
-inline void top_k(const float* values, int64_t n, int64_t k, int64_t offset, int64_t* chosen) {
-  constexpr int shift = 32 - kRadixBits, bins = 1 << kRadixBits;
-  thread_local std::vector<uint32_t> keys;
-  keys.resize(n);
-  for (int64_t i = 0; i < n; ++i) keys[i] = order_bits(values[i]);
-  // two interleaved histograms: consecutive equal bins do not wait on each other's stores
-  std::array<int32_t, 2 * bins> counts{};
-  int64_t i = 0;
-  for (; i + 2 <= n; i += 2) {
-    ++counts[keys[i] >> shift];
-    ++counts[bins + (keys[i + 1] >> shift)];
-  }
-  for (; i < n; ++i) ++counts[keys[i] >> shift];
-  int64_t above = 0;
-  uint32_t bin = bins - 1;
-  while (above + counts[bin] + counts[bins + bin] < k) {
-    above += counts[bin] + counts[bins + bin];
-    --bin;
-  }
-  const uint32_t floor = bin << shift, ceiling = floor + (1u << shift);
-  // branch-free: every row is written, the counts advance only for the rows that qualify
-  // (fewer than k rows lie above the boundary bin, so chosen[taken] stays inside chosen)
-  const uint32_t* key = keys.data();
-  thread_local std::vector<uint32_t> boundary_keys;
-  thread_local std::vector<int64_t> boundary_rows;
-  boundary_keys.resize(n + 1);
-  boundary_rows.resize(n + 1);
-  uint32_t* b_keys = boundary_keys.data();
-  int64_t* b_rows = boundary_rows.data();
-  int64_t taken = 0, on_boundary = 0;
-  for (int64_t j = 0; j < n; ++j) {
-    const uint32_t value = key[j];
-    chosen[taken] = offset + j;
-    taken += value >= ceiling;
-    b_keys[on_boundary] = value;
-    b_rows[on_boundary] = j;
-    on_boundary += (value >= floor) & (value < ceiling);
-  }
-  const int64_t need = k - taken;
-  thread_local std::vector<int64_t> order;
-  order.resize(on_boundary);
-  for (int64_t j = 0; j < on_boundary; ++j) order[j] = j;
-  std::nth_element(order.begin(), order.begin() + need, order.end(),
-                   [&](int64_t x, int64_t y) { return b_keys[x] > b_keys[y]; });
-  for (int64_t j = 0; j < need; ++j) chosen[taken++] = offset + b_rows[order[j]];
+// The radix digit of an order key: its unsigned bits (sign flipped) above `shift`, masked.
+inline uint32_t digit(int32_t key, int shift, uint32_t mask) {
+  return (static_cast<uint32_t>(key) ^ 0x80000000u) >> shift & mask;
 }
 
-// Fetch the cache lines of one row.
-template <typename T>
-inline void prefetch_row(const T* row, int64_t dim) {
 #if defined(__AVX2__) && defined(__FMA__)
-  for (int64_t offset = 0; offset < dim * static_cast<int64_t>(sizeof(T)); offset += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(row) + offset, _MM_HINT_T0);
+inline __m256i order_keys8(const float* values) {
+  const __m256i bits = _mm256_castps_si256(_mm256_loadu_ps(values));
+  return _mm256_xor_si256(bits, _mm256_and_si256(_mm256_srai_epi32(bits, 31), _mm256_set1_epi32(0x7FFFFFFF)));
+}
+
+// Lane orders that move the lanes set in an 8-bit mask to the front, in order.
+inline const std::array<std::array<int32_t, 8>, 256>& compress_lanes() {
+  static const auto table = [] {
+    std::array<std::array<int32_t, 8>, 256> lanes{};
+    for (int mask = 0; mask < 256; ++mask)
+      for (int lane = 0, kept = 0; lane < 8; ++lane)
+        if (mask >> lane & 1) lanes[mask][kept++] = lane;
+    return lanes;
+  }();
+  return table;
+}
+
+// Writes the lanes of `items` selected by `mask` at out[count] (all 8 lanes are stored: out
+// needs 7 spare) and returns the new count.
+inline int64_t append_selected(__m256i items, int mask, int32_t* out, int64_t count) {
+  const __m256i order = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(compress_lanes()[mask].data()));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + count), _mm256_permutevar8x32_epi32(items, order));
+  return count + __builtin_popcount(mask);
+}
 #endif
+
+// The k-th largest of values[0:n) as an order key, how many values equal to it are among the
+// k largest, and how many values equal it. Radix select, kRadixBits, kRadixBits, then the
+// last bits, each level histogramming only the keys in the boundary bin of the level above.
+struct Threshold {
+  int32_t key;
+  int64_t taken_ties, ties;
+};
+
+inline Threshold radix_threshold(const float* values, int64_t n, int64_t k) {
+  constexpr int bins = 1 << kRadixBits;
+  int32_t* keys = scratch<30, int32_t>(2 * n + 16);
+  int32_t* narrowed = keys + n + 8;
+  int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  for (; i + 8 <= n; i += 8) _mm256_storeu_si256(reinterpret_cast<__m256i*>(keys + i), order_keys8(values + i));
+#endif
+  for (; i < n; ++i) keys[i] = order_key(values[i]);
+  uint32_t prefix = 0;  // the threshold's unsigned bits found so far
+  int64_t count = n, need = k;
+  const int32_t* level_keys = keys;
+  for (int low = 32;;) {
+    const int width = std::min(kRadixBits, low), shift = low - width;
+    const uint32_t mask = (1u << width) - 1;
+    // two interleaved histograms: consecutive equal bins do not wait on each other's stores
+    std::array<int32_t, 2 * bins> counts{};
+    int64_t j = 0;
+    for (; j + 2 <= count; j += 2) {
+      ++counts[digit(level_keys[j], shift, mask)];
+      ++counts[bins + digit(level_keys[j + 1], shift, mask)];
+    }
+    for (; j < count; ++j) ++counts[digit(level_keys[j], shift, mask)];
+    uint32_t bin = mask;
+    for (int64_t above = counts[bin] + counts[bins + bin]; need > above; above = counts[bin] + counts[bins + bin]) {
+      need -= above;
+      --bin;
+    }
+    prefix |= bin << shift;
+    if (shift == 0) return {static_cast<int32_t>(prefix ^ 0x80000000u), need, counts[bin] + counts[bins + bin]};
+    // keep the keys of the boundary bin, [lowest, highest] as signed keys
+    const int32_t lowest = static_cast<int32_t>(prefix ^ 0x80000000u), highest = lowest + ((1 << shift) - 1);
+    int64_t kept = 0, t = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256i below = _mm256_set1_epi32(lowest - 1), above = _mm256_set1_epi32(highest);
+    for (; t + 8 <= count; t += 8) {
+      const __m256i key = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(level_keys + t));
+      const __m256i inside = _mm256_andnot_si256(_mm256_cmpgt_epi32(key, above), _mm256_cmpgt_epi32(key, below));
+      kept = append_selected(key, _mm256_movemask_ps(_mm256_castsi256_ps(inside)), narrowed, kept);
+    }
+#endif
+    for (; t < count; ++t) {
+      narrowed[kept] = level_keys[t];
+      kept += level_keys[t] >= lowest && level_keys[t] <= highest;
+    }
+    count = kept;
+    level_keys = narrowed;
+    low = shift;
+  }
+}
+
+// The positions of the k largest of values[0:n), offset by `offset`, ascending (the rows
+// are then read in address order); of values tied at the k-th largest, the lowest positions.
+inline void top_k(const float* values, int64_t n, int64_t k, int64_t offset, int64_t* chosen) {
+  if (k <= 0) return;
+  if (k >= n) {
+    for (int64_t i = 0; i < n; ++i) chosen[i] = offset + i;
+    return;
+  }
+  const Threshold threshold = radix_threshold(values, n, k);
+  int64_t taken = 0, j = 0;
+  if (threshold.taken_ties < threshold.ties || threshold.key == std::numeric_limits<int32_t>::min()) {
+    // some values equal to the k-th are left out: the first ones are kept
+    for (int64_t tied = 0; j < n && taken < k; ++j) {
+      const int32_t key = order_key(values[j]);
+      const bool same = key == threshold.key;
+      chosen[taken] = offset + j;
+      taken += (key > threshold.key) | (same & (tied < threshold.taken_ties));
+      tied += same;
+    }
+    return;
+  }
+  // every value >= the k-th is kept: exactly k of them
+  int32_t* positions = scratch<31, int32_t>(k + 8);
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256i floor = _mm256_set1_epi32(threshold.key - 1), step = _mm256_set1_epi32(8);
+  __m256i position = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (; j + 8 <= n; j += 8, position = _mm256_add_epi32(position, step)) {
+    const int mask = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(order_keys8(values + j), floor)));
+    taken = append_selected(position, mask, positions, taken);
+  }
+#endif
+  for (; j < n; ++j) {
+    positions[taken] = static_cast<int32_t>(j);
+    taken += order_key(values[j]) >= threshold.key;
+  }
+  for (int64_t i = 0; i < k; ++i) chosen[i] = offset + positions[i];
+}
+
+
+// One row copied inline (a libc memcpy call per 128-byte row costs more than the copy).
+template <typename T>
+inline void copy_row(const T* row, int64_t dim, T* out) {
+  const int64_t bytes = dim * static_cast<int64_t>(sizeof(T));
+  int64_t offset = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  for (; offset + 32 <= bytes; offset += 32)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(reinterpret_cast<char*>(out) + offset),
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(reinterpret_cast<const char*>(row) + offset)));
+#endif
+  std::memcpy(reinterpret_cast<char*>(out) + offset, reinterpret_cast<const char*>(row) + offset, bytes - offset);
 }
 
 }  // namespace a2ats_detail
@@ -304,7 +398,7 @@ inline void prefetch_row(const T* row, int64_t dim) {
 template <typename T, typename RowOf>
 void gather_rows(const T* keys, const T* values, int64_t row_stride, int64_t count, int64_t dim, RowOf row_of,
                  T* keys_out, T* values_out) {
-  constexpr int64_t ahead = 8;
+  constexpr int64_t ahead = 16;  // rows: about one DRAM latency of copying
   auto prefetch = [&](int64_t i) {
     a2ats_detail::prefetch_row(keys + row_of(i) * row_stride, dim);
     if (values_out != nullptr) a2ats_detail::prefetch_row(values + row_of(i) * row_stride, dim);
@@ -313,15 +407,56 @@ void gather_rows(const T* keys, const T* values, int64_t row_stride, int64_t cou
   for (int64_t i = 0; i < count; ++i) {
     if (i + ahead < count) prefetch(i + ahead);
     const int64_t row = row_of(i);
-    std::memcpy(keys_out + i * dim, keys + row * row_stride, dim * sizeof(T));
-    if (values_out != nullptr) std::memcpy(values_out + i * dim, values + row * row_stride, dim * sizeof(T));
+    a2ats_detail::copy_row(keys + row * row_stride, dim, keys_out + i * dim);
+    if (values_out != nullptr) a2ats_detail::copy_row(values + row * row_stride, dim, values_out + i * dim);
   }
 }
 
+namespace a2ats_detail {
+
+// The partial softmax ([group][dim + 2], as attend_block writes it) of one KV head's query
+// heads over rows row_of(0 .. count - 1), gathered from the cache in blocks of kBlockRows;
+// one partial per block at partials + block * group * (dim + 2).
+template <typename T, typename RowOf>
+void attend_rows(const float* q, const T* keys, const T* values, int64_t row_stride, int64_t count, int64_t group,
+                 int64_t dim, RowOf row_of, float* partials) {
+  T* gathered_keys = scratch<13, T>(kBlockRows * dim);
+  T* gathered_values = scratch<14, T>(kBlockRows * dim);
+  for (int64_t first = 0, block = 0; first < count; first += kBlockRows, ++block) {
+    const int64_t rows = std::min(kBlockRows, count - first);
+    gather_rows<T>(keys, values, row_stride, rows, dim, [&](int64_t i) { return row_of(first + i); }, gathered_keys,
+                   gathered_values);
+    attend_block<T>(q, gathered_keys, gathered_values, dim, 0, rows, group, dim, partials + block * group * (dim + 2));
+  }
+}
+
+// log-sum-exp of query head g over `count` partials (each [group][dim + 2]).
+inline float partials_logsumexp(const float* partials, int64_t count, int64_t group, int64_t dim, int64_t g) {
+  const int64_t stride = group * (dim + 2);
+  float m = -std::numeric_limits<float>::infinity(), sum = 0.f;
+  for (int64_t i = 0; i < count; ++i) m = std::max(m, partials[i * stride + g * (dim + 2) + dim]);
+  if (std::isinf(m)) return m;
+  for (int64_t i = 0; i < count; ++i) {
+    const float* part = partials + i * stride + g * (dim + 2);
+    sum += part[dim + 1] * std::exp(part[dim] - m);
+  }
+  return m + std::log(sum);
+}
+
+}  // namespace a2ats_detail
+
 // out [Hq, dim] float32 = attention of q (float32 [Hq, dim], pre-scaled by the softmax
 // scale, post-RoPE) over rows [0, start), the k chosen rows of [start, end) and
-// [end, view.length) of each KV head; the chosen rows go to chosen [Hkv, k] when it is
-// not null. k >= end - start attends every row.
+// [end, view.length) of each KV head; the chosen rows (ascending) go to chosen [Hkv, k] when
+// it is not null. k >= end - start attends every row.
+//
+// Four parallel regions: (1) per KV head, the tables, and the exact partial softmax of the
+// always-attended rows (its log-sum-exp normalises the estimated and reranked masses, its
+// values join the output); (2) the row scores, each head ranked and its top rows picked by
+// whichever thread scores the head's last block, while the other goes on scoring; (3) with
+// rerank, the candidates' exact logits, each head's k kept rows chosen the same way; (4) the
+// attention over the kept rows, which with rerank reuses the logits of (3) and reads only
+// the values.
 template <typename T>
 void a2ats_attention(const float* q, const CacheView<T>& view, const A2atsLayer& plan, int64_t heads,
                      int64_t kv_heads, int64_t dim, float* out, int64_t* chosen_out) {
@@ -329,100 +464,105 @@ void a2ats_attention(const float* q, const CacheView<T>& view, const A2atsLayer&
   const int64_t group = heads / kv_heads, rows = view.length, C = plan.centroids;
   const int64_t start = plan.start, end = plan.end, n = end - start, half = dim / 2;
   const int64_t k = std::min(plan.k, n), candidates = std::min(std::max(plan.candidates, k), n);
-  const bool mean_key = plan.key_mean != nullptr, rerank = candidates > k;
+  const bool selecting = k > 0 && k < n, mean_key = plan.key_mean != nullptr;
+  const bool rerank = selecting && candidates > k;
+  const int64_t partial_size = group * (dim + 2);
   // query vectors the codes score per KV head: each query head, or their sum
   const int64_t scored = plan.logits ? 1 : group;
   const int64_t blocks = (n + kScoreRows - 1) / kScoreRows;
   auto block_begin = [&](int64_t b) { return std::min(end, start + b * kScoreRows); };
-  const int64_t table_blocks = (C + kTableColumns - 1) / kTableColumns;
+  const int64_t table_blocks = selecting ? (C + kTableColumns - 1) / kTableColumns : 0;
+  const int64_t fixed = start + rows - end;  // always attended: sinks and window
+  const int64_t fixed_blocks = (fixed + kBlockRows - 1) / kBlockRows;
+  const int64_t kept = selecting ? k : n;     // rows of [start, end) attended
+  const int64_t kept_blocks = (kept + kBlockRows - 1) / kBlockRows;
+  const int64_t head_partials = fixed_blocks + kept_blocks;
+  const int64_t rerank_stride = candidates + 8, rerank_chunks = (candidates + kRerankRows - 1) / kRerankRows;
 
+  // shared by every thread (this thread's buffers, handed to the regions by pointer)
   float* table = scratch<0, float>(kv_heads * scored * C);
   float* coef = scratch<1, float>(kv_heads * scored * dim);
-  float* rotated = scratch<2, float>(kv_heads * scored * dim);
   float* fixed_lse = scratch<3, float>(heads);
   float* scores = scratch<4, float>(kv_heads * scored * std::max<int64_t>(n, 1));
   float* block_max = scratch<5, float>(kv_heads * scored * blocks);
   float* block_sum = scratch<6, float>(kv_heads * scored * blocks);
   int64_t* picked = scratch<7, int64_t>(kv_heads * std::max<int64_t>(candidates, 1));
   int64_t* chosen = scratch<8, int64_t>(kv_heads * std::max<int64_t>(k, 1));
+  int64_t* best = scratch<10, int64_t>(kv_heads * std::max<int64_t>(k, 1));
   float* rank = scratch<9, float>(kv_heads * std::max<int64_t>(n, 1));
-  if (k > 0 && k < n) {
-    at::parallel_for(0, kv_heads, 1, [&](int64_t begin, int64_t last) {
-      float* summed = scratch<20, float>(dim);
-      for (int64_t h = begin; h < last; ++h) {
+  float* weights = scratch<11, float>(heads * blocks);
+  float* partials = scratch<12, float>(kv_heads * head_partials * partial_size);
+  float* logits = scratch<15, float>(rerank ? heads * rerank_stride : 0);
+  std::unique_ptr<std::atomic<int64_t>[]> finished(new std::atomic<int64_t>[kv_heads]);
+  auto reset_finished = [&] {
+    for (int64_t h = 0; h < kv_heads; ++h) finished[h].store(0, std::memory_order_relaxed);
+  };
+  // true for the caller that completes the last of `items` items of head h
+  auto last_of_head = [&](int64_t h, int64_t items) {
+    return finished[h].fetch_add(1, std::memory_order_acq_rel) == items - 1;
+  };
+
+  // (1) tables and the always-attended rows
+  at::parallel_for(0, kv_heads * (table_blocks + 1), 1, [&](int64_t begin, int64_t last) {
+    float* rotated = scratch<20, float>(scored * dim);
+    float* summed = scratch<22, float>(dim);
+    for (int64_t item = begin; item < last; ++item) {
+      const int64_t h = item / (table_blocks + 1), j = item % (table_blocks + 1);
+      auto scored_query = [&](int64_t s) {  // query vector s of head h
+        if (!plan.logits) return q + (h * group + s) * dim;
+        std::fill(summed, summed + dim, 0.f);
+        for (int64_t g = 0; g < group; ++g)
+          for (int64_t d = 0; d < dim; ++d) summed[d] += q[(h * group + g) * dim + d];
+        return static_cast<const float*>(summed);
+      };
+      if (j < table_blocks) {
+        for (int64_t s = 0; s < scored; ++s) rotate(scored_query(s), plan.wrope_cos, plan.wrope_sin, dim, rotated + s * dim);
+        const int64_t c0 = j * kTableColumns;
+        table_block(rotated, plan.centroid_tiles + h * dim * C, C, c0, std::min(C, c0 + kTableColumns), scored, dim,
+                    table + h * scored * C);
+        continue;
+      }
+      if (selecting && mean_key)
         for (int64_t s = 0; s < scored; ++s) {
-          const float* query = q + (h * group + s) * dim;
-          if (plan.logits) {
-            std::fill(summed, summed + dim, 0.f);
-            for (int64_t g = 0; g < group; ++g)
-              for (int64_t d = 0; d < dim; ++d) summed[d] += q[(h * group + g) * dim + d];
-            query = summed;
-          }
-          const int64_t hs = h * scored + s;
-          rotate(query, plan.wrope_cos, plan.wrope_sin, dim, rotated + hs * dim);
-          if (mean_key) {
-            const float* mean = plan.key_mean + h * dim;
-            for (int64_t i = 0; i < half; ++i) {
-              const float q1 = query[i], q2 = query[i + half], x = mean[i], y = mean[i + half];
-              coef[hs * dim + i] = q1 * x + q2 * y;
-              coef[hs * dim + half + i] = q2 * x - q1 * y;
-            }
+          const float* query = scored_query(s);
+          const float* mean = plan.key_mean + h * dim;
+          float* c = coef + (h * scored + s) * dim;
+          for (int64_t i = 0; i < half; ++i) {
+            const float q1 = query[i], q2 = query[i + half], x = mean[i], y = mean[i + half];
+            c[i] = q1 * x + q2 * y;
+            c[half + i] = q2 * x - q1 * y;
           }
         }
-        if (plan.logits && !rerank) continue;
-        const T* keys = view.keys + h * view.head_stride;
+      float* head_fixed = partials + h * head_partials * partial_size;
+      attend_rows<T>(q + h * group * dim, view.keys + h * view.head_stride, view.values + h * view.head_stride,
+                     view.row_stride, fixed, group, dim, [&](int64_t i) { return i < start ? i : end + (i - start); },
+                     head_fixed);
+      for (int64_t g = 0; g < group; ++g)
+        fixed_lse[h * group + g] = partials_logsumexp(head_fixed, fixed_blocks, group, dim, g);
+    }
+  });
+
+  if (selecting) {
+    // the head's ranking ('probs': each query head's estimated probabilities, exps of a
+    // block times exp(block max - lse), summed over the group) and its top candidates
+    auto pick = [&](int64_t h) {
+      const float* ranked = scores + h * n;
+      if (!plan.logits) {
         for (int64_t g = 0; g < group; ++g) {
-          const float* query = q + (h * group + g) * dim;
-          const auto [m0, s0] = exact_logsumexp_parts<T>(query, keys, view.row_stride, 0, start, dim);
-          const auto [m1, s1] = exact_logsumexp_parts<T>(query, keys, view.row_stride, end, rows, dim);
-          const float m = std::max(m0, m1);
-          fixed_lse[h * group + g] = std::isinf(m) ? m : m + std::log(s0 * std::exp(m0 - m) + s1 * std::exp(m1 - m));
+          const int64_t hg = h * group + g;
+          const float* maxima = block_max + hg * blocks;
+          const float* sums = block_sum + hg * blocks;
+          const float peak = *std::max_element(maxima, maxima + blocks);
+          float total = 0.f;
+          for (int64_t b = 0; b < blocks; ++b) total += sums[b] * std::exp(maxima[b] - peak);
+          const float estimated = peak + std::log(total), fixed_part = fixed_lse[hg];
+          const float top = std::max(estimated, fixed_part);
+          const float lse = top + std::log(std::exp(estimated - top) + std::exp(fixed_part - top));
+          for (int64_t b = 0; b < blocks; ++b) weights[hg * blocks + b] = std::exp(maxima[b] - lse);
         }
-      }
-    });
-    at::parallel_for(0, kv_heads * table_blocks, 1, [&](int64_t begin, int64_t last) {
-      for (int64_t item = begin; item < last; ++item) {
-        const int64_t h = item / table_blocks, c0 = item % table_blocks * kTableColumns;
-        table_block(rotated + h * scored * dim, plan.centroids_t + h * dim * C, C, c0,
-                    std::min(C, c0 + kTableColumns), scored, dim, table + h * scored * C);
-      }
-    });
-    at::parallel_for(0, kv_heads * blocks, 1, [&](int64_t begin, int64_t last) {
-      for (int64_t item = begin; item < last; ++item) {
-        const int64_t h = item / blocks, b = item % blocks, first = block_begin(b) - start;
-        const int64_t count = block_begin(b + 1) - start - first;
-        float* block = scores + h * scored * n + first;
-        score_block(table + h * scored * C, coef + h * scored * dim, C,
-                    plan.codes + h * plan.codes_head_stride + start + first, plan.rotary, plan.rotary_tile, start + first, count,
-                    scored, dim, block, n, mean_key);
-        if (plan.logits) continue;
-        for (int64_t g = 0; g < group; ++g) {
-          const auto [m, sum] = block_softmax(block + g * n, count);
-          block_max[(h * group + g) * blocks + b] = m;
-          block_sum[(h * group + g) * blocks + b] = sum;
-        }
-      }
-    });
-    const float* ranked = plan.logits ? scores : rank;  // [Hkv, n]
-    if (!plan.logits) {
-      // each query head's estimated probabilities: exps of a block times exp(block max - lse)
-      float* weights = scratch<11, float>(heads * blocks);
-      for (int64_t hg = 0; hg < heads; ++hg) {
-        const float* maxima = block_max + hg * blocks;
-        const float* sums = block_sum + hg * blocks;
-        const float peak = *std::max_element(maxima, maxima + blocks);
-        float total = 0.f;
-        for (int64_t b = 0; b < blocks; ++b) total += sums[b] * std::exp(maxima[b] - peak);
-        const float estimated = peak + std::log(total), fixed = fixed_lse[hg];
-        const float top = std::max(estimated, fixed);
-        const float lse = top + std::log(std::exp(estimated - top) + std::exp(fixed - top));
-        for (int64_t b = 0; b < blocks; ++b) weights[hg * blocks + b] = std::exp(maxima[b] - lse);
-      }
-      at::parallel_for(0, kv_heads * blocks, 1, [&](int64_t begin, int64_t last) {
-        for (int64_t item = begin; item < last; ++item) {
-          const int64_t h = item / blocks, b = item % blocks;
+        float* mass = rank + h * n;
+        for (int64_t b = 0; b < blocks; ++b) {
           const int64_t first = block_begin(b) - start, last_row = block_begin(b + 1) - start;
-          float* mass = rank + h * n;
           for (int64_t g = 0; g < group; ++g) {
             const float weight = weights[(h * group + g) * blocks + b];
             const float* e = scores + (h * group + g) * n;
@@ -432,75 +572,100 @@ void a2ats_attention(const float* q, const CacheView<T>& view, const A2atsLayer&
               for (int64_t t = first; t < last_row; ++t) mass[t] += weight * e[t];
           }
         }
-      });
-    }
-    at::parallel_for(0, kv_heads, 1, [&](int64_t begin, int64_t last) {
-      for (int64_t h = begin; h < last; ++h)
-        top_k(ranked + h * n, n, candidates, start, (rerank ? picked : chosen) + h * candidates);
-    });
-    if (rerank) {
-      // the k candidates with the most exact attention mass, normalised with the fixed rows:
-      // their exact logits in (head, chunk of candidates) items, so both cores share the reads
-      const int64_t stride = candidates + 8, chunks = (candidates + kRerankRows - 1) / kRerankRows;
-      float* logits = scratch<15, float>(heads * stride);
-      at::parallel_for(0, kv_heads * chunks, 1, [&](int64_t begin, int64_t last) {
-        T* keys = scratch<21, T>(kRerankRows * dim);
-        for (int64_t item = begin; item < last; ++item) {
-          const int64_t h = item / chunks, first = item % chunks * kRerankRows;
-          const int64_t count = std::min(kRerankRows, candidates - first);
-          const int64_t* rows_of = picked + h * candidates + first;
-          gather_rows<T>(view.keys + h * view.head_stride, nullptr, view.row_stride, count, dim,
-                         [&](int64_t i) { return rows_of[i]; }, keys, nullptr);
-          block_scores<T>(q + h * group * dim, keys, keys, dim, count, group, dim, logits + h * group * stride + first,
-                          stride);
-        }
-      });
-      at::parallel_for(0, kv_heads, 1, [&](int64_t begin, int64_t last) {
-        float* mass = scratch<23, float>(candidates);
-        int64_t* best = scratch<24, int64_t>(k);
-        for (int64_t h = begin; h < last; ++h) {
-          std::fill(mass, mass + candidates, 0.f);
+        ranked = mass;
+      }
+      top_k(ranked, n, candidates, start, (rerank ? picked : chosen) + h * candidates);
+    };
+    // (2) scores
+    reset_finished();
+    at::parallel_for(0, kv_heads * blocks, 1, [&](int64_t begin, int64_t last) {
+      for (int64_t item = begin; item < last; ++item) {
+        const int64_t h = item / blocks, b = item % blocks, first = block_begin(b) - start;
+        const int64_t count = block_begin(b + 1) - start - first;
+        float* block = scores + h * scored * n + first;
+        score_block(table + h * scored * C, coef + h * scored * dim, C,
+                    plan.codes + h * plan.codes_head_stride + start + first, plan.rotary, plan.rotary_tile, start + first,
+                    count, scored, dim, block, n, mean_key);
+        if (!plan.logits)
           for (int64_t g = 0; g < group; ++g) {
-            float* l = logits + (h * group + g) * stride;
-            const auto [m, sum] = block_softmax(l, candidates);
-            const float fixed = fixed_lse[h * group + g], exact = m + std::log(sum);
-            const float top = std::max(exact, fixed);
-            const float weight = std::exp(m - (top + std::log(std::exp(exact - top) + std::exp(fixed - top))));
-            for (int64_t i = 0; i < candidates; ++i) mass[i] += weight * l[i];
+            const auto [m, sum] = block_softmax(block + g * n, count);
+            block_max[(h * group + g) * blocks + b] = m;
+            block_sum[(h * group + g) * blocks + b] = sum;
           }
-          top_k(mass, candidates, k, 0, best);
-          for (int64_t i = 0; i < k; ++i) chosen[h * k + i] = picked[h * candidates + best[i]];
-        }
-      });
-    }
+        if (last_of_head(h, blocks)) pick(h);
+      }
+    });
   }
 
-  // exact attention over sinks + kept rows + window, gathered per head into chunks
-  const int64_t attended = start + k + (rows - end);
-  const int64_t chunks = (attended + kBlockRows - 1) / kBlockRows;
-  float* partials = scratch<12, float>(kv_heads * chunks * group * (dim + 2));
-  at::parallel_for(0, kv_heads * chunks, 1, [&](int64_t begin, int64_t last) {
-    T* keys = scratch<13, T>(kBlockRows * dim);
+  if (rerank) {
+    // the k candidates with the most exact attention mass, normalised with the fixed rows
+    auto keep = [&](int64_t h) {
+      float* mass = scratch<23, float>(candidates);
+      float* exps = scratch<24, float>(candidates);
+      int64_t* order = best + h * k;
+      std::fill(mass, mass + candidates, 0.f);
+      for (int64_t g = 0; g < group; ++g) {
+        const float* l = logits + (h * group + g) * rerank_stride;
+        std::copy(l, l + candidates, exps);  // the logits stay for the attention
+        const auto [m, sum] = block_softmax(exps, candidates);
+        const float fixed_part = fixed_lse[h * group + g], exact = m + std::log(sum);
+        const float top = std::max(exact, fixed_part);
+        const float weight = std::exp(m - (top + std::log(std::exp(exact - top) + std::exp(fixed_part - top))));
+        for (int64_t i = 0; i < candidates; ++i) mass[i] += weight * exps[i];
+      }
+      top_k(mass, candidates, k, 0, order);
+      for (int64_t i = 0; i < k; ++i) chosen[h * k + i] = picked[h * candidates + order[i]];
+    };
+    // (3) the candidates' exact logits, in (head, chunk) items so both cores share the reads
+    reset_finished();
+    at::parallel_for(0, kv_heads * rerank_chunks, 1, [&](int64_t begin, int64_t last) {
+      T* keys = scratch<21, T>(kRerankRows * dim);
+      for (int64_t item = begin; item < last; ++item) {
+        const int64_t h = item / rerank_chunks, first = item % rerank_chunks * kRerankRows;
+        const int64_t count = std::min(kRerankRows, candidates - first);
+        const int64_t* rows_of = picked + h * candidates + first;
+        gather_rows<T>(view.keys + h * view.head_stride, nullptr, view.row_stride, count, dim,
+                       [&](int64_t i) { return rows_of[i]; }, keys, nullptr);
+        block_scores<T>(q + h * group * dim, keys, keys, dim, count, group, dim,
+                        logits + h * group * rerank_stride + first, rerank_stride);
+        if (last_of_head(h, rerank_chunks)) keep(h);
+      }
+    });
+  }
+
+  // (4) the kept rows of [start, end), after each head's always-attended partials
+  at::parallel_for(0, kv_heads * kept_blocks, 1, [&](int64_t begin, int64_t last) {
     T* values = scratch<14, T>(kBlockRows * dim);
     for (int64_t item = begin; item < last; ++item) {
-      const int64_t h = item / chunks, c = item % chunks, first = c * kBlockRows;
-      const int64_t count = std::min(kBlockRows, attended - first);
+      const int64_t h = item / kept_blocks, block = item % kept_blocks, first = block * kBlockRows;
+      const int64_t count = std::min(kBlockRows, kept - first);
+      float* partial = partials + (h * head_partials + fixed_blocks + block) * partial_size;
       const T* head_keys = view.keys + h * view.head_stride;
       const T* head_values = view.values + h * view.head_stride;
-      auto row_of = [&](int64_t j) {
-        if (j < start) return j;
-        if (j < start + k) return k < n ? chosen[h * k + (j - start)] : j;
-        return end + (j - start - k);
-      };
-      gather_rows<T>(head_keys, head_values, view.row_stride, count, dim, [&](int64_t i) { return row_of(first + i); },
-                     keys, values);
-      attend_block<T>(q + h * group * dim, keys, values, dim, 0, count, group, dim,
-                      partials + item * group * (dim + 2));
+      if (!rerank) {
+        attend_rows<T>(q + h * group * dim, head_keys, head_values, view.row_stride, count, group, dim,
+                       [&](int64_t i) { return selecting ? chosen[h * k + first + i] : start + first + i; }, partial);
+        continue;
+      }
+      // the reranked rows' logits are already known: only their values are read
+      constexpr int64_t stride = kBlockRows + 8;
+      alignas(32) float p[kMaxGroup * stride];
+      const int64_t* order = best + h * k + first;
+      for (int64_t g = 0; g < group; ++g) {
+        const float* l = logits + (h * group + g) * rerank_stride;
+        for (int64_t i = 0; i < count; ++i) p[g * stride + i] = l[order[i]];
+        const auto [m, sum] = block_softmax(p + g * stride, count);
+        partial[g * (dim + 2) + dim] = m;
+        partial[g * (dim + 2) + dim + 1] = sum;
+      }
+      gather_rows<T>(head_values, nullptr, view.row_stride, count, dim,
+                     [&](int64_t i) { return chosen[h * k + first + i]; }, values, nullptr);
+      block_values<T>(p, values, dim, count, group, dim, stride, partial);
     }
   });
   for (int64_t h = 0; h < kv_heads; ++h)
-    merge_partials(partials + h * chunks * group * (dim + 2), chunks, group, dim, out + h * group * dim);
-  if (chosen_out != nullptr && k < n) std::copy(chosen, chosen + kv_heads * k, chosen_out);
+    merge_partials(partials + h * head_partials * partial_size, head_partials, group, dim, out + h * group * dim);
+  if (chosen_out != nullptr && selecting) std::copy(chosen, chosen + kv_heads * k, chosen_out);
 }
 
 }  // namespace ragkv

@@ -99,7 +99,8 @@ at::Tensor selective_attention_op(const at::Tensor& q, const at::Tensor& keys, c
 }
 
 // One request's A2ATS state for one decode step, as ragkv.sparse.a2ats holds it: codes
-// [layers, Hkv, capacity] int16, residual centroids transposed [layers, Hkv, D, C] float32,
+// [layers, Hkv, capacity] int16, residual centroids in tiles of 16 [layers, Hkv, C / 16, D, 16]
+// float16 (coordinate d of 16 centroids side by side; C padded to a multiple of 16),
 // key mean [layers, Hkv, D] float32 (empty: no mean-key term), rotary [positions, D] float32
 // ([cos | sin] of every rotation pair at each position), wrope cos/sin [D] float32 at relative
 // position (offset - current position); rows [start, end) are scored and k of them kept:
@@ -107,15 +108,16 @@ at::Tensor selective_attention_op(const at::Tensor& q, const at::Tensor& keys, c
 // by the group's summed probabilities, or its summed logits when `logits`.
 class A2atsPlan {
  public:
-  A2atsPlan(at::Tensor codes, at::Tensor centroids_t, at::Tensor key_mean, at::Tensor rotary, at::Tensor wrope_cos,
+  A2atsPlan(at::Tensor codes, at::Tensor centroid_tiles, at::Tensor key_mean, at::Tensor rotary, at::Tensor wrope_cos,
             at::Tensor wrope_sin, int64_t start, int64_t end, int64_t k, int64_t candidates, bool logits)
-      : codes_(std::move(codes)), centroids_t_(std::move(centroids_t)), key_mean_(std::move(key_mean)),
+      : codes_(std::move(codes)), centroid_tiles_(std::move(centroid_tiles)), key_mean_(std::move(key_mean)),
         rotary_(std::move(rotary)), wrope_cos_(std::move(wrope_cos)), wrope_sin_(std::move(wrope_sin)),
         start_(start), end_(end), k_(k), candidates_(candidates), logits_(logits) {
     TORCH_CHECK(codes_.dim() == 3 && codes_.scalar_type() == at::kShort && codes_.stride(2) == 1,
                 "codes must be [layers, Hkv, capacity] int16 with contiguous rows");
-    TORCH_CHECK(centroids_t_.dim() == 4 && centroids_t_.scalar_type() == at::kFloat && centroids_t_.is_contiguous(),
-                "centroids must be contiguous [layers, Hkv, D, C] float32");
+    TORCH_CHECK(centroid_tiles_.dim() == 5 && centroid_tiles_.scalar_type() == at::kHalf &&
+                    centroid_tiles_.is_contiguous() && centroid_tiles_.size(4) == kTileCentroids,
+                "centroid tiles must be contiguous [layers, Hkv, C / 16, D, 16] float16");
     TORCH_CHECK(key_mean_.numel() == 0 || (key_mean_.scalar_type() == at::kFloat && key_mean_.is_contiguous() &&
                                            key_mean_.dim() == 3),
                 "key mean must be contiguous [layers, Hkv, D] float32 or empty");
@@ -138,8 +140,9 @@ class A2atsPlan {
   void check(int64_t layers, int64_t kv_heads, int64_t dim, int64_t length) const {
     TORCH_CHECK(codes_.size(0) == layers && codes_.size(1) == kv_heads && codes_.size(2) >= end_,
                 "codes must cover every layer, KV head and candidate row");
-    TORCH_CHECK(centroids_t_.size(0) == layers && centroids_t_.size(1) == kv_heads && centroids_t_.size(2) == dim,
-                "centroids must be [layers, Hkv, D, C] of this model");
+    TORCH_CHECK(centroid_tiles_.size(0) == layers && centroid_tiles_.size(1) == kv_heads &&
+                    centroid_tiles_.size(3) == dim,
+                "centroid tiles must be [layers, Hkv, C / 16, D, 16] of this model");
     TORCH_CHECK(key_mean_.numel() == 0 || key_mean_.sizes() == at::IntArrayRef({layers, kv_heads, dim}),
                 "key mean must be [layers, Hkv, D] of this model");
     TORCH_CHECK(rotary_.size(1) == dim && rotary_.size(0) >= end_, "rotary table must cover every candidate position");
@@ -150,8 +153,8 @@ class A2atsPlan {
   A2atsLayer layer(int64_t l) const {
     return {codes_.data_ptr<int16_t>() + l * codes_.stride(0),
             codes_.stride(1),
-            centroids_t_.data_ptr<float>() + l * centroids_t_.stride(0),
-            centroids_t_.size(3),
+            centroid_tiles_.data_ptr<at::Half>() + l * centroid_tiles_.stride(0),
+            centroid_tiles_.size(2) * kTileCentroids,
             key_mean_.numel() == 0 ? nullptr : key_mean_.data_ptr<float>() + l * key_mean_.stride(0),
             rotary_.data_ptr<float>(),
             rotary_tile_.data(),
@@ -169,14 +172,14 @@ class A2atsPlan {
   bool selects() const { return k_ < end_ - start_; }
 
  private:
-  at::Tensor codes_, centroids_t_, key_mean_, rotary_, wrope_cos_, wrope_sin_;
+  at::Tensor codes_, centroid_tiles_, key_mean_, rotary_, wrope_cos_, wrope_sin_;
   std::vector<float> rotary_tile_;
   int64_t start_, end_, k_, candidates_;
   bool logits_;
 };
 
 // q [Hq, D] over one cache layer keys/values [Hkv, capacity, D] of `length` rows with the
-// A2ATS state of `layer`. Returns (out [Hq, D] float32, chosen rows [Hkv, k] int64, in no order).
+// A2ATS state of `layer`. Returns (out [Hq, D] float32, chosen rows [Hkv, k] int64, ascending).
 std::tuple<at::Tensor, at::Tensor> a2ats_attention_op(const at::Tensor& q, const at::Tensor& keys,
                                                       const at::Tensor& values, int64_t length, const A2atsPlan& plan,
                                                       int64_t layer, double scale) {
