@@ -6,16 +6,18 @@
 // Per KV head and candidate row t of [start, end), for each scored query vector g (each
 // query head, or with 'logits' their sum):
 //   s[g][t] = table[g][code[t]] + coef[g] . rotary[t]
-// table[g] = WRoPE-rotated query . residual centroids (one [C] row per vector), and the
+// table[g] = WRoPE-rotated query . residual centroids (one [C] row per vector, the
+// centroids read as float16 tiles of 16, contiguous, so a step streams half the bytes), and the
 // second term the calibration mean key scored with its exact RoPE at position t (coef is
 // the query folded with the mean key's rotation pairs, rotary the [cos | sin] table of
 // positions). 'probs' ranks rows by their estimated attention probabilities, normalised
 // together with the exact logits of the always-attended rows and summed over the group;
-// 'logits' by s itself. The top rows are found by a radix select on their float bits; with
-// rerank the codes pick `candidates` rows and the k with the most exact mass among them
-// (their keys read) are kept. Work is split into (head, block of rows) items over torch's
-// intra-op threads; nothing per row is stored beyond one float per (scored vector, row),
-// in scratch buffers kept per thread across calls.
+// 'logits' by s itself. The top rows are found by a radix select on their float bits and
+// come out ascending; with rerank the codes pick `candidates` rows and the k with the most
+// exact mass among them (their keys read) are kept, and their logits serve the attention,
+// which then reads only their values. Work is split into (head, block) items that torch's
+// intra-op threads take in order (see a2ats_attention); nothing per row is stored beyond
+// one float per (scored vector, row), in scratch buffers kept per thread across calls.
 //
 // The mean-key term of a tile of rows from position p0 is evaluated with the coefficients
 // rotated to p0 (angle addition: q . R(p0 + j) m = q' . R(j) m with q' = q rotated by p0)
@@ -34,6 +36,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <thread>
 #include <vector>
 
 #include "attention.h"
@@ -398,7 +401,7 @@ inline void copy_row(const T* row, int64_t dim, T* out) {
 template <typename T, typename RowOf>
 void gather_rows(const T* keys, const T* values, int64_t row_stride, int64_t count, int64_t dim, RowOf row_of,
                  T* keys_out, T* values_out) {
-  constexpr int64_t ahead = 16;  // rows: about one DRAM latency of copying
+  constexpr int64_t ahead = 32;  // rows in flight: scattered rows wait on DRAM latency (32 measured faster than 16)
   auto prefetch = [&](int64_t i) {
     a2ats_detail::prefetch_row(keys + row_of(i) * row_stride, dim);
     if (values_out != nullptr) a2ats_detail::prefetch_row(values + row_of(i) * row_stride, dim);
@@ -450,13 +453,15 @@ inline float partials_logsumexp(const float* partials, int64_t count, int64_t gr
 // [end, view.length) of each KV head; the chosen rows (ascending) go to chosen [Hkv, k] when
 // it is not null. k >= end - start attends every row.
 //
-// Four parallel regions: (1) per KV head, the tables, and the exact partial softmax of the
-// always-attended rows (its log-sum-exp normalises the estimated and reranked masses, its
-// values join the output); (2) the row scores, each head ranked and its top rows picked by
-// whichever thread scores the head's last block, while the other goes on scoring; (3) with
-// rerank, the candidates' exact logits, each head's k kept rows chosen the same way; (4) the
-// attention over the kept rows, which with rerank reuses the logits of (3) and reads only
-// the values.
+// One parallel region whose threads take work items in order from a shared counter, stage
+// by stage: (1) per KV head, the tables, and the exact partial softmax of the always-
+// attended rows (its log-sum-exp normalises the estimated and reranked masses, its values
+// join the output); (2) the row scores; (3) with rerank, the candidates' exact logits;
+// (4) the attention over the kept rows, which with rerank reuses the logits of (3) and
+// reads only the values. The thread that finishes a head's last item of a stage finishes
+// the head's stage (ranks and picks its rows, keeps the reranked ones, merges its output);
+// an item whose head is not ready waits for it, which happens only near a stage's end.
+// With 3 KV heads on 2 cores, barriers between stages would idle one core at each.
 template <typename T>
 void a2ats_attention(const float* q, const CacheView<T>& view, const A2atsLayer& plan, int64_t heads,
                      int64_t kv_heads, int64_t dim, float* out, int64_t* chosen_out) {
@@ -469,17 +474,18 @@ void a2ats_attention(const float* q, const CacheView<T>& view, const A2atsLayer&
   const int64_t partial_size = group * (dim + 2);
   // query vectors the codes score per KV head: each query head, or their sum
   const int64_t scored = plan.logits ? 1 : group;
-  const int64_t blocks = (n + kScoreRows - 1) / kScoreRows;
+  const int64_t blocks = selecting ? (n + kScoreRows - 1) / kScoreRows : 0;
   auto block_begin = [&](int64_t b) { return std::min(end, start + b * kScoreRows); };
   const int64_t table_blocks = selecting ? (C + kTableColumns - 1) / kTableColumns : 0;
   const int64_t fixed = start + rows - end;  // always attended: sinks and window
   const int64_t fixed_blocks = (fixed + kBlockRows - 1) / kBlockRows;
-  const int64_t kept = selecting ? k : n;     // rows of [start, end) attended
+  const int64_t kept = k;                     // rows of [start, end) attended (all when k == n)
   const int64_t kept_blocks = (kept + kBlockRows - 1) / kBlockRows;
   const int64_t head_partials = fixed_blocks + kept_blocks;
-  const int64_t rerank_stride = candidates + 8, rerank_chunks = (candidates + kRerankRows - 1) / kRerankRows;
+  const int64_t rerank_stride = candidates + 8;
+  const int64_t rerank_chunks = rerank ? (candidates + kRerankRows - 1) / kRerankRows : 0;
 
-  // shared by every thread (this thread's buffers, handed to the regions by pointer)
+  // shared by every thread (this thread's buffers, handed to the items by pointer)
   float* table = scratch<0, float>(kv_heads * scored * C);
   float* coef = scratch<1, float>(kv_heads * scored * dim);
   float* fixed_lse = scratch<3, float>(heads);
@@ -493,178 +499,193 @@ void a2ats_attention(const float* q, const CacheView<T>& view, const A2atsLayer&
   float* weights = scratch<11, float>(heads * blocks);
   float* partials = scratch<12, float>(kv_heads * head_partials * partial_size);
   float* logits = scratch<15, float>(rerank ? heads * rerank_stride : 0);
-  std::unique_ptr<std::atomic<int64_t>[]> finished(new std::atomic<int64_t>[kv_heads]);
-  auto reset_finished = [&] {
-    for (int64_t h = 0; h < kv_heads; ++h) finished[h].store(0, std::memory_order_relaxed);
-  };
-  // true for the caller that completes the last of `items` items of head h
-  auto last_of_head = [&](int64_t h, int64_t items) {
-    return finished[h].fetch_add(1, std::memory_order_acq_rel) == items - 1;
-  };
 
-  // (1) tables and the always-attended rows
-  at::parallel_for(0, kv_heads * (table_blocks + 1), 1, [&](int64_t begin, int64_t last) {
+  // (1) one table block of head h, or (j == table_blocks) the head's always-attended rows
+  auto prepare = [&](int64_t h, int64_t j) {
     float* rotated = scratch<20, float>(scored * dim);
     float* summed = scratch<22, float>(dim);
-    for (int64_t item = begin; item < last; ++item) {
-      const int64_t h = item / (table_blocks + 1), j = item % (table_blocks + 1);
-      auto scored_query = [&](int64_t s) {  // query vector s of head h
-        if (!plan.logits) return q + (h * group + s) * dim;
-        std::fill(summed, summed + dim, 0.f);
-        for (int64_t g = 0; g < group; ++g)
-          for (int64_t d = 0; d < dim; ++d) summed[d] += q[(h * group + g) * dim + d];
-        return static_cast<const float*>(summed);
-      };
-      if (j < table_blocks) {
-        for (int64_t s = 0; s < scored; ++s) rotate(scored_query(s), plan.wrope_cos, plan.wrope_sin, dim, rotated + s * dim);
-        const int64_t c0 = j * kTableColumns;
-        table_block(rotated, plan.centroid_tiles + h * dim * C, C, c0, std::min(C, c0 + kTableColumns), scored, dim,
-                    table + h * scored * C);
-        continue;
-      }
-      if (selecting && mean_key)
-        for (int64_t s = 0; s < scored; ++s) {
-          const float* query = scored_query(s);
-          const float* mean = plan.key_mean + h * dim;
-          float* c = coef + (h * scored + s) * dim;
-          for (int64_t i = 0; i < half; ++i) {
-            const float q1 = query[i], q2 = query[i + half], x = mean[i], y = mean[i + half];
-            c[i] = q1 * x + q2 * y;
-            c[half + i] = q2 * x - q1 * y;
-          }
-        }
-      float* head_fixed = partials + h * head_partials * partial_size;
-      attend_rows<T>(q + h * group * dim, view.keys + h * view.head_stride, view.values + h * view.head_stride,
-                     view.row_stride, fixed, group, dim, [&](int64_t i) { return i < start ? i : end + (i - start); },
-                     head_fixed);
+    auto scored_query = [&](int64_t s) {  // query vector s of head h
+      if (!plan.logits) return q + (h * group + s) * dim;
+      std::fill(summed, summed + dim, 0.f);
       for (int64_t g = 0; g < group; ++g)
-        fixed_lse[h * group + g] = partials_logsumexp(head_fixed, fixed_blocks, group, dim, g);
+        for (int64_t d = 0; d < dim; ++d) summed[d] += q[(h * group + g) * dim + d];
+      return static_cast<const float*>(summed);
+    };
+    if (j < table_blocks) {
+      for (int64_t s = 0; s < scored; ++s) rotate(scored_query(s), plan.wrope_cos, plan.wrope_sin, dim, rotated + s * dim);
+      const int64_t c0 = j * kTableColumns;
+      table_block(rotated, plan.centroid_tiles + h * dim * C, C, c0, std::min(C, c0 + kTableColumns), scored, dim,
+                  table + h * scored * C);
+      return;
     }
-  });
+    if (selecting && mean_key)
+      for (int64_t s = 0; s < scored; ++s) {
+        const float* query = scored_query(s);
+        const float* mean = plan.key_mean + h * dim;
+        float* c = coef + (h * scored + s) * dim;
+        for (int64_t i = 0; i < half; ++i) {
+          const float q1 = query[i], q2 = query[i + half], x = mean[i], y = mean[i + half];
+          c[i] = q1 * x + q2 * y;
+          c[half + i] = q2 * x - q1 * y;
+        }
+      }
+    float* head_fixed = partials + h * head_partials * partial_size;
+    attend_rows<T>(q + h * group * dim, view.keys + h * view.head_stride, view.values + h * view.head_stride,
+                   view.row_stride, fixed, group, dim, [&](int64_t i) { return i < start ? i : end + (i - start); },
+                   head_fixed);
+    for (int64_t g = 0; g < group; ++g)
+      fixed_lse[h * group + g] = partials_logsumexp(head_fixed, fixed_blocks, group, dim, g);
+  };
 
-  if (selecting) {
-    // the head's ranking ('probs': each query head's estimated probabilities, exps of a
-    // block times exp(block max - lse), summed over the group) and its top candidates
-    auto pick = [&](int64_t h) {
-      const float* ranked = scores + h * n;
-      if (!plan.logits) {
+  // (2) one block of row scores of head h
+  auto score = [&](int64_t h, int64_t b) {
+    const int64_t first = block_begin(b) - start, count = block_begin(b + 1) - start - first;
+    float* block = scores + h * scored * n + first;
+    score_block(table + h * scored * C, coef + h * scored * dim, C, plan.codes + h * plan.codes_head_stride + start + first,
+                plan.rotary, plan.rotary_tile, start + first, count, scored, dim, block, n, mean_key);
+    if (!plan.logits)
+      for (int64_t g = 0; g < group; ++g) {
+        const auto [m, sum] = block_softmax(block + g * n, count);
+        block_max[(h * group + g) * blocks + b] = m;
+        block_sum[(h * group + g) * blocks + b] = sum;
+      }
+  };
+  // head h's ranking ('probs': each query head's estimated probabilities, exps of a block
+  // times exp(block max - lse), summed over the group) and its top candidates
+  auto pick = [&](int64_t h) {
+    const float* ranked = scores + h * n;
+    if (!plan.logits) {
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t hg = h * group + g;
+        const float* maxima = block_max + hg * blocks;
+        const float* sums = block_sum + hg * blocks;
+        const float peak = *std::max_element(maxima, maxima + blocks);
+        float total = 0.f;
+        for (int64_t b = 0; b < blocks; ++b) total += sums[b] * std::exp(maxima[b] - peak);
+        const float estimated = peak + std::log(total), fixed_part = fixed_lse[hg];
+        const float top = std::max(estimated, fixed_part);
+        const float lse = top + std::log(std::exp(estimated - top) + std::exp(fixed_part - top));
+        for (int64_t b = 0; b < blocks; ++b) weights[hg * blocks + b] = std::exp(maxima[b] - lse);
+      }
+      float* mass = rank + h * n;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t first = block_begin(b) - start, last_row = block_begin(b + 1) - start;
         for (int64_t g = 0; g < group; ++g) {
-          const int64_t hg = h * group + g;
-          const float* maxima = block_max + hg * blocks;
-          const float* sums = block_sum + hg * blocks;
-          const float peak = *std::max_element(maxima, maxima + blocks);
-          float total = 0.f;
-          for (int64_t b = 0; b < blocks; ++b) total += sums[b] * std::exp(maxima[b] - peak);
-          const float estimated = peak + std::log(total), fixed_part = fixed_lse[hg];
-          const float top = std::max(estimated, fixed_part);
-          const float lse = top + std::log(std::exp(estimated - top) + std::exp(fixed_part - top));
-          for (int64_t b = 0; b < blocks; ++b) weights[hg * blocks + b] = std::exp(maxima[b] - lse);
+          const float weight = weights[(h * group + g) * blocks + b];
+          const float* e = scores + (h * group + g) * n;
+          if (g == 0)
+            for (int64_t t = first; t < last_row; ++t) mass[t] = weight * e[t];
+          else
+            for (int64_t t = first; t < last_row; ++t) mass[t] += weight * e[t];
         }
-        float* mass = rank + h * n;
-        for (int64_t b = 0; b < blocks; ++b) {
-          const int64_t first = block_begin(b) - start, last_row = block_begin(b + 1) - start;
-          for (int64_t g = 0; g < group; ++g) {
-            const float weight = weights[(h * group + g) * blocks + b];
-            const float* e = scores + (h * group + g) * n;
-            if (g == 0)
-              for (int64_t t = first; t < last_row; ++t) mass[t] = weight * e[t];
-            else
-              for (int64_t t = first; t < last_row; ++t) mass[t] += weight * e[t];
-          }
-        }
-        ranked = mass;
       }
-      top_k(ranked, n, candidates, start, (rerank ? picked : chosen) + h * candidates);
-    };
-    // (2) scores
-    reset_finished();
-    at::parallel_for(0, kv_heads * blocks, 1, [&](int64_t begin, int64_t last) {
-      for (int64_t item = begin; item < last; ++item) {
-        const int64_t h = item / blocks, b = item % blocks, first = block_begin(b) - start;
-        const int64_t count = block_begin(b + 1) - start - first;
-        float* block = scores + h * scored * n + first;
-        score_block(table + h * scored * C, coef + h * scored * dim, C,
-                    plan.codes + h * plan.codes_head_stride + start + first, plan.rotary, plan.rotary_tile, start + first,
-                    count, scored, dim, block, n, mean_key);
-        if (!plan.logits)
-          for (int64_t g = 0; g < group; ++g) {
-            const auto [m, sum] = block_softmax(block + g * n, count);
-            block_max[(h * group + g) * blocks + b] = m;
-            block_sum[(h * group + g) * blocks + b] = sum;
-          }
-        if (last_of_head(h, blocks)) pick(h);
-      }
-    });
-  }
+      ranked = mass;
+    }
+    top_k(ranked, n, candidates, start, (rerank ? picked : chosen) + h * candidates);
+  };
 
-  if (rerank) {
-    // the k candidates with the most exact attention mass, normalised with the fixed rows
-    auto keep = [&](int64_t h) {
-      float* mass = scratch<23, float>(candidates);
-      float* exps = scratch<24, float>(candidates);
-      int64_t* order = best + h * k;
-      std::fill(mass, mass + candidates, 0.f);
-      for (int64_t g = 0; g < group; ++g) {
-        const float* l = logits + (h * group + g) * rerank_stride;
-        std::copy(l, l + candidates, exps);  // the logits stay for the attention
-        const auto [m, sum] = block_softmax(exps, candidates);
-        const float fixed_part = fixed_lse[h * group + g], exact = m + std::log(sum);
-        const float top = std::max(exact, fixed_part);
-        const float weight = std::exp(m - (top + std::log(std::exp(exact - top) + std::exp(fixed_part - top))));
-        for (int64_t i = 0; i < candidates; ++i) mass[i] += weight * exps[i];
-      }
-      top_k(mass, candidates, k, 0, order);
-      for (int64_t i = 0; i < k; ++i) chosen[h * k + i] = picked[h * candidates + order[i]];
-    };
-    // (3) the candidates' exact logits, in (head, chunk) items so both cores share the reads
-    reset_finished();
-    at::parallel_for(0, kv_heads * rerank_chunks, 1, [&](int64_t begin, int64_t last) {
-      T* keys = scratch<21, T>(kRerankRows * dim);
-      for (int64_t item = begin; item < last; ++item) {
-        const int64_t h = item / rerank_chunks, first = item % rerank_chunks * kRerankRows;
-        const int64_t count = std::min(kRerankRows, candidates - first);
-        const int64_t* rows_of = picked + h * candidates + first;
-        gather_rows<T>(view.keys + h * view.head_stride, nullptr, view.row_stride, count, dim,
-                       [&](int64_t i) { return rows_of[i]; }, keys, nullptr);
-        block_scores<T>(q + h * group * dim, keys, keys, dim, count, group, dim,
-                        logits + h * group * rerank_stride + first, rerank_stride);
-        if (last_of_head(h, rerank_chunks)) keep(h);
-      }
-    });
-  }
+  // (3) the exact logits of one chunk of head h's candidates
+  auto rerank_chunk = [&](int64_t h, int64_t c) {
+    T* keys = scratch<21, T>(kRerankRows * dim);
+    const int64_t first = c * kRerankRows, count = std::min(kRerankRows, candidates - first);
+    const int64_t* rows_of = picked + h * candidates + first;
+    gather_rows<T>(view.keys + h * view.head_stride, nullptr, view.row_stride, count, dim,
+                   [&](int64_t i) { return rows_of[i]; }, keys, nullptr);
+    block_scores<T>(q + h * group * dim, keys, keys, dim, count, group, dim, logits + h * group * rerank_stride + first,
+                    rerank_stride);
+  };
+  // head h's k candidates with the most exact attention mass, normalised with the fixed rows
+  auto keep = [&](int64_t h) {
+    float* mass = scratch<23, float>(candidates);
+    float* exps = scratch<24, float>(candidates);
+    int64_t* order = best + h * k;
+    std::fill(mass, mass + candidates, 0.f);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* l = logits + (h * group + g) * rerank_stride;
+      std::copy(l, l + candidates, exps);  // the logits stay for the attention
+      const auto [m, sum] = block_softmax(exps, candidates);
+      const float fixed_part = fixed_lse[h * group + g], exact = m + std::log(sum);
+      const float top = std::max(exact, fixed_part);
+      const float weight = std::exp(m - (top + std::log(std::exp(exact - top) + std::exp(fixed_part - top))));
+      for (int64_t i = 0; i < candidates; ++i) mass[i] += weight * exps[i];
+    }
+    top_k(mass, candidates, k, 0, order);
+    for (int64_t i = 0; i < k; ++i) chosen[h * k + i] = picked[h * candidates + order[i]];
+  };
 
-  // (4) the kept rows of [start, end), after each head's always-attended partials
-  at::parallel_for(0, kv_heads * kept_blocks, 1, [&](int64_t begin, int64_t last) {
+  // (4) one block of head h's kept rows
+  auto attend = [&](int64_t h, int64_t block) {
+    const int64_t first = block * kBlockRows, count = std::min(kBlockRows, kept - first);
+    float* partial = partials + (h * head_partials + fixed_blocks + block) * partial_size;
+    const T* head_keys = view.keys + h * view.head_stride;
+    const T* head_values = view.values + h * view.head_stride;
+    if (!rerank) {
+      attend_rows<T>(q + h * group * dim, head_keys, head_values, view.row_stride, count, group, dim,
+                     [&](int64_t i) { return selecting ? chosen[h * k + first + i] : start + first + i; }, partial);
+      return;
+    }
+    // the reranked rows' logits are already known: only their values are read
+    constexpr int64_t stride = kBlockRows + 8;
+    alignas(32) float p[kMaxGroup * stride];
+    const int64_t* order = best + h * k + first;
+    for (int64_t g = 0; g < group; ++g) {
+      const float* l = logits + (h * group + g) * rerank_stride;
+      for (int64_t i = 0; i < count; ++i) p[g * stride + i] = l[order[i]];
+      const auto [m, sum] = block_softmax(p + g * stride, count);
+      partial[g * (dim + 2) + dim] = m;
+      partial[g * (dim + 2) + dim + 1] = sum;
+    }
     T* values = scratch<14, T>(kBlockRows * dim);
-    for (int64_t item = begin; item < last; ++item) {
-      const int64_t h = item / kept_blocks, block = item % kept_blocks, first = block * kBlockRows;
-      const int64_t count = std::min(kBlockRows, kept - first);
-      float* partial = partials + (h * head_partials + fixed_blocks + block) * partial_size;
-      const T* head_keys = view.keys + h * view.head_stride;
-      const T* head_values = view.values + h * view.head_stride;
-      if (!rerank) {
-        attend_rows<T>(q + h * group * dim, head_keys, head_values, view.row_stride, count, group, dim,
-                       [&](int64_t i) { return selecting ? chosen[h * k + first + i] : start + first + i; }, partial);
-        continue;
+    gather_rows<T>(head_values, nullptr, view.row_stride, count, dim, [&](int64_t i) { return chosen[h * k + first + i]; },
+                   values, nullptr);
+    block_values<T>(p, values, dim, count, group, dim, stride, partial);
+  };
+  auto merge = [&](int64_t h) {
+    merge_partials(partials + h * head_partials * partial_size, head_partials, group, dim, out + h * group * dim);
+  };
+
+  const std::array<int64_t, 4> per_head = {table_blocks + 1, blocks, rerank_chunks, kept_blocks};
+  std::array<int64_t, 5> stage_begin{};
+  for (int s = 0; s < 4; ++s) stage_begin[s + 1] = stage_begin[s] + kv_heads * per_head[s];
+  // finished[s][h]: head h's items of stage s done; ready[s][h]: and the head's stage
+  // finished (pick, keep) by the thread that did its last item
+  std::unique_ptr<std::atomic<int64_t>[]> finished(new std::atomic<int64_t>[4 * kv_heads]);
+  std::unique_ptr<std::atomic<bool>[]> ready(new std::atomic<bool>[4 * kv_heads]);
+  for (int64_t i = 0; i < 4 * kv_heads; ++i) {
+    finished[i].store(0, std::memory_order_relaxed);
+    ready[i].store(false, std::memory_order_relaxed);
+  }
+  auto wait_for = [&](int s, int64_t h) {
+    while (!ready[s * kv_heads + h].load(std::memory_order_acquire)) std::this_thread::yield();
+  };
+  // the stage an item of stage s needs finished, or -1
+  auto needs = [&](int s) { return s == 1 ? 0 : s == 2 ? 1 : s == 3 && rerank ? 2 : s == 3 && selecting ? 1 : -1; };
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    for (int64_t item = next.fetch_add(1, std::memory_order_relaxed); item < stage_begin[4];
+         item = next.fetch_add(1, std::memory_order_relaxed)) {
+      int s = 0;
+      while (item >= stage_begin[s + 1]) ++s;
+      const int64_t h = (item - stage_begin[s]) / per_head[s], j = (item - stage_begin[s]) % per_head[s];
+      if (needs(s) >= 0) wait_for(needs(s), h);
+      switch (s) {
+        case 0: prepare(h, j); break;
+        case 1: score(h, j); break;
+        case 2: rerank_chunk(h, j); break;
+        default: attend(h, j); break;
       }
-      // the reranked rows' logits are already known: only their values are read
-      constexpr int64_t stride = kBlockRows + 8;
-      alignas(32) float p[kMaxGroup * stride];
-      const int64_t* order = best + h * k + first;
-      for (int64_t g = 0; g < group; ++g) {
-        const float* l = logits + (h * group + g) * rerank_stride;
-        for (int64_t i = 0; i < count; ++i) p[g * stride + i] = l[order[i]];
-        const auto [m, sum] = block_softmax(p + g * stride, count);
-        partial[g * (dim + 2) + dim] = m;
-        partial[g * (dim + 2) + dim + 1] = sum;
+      if (finished[s * kv_heads + h].fetch_add(1, std::memory_order_acq_rel) + 1 < per_head[s]) continue;
+      if (s == 1) pick(h);
+      if (s == 2) keep(h);
+      if (s == 3) {
+        wait_for(0, h);
+        merge(h);
       }
-      gather_rows<T>(head_values, nullptr, view.row_stride, count, dim,
-                     [&](int64_t i) { return chosen[h * k + first + i]; }, values, nullptr);
-      block_values<T>(p, values, dim, count, group, dim, stride, partial);
+      ready[s * kv_heads + h].store(true, std::memory_order_release);
     }
   });
-  for (int64_t h = 0; h < kv_heads; ++h)
-    merge_partials(partials + h * head_partials * partial_size, head_partials, group, dim, out + h * group * dim);
+  if (kept_blocks == 0)  // no kept rows: the always-attended rows alone
+    for (int64_t h = 0; h < kv_heads; ++h) merge(h);
   if (chosen_out != nullptr && selecting) std::copy(chosen, chosen + kv_heads * k, chosen_out);
 }
 
