@@ -102,6 +102,7 @@ def test_compiled_selection_equals_the_selector(folder, codebook, kv, variant):
                                              layer, model.scale)
         k = chosen.shape[1]
         assert 0 < k < end - start
+        assert bool((chosen.diff(dim=-1) > 0).all())  # ascending and distinct: read in address order
         if mean_key:
             assert torch.equal(chosen.sort(-1).values, indices[:, start : start + k].sort(-1).values)
         else:  # rows sharing a code tie without the mean-key term: compare what was kept, by its mass
