@@ -146,7 +146,8 @@ class A2ATS(Selector):
         candidates = self.candidates(start, end, k) if self.options.rerank else k
         cos, sin = self.wrope_rotation(cache)
         mean = self.codebook.key_mean if self.options.mean_key else self.codebook.key_mean.new_empty(0)
-        return module.A2atsPlan(self.codes.data, centroid_tiles(self.codebook, self.options.mean_key), mean, self.rotary_rows(end), cos[0], sin[0],
+        tiles = centroid_tiles(self.codebook, self.options.mean_key)
+        return module.A2atsPlan(self.codes.data, tiles, mean, self.rotary_rows(end), cos[0], sin[0],
                                 start, end, k, candidates, self.config.head_aggregation == "logits")
 
     def wrope_rotation(self, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
