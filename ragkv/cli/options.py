@@ -62,7 +62,8 @@ def _registry(args: argparse.Namespace) -> dict:
 
 
 def runtime_config(args: argparse.Namespace, **ingest_overrides):
-    from ragkv.app.runtime import RuntimeConfig, default_data_dir
+    from ragkv.app.runtime import RuntimeConfig
+    from ragkv.app.storage import default_data_dir
     from ragkv.engine import EngineConfig
     from ragkv.ingest.pipeline import IngestConfig
 
