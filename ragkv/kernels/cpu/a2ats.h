@@ -43,7 +43,7 @@
 
 namespace ragkv {
 
-constexpr int64_t kScoreRows = 576;  // a multiple of every scoring tile (24, 32 and 64 rows)
+constexpr int64_t kScoreRows = 576;  // a multiple of the 64-row scoring tile
 constexpr int64_t kTableColumns = 256;  // a multiple of kTileCentroids
 constexpr int64_t kTileCentroids = 16;
 constexpr int64_t kRerankRows = 128;  // a multiple of the 4-row score tiles
@@ -57,7 +57,7 @@ struct A2atsLayer {
   int64_t centroids;            // C, a multiple of kTileCentroids (the codebook's, padded)
   const float* key_mean;        // [Hkv, D]; nullptr = no mean-key term
   const float* rotary;          // [positions, D]: cos | sin of every rotation pair at each position
-  const float* rotary_tile;     // [kTileRows / 8][D][8]: the same for positions 0..kTileRows - 1, in score_rows' layout
+  const float* rotary_tile;     // [kTileRows / 8][D][8]: the same for positions 0..kTileRows - 1, in mean_key64's layout
   const float* wrope_cos;       // [D] at relative position (offset - current position)
   const float* wrope_sin;
   int64_t start, end, k;        // rows [start, end) are scored; k kept
@@ -75,7 +75,7 @@ T* scratch(int64_t size) {
   return buffer.data();
 }
 
-constexpr int64_t kTileRows = 64;  // the longest scoring tile
+constexpr int64_t kTileRows = 64;  // rows per scoring tile (mean_key64, lookup64)
 
 // coef[g] rotated to position p0: the pair (a, b) of rotation i becomes
 // (a cos + b sin, b cos - a sin) at angle p0 w_i, so that coef' . R(j) m = coef . R(p0 + j) m.
@@ -139,31 +139,41 @@ inline void table_tiles(const float* rotated, const at::Half* tiles, int64_t dim
     for (int v = 0; v < 2 * Tiles; ++v) _mm256_storeu_ps(table + g * table_stride + 8 * v, acc[g][v]);
 }
 
-// s[g][i] for Group query heads and 8 x Vectors rows: the table lookups through the codes,
-// plus the mean-key term (coefficients already rotated to the tile's first position) as
-// Vectors x Group independent FMA chains against `local` = [tiles][D][8], the [cos | sin]
-// of positions 0, 1, ...
-template <int Group, int Vectors>
-inline void score_rows(const float* const* table, const float* const* coef, const int16_t* codes,
-                       const float* local, int64_t dim, float* const* out) {
-  __m256 acc[Group][Vectors];
-  for (int v = 0; v < Vectors; ++v) {
+// out[0:64] = coef . [cos | sin] of 64 rows, local = [8][D][8] (8 rows per [D][8] slice), as 8
+// FMA chains in named registers: GCC keeps an array of accumulators indexed by a loop
+// variable in memory and stores all of it at every step (measured 1.5x slower).
+inline void mean_key64(const float* coef, const float* local, int64_t dim, float* out) {
+  const int64_t tile = dim * 8;
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+  for (int64_t d = 0; d < dim; ++d) {
+    const __m256 c = _mm256_broadcast_ss(coef + d);
+    const float* l = local + d * 8;
+    a0 = _mm256_fmadd_ps(c, _mm256_loadu_ps(l), a0);
+    a1 = _mm256_fmadd_ps(c, _mm256_loadu_ps(l + tile), a1);
+    a2 = _mm256_fmadd_ps(c, _mm256_loadu_ps(l + 2 * tile), a2);
+    a3 = _mm256_fmadd_ps(c, _mm256_loadu_ps(l + 3 * tile), a3);
+    a4 = _mm256_fmadd_ps(c, _mm256_loadu_ps(l + 4 * tile), a4);
+    a5 = _mm256_fmadd_ps(c, _mm256_loadu_ps(l + 5 * tile), a5);
+    a6 = _mm256_fmadd_ps(c, _mm256_loadu_ps(l + 6 * tile), a6);
+    a7 = _mm256_fmadd_ps(c, _mm256_loadu_ps(l + 7 * tile), a7);
+  }
+  _mm256_storeu_ps(out, a0);
+  _mm256_storeu_ps(out + 8, a1);
+  _mm256_storeu_ps(out + 16, a2);
+  _mm256_storeu_ps(out + 24, a3);
+  _mm256_storeu_ps(out + 32, a4);
+  _mm256_storeu_ps(out + 40, a5);
+  _mm256_storeu_ps(out + 48, a6);
+  _mm256_storeu_ps(out + 56, a7);
+}
+
+// out[0:64] = table[codes[0:64]], added to out when `accumulate`.
+inline void lookup64(const float* table, const int16_t* codes, float* out, bool accumulate) {
+  for (int v = 0; v < 8; ++v) {
     const __m256i index = _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 8 * v)));
-    for (int g = 0; g < Group; ++g) acc[g][v] = _mm256_i32gather_ps(table[g], index, 4);
+    const __m256 looked = _mm256_i32gather_ps(table, index, 4);
+    _mm256_storeu_ps(out + 8 * v, accumulate ? _mm256_add_ps(_mm256_loadu_ps(out + 8 * v), looked) : looked);
   }
-  if (coef[0] != nullptr) {
-    const int64_t tile = dim * 8;
-    for (int64_t d = 0; d < dim; ++d) {
-      __m256 c[Group];
-      for (int g = 0; g < Group; ++g) c[g] = _mm256_broadcast_ss(coef[g] + d);
-      for (int v = 0; v < Vectors; ++v) {
-        const __m256 r = _mm256_loadu_ps(local + v * tile + d * 8);
-        for (int g = 0; g < Group; ++g) acc[g][v] = _mm256_fmadd_ps(c[g], r, acc[g][v]);
-      }
-    }
-  }
-  for (int g = 0; g < Group; ++g)
-    for (int v = 0; v < Vectors; ++v) _mm256_storeu_ps(out[g] + 8 * v, acc[g][v]);
 }
 #endif
 
@@ -203,44 +213,31 @@ inline void table_block(const float* rotated, const at::Half* tiles, int64_t C, 
 }
 
 // s[g][i] = table[g][codes[i]] + coef[g] . rotary[position + i] for `rows` rows from
-// `position`; local is [tiles][D][8], the [cos | sin] of positions 0..kTileRows - 1.
+// `position`; local is [8][D][8], the [cos | sin] of positions 0..kTileRows - 1, and the
+// coefficients are rotated to each tile's first position.
 inline void score_block(const float* table, const float* coef, int64_t C, const int16_t* codes, const float* rotary,
                         const float* local, int64_t position, int64_t rows, int64_t group, int64_t dim, float* scores,
                         int64_t scores_stride, bool mean_key) {
-  for (int64_t g0 = 0; g0 < group; g0 += 3) {
-    const int slice = static_cast<int>(std::min<int64_t>(3, group - g0));
-    int64_t t = 0;
+  int64_t t = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-    // rows per tile so that slice x vectors FMA chains hide the FMA latency in 16 registers
-    const int64_t tile_rows = slice == 1 ? 64 : slice == 2 ? 32 : 24;
-    alignas(32) float rotated[3 * kMaxDim];
-    const float* tables[3];
-    const float* coefs[3];
-    for (int g = 0; g < slice; ++g) {
-      tables[g] = table + (g0 + g) * C;
-      coefs[g] = mean_key ? rotated + g * dim : nullptr;
-    }
-    for (; t + tile_rows <= rows; t += tile_rows) {
-      if (mean_key)
-        for (int g = 0; g < slice; ++g)
-          rotate_coefficients(coef + (g0 + g) * dim, rotary + (position + t) * dim, dim, rotated + g * dim);
-      float* outs[3];
-      for (int g = 0; g < slice; ++g) outs[g] = scores + (g0 + g) * scores_stride + t;
-      switch (slice) {
-        case 1: score_rows<1, 8>(tables, coefs, codes + t, local, dim, outs); break;
-        case 2: score_rows<2, 4>(tables, coefs, codes + t, local, dim, outs); break;
-        default: score_rows<3, 3>(tables, coefs, codes + t, local, dim, outs); break;
+  alignas(32) float rotated[kMaxDim];
+  for (; t + kTileRows <= rows; t += kTileRows)
+    for (int64_t g = 0; g < group; ++g) {
+      float* out = scores + g * scores_stride + t;
+      if (mean_key) {
+        rotate_coefficients(coef + g * dim, rotary + (position + t) * dim, dim, rotated);
+        mean_key64(rotated, local, dim, out);
       }
+      lookup64(table + g * C, codes + t, out, mean_key);
     }
 #endif
-    for (; t < rows; ++t)
-      for (int64_t g = g0; g < g0 + slice; ++g) {
-        float s = table[g * C + codes[t]];
-        if (mean_key)
-          for (int64_t d = 0; d < dim; ++d) s += coef[g * dim + d] * rotary[(position + t) * dim + d];
-        scores[g * scores_stride + t] = s;
-      }
-  }
+  for (; t < rows; ++t)
+    for (int64_t g = 0; g < group; ++g) {
+      float s = table[g * C + codes[t]];
+      if (mean_key)
+        for (int64_t d = 0; d < dim; ++d) s += coef[g * dim + d] * rotary[(position + t) * dim + d];
+      scores[g * scores_stride + t] = s;
+    }
 }
 
 // A float's bits as a signed integer that orders like the float (a negative float has its

@@ -128,7 +128,7 @@ class A2atsPlan {
                     wrope_sin_.scalar_type() == at::kFloat && wrope_sin_.is_contiguous(),
                 "wrope cos/sin must be contiguous float32");
     TORCH_CHECK(0 <= start_ && start_ <= end_ && 0 <= k_ && k_ <= candidates_, "need 0 <= start <= end, 0 <= k <= candidates");
-    // the first kTileRows positions in score_rows' layout, once per step for every layer
+    // the first kTileRows positions in mean_key64's layout, once per step for every layer
     const int64_t dim = rotary_.size(1);
     const float* table = rotary_.data_ptr<float>();
     rotary_tile_.resize(a2ats_detail::kTileRows * dim);
