@@ -181,7 +181,7 @@ class A2ATS(Selector):
         # plain WRoPE, scores summed over the group: a pure table lookup (the kernel's op)
         heads = self.spec.num_kv_heads
         query = self.wrope_query(q, cache).reshape(heads, self.spec.group_size, -1).sum(1)
-        table = self.codebook.centroid_scores(layer, query)
+        table = torch.bmm(query.float().unsqueeze(1), self.centroids_t[layer]).squeeze(1)  # [Hkv, C]
         _, rows = code_score_topk(table, self.codes.rows(layer, start, end), k, backend=self.config.backend)
         return rows + start
 

@@ -148,12 +148,6 @@ class A2ATSCodebook:
             return None
         return tensors[CODES_KEY]
 
-    def centroid_scores(self, layer: int, query: torch.Tensor) -> torch.Tensor:
-        """query [Hkv, D] (already WRoPE-rotated) -> q.c for every centroid [Hkv, C] float32
-        (the float16 scoring centroids, as every A2ATS score uses)."""
-        centroids = self.scoring_centroids(mean_key=False)[layer].float()
-        return torch.bmm(centroids, query.float().unsqueeze(-1)).squeeze(-1)
-
     # -- serialisation (the application layer stores these; see ragkv.app.codebooks) ------
 
     def to_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

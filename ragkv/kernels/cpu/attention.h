@@ -60,23 +60,25 @@ struct Item {
 constexpr int64_t kMaxGroup = 16;
 constexpr int64_t kMaxDim = 256;
 
+// Fetch `count` rows starting at `row` into cache (lines past the buffer's end are never
+// touched by a prefetch fault: x86 drops prefetches of unmapped addresses).
+template <typename T>
+inline void prefetch_rows(const T* base, int64_t row, int64_t count, int64_t row_stride, int64_t dim) {
+#if defined(__AVX2__) && defined(__FMA__)
+  const int64_t bytes = dim * static_cast<int64_t>(sizeof(T));
+  for (int64_t j = 0; j < count; ++j) {
+    const char* line = reinterpret_cast<const char*>(base + (row + j) * row_stride);
+    for (int64_t offset = 0; offset < bytes; offset += 64) _mm_prefetch(line + offset, _MM_HINT_T0);
+  }
+#endif
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 
 inline __m256 load8(const at::BFloat16* p) {
   const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-
-// Fetch `count` rows starting at `row` into cache (lines past the buffer's end are never
-// touched by a prefetch fault: x86 drops prefetches of unmapped addresses).
-template <typename T>
-inline void prefetch_rows(const T* base, int64_t row, int64_t count, int64_t row_stride, int64_t dim) {
-  const int64_t bytes = dim * static_cast<int64_t>(sizeof(T));
-  for (int64_t j = 0; j < count; ++j) {
-    const char* line = reinterpret_cast<const char*>(base + (row + j) * row_stride);
-    for (int64_t offset = 0; offset < bytes; offset += 64) _mm_prefetch(line + offset, _MM_HINT_T0);
-  }
 }
 
 // Lanes 0-3 of the result: the sums of the 8 lanes of a[0..3].
