@@ -115,6 +115,24 @@ def test_compiled_selection_equals_the_selector(folder, codebook, kv, variant):
         torch.testing.assert_close(out, expected.float(), atol=2e-5, rtol=1e-4)
 
 
+def test_compiled_selection_under_a_scaled_rope(tmp_path):
+    """YaRN folds an attention scaling into cos and sin: the mean-key term carries it once."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
+    folder = write_tiny_llama(tmp_path, rope_scaling=yarn, **GEOMETRIES["group3-d64"])
+    model = CausalLM.load(folder, numerics=_numerics("float32"))
+    assert model.rotary.attention_scaling > 1.1
+    ids, cache, _ = _prompt(model, 1)
+    attention = _selector(model, cache, ids, _calibrated(folder), True, aggregation="logits")
+    _decoding_row(cache)
+    plan = attention.compiled_plan(cache)
+    q = torch.randn(model.spec.num_heads, 1, model.spec.head_dim, generator=torch.Generator().manual_seed(0))
+    for layer in range(model.spec.num_layers):
+        indices, start, _ = attention.indices(layer, q, cache)
+        _, chosen = cpu_extension.load().a2ats_attention(q[:, 0], cache.keys[layer], cache.values[layer], cache.length,
+                                                         plan, layer, model.scale)
+        assert torch.equal(chosen.sort(-1).values, indices[:, start : start + chosen.shape[1]].sort(-1).values)
+
+
 def _estimated_mass(attention, layer, q, cache, start, end):
     """The selector's own estimate [Hkv, n] of each candidate's attention probability,
     summed over the group (what both paths rank by)."""

@@ -16,7 +16,8 @@ from ragkv.sparse.kmeans import kmeans
 
 
 def write_tiny_llama(folder: Path, layers: int = 2, vocab: int = 512, with_tokenizer: bool = False, seed: int = 0,
-                     heads: int = 4, kv_heads: int = 2, head_dim: int = 16, hidden: int = 64) -> Path:
+                     heads: int = 4, kv_heads: int = 2, head_dim: int = 16, hidden: int = 64,
+                     rope_scaling: dict | None = None) -> Path:
     """A random Llama checkpoint (default GQA: 4 query heads over 2 KV heads, head_dim 16)."""
     if with_tokenizer:
         from ragkv.engine.model_files import resolve_model_dir
@@ -32,7 +33,7 @@ def write_tiny_llama(folder: Path, layers: int = 2, vocab: int = 512, with_token
     config = LlamaConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=heads,
         num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=8192, rope_theta=10000.0, rms_norm_eps=1e-5,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, rope_scaling=rope_scaling,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)

@@ -19,10 +19,12 @@
 // intra-op threads take in order (see a2ats_attention); nothing per row is stored beyond
 // one float per (scored vector, row), in scratch buffers kept per thread across calls.
 //
-// The mean-key term of a tile of rows from position p0 is evaluated with the coefficients
-// rotated to p0 (angle addition: q . R(p0 + j) m = q' . R(j) m with q' = q rotated by p0)
-// against the [cos | sin] of positions 0..kTileRows - 1, which stay in L1: only one row of
-// the rotary table is read per tile.
+// The mean-key term of a tile of 64 rows from position p0 is evaluated with the coefficients
+// rotated to the tile's middle p0 + 31.5 (angle addition: q . R(p0 + j) m = q' . R(j - 31.5) m
+// with q' = q rotated by p0 + 31.5). Offsets +-(u + 1/2) share cos((u + 1/2) w) (even) and
+// sin((u + 1/2) w) (odd), so the 64 rows cost 32 sums of each half of the coefficients, against
+// a [cos | sin] table of the 32 half offsets that stays in L1; only one row of the rotary
+// table is read per tile.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -43,7 +45,9 @@
 
 namespace ragkv {
 
-constexpr int64_t kScoreRows = 576;  // a multiple of the 64-row scoring tile
+constexpr int64_t kScoreRows = 512;  // a multiple of kWarmEvery
+constexpr int64_t kWarmEvery = 128;  // rows scored between two batches of warmed candidate keys (two 64-row tiles)
+constexpr int64_t kWarmRows = 16;    // candidate key rows warmed per batch
 constexpr int64_t kTableColumns = 256;  // a multiple of kTileCentroids
 constexpr int64_t kTileCentroids = 16;
 constexpr int64_t kRerankRows = 128;  // a multiple of the 4-row score tiles
@@ -57,7 +61,8 @@ struct A2atsLayer {
   int64_t centroids;            // C, a multiple of kTileCentroids (the codebook's, padded)
   const float* key_mean;        // [Hkv, D]; nullptr = no mean-key term
   const float* rotary;          // [positions, D]: cos | sin of every rotation pair at each position
-  const float* rotary_tile;     // [kTileRows / 8][D][8]: the same for positions 0..kTileRows - 1, in mean_key64's layout
+  const float* middle_offsets;  // [D][32]: cos (i < D / 2), then sin, of rotation pair i at offsets u + 1/2, u < 32
+  const float* half_turn;       // [D]: cos | sin of half a position, divided by the rotary table's scaling
   const float* wrope_cos;       // [D] at relative position (offset - current position)
   const float* wrope_sin;
   int64_t start, end, k;        // rows [start, end) are scored; k kept
@@ -75,7 +80,8 @@ T* scratch(int64_t size) {
   return buffer.data();
 }
 
-constexpr int64_t kTileRows = 64;  // rows per scoring tile (mean_key64, lookup64)
+constexpr int64_t kTileRows = 64;  // rows per scoring tile (mean_key_tiles, lookup64)
+constexpr int64_t kHalfTile = kTileRows / 2;
 
 // coef[g] rotated to position p0: the pair (a, b) of rotation i becomes
 // (a cos + b sin, b cos - a sin) at angle p0 w_i, so that coef' . R(j) m = coef . R(p0 + j) m.
@@ -114,7 +120,13 @@ inline void table_tiles(const float* rotated, const at::Half* tiles, int64_t dim
   __m256 acc[Group][2 * Tiles];
   for (int g = 0; g < Group; ++g)
     for (int v = 0; v < 2 * Tiles; ++v) acc[g][v] = _mm256_setzero_ps();
+  // the next Tiles tiles (contiguous, read next): Tiles interleaved streams are followed
+  // poorly by the hardware prefetcher
+  const char* next = reinterpret_cast<const char*>(tiles + Tiles * dim * kTileCentroids);
+  constexpr int64_t bytes_per_d = Tiles * kTileCentroids * 2;
   for (int64_t d = 0; d < dim; ++d) {
+    if (d * bytes_per_d % 64 < bytes_per_d) _mm_prefetch(next + d * bytes_per_d / 64 * 64, _MM_HINT_T0);
+    if (bytes_per_d > 64) _mm_prefetch(next + d * bytes_per_d + 64, _MM_HINT_T0);
     __m256 c[2 * Tiles];
     for (int t = 0; t < Tiles; ++t) {
       const at::Half* row = tiles + (t * dim + d) * kTileCentroids;
@@ -130,32 +142,44 @@ inline void table_tiles(const float* rotated, const at::Half* tiles, int64_t dim
     for (int v = 0; v < 2 * Tiles; ++v) _mm256_storeu_ps(table + g * table_stride + 8 * v, acc[g][v]);
 }
 
-// out[0:64] = coef . [cos | sin] of 64 rows, local = [8][D][8] (8 rows per [D][8] slice), as 8
-// FMA chains in named registers: GCC keeps an array of accumulators indexed by a loop
-// variable in memory and stores all of it at every step (measured 1.5x slower).
-inline void mean_key64(const float* coef, const float* local, int64_t dim, float* out) {
-  const int64_t tile = dim * 8;
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-  for (int64_t d = 0; d < dim; ++d) {
-    const __m256 c = _mm256_broadcast_ss(coef + d);
-    const float* l = local + d * 8;
-    a0 = _mm256_fmadd_ps(c, _mm256_loadu_ps(l), a0);
-    a1 = _mm256_fmadd_ps(c, _mm256_loadu_ps(l + tile), a1);
-    a2 = _mm256_fmadd_ps(c, _mm256_loadu_ps(l + 2 * tile), a2);
-    a3 = _mm256_fmadd_ps(c, _mm256_loadu_ps(l + 3 * tile), a3);
-    a4 = _mm256_fmadd_ps(c, _mm256_loadu_ps(l + 4 * tile), a4);
-    a5 = _mm256_fmadd_ps(c, _mm256_loadu_ps(l + 5 * tile), a5);
-    a6 = _mm256_fmadd_ps(c, _mm256_loadu_ps(l + 6 * tile), a6);
-    a7 = _mm256_fmadd_ps(c, _mm256_loadu_ps(l + 7 * tile), a7);
+// out[64 t : 64 t + 64] = the mean-key terms of Tiles tiles from their coefficients middle[t]
+// (rotated to the tile's middle): row 32 + u gets A(u) + B(u) and row 31 - u gets A(u) - B(u),
+// with A(u) = sum_i a_i cos((u + 1/2) w_i) over the cos half of the coefficients and B(u) the
+// same over the sin half. Two tiles share every table load (4 FMAs per load); the A sums
+// wait in memory while the B sums take the registers.
+template <int Tiles>
+inline void mean_key_tiles(const float* const* middle, const float* offsets, int64_t dim, float* out) {
+  const int64_t half = dim / 2;
+  alignas(32) float even[Tiles][kHalfTile];
+  for (int part = 0; part < 2; ++part) {
+    __m256 acc[Tiles][4];
+    for (int t = 0; t < Tiles; ++t)
+      for (int v = 0; v < 4; ++v) acc[t][v] = _mm256_setzero_ps();
+    for (int64_t i = part * half; i < (part + 1) * half; ++i) {
+      const float* row = offsets + i * kHalfTile;
+      const __m256 c0 = _mm256_loadu_ps(row), c1 = _mm256_loadu_ps(row + 8);
+      const __m256 c2 = _mm256_loadu_ps(row + 16), c3 = _mm256_loadu_ps(row + 24);
+      for (int t = 0; t < Tiles; ++t) {
+        const __m256 a = _mm256_broadcast_ss(middle[t] + i);
+        acc[t][0] = _mm256_fmadd_ps(a, c0, acc[t][0]);
+        acc[t][1] = _mm256_fmadd_ps(a, c1, acc[t][1]);
+        acc[t][2] = _mm256_fmadd_ps(a, c2, acc[t][2]);
+        acc[t][3] = _mm256_fmadd_ps(a, c3, acc[t][3]);
+      }
+    }
+    for (int t = 0; t < Tiles; ++t)
+      for (int v = 0; v < 4; ++v) {
+        if (part == 0) {
+          _mm256_store_ps(even[t] + 8 * v, acc[t][v]);
+          continue;
+        }
+        const __m256 a = _mm256_load_ps(even[t] + 8 * v);
+        const __m256i reversed = _mm256_setr_epi32(7, 6, 5, 4, 3, 2, 1, 0);
+        float* tile = out + t * kTileRows;
+        _mm256_storeu_ps(tile + kHalfTile + 8 * v, _mm256_add_ps(a, acc[t][v]));
+        _mm256_storeu_ps(tile + kHalfTile - 8 - 8 * v, _mm256_permutevar8x32_ps(_mm256_sub_ps(a, acc[t][v]), reversed));
+      }
   }
-  _mm256_storeu_ps(out, a0);
-  _mm256_storeu_ps(out + 8, a1);
-  _mm256_storeu_ps(out + 16, a2);
-  _mm256_storeu_ps(out + 24, a3);
-  _mm256_storeu_ps(out + 32, a4);
-  _mm256_storeu_ps(out + 40, a5);
-  _mm256_storeu_ps(out + 48, a6);
-  _mm256_storeu_ps(out + 56, a7);
 }
 
 // out[0:64] = table[codes[0:64]], added to out when `accumulate`.
@@ -204,22 +228,31 @@ inline void table_block(const float* rotated, const at::Half* tiles, int64_t C, 
 }
 
 // s[g][i] = table[g][codes[i]] + coef[g] . rotary[position + i] for `rows` rows from
-// `position`; local is [8][D][8], the [cos | sin] of positions 0..kTileRows - 1, and the
-// coefficients are rotated to each tile's first position.
+// `position`; tiles of 64 rows take the mean-key term from their middle (see the top).
 inline void score_block(const float* table, const float* coef, int64_t C, const int16_t* codes, const float* rotary,
-                        const float* local, int64_t position, int64_t rows, int64_t group, int64_t dim, float* scores,
-                        int64_t scores_stride, bool mean_key) {
+                        const float* offsets, const float* half_turn, int64_t position, int64_t rows, int64_t group,
+                        int64_t dim, float* scores, int64_t scores_stride, bool mean_key) {
   int64_t t = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-  alignas(32) float rotated[kMaxDim];
-  for (; t + kTileRows <= rows; t += kTileRows)
-    for (int64_t g = 0; g < group; ++g) {
+  alignas(32) float at_row[kMaxDim], middle[2][kMaxDim];
+  const float* middles[2] = {middle[0], middle[1]};
+  for (int64_t g = 0; g < group; ++g)
+    for (t = 0; t + kTileRows <= rows;) {
+      const int tiles = t + 2 * kTileRows <= rows ? 2 : 1;
       float* out = scores + g * scores_stride + t;
       if (mean_key) {
-        rotate_coefficients(coef + g * dim, rotary + (position + t) * dim, dim, rotated);
-        mean_key64(rotated, local, dim, out);
+        for (int i = 0; i < tiles; ++i) {
+          // by the table row at p0 + 31 (which carries the rotary scaling), then half a position
+          rotate_coefficients(coef + g * dim, rotary + (position + t + i * kTileRows + kHalfTile - 1) * dim, dim, at_row);
+          rotate_coefficients(at_row, half_turn, dim, middle[i]);
+        }
+        if (tiles == 2)
+          mean_key_tiles<2>(middles, offsets, dim, out);
+        else
+          mean_key_tiles<1>(middles, offsets, dim, out);
       }
-      lookup64(table + g * C, codes + t, out, mean_key);
+      for (int i = 0; i < tiles; ++i) lookup64(table + g * C, codes + t + i * kTileRows, out + i * kTileRows, mean_key);
+      t += tiles * kTileRows;
     }
 #endif
   for (; t < rows; ++t)
@@ -379,7 +412,8 @@ inline void copy_row(const T* row, int64_t dim, T* out) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(reinterpret_cast<char*>(out) + offset),
                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(reinterpret_cast<const char*>(row) + offset)));
 #endif
-  std::memcpy(reinterpret_cast<char*>(out) + offset, reinterpret_cast<const char*>(row) + offset, bytes - offset);
+  if (offset < bytes)  // the call alone costs ~7 ns a row, a quarter of a scattered row's read
+    std::memcpy(reinterpret_cast<char*>(out) + offset, reinterpret_cast<const char*>(row) + offset, bytes - offset);
 }
 
 }  // namespace a2ats_detail
@@ -525,12 +559,35 @@ void a2ats_attention(const float* q, const CacheView<T>& view, const A2atsLayer&
       fixed_lse[h * group + g] = partials_logsumexp(head_fixed, fixed_blocks, group, dim, g);
   };
 
+  // The rerank reads its candidates' keys at DRAM latency, while the scores are bound by
+  // arithmetic: scoring a later head fetches an earlier head's candidate keys into L2 a few
+  // rows at a time, so that most of the rerank reads hit cache.
+  std::unique_ptr<std::atomic<int64_t>[]> warmed(new std::atomic<int64_t>[kv_heads]);
+  for (int64_t h = 0; h < kv_heads; ++h) warmed[h].store(0, std::memory_order_relaxed);
+  std::unique_ptr<std::atomic<bool>[]> ready;  // set below; read by warm_candidates
+  auto warm_candidates = [&](int64_t scoring) {
+    for (int64_t h = 0; rerank && h < scoring; ++h) {
+      if (!ready[kv_heads + h].load(std::memory_order_acquire)) continue;
+      const int64_t first = warmed[h].fetch_add(kWarmRows, std::memory_order_relaxed);
+      if (first >= candidates) continue;
+      const T* head_keys = view.keys + h * view.head_stride;
+      for (int64_t i = first; i < std::min(candidates, first + kWarmRows); ++i)
+        prefetch_rows_l2(head_keys, picked[h * candidates + i], view.row_stride, dim);
+      return;
+    }
+  };
+
   // (2) one block of row scores of head h
   auto score = [&](int64_t h, int64_t b) {
     const int64_t first = block_begin(b) - start, count = block_begin(b + 1) - start - first;
     float* block = scores + h * scored * n + first;
-    score_block(table + h * scored * C, coef + h * scored * dim, C, plan.codes + h * plan.codes_head_stride + start + first,
-                plan.rotary, plan.rotary_tile, start + first, count, scored, dim, block, n, mean_key);
+    for (int64_t part = 0; part < count; part += kWarmEvery) {
+      score_block(table + h * scored * C, coef + h * scored * dim, C,
+                  plan.codes + h * plan.codes_head_stride + start + first + part, plan.rotary, plan.middle_offsets,
+                  plan.half_turn, start + first + part, std::min(kWarmEvery, count - part), scored, dim, block + part, n,
+                  mean_key);
+      warm_candidates(h);
+    }
     if (!plan.logits)
       for (int64_t g = 0; g < group; ++g) {
         const auto [m, sum] = block_softmax(block + g * n, count);
@@ -638,7 +695,7 @@ void a2ats_attention(const float* q, const CacheView<T>& view, const A2atsLayer&
   // finished[s][h]: head h's items of stage s done; ready[s][h]: and the head's stage
   // finished (pick, keep) by the thread that did its last item
   std::unique_ptr<std::atomic<int64_t>[]> finished(new std::atomic<int64_t>[4 * kv_heads]);
-  std::unique_ptr<std::atomic<bool>[]> ready(new std::atomic<bool>[4 * kv_heads]);
+  ready.reset(new std::atomic<bool>[4 * kv_heads]);
   for (int64_t i = 0; i < 4 * kv_heads; ++i) {
     finished[i].store(0, std::memory_order_relaxed);
     ready[i].store(false, std::memory_order_relaxed);

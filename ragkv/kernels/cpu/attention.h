@@ -73,6 +73,16 @@ inline void prefetch_rows(const T* base, int64_t row, int64_t count, int64_t row
 #endif
 }
 
+// One row into L2 only (read later, possibly by the other core, and not to evict L1).
+template <typename T>
+inline void prefetch_rows_l2(const T* base, int64_t row, int64_t row_stride, int64_t dim) {
+#if defined(__AVX2__) && defined(__FMA__)
+  const int64_t bytes = dim * static_cast<int64_t>(sizeof(T));
+  const char* line = reinterpret_cast<const char*>(base + row * row_stride);
+  for (int64_t offset = 0; offset < bytes; offset += 64) _mm_prefetch(line + offset, _MM_HINT_T1);
+#endif
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 

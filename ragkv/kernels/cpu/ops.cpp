@@ -128,12 +128,27 @@ class A2atsPlan {
                     wrope_sin_.scalar_type() == at::kFloat && wrope_sin_.is_contiguous(),
                 "wrope cos/sin must be contiguous float32");
     TORCH_CHECK(0 <= start_ && start_ <= end_ && 0 <= k_ && k_ <= candidates_, "need 0 <= start <= end, 0 <= k <= candidates");
-    // the first kTileRows positions in mean_key64's layout, once per step for every layer
-    const int64_t dim = rotary_.size(1);
-    const float* table = rotary_.data_ptr<float>();
-    rotary_tile_.resize(a2ats_detail::kTileRows * dim);
-    for (int64_t j = 0; j < a2ats_detail::kTileRows; ++j)
-      for (int64_t d = 0; d < dim; ++d) rotary_tile_[(j / 8) * dim * 8 + d * 8 + j % 8] = table[j * dim + d];
+    // each rotation pair's frequency w and scaling r from the table's position 1, for the
+    // mean-key term's tables at half offsets (once per step for every layer)
+    const int64_t dim = rotary_.size(1), half = dim / 2, offsets = a2ats_detail::kHalfTile;
+    const float* position_one = rotary_.data_ptr<float>() + dim;
+    middle_offsets_.resize(dim * offsets);
+    half_turn_.resize(dim);
+    for (int64_t i = 0; i < half; ++i) {
+      const double r = std::hypot(position_one[i], position_one[half + i]);
+      const double cos_w = position_one[i] / r, sin_w = position_one[half + i] / r;  // w < pi: cos(w / 2) > 0
+      const double cos_half = std::sqrt((1 + cos_w) / 2), sin_half = sin_w / (2 * cos_half);
+      half_turn_[i] = static_cast<float>(cos_half / r);
+      half_turn_[half + i] = static_cast<float>(sin_half / r);
+      double c = cos_half, s = sin_half;  // at offset u + 1/2, stepped by w
+      for (int64_t u = 0; u < offsets; ++u) {
+        middle_offsets_[i * offsets + u] = static_cast<float>(r * c);
+        middle_offsets_[(half + i) * offsets + u] = static_cast<float>(r * s);
+        const double next_c = c * cos_w - s * sin_w;
+        s = s * cos_w + c * sin_w;
+        c = next_c;
+      }
+    }
   }
 
   // Checks the state against a model and a cache of `length` rows.
@@ -157,7 +172,8 @@ class A2atsPlan {
             centroid_tiles_.size(2) * kTileCentroids,
             key_mean_.numel() == 0 ? nullptr : key_mean_.data_ptr<float>() + l * key_mean_.stride(0),
             rotary_.data_ptr<float>(),
-            rotary_tile_.data(),
+            middle_offsets_.data(),
+            half_turn_.data(),
             wrope_cos_.data_ptr<float>(),
             wrope_sin_.data_ptr<float>(),
             start_,
@@ -173,7 +189,7 @@ class A2atsPlan {
 
  private:
   at::Tensor codes_, centroid_tiles_, key_mean_, rotary_, wrope_cos_, wrope_sin_;
-  std::vector<float> rotary_tile_;
+  std::vector<float> middle_offsets_, half_turn_;
   int64_t start_, end_, k_, candidates_;
   bool logits_;
 };
