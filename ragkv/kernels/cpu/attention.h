@@ -12,6 +12,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -326,7 +327,7 @@ void decode_attention(const float* q, const std::vector<CacheView<T>>& views, in
     first_item.push_back(static_cast<int64_t>(items.size()));
   }
   // Rows of one request in a prefill chunk each come as a request over the same cache:
-  // run the items of one cache block back to back so the block is read from memory once.
+  // schedule the items of one cache block together so the block is read from memory once.
   std::vector<int64_t> schedule(items.size());
   for (size_t i = 0; i < items.size(); ++i) schedule[i] = static_cast<int64_t>(i);
   std::stable_sort(schedule.begin(), schedule.end(), [&](int64_t a, int64_t b) {
@@ -337,8 +338,13 @@ void decode_attention(const float* q, const std::vector<CacheView<T>>& views, in
     return x.row_begin < y.row_begin;
   });
   std::vector<float> partials(items.size() * group * (dim + 2));
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t s = begin; s < end; ++s) {
+  // items taken in schedule order from a shared counter, not in one fixed half per thread,
+  // so that a thread whose rows streamed slower does not keep the other waiting
+  const int64_t count = static_cast<int64_t>(items.size());
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), count), 1, [&](int64_t, int64_t) {
+    for (int64_t s = next.fetch_add(1, std::memory_order_relaxed); s < count;
+         s = next.fetch_add(1, std::memory_order_relaxed)) {
       const int64_t i = schedule[s];
       const Item& item = items[i];
       const CacheView<T>& view = views[item.request];

@@ -11,6 +11,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 
@@ -62,12 +63,18 @@ inline void int8_rows(const float* x, int64_t x_stride, const int8_t* w, int64_t
 #endif
 
 // x [rows, in] and y [rows, out], both float32 and row-major; `in` a multiple of 8 on AVX2.
+// The threads take blocks of output channels from a shared counter: with one half each, the
+// thread whose half streamed slower kept the other waiting ~15% of every call (measured
+// inside decode steps).
 inline void int8_linear(const float* x, int64_t rows, int64_t in, const int8_t* w, const at::BFloat16* scales,
                         int64_t out, float* y) {
   constexpr int64_t kChannelBlock = 32;  // 32 x in int8 stay in L2 across the row tiles
-  at::parallel_for(0, out, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t block = begin; block < end; block += kChannelBlock) {
-      const int64_t block_end = std::min(block + kChannelBlock, end);
+  const int64_t blocks = (out + kChannelBlock - 1) / kChannelBlock;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), blocks), 1, [&](int64_t, int64_t) {
+    for (int64_t index = next.fetch_add(1, std::memory_order_relaxed); index < blocks;
+         index = next.fetch_add(1, std::memory_order_relaxed)) {
+      const int64_t block = index * kChannelBlock, block_end = std::min(block + kChannelBlock, out);
 #if defined(__AVX2__) && defined(__FMA__)
       for (int64_t r = 0; r < rows; r += 4) {
         const float* xr = x + r * in;
