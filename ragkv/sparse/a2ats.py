@@ -59,14 +59,14 @@ def centroid_tiles(codebook: A2ATSCodebook, mean_key: bool) -> torch.Tensor:
     """The scoring centroids in the compiled step's layout, [L, Hkv, C / 16, D, 16] float16
     (coordinate d of 16 centroids side by side, C zero-padded to a multiple of 16), so that
     a step's table streams them contiguously. Built once per codebook and kept."""
-    kept = codebook.__dict__.setdefault("_tiles", {})
-    if mean_key not in kept:
+    def build() -> torch.Tensor:
         centroids = codebook.scoring_centroids(mean_key)
         layers, heads, size, dim = centroids.shape
         padded = centroids.new_zeros((layers, heads, -(-size // TILE_CENTROIDS) * TILE_CENTROIDS, dim))
         padded[:, :, :size] = centroids
-        kept[mean_key] = padded.view(layers, heads, -1, TILE_CENTROIDS, dim).transpose(3, 4).contiguous()
-    return kept[mean_key]
+        return padded.view(layers, heads, -1, TILE_CENTROIDS, dim).transpose(3, 4).contiguous()
+
+    return codebook.derived(("centroid tiles", mean_key), build)
 
 
 @register

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 import torch
 
@@ -45,6 +47,8 @@ class A2ATSCodebook:
     RoPE by the selector; None = zeros)."""
     info: dict[str, str] = field(default_factory=dict)
     """Free-form provenance (calibration sources, token counts)."""
+    _derived: dict = field(default_factory=dict, init=False, repr=False)
+    """What `derived` built from this codebook, by key."""
 
     def __post_init__(self) -> None:
         if self.centroids.dim() != 4 or self.transform.dim() != 4:
@@ -92,11 +96,17 @@ class A2ATSCodebook:
         mean when its term is scored exactly (mean_key). Rounded to float16 once and kept: the
         compiled decode step streams them every step (half the bytes of float32), and the
         Python reference uses the same values."""
-        kept = self.__dict__.setdefault("_scoring", {})
-        if mean_key not in kept:
-            centroids = self.centroids - self.key_mean.unsqueeze(2) if mean_key else self.centroids
-            kept[mean_key] = centroids.half()
-        return kept[mean_key]
+        def build() -> torch.Tensor:
+            return (self.centroids - self.key_mean.unsqueeze(2) if mean_key else self.centroids).half()
+
+        return self.derived(("scoring centroids", mean_key), build)
+
+    def derived(self, key: tuple, build: Callable[[], Any]) -> Any:
+        """build(), made once per key and kept with the codebook: the layouts and copies that
+        every request using it shares (scoring centroids, kernel tiles, device copies)."""
+        if key not in self._derived:
+            self._derived[key] = build()
+        return self._derived[key]
 
     def check_model(self, spec) -> None:
         if self.shape != (spec.num_layers, spec.num_kv_heads, spec.head_dim):
@@ -108,11 +118,8 @@ class A2ATSCodebook:
         device = torch.device(device)
         if self.centroids.device == device:
             return self
-        copies = self.__dict__.setdefault("_copies", {})
-        if device not in copies:
-            copies[device] = A2ATSCodebook(self.centroids.to(device), self.transform.to(device), self.offset,
-                                           self.key_mean.to(device), dict(self.info))
-        return copies[device]
+        return self.derived(("device copy", device), lambda: A2ATSCodebook(
+            self.centroids.to(device), self.transform.to(device), self.offset, self.key_mean.to(device), dict(self.info)))
 
     # -- encoding ------------------------------------------------------------------------
 

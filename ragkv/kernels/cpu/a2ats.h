@@ -522,35 +522,38 @@ void a2ats_attention(const float* q, const CacheView<T>& view, const A2atsLayer&
   float* partials = scratch<12, float>(kv_heads * head_partials * partial_size);
   float* logits = scratch<15, float>(rerank ? heads * rerank_stride : 0);
 
+  // Each scored query vector (a query head, or with 'logits' the group's sum), WRoPE-rotated
+  // for the tables and folded with the key mean's rotation pairs for the mean-key term.
+  float* rotated = scratch<20, float>(kv_heads * scored * dim);
+  float* summed = scratch<22, float>(dim);
+  for (int64_t h = 0; selecting && h < kv_heads; ++h)
+    for (int64_t s = 0; s < scored; ++s) {
+      const float* query = q + (h * group + s) * dim;
+      if (plan.logits) {
+        std::fill(summed, summed + dim, 0.f);
+        for (int64_t g = 0; g < group; ++g)
+          for (int64_t d = 0; d < dim; ++d) summed[d] += q[(h * group + g) * dim + d];
+        query = summed;
+      }
+      rotate(query, plan.wrope_cos, plan.wrope_sin, dim, rotated + (h * scored + s) * dim);
+      if (!mean_key) continue;
+      const float* mean = plan.key_mean + h * dim;
+      float* c = coef + (h * scored + s) * dim;
+      for (int64_t i = 0; i < half; ++i) {
+        const float q1 = query[i], q2 = query[i + half], x = mean[i], y = mean[i + half];
+        c[i] = q1 * x + q2 * y;
+        c[half + i] = q2 * x - q1 * y;
+      }
+    }
+
   // (1) one table block of head h, or (j == table_blocks) the head's always-attended rows
   auto prepare = [&](int64_t h, int64_t j) {
-    float* rotated = scratch<20, float>(scored * dim);
-    float* summed = scratch<22, float>(dim);
-    auto scored_query = [&](int64_t s) {  // query vector s of head h
-      if (!plan.logits) return q + (h * group + s) * dim;
-      std::fill(summed, summed + dim, 0.f);
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t d = 0; d < dim; ++d) summed[d] += q[(h * group + g) * dim + d];
-      return static_cast<const float*>(summed);
-    };
     if (j < table_blocks) {
-      for (int64_t s = 0; s < scored; ++s) rotate(scored_query(s), plan.wrope_cos, plan.wrope_sin, dim, rotated + s * dim);
       const int64_t c0 = j * kTableColumns;
-      table_block(rotated, plan.centroid_tiles + h * dim * C, C, c0, std::min(C, c0 + kTableColumns), scored, dim,
-                  table + h * scored * C);
+      table_block(rotated + h * scored * dim, plan.centroid_tiles + h * dim * C, C, c0, std::min(C, c0 + kTableColumns),
+                  scored, dim, table + h * scored * C);
       return;
     }
-    if (selecting && mean_key)
-      for (int64_t s = 0; s < scored; ++s) {
-        const float* query = scored_query(s);
-        const float* mean = plan.key_mean + h * dim;
-        float* c = coef + (h * scored + s) * dim;
-        for (int64_t i = 0; i < half; ++i) {
-          const float q1 = query[i], q2 = query[i + half], x = mean[i], y = mean[i + half];
-          c[i] = q1 * x + q2 * y;
-          c[half + i] = q2 * x - q1 * y;
-        }
-      }
     float* head_fixed = partials + h * head_partials * partial_size;
     attend_rows<T>(q + h * group * dim, view.keys + h * view.head_stride, view.values + h * view.head_stride,
                    view.row_stride, fixed, group, dim, [&](int64_t i) { return i < start ? i : end + (i - start); },
