@@ -312,12 +312,14 @@ struct CacheView {
   int64_t length;
 };
 
-// out[b][h] (float32, [B, heads, dim]) = attention of q[b][h] (float32, pre-scaled by the
-// softmax scale) over views[b].
+// out[r][h] (float32, rows of [heads, dim]) = attention of q[r][h] (float32, pre-scaled by the
+// softmax scale) over views[b], r = batch_rows[b] (or b when batch_rows is empty: a batch of
+// some dense requests among sparse ones attends in place).
 template <typename T>
 void decode_attention(const float* q, const std::vector<CacheView<T>>& views, int64_t heads, int64_t kv_heads,
-                      int64_t dim, float* out) {
+                      int64_t dim, float* out, const std::vector<int64_t>& batch_rows = {}) {
   const int64_t group = heads / kv_heads, batch = static_cast<int64_t>(views.size());
+  auto row_of = [&](int64_t b) { return batch_rows.empty() ? b : batch_rows[b]; };
   std::vector<Item> items;
   std::vector<int64_t> first_item{0};
   for (int64_t b = 0; b < batch; ++b) {
@@ -348,7 +350,7 @@ void decode_attention(const float* q, const std::vector<CacheView<T>>& views, in
       const int64_t i = schedule[s];
       const Item& item = items[i];
       const CacheView<T>& view = views[item.request];
-      attend_block<T>(q + (item.request * heads + item.head * group) * dim, view.keys + item.head * view.head_stride,
+      attend_block<T>(q + (row_of(item.request) * heads + item.head * group) * dim, view.keys + item.head * view.head_stride,
                       view.values + item.head * view.head_stride, view.row_stride, item.row_begin, item.row_end,
                       group, dim, partials.data() + i * group * (dim + 2));
     }
@@ -358,7 +360,7 @@ void decode_attention(const float* q, const std::vector<CacheView<T>>& views, in
       const int64_t b = bh / kv_heads, h = bh % kv_heads;
       // a request's items are pushed head by head, the same number for every head
       const int64_t count = (first_item[b + 1] - first_item[b]) / kv_heads, first = first_item[b] + h * count;
-      merge_partials(partials.data() + first * group * (dim + 2), count, group, dim, out + (b * heads + h * group) * dim);
+      merge_partials(partials.data() + first * group * (dim + 2), count, group, dim, out + (row_of(b) * heads + h * group) * dim);
     }
   });
 }

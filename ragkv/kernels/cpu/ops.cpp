@@ -383,28 +383,18 @@ class DecodeModel {
               const std::vector<int64_t>& lengths, const std::vector<std::optional<A2atsPlan>>& plans, int64_t layer,
               float* attended) const {
     const int64_t width = heads_ * head_dim_, batch = static_cast<int64_t>(keys.size());
-    std::vector<int64_t> dense;
+    std::vector<at::Tensor> dense_keys, dense_values;
+    std::vector<int64_t> dense_lengths, dense;
     for (int64_t b = 0; b < batch; ++b)
-      if (plans.empty() || !plans[b]) dense.push_back(b);
-    if (static_cast<int64_t>(dense.size()) == batch) {
-      decode_attention<T>(queries, layer_views<T>(keys, values, lengths, layer), heads_, kv_heads_, head_dim_, attended);
-      return;
-    }
-    if (!dense.empty()) {
-      std::vector<at::Tensor> dense_keys, dense_values;
-      std::vector<int64_t> dense_lengths;
-      std::vector<float> q(dense.size() * width), out(dense.size() * width);
-      for (size_t i = 0; i < dense.size(); ++i) {
-        dense_keys.push_back(keys[dense[i]]);
-        dense_values.push_back(values[dense[i]]);
-        dense_lengths.push_back(lengths[dense[i]]);
-        std::copy(queries + dense[i] * width, queries + (dense[i] + 1) * width, q.begin() + i * width);
+      if (plans.empty() || !plans[b]) {
+        dense.push_back(b);
+        dense_keys.push_back(keys[b]);
+        dense_values.push_back(values[b]);
+        dense_lengths.push_back(lengths[b]);
       }
-      decode_attention<T>(q.data(), layer_views<T>(dense_keys, dense_values, dense_lengths, layer), heads_, kv_heads_,
-                          head_dim_, out.data());
-      for (size_t i = 0; i < dense.size(); ++i)
-        std::copy(out.begin() + i * width, out.begin() + (i + 1) * width, attended + dense[i] * width);
-    }
+    if (!dense.empty())
+      decode_attention<T>(queries, layer_views<T>(dense_keys, dense_values, dense_lengths, layer), heads_, kv_heads_,
+                          head_dim_, attended, dense);
     for (int64_t b = 0; b < batch; ++b)
       if (!plans.empty() && plans[b])
         a2ats_attention<T>(queries + b * width, layer_views<T>({keys[b]}, {values[b]}, {lengths[b]}, layer)[0],
