@@ -145,7 +145,7 @@ inline void table_tiles(const float* rotated, const at::Half* tiles, int64_t dim
 // out[64 t : 64 t + 64] = the mean-key terms of Tiles tiles from their coefficients middle[t]
 // (rotated to the tile's middle): row 32 + u gets A(u) + B(u) and row 31 - u gets A(u) - B(u),
 // with A(u) = sum_i a_i cos((u + 1/2) w_i) over the cos half of the coefficients and B(u) the
-// same over the sin half. Two tiles share every table load (4 FMAs per load); the A sums
+// same over the sin half. Two tiles share every table load (two FMAs per load); the A sums
 // wait in memory while the B sums take the registers.
 template <int Tiles>
 inline void mean_key_tiles(const float* const* middle, const float* offsets, int64_t dim, float* out) {
