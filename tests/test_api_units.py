@@ -53,7 +53,9 @@ def test_requests_convert_to_typed_configs_or_400():
     assert config.top_k == 3 and config.fusion.strategy == "cacheblend" and config.fusion.ratio == 0.3
     assert config.generation.max_new_tokens == 8 and config.generation.stop == ("\n\n",)
     sparse = query_config(QueryRequest(question="q", selector="a2ats:rerank=0"), generation, limits).sparse
-    assert sparse.name == "a2ats" and sparse.options.rerank == 0 and sparse.head_aggregation == "probs"
+    assert sparse.name == "a2ats" and sparse.options.rerank == 0 and sparse.aggregation == "logits"
+    probs = query_config(QueryRequest(question="q", selector="pqcache"), generation, limits).sparse
+    assert probs.aggregation == "probs"
     logits = query_config(QueryRequest(question="q", head_aggregation="logits"), generation, limits).sparse
     assert logits.name == "dense" and logits.head_aggregation == "logits"
     for kwargs, fragment in (({"strategy": "a3:nope=1"}, "nope"), ({"top_k": 9}, "at most 8"),

@@ -127,7 +127,8 @@ class SparseOptions(_Strict):
                                                               {"type": "integer", "minimum": 2}, {"type": "null"}]})
     head_aggregation: Literal["probs", "logits"] | None = Field(
         None, description="how a KV head's query heads combine their scores when rows are chosen: 'probs' (summed "
-        "estimated probabilities, the default) or 'logits' (summed logits: cheaper)")
+        "estimated probabilities) or 'logits' (summed logits: cheaper); default: the selector's own ('logits' for "
+        "a2ats, 'probs' for the others)")
     snapkv_capacity: int | None = Field(None, ge=1, description="SnapKV: prompt rows kept per layer and KV head after "
                                         "the first token (None: no eviction); at least the prefix and question rows "
                                         "(else 400 snapkv_capacity_too_small)")

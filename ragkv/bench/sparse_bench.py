@@ -112,7 +112,7 @@ def decode_answer(engine: Engine, cache: KVCache, logits: torch.Tensor, attentio
     return "".join(event.text for event in events).strip()
 
 
-SHARED_OPTIONS = ("head_aggregation", "sinks", "window", "backend")
+SHARED_OPTIONS = {"head_aggregation": str, "sinks": int, "window": int, "backend": str}
 """SparseConfig fields a bench variant may set next to the selector's own options."""
 
 
@@ -122,7 +122,7 @@ def selector_config(spec: str, budget: float, base: SparseConfig = SparseConfig(
     name, raw = split_spec(spec)
     shared = {key: raw.pop(key) for key in SHARED_OPTIONS if key in raw}
     selector = name + (":" + ",".join(f"{key}={value}" for key, value in raw.items()) if raw else "")
-    values = {key: type(getattr(base, key))(value) for key, value in shared.items()}
+    values = {key: SHARED_OPTIONS[key](value) for key, value in shared.items()}
     return dataclasses.replace(base, selector=selector, budget=budget, **values)
 
 

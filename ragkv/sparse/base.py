@@ -8,12 +8,14 @@ Every decode step, per layer and per KV head:
   3. exact attention runs over the chosen rows with kernels.sparse_decode_attention.
 
 GQA: selection is per KV head, shared by its query heads, and aggregates the heads by a
-SUM. By default (head_aggregation='probs') what is summed is each query head's estimated
-attention probability: its approximate logits over the candidates, normalised together
+SUM. With head_aggregation='probs' (the default of every selector but a2ats) what is
+summed is each query head's estimated attention probability: its approximate logits over
+the candidates, normalised together
 with the exact logits of the sinks and window rows. The oracle sums the exact
 probabilities, which makes it the mass-optimal choice the recall metric is measured
 against. head_aggregation='logits' sums the raw approximate logits instead (equivalent to
-scoring the group-summed query; cheaper, less accurate).
+scoring the group-summed query; cheaper, less accurate; a2ats's default, where on the
+CPU it is what makes sparse decode pay).
 
 A selector is a per-request object (built on a :class:`PromptState`). Per-row state
 (codes, low-rank key factors) lives in :class:`RowBuffer` s: built for the prompt's rows,
@@ -114,7 +116,7 @@ class Selector(ABC):
         """The k rows [Hkv, k] (absolute, int64) of [start, end) to attend, for query q [Hq, 1, D]:
         the top k of the head-aggregated `head_scores` (subclasses may override)."""
         scores = self.head_scores(layer, q, cache, start, end)
-        if self.config.head_aggregation == "logits":
+        if self.config.aggregation == "logits":
             return top_rows(scores.sum(1), k, start)
         keys, _ = cache.layer(layer)
         fixed = torch.cat((keys[:, :start], keys[:, end:]), dim=1).float()

@@ -95,7 +95,7 @@ class PQCache(Selector):
         self.codes.write(layer, start, self._encode(self._split(cache.keys[layer, :, start:end]), centroids))
 
     def select(self, layer: int, q: torch.Tensor, cache: KVCache, start: int, end: int, k: int) -> torch.Tensor:
-        if self.config.head_aggregation == "probs":
+        if self.config.aggregation == "probs":
             return super().select(layer, q, cache, start, end, k)
         # scores summed over the group: the group-summed query's table, looked up by the kernel
         heads, m = self.spec.num_kv_heads, self.options.subspaces

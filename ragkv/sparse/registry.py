@@ -26,6 +26,8 @@ class SelectorOptions:
     """A selector's own settings; subclasses add fields and define `attach`."""
 
     name: ClassVar[str] = ""
+    default_head_aggregation: ClassVar[str] = "probs"
+    """SparseConfig.head_aggregation when a request leaves it unset."""
 
     def attach(self, config, prompt, codebook):
         """The per-request Selector for `prompt` (a PromptState) under `config` (a SparseConfig)."""
