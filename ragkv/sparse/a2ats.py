@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cached_property
 from typing import ClassVar
 
 import torch
@@ -126,10 +125,13 @@ class A2ATS(Selector):
         self.codes = RowBuffer(codes)
         self.buffers.append(self.codes)
 
-    @cached_property
+    @property
     def centroids_t(self) -> torch.Tensor:
-        """[L, Hkv, D, C] float32 (the Python scores' table is one bmm against it)."""
-        return self.codebook.scoring_centroids(self.options.mean_key).float().transpose(2, 3).contiguous()
+        """[L, Hkv, D, C] float32 (the Python scores' table is one bmm against it), built once
+        per codebook and shared by its requests."""
+        mean_key = self.options.mean_key
+        return self.codebook.derived(("scoring centroids transposed", mean_key), lambda: self.codebook.scoring_centroids(
+            mean_key).float().transpose(2, 3).contiguous())
 
     def extend(self, layer: int, cache: KVCache, start: int, end: int) -> None:
         heads = self.spec.num_kv_heads

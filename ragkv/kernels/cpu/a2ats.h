@@ -562,12 +562,20 @@ void a2ats_attention(const float* q, const CacheView<T>& view, const A2atsLayer&
       fixed_lse[h * group + g] = partials_logsumexp(head_fixed, fixed_blocks, group, dim, g);
   };
 
+  // finished[s][h]: head h's items of stage s done; ready[s][h]: and the head's stage
+  // finished (pick, keep) by the thread that did its last item
+  std::unique_ptr<std::atomic<int64_t>[]> finished(new std::atomic<int64_t>[4 * kv_heads]);
+  std::unique_ptr<std::atomic<bool>[]> ready(new std::atomic<bool>[4 * kv_heads]);
+  for (int64_t i = 0; i < 4 * kv_heads; ++i) {
+    finished[i].store(0, std::memory_order_relaxed);
+    ready[i].store(false, std::memory_order_relaxed);
+  }
+
   // The rerank reads its candidates' keys at DRAM latency, while the scores are bound by
   // arithmetic: scoring a later head fetches an earlier head's candidate keys into L2 a few
   // rows at a time, so that most of the rerank reads hit cache.
   std::unique_ptr<std::atomic<int64_t>[]> warmed(new std::atomic<int64_t>[kv_heads]);
   for (int64_t h = 0; h < kv_heads; ++h) warmed[h].store(0, std::memory_order_relaxed);
-  std::unique_ptr<std::atomic<bool>[]> ready;  // set below; read by warm_candidates
   auto warm_candidates = [&](int64_t scoring) {
     for (int64_t h = 0; rerank && h < scoring; ++h) {
       if (!ready[kv_heads + h].load(std::memory_order_acquire)) continue;
@@ -575,7 +583,7 @@ void a2ats_attention(const float* q, const CacheView<T>& view, const A2atsLayer&
       if (first >= candidates) continue;
       const T* head_keys = view.keys + h * view.head_stride;
       for (int64_t i = first; i < std::min(candidates, first + kWarmRows); ++i)
-        prefetch_rows_l2(head_keys, picked[h * candidates + i], view.row_stride, dim);
+        prefetch_rows(head_keys, picked[h * candidates + i], 1, view.row_stride, dim, /*l2_only=*/true);
       return;
     }
   };
@@ -695,14 +703,6 @@ void a2ats_attention(const float* q, const CacheView<T>& view, const A2atsLayer&
   const std::array<int64_t, 4> per_head = {table_blocks + 1, blocks, rerank_chunks, kept_blocks};
   std::array<int64_t, 5> stage_begin{};
   for (int s = 0; s < 4; ++s) stage_begin[s + 1] = stage_begin[s] + kv_heads * per_head[s];
-  // finished[s][h]: head h's items of stage s done; ready[s][h]: and the head's stage
-  // finished (pick, keep) by the thread that did its last item
-  std::unique_ptr<std::atomic<int64_t>[]> finished(new std::atomic<int64_t>[4 * kv_heads]);
-  ready.reset(new std::atomic<bool>[4 * kv_heads]);
-  for (int64_t i = 0; i < 4 * kv_heads; ++i) {
-    finished[i].store(0, std::memory_order_relaxed);
-    ready[i].store(false, std::memory_order_relaxed);
-  }
   auto wait_for = [&](int s, int64_t h) {
     while (!ready[s * kv_heads + h].load(std::memory_order_acquire)) std::this_thread::yield();
   };

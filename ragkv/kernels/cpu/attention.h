@@ -62,25 +62,22 @@ constexpr int64_t kMaxGroup = 16;
 constexpr int64_t kMaxDim = 256;
 
 // Fetch `count` rows starting at `row` into cache (lines past the buffer's end are never
-// touched by a prefetch fault: x86 drops prefetches of unmapped addresses).
+// touched by a prefetch fault: x86 drops prefetches of unmapped addresses); into L2 only
+// with `l2_only`, for rows read later, possibly by the other core, that should not evict L1.
 template <typename T>
-inline void prefetch_rows(const T* base, int64_t row, int64_t count, int64_t row_stride, int64_t dim) {
+inline void prefetch_rows(const T* base, int64_t row, int64_t count, int64_t row_stride, int64_t dim,
+                          bool l2_only = false) {
 #if defined(__AVX2__) && defined(__FMA__)
   const int64_t bytes = dim * static_cast<int64_t>(sizeof(T));
   for (int64_t j = 0; j < count; ++j) {
     const char* line = reinterpret_cast<const char*>(base + (row + j) * row_stride);
-    for (int64_t offset = 0; offset < bytes; offset += 64) _mm_prefetch(line + offset, _MM_HINT_T0);
+    for (int64_t offset = 0; offset < bytes; offset += 64) {
+      if (l2_only)
+        _mm_prefetch(line + offset, _MM_HINT_T1);
+      else
+        _mm_prefetch(line + offset, _MM_HINT_T0);
+    }
   }
-#endif
-}
-
-// One row into L2 only (read later, possibly by the other core, and not to evict L1).
-template <typename T>
-inline void prefetch_rows_l2(const T* base, int64_t row, int64_t row_stride, int64_t dim) {
-#if defined(__AVX2__) && defined(__FMA__)
-  const int64_t bytes = dim * static_cast<int64_t>(sizeof(T));
-  const char* line = reinterpret_cast<const char*>(base + row * row_stride);
-  for (int64_t offset = 0; offset < bytes; offset += 64) _mm_prefetch(line + offset, _MM_HINT_T1);
 #endif
 }
 
