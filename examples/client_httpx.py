@@ -51,7 +51,7 @@ print("\ndocuments:", [doc["name"] for doc in http.get("/v1/documents").json()["
 
 # 3. A question, answered as JSON ...
 answer = http.post("/v1/query", json={"question": "What is Kestrel Bay Light's colour, and why?", "top_k": 3,
-                                      "strategy": "a3", "ratio": 0.15, "max_tokens": 48}).json()
+                                      "strategy": "probe", "ratio": 0.1, "max_tokens": 48}).json()
 print(f"\nanswer: {answer['answer']}")
 for citation in answer["citations"]:
     print(f"  {citation['name']} chunk {citation['chunk_index']} [{citation['char_start']}:{citation['char_end']}] "

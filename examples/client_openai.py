@@ -37,7 +37,7 @@ first = client.chat.completions.create(
     model=model,
     messages=messages,
     max_tokens=48,
-    extra_body={"rag": {"top_k": 3, "strategy": "a3", "ratio": 0.15}},
+    extra_body={"rag": {"top_k": 3, "strategy": "probe", "ratio": 0.1}},
 )
 print(f"\nturn 1: {first.choices[0].message.content}")
 for citation in first.rag["citations"]:

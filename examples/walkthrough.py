@@ -6,7 +6,7 @@
 1. starts `ragkv serve` on its defaults (127.0.0.1:8000, data in $RAGKV_HOME or ~/.ragkv;
    another free port if 8000 is taken),
 2. ingests examples/corpus through POST /v1/documents,
-3. asks three questions on POST /v1/query with the default fused strategy (a3) and with
+3. asks three questions on POST /v1/query with the default fused strategy (probe) and with
    strategy `full` (plain prefill of the whole prompt), printing the answers, their
    citations and the TTFT of each,
 4. holds a two-turn chat on /v1/chat/completions to show turn 2 reusing turn 1's KV,
@@ -96,27 +96,27 @@ def main() -> int:
                 print(f"  {doc['id']}  {path.name}: {doc['tokens']} tokens, {doc['chunks']} chunk(s), "
                       f"{ingest['computed_chunks']} computed in {ingest['seconds']:.2f} s{note}")
 
-            print("\n== questions on POST /v1/query: fused (a3, 15% recomputed) vs full prefill")
-            totals = {"a3": 0.0, "full": 0.0}
+            print("\n== questions on POST /v1/query: fused (probe, 10% recomputed) vs full prefill")
+            totals = {"probe": 0.0, "full": 0.0}
             for question in QUESTIONS:
                 print(f"\nQ: {question}")
-                for strategy in ("a3", "full"):
+                for strategy in ("probe", "full"):
                     answer = http.post("/v1/query", json={"question": question, "strategy": strategy, "top_k": 3,
                                                           "max_tokens": args.max_tokens})
                     answer.raise_for_status()
                     answer = answer.json()
                     totals[strategy] += answer["timings"]["ttft"]
                     usage = answer["usage"]
-                    print(f"  [{strategy:>4}] TTFT {answer['timings']['ttft']:.3f} s "
+                    print(f"  [{strategy:>5}] TTFT {answer['timings']['ttft']:.3f} s "
                           f"({usage['cached_tokens']} prompt tokens cached, {usage['computed_tokens']} computed): "
                           f"{short(answer['answer'])}")
-                    if strategy == "a3":
+                    if strategy == "probe":
                         for number, citation in enumerate(answer["citations"], start=1):
                             print(f"         [{number}] {citation['name']} chunk {citation['chunk_index']} "
                                   f"chars {citation['char_start']}-{citation['char_end']} (score {citation['score']:.3f}): "
                                   f"{short(citation['text'], 60)}")
-            print(f"\nmean TTFT: fused a3 {totals['a3'] / len(QUESTIONS):.3f} s vs full prefill "
-                  f"{totals['full'] / len(QUESTIONS):.3f} s ({totals['full'] / max(totals['a3'], 1e-9):.1f}x)")
+            print(f"\nmean TTFT: fused probe {totals['probe'] / len(QUESTIONS):.3f} s vs full prefill "
+                  f"{totals['full'] / len(QUESTIONS):.3f} s ({totals['full'] / max(totals['probe'], 1e-9):.1f}x)")
 
             print("\n== a chat on POST /v1/chat/completions, the whole history resent (no session id)")
             history = [{"role": "user", "content": "How tall is Stormhead Light?"}]

@@ -38,7 +38,7 @@ def test_ask_answers_with_citations_and_timings(home):
     result = ragkv(home, "ask", "When was Gull Point Light automated?", "--json", "--max-new-tokens", "24", "--top-k", "2")
     assert result.returncode == 0, result.stderr
     answer = json.loads(result.stdout)
-    assert answer["strategy"] == "a3"
+    assert answer["strategy"] == "probe"
     assert answer["citations"][0]["name"].endswith("lighthouses.md")
     assert "automated in 1987" in answer["citations"][0]["text"]
     usage = answer["usage"]

@@ -9,7 +9,7 @@ import torch
 
 from ragkv.bench.metrics import kl_divergence
 from ragkv.engine import Engine
-from ragkv.fusion import A3, CacheBlend, Epic, Full, FullReuse, FusionConfig, FusionInput, LoadedChunk, Pie, build_strategy
+from ragkv.fusion import A3, CacheBlend, Epic, Full, FullReuse, FusionConfig, FusionInput, LoadedChunk, Pie, Probe, build_strategy
 
 TEXTS = [
     "Gull Point Light was first lit on 3 March 1851 and burned whale oil until 1890. " * 3,
@@ -48,7 +48,7 @@ def test_full_equals_plain_prefill(case):
 
 
 @pytest.mark.parametrize("spec", ["a3:ratio=1", "cacheblend:ratio=1", "a3:ratio=1,check_layer=4,head_aggregation=max",
-                                  "a3:ratio=1,deviation_share=0,exclude_sinks=true"])
+                                  "a3:ratio=1,deviation_share=0,exclude_sinks=true", "probe:ratio=1"])
 def test_ratio_one_reproduces_full_prefill(case, spec):
     engine, fusion_input, reference = case
     result = _fuse(engine, build_strategy(spec), fusion_input)
@@ -96,7 +96,7 @@ def test_full_places_no_stored_kv(case):
 
 @pytest.mark.parametrize("strategy", [
     CacheBlend(ratio=0.2), A3(ratio=0.2), A3(ratio=0.2, exclude_sinks=True, head_aggregation="normalized"),
-    A3(ratio=0.2, deviation_share=0.0, boundary_tokens=2, query_tokens="text"),
+    A3(ratio=0.2, deviation_share=0.0, boundary_tokens=2, query_tokens="text"), Probe(ratio=0.2),
 ])
 def test_selective_strategies_spend_exactly_their_budget(case, strategy):
     engine, fusion_input, _ = case
@@ -121,7 +121,7 @@ def test_epic_recomputes_chunk_boundaries(case):
 
 
 def test_fusion_config_takes_specs_and_validates():
-    assert FusionConfig().build() == A3()
+    assert FusionConfig().build() == Probe()
     assert FusionConfig("a3:ratio=0.3,deviation_share=0").build() == A3(ratio=0.3, deviation_share=0.0)
     assert FusionConfig("cacheblend", ratio=0.4).build() == CacheBlend(ratio=0.4)
     with pytest.raises(ValueError, match="unknown fusion strategy"):
@@ -135,3 +135,10 @@ def test_fusion_config_takes_specs_and_validates():
     assert FusionConfig("pie", ratio=0.2).build() == Pie()
     with pytest.raises(ValueError, match="ratio"):
         FusionConfig("pie", ratio=2.0)
+
+
+def test_probe_without_budget_recomputes_only_the_question_like_pie(case):
+    engine, fusion_input, _ = case
+    probe = _fuse(engine, Probe(ratio=0.0), fusion_input)
+    assert probe.recomputed_tokens == 0
+    torch.testing.assert_close(probe.logits, _fuse(engine, Pie(), fusion_input).logits, atol=1e-5, rtol=1e-5)

@@ -1,5 +1,6 @@
-"""a3 and cacheblend recompute the tokens their rules name, checked against scores
-computed independently from transformers' eager forward pass of the whole prompt.
+"""a3, cacheblend and probe recompute the tokens their rules name, checked against scores
+computed independently from transformers' eager forward pass of the whole prompt (a3,
+cacheblend) or of the question over the reused cache (probe).
 
 Below the check layer every row is recomputed, so at the check layer the fresh q/k/v of
 every row equal the full prefill's: a3's score is then transformers' attention of the
@@ -11,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, DynamicCache
 
-from ragkv.fusion import A3, CacheBlend
+from ragkv.fusion import A3, CacheBlend, Pie, Probe
 from test_fusion import fused_case
 
 RATIO = 0.2
@@ -21,13 +22,17 @@ CHECK_LAYER = 2
 
 
 @pytest.fixture(scope="module")
-def reference(engine):
+def transformers_model(engine):
+    return AutoModelForCausalLM.from_pretrained(engine.model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+@pytest.fixture(scope="module")
+def reference(engine, transformers_model):
     """(fusion input, layout spans, attentions [layers][Hq, T, T], values [layers][Hkv, T, D])."""
     fusion_input, _ = fused_case(engine)
     prompt = fusion_input.prefix_ids + sum((c.token_ids for c in fusion_input.chunks), []) + fusion_input.question_ids
-    model = AutoModelForCausalLM.from_pretrained(engine.model_dir, dtype=torch.float32, attn_implementation="eager").eval()
     with torch.no_grad():
-        output = model(torch.tensor([prompt]), output_attentions=True, use_cache=True)
+        output = transformers_model(torch.tensor([prompt]), output_attentions=True, use_cache=True)
     values = [output.past_key_values.layers[layer].values[0] for layer in range(len(output.attentions))]
     return fusion_input, [attention[0] for attention in output.attentions], values
 
@@ -98,3 +103,30 @@ def test_a3_attention_coverage_stops_at_the_mass_it_asks_for(engine, reference):
     assert needed < round(0.9 * (end - start))
     assert result.selection["attention_covered"] == pytest.approx(float(cumulative[needed - 1]), abs=1e-4)
     assert result.selection["recomputed_share"] == pytest.approx(needed / (end - start))
+
+
+@pytest.mark.parametrize(("layer_aggregation", "last_row_weight"), [("sum", 0.0), ("max", 0.0), ("sum", 1.0)])
+def test_probe_recomputes_the_tokens_the_question_attends_to_over_the_reused_cache(engine, reference, transformers_model,
+                                                                                   layer_aggregation, last_row_weight):
+    """The probe's scores: transformers runs the question over the cache as placed (pie's
+    cache below the question rows: reused KV, keys at global positions); each layer's
+    attention to the documents, summed over question rows and heads and normalised to 1,
+    plus `last_row_weight` times the last row's share, is summed (or maxed) over layers."""
+    fusion_input = reference[0]
+    placed = Pie().fuse(engine.model, fusion_input, engine.chunk_prefix_cache())
+    layout = placed.layout
+    start, end = layout.prefix_len, layout.question_start
+    past = DynamicCache()
+    for layer in range(engine.model.spec.num_layers):
+        past.update(placed.cache.keys[layer, :, :end][None].float(), placed.cache.values[layer, :, :end][None].float(), layer)
+    with torch.no_grad():
+        output = transformers_model(torch.tensor([fusion_input.question_ids]), past_key_values=past,
+                                    position_ids=torch.arange(end, layout.length)[None], output_attentions=True)
+    question = torch.stack([attention[0, :, :, start:end].sum(dim=(0, 1)) for attention in output.attentions])
+    last_row = torch.stack([attention[0, :, -1, start:end].sum(dim=0) for attention in output.attentions])
+    shares = (question / question.sum(dim=1, keepdim=True)) + last_row_weight * (last_row / last_row.sum(dim=1, keepdim=True))
+    scores = shares.sum(dim=0) if layer_aggregation == "sum" else shares.max(dim=0).values
+    strategy = Probe(ratio=RATIO, layer_aggregation=layer_aggregation, last_row_weight=last_row_weight)
+    chosen, _, _, budget = _chosen_document_rows(engine, strategy, fusion_input)
+    assert budget == len(chosen) == round(RATIO * (end - start)) > 0
+    assert chosen == _top(scores, start, budget)

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from ragkv.cli.main import main
+from ragkv.fusion import STRATEGY_NAMES
 from test_sparse_support import write_tiny_llama
 
 CORPUS = Path(__file__).resolve().parents[1] / "examples" / "corpus"
-STRATEGIES = ("full", "full_reuse", "pie", "epic", "cacheblend", "a3")
 OPTIONS = {
     "auto": [],
     "int8-float32-cache": ["--weights", "int8", "--prefill-weights", "float32", "--kv-cache-dtype", "float32"],
@@ -31,6 +31,6 @@ def folder(tmp_path_factory):
 def test_option_ingests_fuses_and_answers(option, folder, tmp_path, capsys):
     common = ["--data-dir", str(tmp_path), "--model", str(folder), *OPTIONS[option]]
     assert main(["ingest", str(CORPUS), "--no-progress", *common]) == 0
-    for strategy in STRATEGIES:
+    for strategy in STRATEGY_NAMES:
         code = main(["ask", "When was the light automated?", "--strategy", strategy, "--max-new-tokens", "3", *common])
         assert code == 0, f"{option}/{strategy}: {capsys.readouterr().err}"

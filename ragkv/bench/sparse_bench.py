@@ -50,7 +50,7 @@ from ragkv.bench.metrics import token_f1
 from ragkv.engine import Engine
 from ragkv.engine.generation import GenerationConfig
 from ragkv.engine.kv_cache import KVCache
-from ragkv.fusion import FusionConfig, FusionInput, FusionResult
+from ragkv.fusion import DEFAULT_STRATEGY, FusionConfig, FusionInput, FusionResult
 from ragkv.fusion.layout import LoadedChunk
 from ragkv.sparse import PromptState, SparseConfig, selector_names
 from ragkv.sparse.wiring import sparse_attention, sparse_chunk_codes
@@ -168,7 +168,7 @@ PATHS = ("user", "prefill")
 
 
 def run_quality(engine: Engine, examples: Sequence[Example], configs: dict[str, SparseConfig], max_new_tokens: int,
-                progress: Callable[[str], None], path: str = "user", fusion: str = "a3") -> dict:
+                progress: Callable[[str], None], path: str = "user", fusion: str = DEFAULT_STRATEGY) -> dict:
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     model = engine.model
@@ -305,7 +305,7 @@ def aux_memory(engine: Engine, configs: dict[str, SparseConfig], examples: Seque
 def run_sparse_bench(engine: Engine, examples: Sequence[Example], speed_examples: Sequence[Example], *, selectors: Sequence[str],
                      budget: float, base: SparseConfig = SparseConfig(), context_lengths: Sequence[int] = (2048, 4096, 8192),
                      max_new_tokens: int = 32, timing_steps: int = 16, warmup_steps: int = 2, path: str = "user",
-                     fusion: str = "a3", progress: Callable[[str], None] = lambda message: None) -> dict:
+                     fusion: str = DEFAULT_STRATEGY, progress: Callable[[str], None] = lambda message: None) -> dict:
     configs = {name: selector_config(name, budget, base) for name in selectors}
     results = {
         "budget": budget,

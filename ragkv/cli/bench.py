@@ -39,7 +39,7 @@ def configure(bench: argparse.ArgumentParser) -> None:
     fusion.add_argument("--data", type=Path, required=True, help="CacheBlend-style JSON or LongBench JSONL")
     fusion.add_argument("--limit", type=int, default=12, help="examples (default: 12)")
     fusion.add_argument("--passages", type=int, default=None, help="passages per example (default: all)")
-    fusion.add_argument("--strategies", nargs="+", default=["full_reuse", "pie", "epic", "cacheblend", "a3"],
+    fusion.add_argument("--strategies", nargs="+", default=["full_reuse", "pie", "epic", "cacheblend", "a3", "probe"],
                         help="strategy specs to compare with the full prefill: name or name:option=value,... "
                              "(e.g. a3:ratio=0.3 cacheblend:ratio=0.15)")
     fusion.add_argument("--max-new-tokens", type=int, default=32)

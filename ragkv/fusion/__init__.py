@@ -11,7 +11,8 @@ from ragkv.fusion.full import Full
 from ragkv.fusion.full_reuse import FullReuse
 from ragkv.fusion.layout import FusionInput, LoadedChunk
 from ragkv.fusion.pie import Pie
+from ragkv.fusion.probe import Probe
 from ragkv.fusion.registry import DEFAULT_STRATEGY, STRATEGIES, STRATEGY_NAMES, build_strategy
 
 __all__ = ["DEFAULT_STRATEGY", "STRATEGIES", "STRATEGY_NAMES", "FusionConfig", "FusionInput", "FusionResult",
-           "FusionStrategy", "LoadedChunk", "build_strategy", "A3", "CacheBlend", "Epic", "Full", "FullReuse", "Pie"]
+           "FusionStrategy", "LoadedChunk", "build_strategy", "A3", "CacheBlend", "Epic", "Full", "FullReuse", "Pie", "Probe"]

@@ -3,6 +3,7 @@
 The shared procedure (template method) is:
   1. place the prefix KV (exact, cached per engine) and every chunk's stored KV, keys
      rotated to their global positions (position recovery), into one preallocated cache;
+     the strategy then names the rows recomputed from layer 0 (it may read that cache);
   2. run the rows the strategy names through layer 0 onward; at the strategy's check
      layer (if any) it sees the fresh projections of the current rows and keeps a subset;
      every computed row's K/V overwrites the cached K/V of that row at that layer;
@@ -76,6 +77,12 @@ class FusionStrategy(ABC):
     def initial_rows(self, layout: Layout) -> torch.Tensor:
         """Rows recomputed from layer 0 (the question rows must be among them)."""
 
+    def rows_for(self, model: CausalLM, cache: KVCache, layout: Layout, report: dict[str, float]) -> torch.Tensor:
+        """The rows recomputed from layer 0 once the reused KV is placed in `cache`:
+        `initial_rows` unless the strategy looks at that cache first (it may write the
+        question rows' K/V there; the recompute overwrites them)."""
+        return self.initial_rows(layout)
+
     reuses_stored_kv: bool = True
     """False for strategies that recompute every row (nothing stored is placed)."""
 
@@ -104,10 +111,11 @@ class FusionStrategy(ABC):
         cache.length = cache.next_position = layout.length
         timings["place_kv"] = time.perf_counter() - started
 
-        rows = initial_rows = self.initial_rows(layout).to(model.device)
+        report: dict[str, float] = {}
+        rows = initial_rows = self.rows_for(model, cache, layout, report).to(model.device)
+        timings["select_rows"] = time.perf_counter() - started - timings["place_kv"]
         hidden = model.embed(layout.token_ids.to(model.device)[rows])
         recomputed_after_check = None
-        report: dict[str, float] = {}
         for layer in range(model.spec.num_layers):
             projection = model.project(layer, hidden, rows)
             if layer == self.check_layer:
@@ -127,7 +135,7 @@ class FusionStrategy(ABC):
         if int(rows[-1]) != layout.length - 1:
             raise RuntimeError(f"{self.name}: the last question row must be recomputed")
         logits = model.logits(hidden[-1:])[0]
-        timings["recompute"] = time.perf_counter() - started - timings["place_kv"]
+        timings["recompute"] = time.perf_counter() - started - timings["place_kv"] - timings["select_rows"]
 
         final_rows = recomputed_after_check if recomputed_after_check is not None else rows
         document = ((final_rows >= layout.prefix_len) & (final_rows < layout.question_start)).sum()

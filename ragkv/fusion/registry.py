@@ -11,10 +11,11 @@ from ragkv.fusion.epic import Epic
 from ragkv.fusion.full import Full
 from ragkv.fusion.full_reuse import FullReuse
 from ragkv.fusion.pie import Pie
+from ragkv.fusion.probe import Probe
 
-STRATEGIES: dict[str, type[FusionStrategy]] = {cls.name: cls for cls in (Full, FullReuse, Pie, Epic, CacheBlend, A3)}
+STRATEGIES: dict[str, type[FusionStrategy]] = {cls.name: cls for cls in (Full, FullReuse, Pie, Epic, CacheBlend, A3, Probe)}
 STRATEGY_NAMES = tuple(STRATEGIES)
-DEFAULT_STRATEGY = A3.name
+DEFAULT_STRATEGY = Probe.name
 
 
 def build_strategy(spec: str) -> FusionStrategy:
