@@ -12,9 +12,9 @@ from ragkv.fusion.registry import DEFAULT_STRATEGY, build_strategy
 @dataclass(frozen=True)
 class FusionConfig:
     strategy: str = DEFAULT_STRATEGY
-    """Fusion strategy spec: a name (ragkv.fusion.STRATEGY_NAMES) or name:option=value,...
-    (e.g. probe:ratio=0.1, a3:ratio=0.3,deviation_share=0); the options are the strategy's
-    own fields."""
+    """Fusion strategy spec: a name (full, full_reuse, pie, epic, cacheblend, a3, probe;
+    default probe) or name:option=value,... (e.g. probe:ratio=0.15,
+    a3:ratio=0.3,deviation_share=0); the options are the strategy's own fields."""
     ratio: float | None = None
     """r: share of document tokens recomputed, for strategies that have one (overrides the
     spec's; None = the spec's or the strategy's default). Strategies that recompute a
