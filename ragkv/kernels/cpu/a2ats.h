@@ -708,29 +708,25 @@ void a2ats_attention(const float* q, const CacheView<T>& view, const A2atsLayer&
   };
   // the stage an item of stage s needs finished, or -1
   auto needs = [&](int s) { return s == 1 ? 0 : s == 2 ? 1 : s == 3 && rerank ? 2 : s == 3 && selecting ? 1 : -1; };
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    for (int64_t item = next.fetch_add(1, std::memory_order_relaxed); item < stage_begin[4];
-         item = next.fetch_add(1, std::memory_order_relaxed)) {
-      int s = 0;
-      while (item >= stage_begin[s + 1]) ++s;
-      const int64_t h = (item - stage_begin[s]) / per_head[s], j = (item - stage_begin[s]) % per_head[s];
-      if (needs(s) >= 0) wait_for(needs(s), h);
-      switch (s) {
-        case 0: prepare(h, j); break;
-        case 1: score(h, j); break;
-        case 2: rerank_chunk(h, j); break;
-        default: attend(h, j); break;
-      }
-      if (finished[s * kv_heads + h].fetch_add(1, std::memory_order_acq_rel) + 1 < per_head[s]) continue;
-      if (s == 1) pick(h);
-      if (s == 2) keep(h);
-      if (s == 3) {
-        wait_for(0, h);
-        merge(h);
-      }
-      ready[s * kv_heads + h].store(true, std::memory_order_release);
+  for_each_claimed(stage_begin[4], [&](int64_t item) {
+    int s = 0;
+    while (item >= stage_begin[s + 1]) ++s;
+    const int64_t h = (item - stage_begin[s]) / per_head[s], j = (item - stage_begin[s]) % per_head[s];
+    if (needs(s) >= 0) wait_for(needs(s), h);
+    switch (s) {
+      case 0: prepare(h, j); break;
+      case 1: score(h, j); break;
+      case 2: rerank_chunk(h, j); break;
+      default: attend(h, j); break;
     }
+    if (finished[s * kv_heads + h].fetch_add(1, std::memory_order_acq_rel) + 1 < per_head[s]) return;
+    if (s == 1) pick(h);
+    if (s == 2) keep(h);
+    if (s == 3) {
+      wait_for(0, h);
+      merge(h);
+    }
+    ready[s * kv_heads + h].store(true, std::memory_order_release);
   });
   if (kept_blocks == 0)  // no kept rows: the always-attended rows alone
     for (int64_t h = 0; h < kv_heads; ++h) merge(h);

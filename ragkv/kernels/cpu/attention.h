@@ -12,7 +12,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -21,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "claimed_items.h"
 #include "vec.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -337,20 +337,14 @@ void decode_attention(const float* q, const std::vector<CacheView<T>>& views, in
     return x.row_begin < y.row_begin;
   });
   std::vector<float> partials(items.size() * group * (dim + 2));
-  // items taken in schedule order from a shared counter, not in one fixed half per thread,
-  // so that a thread whose rows streamed slower does not keep the other waiting
-  const int64_t count = static_cast<int64_t>(items.size());
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), count), 1, [&](int64_t, int64_t) {
-    for (int64_t s = next.fetch_add(1, std::memory_order_relaxed); s < count;
-         s = next.fetch_add(1, std::memory_order_relaxed)) {
-      const int64_t i = schedule[s];
-      const Item& item = items[i];
-      const CacheView<T>& view = views[item.request];
-      attend_block<T>(q + (row_of(item.request) * heads + item.head * group) * dim, view.keys + item.head * view.head_stride,
-                      view.values + item.head * view.head_stride, view.row_stride, item.row_begin, item.row_end,
-                      group, dim, partials.data() + i * group * (dim + 2));
-    }
+  // items claimed in schedule order (claimed_items.h)
+  for_each_claimed(static_cast<int64_t>(items.size()), [&](int64_t s) {
+    const int64_t i = schedule[s];
+    const Item& item = items[i];
+    const CacheView<T>& view = views[item.request];
+    attend_block<T>(q + (row_of(item.request) * heads + item.head * group) * dim, view.keys + item.head * view.head_stride,
+                    view.values + item.head * view.head_stride, view.row_stride, item.row_begin, item.row_end,
+                    group, dim, partials.data() + i * group * (dim + 2));
   });
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {

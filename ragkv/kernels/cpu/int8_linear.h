@@ -11,10 +11,10 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 
+#include "claimed_items.h"
 #include "vec.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -63,38 +63,32 @@ inline void int8_rows(const float* x, int64_t x_stride, const int8_t* w, int64_t
 #endif
 
 // x [rows, in] and y [rows, out], both float32 and row-major; `in` a multiple of 8 on AVX2.
-// The threads take blocks of output channels from a shared counter: with one half each, the
-// thread whose half streamed slower kept the other waiting ~15% of every call (measured
-// inside decode steps).
+// The threads claim blocks of output channels one at a time (claimed_items.h).
 inline void int8_linear(const float* x, int64_t rows, int64_t in, const int8_t* w, const at::BFloat16* scales,
                         int64_t out, float* y) {
   constexpr int64_t kChannelBlock = 32;  // 32 x in int8 stay in L2 across the row tiles
   const int64_t blocks = (out + kChannelBlock - 1) / kChannelBlock;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), blocks), 1, [&](int64_t, int64_t) {
-    for (int64_t index = next.fetch_add(1, std::memory_order_relaxed); index < blocks;
-         index = next.fetch_add(1, std::memory_order_relaxed)) {
-      const int64_t block = index * kChannelBlock, block_end = std::min(block + kChannelBlock, out);
+  for_each_claimed(blocks, [&](int64_t index) {
+    const int64_t block = index * kChannelBlock, block_end = std::min(block + kChannelBlock, out);
 #if defined(__AVX2__) && defined(__FMA__)
-      for (int64_t r = 0; r < rows; r += 4) {
-        const float* xr = x + r * in;
-        float* yr = y + r * out;
-        switch (std::min<int64_t>(4, rows - r)) {
-          case 1: int8_rows<1>(xr, in, w, in, block, block_end, scales, yr, out); break;
-          case 2: int8_rows<2>(xr, in, w, in, block, block_end, scales, yr, out); break;
-          case 3: int8_rows<3>(xr, in, w, in, block, block_end, scales, yr, out); break;
-          default: int8_rows<4>(xr, in, w, in, block, block_end, scales, yr, out); break;
-        }
+    for (int64_t r = 0; r < rows; r += 4) {
+      const float* xr = x + r * in;
+      float* yr = y + r * out;
+      switch (std::min<int64_t>(4, rows - r)) {
+        case 1: int8_rows<1>(xr, in, w, in, block, block_end, scales, yr, out); break;
+        case 2: int8_rows<2>(xr, in, w, in, block, block_end, scales, yr, out); break;
+        case 3: int8_rows<3>(xr, in, w, in, block, block_end, scales, yr, out); break;
+        default: int8_rows<4>(xr, in, w, in, block, block_end, scales, yr, out); break;
       }
-#else
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t o = block; o < block_end; ++o) {
-          float s = 0.f;
-          for (int64_t i = 0; i < in; ++i) s += x[r * in + i] * static_cast<float>(w[o * in + i]);
-          y[r * out + o] = s * load_float(scales, o);
-        }
-#endif
     }
+#else
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t o = block; o < block_end; ++o) {
+        float s = 0.f;
+        for (int64_t i = 0; i < in; ++i) s += x[r * in + i] * static_cast<float>(w[o * in + i]);
+        y[r * out + o] = s * load_float(scales, o);
+      }
+#endif
   });
 }
 
