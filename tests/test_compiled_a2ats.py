@@ -160,6 +160,36 @@ def test_compiled_selection_ranks_by_the_codes(folder, codebook):
         assert mass[head][kept[head]].min() >= mass[head][~kept[head]].max() * (1 - 1e-5)
 
 
+@pytest.mark.parametrize("sample_sees", ["best", "worst"])
+def test_compiled_top_k_of_tied_scores_whatever_its_sample_sees(folder, codebook, sample_sees):
+    """Rows are given only the best or the worst code, so their scores tie: the kernel keeps
+    every best row, then the lowest worst rows. Every eighth row, the ones a strided sample of
+    the scores reads, gets one code and the others the other: a sample that sees only the
+    best puts its bound above too many rows (fewer than k pass, and the select starts again
+    from all of them); one that sees only the worst lets every row pass."""
+    model = CausalLM.load(folder, numerics=_numerics("float32"))
+    ids, cache, _ = _prompt(model, 1)
+    config = SparseConfig(selector="a2ats:mean_key=false,rerank=0", budget=170, sinks=4, window=16,
+                          head_aggregation="logits")
+    attention = config.build(PromptState.from_prefill(model, cache, ids, 3, ROWS - 12), codebook)
+    _decoding_row(cache)
+    start, end, k = attention.step_span(0, cache)
+    heads = model.spec.num_kv_heads
+    q = torch.randn(model.spec.num_heads, 1, model.spec.head_dim, generator=torch.Generator().manual_seed(4))
+    summed = q.reshape(heads, model.spec.group_size, 1, -1).sum(1).float() * model.scale
+    table = torch.bmm(attention.wrope_query(summed, cache).unsqueeze(1), attention.centroids_t[0]).squeeze(1)
+    best, worst = table.argmax(-1), table.argmin(-1)
+    sampled = torch.arange(end - start) % 8 == 0
+    high = sampled if sample_sees == "best" else ~sampled
+    attention.codes.data[0, :, start:end] = torch.where(high, best[:, None], worst[:, None]).to(torch.int16)
+    assert (int(high.sum()) < k) == (sample_sees == "best") and 4 * k <= end - start
+    _, chosen = cpu_extension.load().a2ats_attention(q[:, 0], cache.keys[0], cache.values[0], cache.length,
+                                                    attention.compiled_plan(cache), 0, model.scale)
+    ranked = torch.cat((high.nonzero().flatten(), (~high).nonzero().flatten()))[:k]
+    expected = (ranked.sort().values + start).expand(heads, k)
+    assert torch.equal(chosen, expected)
+
+
 @pytest.mark.parametrize("kv", ["float32", "bfloat16"])
 def test_compiled_sparse_decode_follows_the_python_loop(small_folder, small_codebook, kv):
     """Whole greedy steps, past the window so decoded rows get codes (EXTEND_BATCH at a

@@ -12,8 +12,9 @@
 // the query folded with the mean key's rotation pairs, rotary the [cos | sin] table of
 // positions). 'probs' ranks rows by their estimated attention probabilities, normalised
 // together with the exact logits of the always-attended rows and summed over the group;
-// 'logits' by s itself. The top rows are found by a radix select on their float bits and
-// come out ascending; with rerank the codes pick `candidates` rows and the k with the most
+// 'logits' by s itself. The top rows are found by a radix select on their float bits (over
+// the rows at or above a bound from a strided sample of the scores, when k is a small share)
+// and come out ascending; with rerank the codes pick `candidates` rows and the k with the most
 // exact mass among them (their keys read) are kept, and their logits serve the attention,
 // which then reads only their values. Work is split into (head, block) items that torch's
 // intra-op threads take in order (see a2ats_attention); nothing per row is stored beyond
@@ -52,12 +53,16 @@ constexpr int64_t kTableColumns = 256;  // a multiple of kTileCentroids
 constexpr int64_t kTileCentroids = 16;
 constexpr int64_t kRerankRows = 128;  // a multiple of the 4-row score tiles
 constexpr int kRadixBits = 11;
+constexpr int kNarrowRadixBits = 8;
+constexpr int64_t kWideRadixKeys = 4096;  // keys from which a radix level takes kRadixBits
 
 // One layer of a request's A2ATS state, as the Python selector holds it.
 struct A2atsLayer {
   const int16_t* codes;         // codes[h * codes_head_stride + t]
   int64_t codes_head_stride;
   const at::Half* centroid_tiles;  // [Hkv, C / kTileCentroids, D, kTileCentroids] residual centroids
+  const at::Half* next_centroid_tiles;  // the next layer's, warmed while this layer's values are read; or nullptr
+  int64_t next_tiles_bytes;
   int64_t centroids;            // C, a multiple of kTileCentroids (the codebook's, padded)
   const float* key_mean;        // [Hkv, D]; nullptr = no mean-key term
   const float* rotary;          // [positions, D]: cos | sin of every rotation pair at each position
@@ -304,31 +309,26 @@ inline int64_t append_selected(__m256i items, int mask, int32_t* out, int64_t co
 }
 #endif
 
-// The k-th largest of values[0:n) as an order key, how many values equal to it are among the
-// k largest, and how many values equal it. Radix select, kRadixBits, kRadixBits, then the
-// last bits, each level histogramming only the keys in the boundary bin of the level above.
+// The k-th largest of n order keys, how many keys equal to it are among the k largest, and
+// how many keys equal it. Radix select, kRadixBits (kNarrowRadixBits when few keys are left)
+// at a time, each level histogramming only the keys in the boundary bin of the level above.
 struct Threshold {
   int32_t key;
   int64_t taken_ties, ties;
 };
 
-inline Threshold radix_threshold(const float* values, int64_t n, int64_t k) {
-  constexpr int bins = 1 << kRadixBits;
-  int32_t* keys = scratch<30, int32_t>(2 * n + 16);
-  int32_t* narrowed = keys + n + 8;
-  int64_t i = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-  for (; i + 8 <= n; i += 8) _mm256_storeu_si256(reinterpret_cast<__m256i*>(keys + i), order_keys8(values + i));
-#endif
-  for (; i < n; ++i) keys[i] = order_key(values[i]);
+inline Threshold radix_threshold(const int32_t* keys, int64_t n, int64_t k) {
+  int32_t* narrowed = scratch<30, int32_t>(n + 8);
   uint32_t prefix = 0;  // the threshold's unsigned bits found so far
   int64_t count = n, need = k;
   const int32_t* level_keys = keys;
   for (int low = 32;;) {
-    const int width = std::min(kRadixBits, low), shift = low - width;
-    const uint32_t mask = (1u << width) - 1;
+    // few keys: narrower digits, whose histograms cost less to clear and to scan
+    const int width = std::min(count >= kWideRadixKeys ? kRadixBits : kNarrowRadixBits, low), shift = low - width;
+    const uint32_t mask = (1u << width) - 1, bins = 1u << width;
     // two interleaved histograms: consecutive equal bins do not wait on each other's stores
-    std::array<int32_t, 2 * bins> counts{};
+    std::array<int32_t, 2 << kRadixBits> counts;
+    std::fill(counts.begin(), counts.begin() + 2 * bins, 0);
     int64_t j = 0;
     for (; j + 2 <= count; j += 2) {
       ++counts[digit(level_keys[j], shift, mask)];
@@ -363,44 +363,84 @@ inline Threshold radix_threshold(const float* values, int64_t n, int64_t k) {
   }
 }
 
+// The order keys of values[0:n) that are >= `bound`, and their positions, in position order
+// (both buffers need 7 spare entries); returns how many.
+inline int64_t keys_at_least(const float* values, int64_t n, int32_t bound, int32_t* keys, int32_t* positions) {
+  int64_t count = 0, j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256i floor = _mm256_set1_epi32(bound), step = _mm256_set1_epi32(8);
+  __m256i position = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (; j + 8 <= n; j += 8, position = _mm256_add_epi32(position, step)) {
+    const __m256i key = order_keys8(values + j);
+    const int below = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(floor, key)));
+    append_selected(key, below ^ 0xFF, keys, count);
+    count = append_selected(position, below ^ 0xFF, positions, count);
+  }
+#endif
+  for (; j < n; ++j) {
+    keys[count] = order_key(values[j]);
+    positions[count] = static_cast<int32_t>(j);
+    count += keys[count] >= bound;
+  }
+  return count;
+}
+
+constexpr int64_t kSampleStride = 8;
+
+// An order key at most the k-th largest of values[0:n) when the share k / n is small enough
+// for it to pay: the values at every kSampleStride-th position put a quarter more than k
+// (and a few for the sample's spread) at or above it. The lowest key when not worth it.
+inline int32_t sampled_bound(const float* values, int64_t n, int64_t k) {
+  const int64_t samples = n / kSampleStride;
+  if (samples < 64 || 4 * k > n) return std::numeric_limits<int32_t>::min();
+  int32_t* sample = scratch<34, int32_t>(samples);
+  for (int64_t i = 0; i < samples; ++i) sample[i] = order_key(values[i * kSampleStride]);
+  return radix_threshold(sample, samples, std::min(samples, (k + k / 4) / kSampleStride + 16)).key;
+}
+
 // The positions of the k largest of values[0:n), offset by `offset`, ascending (the rows
 // are then read in address order); of values tied at the k-th largest, the lowest positions.
+// When k is a small share of n, the radix select runs on the values at or above a sampled
+// bound only (all of them again if fewer than k pass), which chooses the same rows.
 inline void top_k(const float* values, int64_t n, int64_t k, int64_t offset, int64_t* chosen) {
   if (k <= 0) return;
   if (k >= n) {
     for (int64_t i = 0; i < n; ++i) chosen[i] = offset + i;
     return;
   }
-  const Threshold threshold = radix_threshold(values, n, k);
+  int32_t* keys = scratch<32, int32_t>(n + 8);
+  int32_t* positions = scratch<33, int32_t>(n + 8);
+  int64_t count = keys_at_least(values, n, sampled_bound(values, n, k), keys, positions);
+  if (count < k) count = keys_at_least(values, n, std::numeric_limits<int32_t>::min(), keys, positions);
+  const Threshold threshold = radix_threshold(keys, count, k);
   int64_t taken = 0, j = 0;
-  if (threshold.taken_ties < threshold.ties || threshold.key == std::numeric_limits<int32_t>::min()) {
+  if (threshold.taken_ties < threshold.ties) {
     // some values equal to the k-th are left out: the first ones are kept
-    for (int64_t tied = 0; j < n && taken < k; ++j) {
-      const int32_t key = order_key(values[j]);
-      const bool same = key == threshold.key;
-      chosen[taken] = offset + j;
-      taken += (key > threshold.key) | (same & (tied < threshold.taken_ties));
+    for (int64_t tied = 0; j < count && taken < k; ++j) {
+      const bool same = keys[j] == threshold.key;
+      chosen[taken] = offset + positions[j];
+      taken += (keys[j] > threshold.key) | (same & (tied < threshold.taken_ties));
       tied += same;
     }
     return;
   }
   // every value >= the k-th is kept: exactly k of them
-  int32_t* positions = scratch<31, int32_t>(k + 8);
+  int32_t* kept = scratch<31, int32_t>(k + 8);
 #if defined(__AVX2__) && defined(__FMA__)
-  const __m256i floor = _mm256_set1_epi32(threshold.key - 1), step = _mm256_set1_epi32(8);
-  __m256i position = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  for (; j + 8 <= n; j += 8, position = _mm256_add_epi32(position, step)) {
-    const int mask = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(order_keys8(values + j), floor)));
-    taken = append_selected(position, mask, positions, taken);
+  const __m256i floor = _mm256_set1_epi32(threshold.key);
+  for (; j + 8 <= count; j += 8) {
+    const __m256i key = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(keys + j));
+    const int below = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(floor, key)));
+    taken = append_selected(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(positions + j)), below ^ 0xFF, kept,
+                            taken);
   }
 #endif
-  for (; j < n; ++j) {
-    positions[taken] = static_cast<int32_t>(j);
-    taken += order_key(values[j]) >= threshold.key;
+  for (; j < count; ++j) {
+    kept[taken] = positions[j];
+    taken += keys[j] >= threshold.key;
   }
-  for (int64_t i = 0; i < k; ++i) chosen[i] = offset + positions[i];
+  for (int64_t i = 0; i < k; ++i) chosen[i] = offset + kept[i];
 }
-
 
 // One row copied inline (a libc memcpy call per 128-byte row costs more than the copy).
 template <typename T>
@@ -669,8 +709,24 @@ void a2ats_attention(const float* q, const CacheView<T>& view, const A2atsLayer&
     for (int64_t i = 0; i < k; ++i) chosen[h * k + i] = picked[h * candidates + order[i]];
   };
 
+  // The next layer's centroid tiles, a share per kept-row item: this layer's value reads wait
+  // on DRAM latency with bandwidth to spare, and the next layer's tables would otherwise
+  // stream the tiles from DRAM (its linears' weights pass through L2 in between; the
+  // tiles then wait in L3).
+  auto warm_next_tiles = [&](int64_t h, int64_t block) {
+    if (plan.next_centroid_tiles == nullptr) return;
+    const int64_t items = kv_heads * kept_blocks, item = h * kept_blocks + block;
+    const int64_t lines = (plan.next_tiles_bytes + 63) / 64;
+    const char* tiles = reinterpret_cast<const char*>(plan.next_centroid_tiles);
+#if defined(__AVX2__) && defined(__FMA__)
+    for (int64_t line = lines * item / items; line < lines * (item + 1) / items; ++line)
+      _mm_prefetch(tiles + 64 * line, _MM_HINT_T1);
+#endif
+  };
+
   // (4) one block of head h's kept rows
   auto attend = [&](int64_t h, int64_t block) {
+    warm_next_tiles(h, block);
     const int64_t first = block * kBlockRows, count = std::min(kBlockRows, kept - first);
     float* partial = partials + (h * head_partials + fixed_blocks + block) * partial_size;
     const T* head_keys = view.keys + h * view.head_stride;

@@ -169,6 +169,8 @@ class A2atsPlan {
     return {codes_.data_ptr<int16_t>() + l * codes_.stride(0),
             codes_.stride(1),
             centroid_tiles_.data_ptr<at::Half>() + l * centroid_tiles_.stride(0),
+            l + 1 < layers() ? centroid_tiles_.data_ptr<at::Half>() + (l + 1) * centroid_tiles_.stride(0) : nullptr,
+            centroid_tiles_.stride(0) * static_cast<int64_t>(sizeof(at::Half)),
             centroid_tiles_.size(2) * kTileCentroids,
             key_mean_.numel() == 0 ? nullptr : key_mean_.data_ptr<float>() + l * key_mean_.stride(0),
             rotary_.data_ptr<float>(),
