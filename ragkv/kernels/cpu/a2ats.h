@@ -714,11 +714,11 @@ void a2ats_attention(const float* q, const CacheView<T>& view, const A2atsLayer&
   // stream the tiles from DRAM (its linears' weights pass through L2 in between; the
   // tiles then wait in L3).
   auto warm_next_tiles = [&](int64_t h, int64_t block) {
+#if defined(__AVX2__) && defined(__FMA__)
     if (plan.next_centroid_tiles == nullptr) return;
     const int64_t items = kv_heads * kept_blocks, item = h * kept_blocks + block;
     const int64_t lines = (plan.next_tiles_bytes + 63) / 64;
     const char* tiles = reinterpret_cast<const char*>(plan.next_centroid_tiles);
-#if defined(__AVX2__) && defined(__FMA__)
     for (int64_t line = lines * item / items; line < lines * (item + 1) / items; ++line)
       _mm_prefetch(tiles + 64 * line, _MM_HINT_T1);
 #endif
