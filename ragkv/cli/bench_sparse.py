@@ -15,6 +15,7 @@ def _progress(message: str) -> None:
 
 
 def configure(sparse: argparse.ArgumentParser) -> None:
+    from ragkv.fusion import DEFAULT_STRATEGY
     from ragkv.sparse import selector_names
 
     sparse.add_argument("--data", type=Path, required=True, help="CacheBlend-style JSON or LongBench JSONL")
@@ -35,8 +36,8 @@ def configure(sparse: argparse.ArgumentParser) -> None:
     sparse.add_argument("--path", choices=("user", "prefill"), default="user",
                         help="quality prompts: 'user' = passages encoded as ingestion stores them (codes included) "
                              "and fused by --fusion; 'prefill' = a plain prefill (default: user)")
-    sparse.add_argument("--fusion", default=None,
-                        help="fusion strategy spec for --path user (default: the product default, as `ragkv ask`)")
+    sparse.add_argument("--fusion", default=DEFAULT_STRATEGY,
+                        help="fusion strategy spec for --path user (default: %(default)s, the product default, as `ragkv ask`)")
     sparse.add_argument("--json", type=Path, default=None, help="write all figures to this file")
     add_common_options(sparse)
 
@@ -46,7 +47,6 @@ def run(args: argparse.Namespace) -> dict:
     from ragkv.bench.datasets import load_examples
     from ragkv.bench.sparse_bench import format_table, run_sparse_bench, selector_config
     from ragkv.engine import Engine, EngineConfig
-    from ragkv.fusion import DEFAULT_STRATEGY
     from ragkv.sparse.calibrate import CalibrationConfig, calibrate
     from ragkv.store.lmdb_env import LMDBEnvironment
 
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> dict:
     results = run_sparse_bench(
         engine, examples, everything, selectors=args.selectors, budget=args.budget,
         context_lengths=args.context_lengths or (), max_new_tokens=args.max_new_tokens,
-        timing_steps=args.timing_steps, path=args.path, fusion=args.fusion or DEFAULT_STRATEGY, progress=_progress,
+        timing_steps=args.timing_steps, path=args.path, fusion=args.fusion, progress=_progress,
     )
     print(format_table(results))
     return results

@@ -97,7 +97,6 @@ class Selector(ABC):
         self.ready = [prompt.length] * self.spec.num_layers
         """Per layer: rows [0, ready) have per-row state."""
         self.observer: Observer | None = None
-        self._last_span: tuple[int, tuple[int, int, int]] = (-1, (0, 0, 0))
         self.prepare(prompt, codebook)
 
     # -- what selectors define ------------------------------------------------------------
@@ -158,15 +157,11 @@ class Selector(ABC):
         self.ready = [kept.shape[2]] * self.spec.num_layers
 
     def span(self, rows: int) -> tuple[int, int, int]:
-        """(start, end, k): rows [start, end) are scored and k of them kept. Every layer of a
-        step asks with the same `rows`, so the last answer is kept."""
-        if self._last_span[0] == rows:
-            return self._last_span[1]
+        """(start, end, k): rows [start, end) are scored and k of them kept."""
         head = min(self.config.sinks, rows)
         tail = min(self.config.window + self.extra_recent, rows - head)
         start, end = head, rows - tail
         k = min(max(self.config.budget_rows(rows) - head - tail, 0), end - start)
-        self._last_span = (rows, (start, end, k))
         return start, end, k
 
     def step_span(self, layer: int, cache: KVCache) -> tuple[int, int, int]:
