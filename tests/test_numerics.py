@@ -105,13 +105,20 @@ def test_invalid_options_fail_at_config_time(fields):
 def test_auto_picks_by_cpu_capability(monkeypatch, bf16_units):
     monkeypatch.setattr(numerics_module, "cpu_has_bf16_units", lambda: bf16_units)
     resolved = resolve_numerics("float32", "auto", "auto", "auto", "cpu")
+    # int4 decode weights run the compiled kernel; without it torch's int8 kernel
+    weights = "int4" if cpu_extension.buildable() else "int8"
     if bf16_units:
-        assert resolved == Numerics("float32", "bfloat16", "int8", "bfloat16")
+        assert resolved == Numerics("float32", "bfloat16", weights, "bfloat16")
     else:
         # no bf16 GEMMs; the cache is bf16 only where the compiled kernels read it natively
         kv = "bfloat16" if cpu_extension.buildable() else "float32"
-        assert resolved == Numerics("float32", kv, "int8", "float32")
+        assert resolved == Numerics("float32", kv, weights, "float32")
     assert resolve_numerics("float32", "float16", "int4", "float32", "cpu").weights == "int4"
+
+
+def test_auto_keeps_int8_without_the_compiled_kernels(monkeypatch):
+    monkeypatch.setattr(cpu_extension, "buildable", lambda: False)
+    assert resolve_numerics("float32", "auto", "auto", "auto", "cpu").weights == "int8"
 
 
 def test_fingerprint_changes_with_numerics(folder, reference):

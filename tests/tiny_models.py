@@ -25,6 +25,9 @@ _COMMON = dict(
 
 CONFIGS = {
     "llama": lambda: LlamaConfig(**_COMMON),
+    # widths in whole int4 groups of 32 (hidden 2, intermediate 3: an odd pair), weights
+    # rounded to Q4_1 blocks like the packaged GGUF's (make_tiny_model)
+    "llama-int4": lambda: LlamaConfig(**{**_COMMON, "intermediate_size": 96}),
     "llama3-rope": lambda: LlamaConfig(
         **_COMMON,
         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -48,5 +51,17 @@ def make_tiny_model(family: str, folder: Path, seed: int = 0) -> Path:
         # Larger-than-init weights make logits spread out, so greedy ties are unlikely.
         for parameter in model.parameters():
             parameter.mul_(4.0 if parameter.dim() > 1 else 1.0)
+            if family == "llama-int4" and parameter.dim() == 2:
+                parameter.copy_(_q4_1_rounded(parameter))
     model.save_pretrained(folder)
     return folder
+
+
+def _q4_1_rounded(weight: torch.Tensor) -> torch.Tensor:
+    """weight with each block of 32 input columns as llama.cpp's Q4_1 stores it: codes
+    0..15 from the block's min and max, float16 scale and minimum."""
+    blocks = weight.view(weight.shape[0], -1, 32)
+    low, high = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
+    scale = ((high - low) / 15).half().float()
+    codes = ((blocks - low) / scale).round().clamp(0, 15)
+    return (codes * scale + low.half().float()).view_as(weight)

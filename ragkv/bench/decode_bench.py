@@ -26,6 +26,8 @@ from ragkv.engine.numerics import Numerics, resolve_numerics
 REFERENCE = "float32"
 OPTIONS: dict[str, Numerics] = {
     "auto": resolve_numerics("float32", "auto", "auto", "auto", "cpu"),
+    "auto-int8": resolve_numerics("float32", "auto", "int8", "auto", "cpu"),
+    "auto-int4": resolve_numerics("float32", "auto", "int4", "auto", "cpu"),
     "float32": Numerics("float32", "float32", "float32", "float32"),
     "bfloat16": Numerics("bfloat16", "bfloat16", "bfloat16", "bfloat16"),
     "bf16-weights": Numerics("float32", "bfloat16", "bfloat16", "bfloat16"),
@@ -35,7 +37,8 @@ OPTIONS: dict[str, Numerics] = {
     "int4-bf16kv": Numerics("float32", "bfloat16", "int4", "bfloat16"),
 }
 """Named numerics (residual dtype, KV cache dtype, decode weights, prefill weights); "auto"
-is what the engine picks on this machine."""
+is what the engine picks on this machine, "auto-int8"/"auto-int4" the same with those
+decode weights."""
 
 PYTHON_LOOP = "+python"
 """Suffix of an option that decodes through the Python forward loop even where the compiled

@@ -5,8 +5,8 @@ more in dispatch than in arithmetic, and torch's packed int8 kernel runs well be
 memory limit on CPUs without bf16 units. The compiled step (`ragkv/kernels/cpu/ops.cpp`)
 runs norms, int8 projections, RoPE, the cache append, batched attention and the MLP of
 every layer without returning to Python. It covers Llama-style models (no q/k/v bias, no
-q/k norms) with int8 decode weights, a float32 residual stream and a float32 or bfloat16
-cache on the CPU; everything else runs the Python loop. A request may decode with A2ATS
+q/k norms) with int8 or int4 decode weights, a float32 residual stream and a float32 or
+bfloat16 cache on the CPU; everything else runs the Python loop. A request may decode with A2ATS
 sparse attention (its selector's `compiled_plan`; other selectors run the Python loop).
 Several rows of one request may share a cache in a step, each attending causally to the
 rows before it: that is how a chat turn's few new tokens are prefilled (`extend`). The
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ragkv.engine.kv_cache import KVCache
-from ragkv.engine.linear import Int8Kernel
+from ragkv.engine.linear import Int4Kernel, Int8Kernel
 from ragkv.kernels import cpu_extension
 
 if TYPE_CHECKING:
@@ -38,8 +38,8 @@ def unsupported_reason(model: "CausalLM") -> str | None:
     weights, spec = model.weights, model.spec
     if model.device.type != "cpu":
         return f"it runs on the CPU, the model is on {model.device.type}"
-    if model.numerics.weights != "int8":
-        return f"it runs int8 decode weights, the model's are {model.numerics.weights}"
+    if model.numerics.weights not in ("int8", "int4"):
+        return f"it runs int8 or int4 decode weights, the model's are {model.numerics.weights}"
     if model.hidden_dtype != torch.float32 or model.dtype not in cpu_extension.CACHE_DTYPES:
         return "it needs a float32 residual stream and a float32 or bfloat16 cache"
     if any(layer.qkv_bias is not None or layer.q_norm is not None for layer in weights.layers):
@@ -52,11 +52,15 @@ def unsupported_reason(model: "CausalLM") -> str | None:
     return None
 
 
-def _int8(linear) -> tuple[torch.Tensor, torch.Tensor]:
+def _packed(linear) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight, scales) as the compiled step takes them: int8 with a scale per channel, or
+    int4 rows (their scales inside) with empty scales."""
     kernel = linear.few_rows
-    if not isinstance(kernel, Int8Kernel):
-        raise TypeError(f"expected an int8 decode kernel, got {type(kernel).__name__}")
-    return kernel.weight, kernel.scales
+    if isinstance(kernel, Int8Kernel):
+        return kernel.weight, kernel.scales
+    if isinstance(kernel, Int4Kernel):
+        return kernel.rows, kernel.rows.new_empty(0)
+    raise TypeError(f"expected an int8 or int4 decode kernel, got {type(kernel).__name__}")
 
 
 class CompiledDecoder:
@@ -70,13 +74,13 @@ class CompiledDecoder:
         layers = []
         for layer in model.weights.layers:
             layers.append([
-                layer.input_norm, *_int8(layer.qkv), *_int8(layer.o_proj),
-                layer.post_attention_norm, *_int8(layer.gate_up), *_int8(layer.down),
+                layer.input_norm, *_packed(layer.qkv), *_packed(layer.o_proj),
+                layer.post_attention_norm, *_packed(layer.gate_up), *_packed(layer.down),
             ])
         spec = model.spec
         self._compiled = cpu_extension.load().DecodeModel(
-            layers, model.weights.final_norm, *_int8(model.weights.lm_head),
-            spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.rms_norm_eps, model.scale,
+            layers, model.weights.final_norm, *_packed(model.weights.lm_head),
+            spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size, spec.rms_norm_eps, model.scale,
         )
 
     def step(self, token_ids: Sequence[int], caches: Sequence[KVCache], rows: Sequence[int], plans: Sequence = ()) -> torch.Tensor:

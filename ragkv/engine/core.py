@@ -33,7 +33,8 @@ class EngineConfig:
     """dtype of the residual stream (embeddings, norms, MLP activations)."""
     weights: str = "auto"
     """Linear-layer format for decode rows: float32, bfloat16, float16, int8 (per-channel) or
-    int4 (groups of 32); auto = int8 on a CPU with bf16 units, else `dtype`."""
+    int4 (groups of 32, float16 scale and minimum); auto = int4 on a CPU where the compiled
+    kernels build, int8 on other CPUs, `dtype` elsewhere (ragkv.engine.numerics)."""
     prefill_weights: str = "auto"
     """Linear-layer format for prefill, chunk KV and recompute (a dense dtype); auto =
     bfloat16 on a CPU with bf16 units, else `dtype`."""

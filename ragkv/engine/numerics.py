@@ -7,8 +7,11 @@ Four choices, each a plain dtype or weight format name:
 - prefill_weights: the linear layers for many rows (prefill, chunk KV, recompute).
 
 "auto" picks by measurement on two CPU kinds (BENCHMARKS.md):
-- decode weights: int8 on any CPU (torch's packed kernel, or the compiled decode step,
-  reads a quarter of float32's bytes and both run faster than float32 MKL on either kind);
+- decode weights: int4 where the compiled CPU kernels build (integer dot products on int8
+  activations; a Q4_1 GGUF's layers exactly, so its first-token KL against float32 weights
+  was below int8's: 0.0021 against 0.0029, and a step 7% faster at 8K), else int8 (torch's
+  packed kernel reads a quarter of float32's bytes; torch's int4 kernel rounds its scales
+  to bf16 and was measured at KL 0.028);
 - prefill weights: bfloat16 where the CPU has bf16 matrix units (AVX512-BF16 / AMX: a
   bf16 GEMM 4.4x float32), else the residual dtype (without them torch emulates bf16 and
   a GEMM is ~12x slower than float32);
@@ -29,7 +32,8 @@ from ragkv.kernels import cpu_extension
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8", "int4")
-"""int8: per-output-channel symmetric; int4: groups of INT4_GROUP_SIZE with scale and zero."""
+"""int8: per-output-channel symmetric; int4: groups of INT4_GROUP_SIZE with a float16 scale and
+minimum (a GGUF Q4_1 checkpoint exactly; the LM head then int8, `Numerics.lm_head_weights`)."""
 
 
 def cpu_has_bf16_units() -> bool:
@@ -78,6 +82,13 @@ class Numerics:
         return cls(name, name, name, name)
 
     @property
+    def lm_head_weights(self) -> str:
+        """The LM head's decode format: int8 where the layers are int4. A GGUF keeps the
+        (tied) embedding in 8 bits (SmolLM2's Q4_1 file: Q8_0), which int4 groups would round
+        coarser; int8 costs its 28 MB read per step against 18 MB."""
+        return "int8" if self.weights == "int4" else self.weights
+
+    @property
     def hidden_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
@@ -97,7 +108,7 @@ def resolve_numerics(dtype: str, kv_cache_dtype: str, weights: str, prefill_weig
         raise ValueError(f"weights={weights!r} uses torch's packed CPU kernels; it needs device='cpu'")
     bf16_units = on_cpu and cpu_has_bf16_units()
     automatic = {
-        "weights": "int8" if on_cpu else dtype,
+        "weights": ("int4" if cpu_extension.buildable() else "int8") if on_cpu else dtype,
         "prefill_weights": "bfloat16" if bf16_units else dtype,
         "kv_cache_dtype": "bfloat16" if bf16_units or (on_cpu and cpu_extension.buildable()) else dtype,
     }

@@ -67,12 +67,13 @@ def load_weights(model_dir: Path, spec: ModelSpec, numerics: Numerics, device: t
     def optional(name: str) -> torch.Tensor | None:
         return take(name) if name in raw else None
 
-    def linear(*names: str) -> Linear:
+    def linear(*names: str, lm_head: bool = False) -> Linear:
         """The named [out, in] weights stacked along out, in float32 until quantized."""
         for name in names:
             if name not in raw:
                 raise KeyError(f"weight {name!r} missing from {model_dir}")
-        return Linear(torch.cat([raw[name].to(device=device, dtype=torch.float32) for name in names]), numerics)
+        weight = torch.cat([raw[name].to(device=device, dtype=torch.float32) for name in names])
+        return Linear(weight, numerics, lm_head=lm_head)
 
     layers = []
     for i in range(spec.num_layers):
@@ -96,5 +97,5 @@ def load_weights(model_dir: Path, spec: ModelSpec, numerics: Numerics, device: t
         embed=take("model.embed_tokens.weight"),
         layers=layers,
         final_norm=take("model.norm.weight"),
-        lm_head=linear("model.embed_tokens.weight" if tied else "lm_head.weight"),
+        lm_head=linear("model.embed_tokens.weight" if tied else "lm_head.weight", lm_head=True),
     )

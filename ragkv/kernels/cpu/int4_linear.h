@@ -1,0 +1,237 @@
+// y[r][o] = sum_i x[r][i] * w[o][i] for a few activation rows (decode steps), with int4
+// weights in groups of 32 input columns, each with a float16 scale d and minimum m
+// (w = q * d + m, q in 0..15: the GGUF's Q4_1 blocks exactly), and the activations
+// quantized to int8 in the same groups of 32 (one float scale each), so each group's dot
+// product is integer arithmetic (vpmaddubsw: unsigned codes times signed activations).
+//
+// On a 2-core AVX2 CPU a float32 x int8 multiply-add per weight left the decode step's
+// linears bound by vector instructions as much as by memory; this reads 0.625 bytes per
+// weight instead of 1 and takes about half the instructions (BENCHMARKS.md).
+//
+// Layout of an output channel's row (`int4_row_bytes`): the codes of block pairs, 32 bytes
+// per pair (byte j: block 2p's code j in the low nibble, block 2p + 1's in the high), then
+// the scales and then the minimums as float16, each padded with zeros to a multiple of 8
+// blocks. A missing last block of an odd pair has codes, scale and minimum 0.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "claimed_items.h"
+#include "vec.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace ragkv {
+
+constexpr int64_t kInt4Group = 32;
+constexpr int64_t kInt4ScaleGroups = 8;  // scales read (and converted) 8 blocks at a time
+
+inline int64_t int4_pairs(int64_t in) { return (in / kInt4Group + 1) / 2; }
+inline int64_t int4_scale_slots(int64_t in) {
+  return (in / kInt4Group + kInt4ScaleGroups - 1) / kInt4ScaleGroups * kInt4ScaleGroups;
+}
+inline int64_t int4_row_bytes(int64_t in) { return 32 * int4_pairs(in) + 4 * int4_scale_slots(in); }
+
+// One activation row quantized per group of 32: codes (padded to whole pairs with zeros),
+// scale d and d * (sum of the codes), which carries the weights' minimums.
+struct QuantizedRows {
+  const int8_t* codes;  // [rows][64 * pairs]
+  const float* scale;   // [rows][scale slots]
+  const float* code_sum;
+  int64_t codes_stride, scale_stride;
+};
+
+namespace int4_detail {
+
+template <int Slot, typename T>
+T* scratch(int64_t size) {
+  thread_local std::vector<T> buffer;
+  if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(size);
+  return buffer.data();
+}
+
+inline float quantize_group(const float* x, int8_t* codes, int64_t* code_sum) {
+  float peak = 0.f;
+  for (int i = 0; i < kInt4Group; ++i) peak = std::max(peak, std::fabs(x[i]));
+  const float inverse = peak > 0.f ? 127.f / peak : 0.f;
+  int64_t sum = 0;
+  for (int i = 0; i < kInt4Group; ++i) {
+    const int code = static_cast<int>(std::nearbyint(x[i] * inverse));
+    codes[i] = static_cast<int8_t>(code);
+    sum += code;
+  }
+  *code_sum = sum;
+  return peak / 127.f;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline float quantize_group_avx2(const float* x, int8_t* codes, int64_t* code_sum) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4], peak = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    peak = _mm256_max_ps(peak, _mm256_andnot_ps(sign, v[i]));
+  }
+  __m128 half = _mm_max_ps(_mm256_castps256_ps128(peak), _mm256_extractf128_ps(peak, 1));
+  half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+  const float top = _mm_cvtss_f32(_mm_max_ss(half, _mm_shuffle_ps(half, half, 1)));
+  const __m256 inverse = _mm256_set1_ps(top > 0.f ? 127.f / top : 0.f);
+  __m256i q[4];
+  for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));  // round to nearest even
+  const __m256i low = _mm256_packs_epi32(q[0], q[1]), high = _mm256_packs_epi32(q[2], q[3]);
+  const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(low, high), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes), bytes);
+  const __m256i sums = _mm256_madd_epi16(_mm256_add_epi16(low, high), _mm256_set1_epi16(1));
+  __m128i total = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
+  total = _mm_hadd_epi32(total, total);
+  total = _mm_hadd_epi32(total, total);
+  *code_sum = _mm_cvtsi128_si32(total);
+  return top / 127.f;
+}
+#endif
+
+// Rows x[0:Rows] (quantized) against output channels [o, o + Outs).
+#if defined(__AVX2__) && defined(__FMA__)
+template <int Rows, int Outs>
+inline void int4_tile(const QuantizedRows& x, const uint8_t* w, int64_t in, int64_t o, float* y, int64_t y_stride) {
+  constexpr int64_t kAheadTiles = 16;  // rows fetched ahead: the interleaved row streams defeat the hardware prefetcher
+  const int64_t stride = int4_row_bytes(in), pairs = int4_pairs(in), slots = int4_scale_slots(in);
+  const uint8_t* base = w + o * stride;
+  const char* ahead = reinterpret_cast<const char*>(base + kAheadTiles * Outs * stride);
+  for (int64_t line = 0; line < Outs * stride; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+  __m256 acc[Rows][Outs], minimums[Rows][Outs];
+  for (int r = 0; r < Rows; ++r)
+    for (int j = 0; j < Outs; ++j) acc[r][j] = minimums[r][j] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(0x0F);
+  for (int64_t group = 0; group < slots; group += kInt4ScaleGroups) {
+    alignas(32) float scales[Rows][Outs][kInt4ScaleGroups];
+    for (int j = 0; j < Outs; ++j) {
+      const uint8_t* row = base + j * stride + 32 * pairs;
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * group)));
+      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * (slots + group))));
+      for (int r = 0; r < Rows; ++r) {
+        _mm256_store_ps(scales[r][j], _mm256_mul_ps(d, _mm256_loadu_ps(x.scale + r * x.scale_stride + group)));
+        minimums[r][j] = _mm256_fmadd_ps(m, _mm256_loadu_ps(x.code_sum + r * x.scale_stride + group), minimums[r][j]);
+      }
+    }
+    const int64_t last_pair = std::min(pairs, (group + kInt4ScaleGroups) / 2);
+    for (int64_t pair = group / 2; pair < last_pair; ++pair) {
+      const int64_t slot = 2 * pair - group;
+      __m256i x0[Rows], x1[Rows];
+      for (int r = 0; r < Rows; ++r) {
+        const int8_t* codes = x.codes + r * x.codes_stride + 64 * pair;
+        x0[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes));
+        x1[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32));
+      }
+      for (int j = 0; j < Outs; ++j) {
+        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + j * stride + 32 * pair));
+        const __m256i q0 = _mm256_and_si256(packed, nibble);
+        const __m256i q1 = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
+        for (int r = 0; r < Rows; ++r) {
+          const __m256 p0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(q0, x0[r]), ones));
+          const __m256 p1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(q1, x1[r]), ones));
+          acc[r][j] = _mm256_fmadd_ps(_mm256_broadcast_ss(&scales[r][j][slot]), p0, acc[r][j]);
+          acc[r][j] = _mm256_fmadd_ps(_mm256_broadcast_ss(&scales[r][j][slot + 1]), p1, acc[r][j]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < Rows; ++r)
+    for (int j = 0; j < Outs; ++j) y[r * y_stride + o + j] = sum_lanes(_mm256_add_ps(acc[r][j], minimums[r][j]));
+}
+
+template <int Rows>
+inline void int4_rows(const QuantizedRows& x, const uint8_t* w, int64_t in, int64_t begin, int64_t end, float* y,
+                      int64_t y_stride) {
+  constexpr int Outs = Rows <= 2 ? 2 : 1;
+  int64_t o = begin;
+  for (; o + Outs <= end; o += Outs) int4_tile<Rows, Outs>(x, w, in, o, y, y_stride);
+  for (; o < end; ++o) int4_tile<Rows, 1>(x, w, in, o, y, y_stride);
+}
+#endif
+
+// The portable path: the same integer dot products per group, one weight at a time.
+inline void int4_row_portable(const QuantizedRows& x, int64_t r, const uint8_t* row, int64_t in, float* out) {
+  const int64_t pairs = int4_pairs(in), slots = int4_scale_slots(in);
+  const at::Half* d = reinterpret_cast<const at::Half*>(row + 32 * pairs);
+  const at::Half* m = d + slots;
+  const int8_t* codes = x.codes + r * x.codes_stride;
+  float sum = 0.f;
+  for (int64_t block = 0; block < 2 * pairs; ++block) {
+    int32_t dot = 0;
+    for (int64_t i = 0; i < kInt4Group; ++i) {
+      const uint8_t byte = row[32 * (block / 2) + i];
+      dot += (block % 2 ? byte >> 4 : byte & 0x0F) * codes[kInt4Group * block + i];
+    }
+    sum += static_cast<float>(d[block]) * x.scale[r * x.scale_stride + block] * static_cast<float>(dot) +
+           static_cast<float>(m[block]) * x.code_sum[r * x.scale_stride + block];
+  }
+  *out = sum;
+}
+
+}  // namespace int4_detail
+
+// Quantizes `rows` rows of x [rows, in] into buffers of the calling thread.
+inline QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t in) {
+  using namespace int4_detail;
+  const int64_t pairs = int4_pairs(in), slots = int4_scale_slots(in), blocks = in / kInt4Group;
+  const int64_t codes_stride = 64 * pairs;
+  int8_t* codes = scratch<0, int8_t>(rows * codes_stride);
+  float* scale = scratch<1, float>(rows * slots);
+  float* code_sum = scratch<2, float>(rows * slots);
+  std::fill(codes, codes + rows * codes_stride, 0);
+  std::fill(scale, scale + rows * slots, 0.f);
+  std::fill(code_sum, code_sum + rows * slots, 0.f);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t block = 0; block < blocks; ++block) {
+      const float* group = x + r * in + block * kInt4Group;
+      int8_t* group_codes = codes + r * codes_stride + block * kInt4Group;
+      int64_t sum = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+      const float d = quantize_group_avx2(group, group_codes, &sum);
+#else
+      const float d = quantize_group(group, group_codes, &sum);
+#endif
+      scale[r * slots + block] = d;
+      code_sum[r * slots + block] = d * static_cast<float>(sum);
+    }
+  return {codes, scale, code_sum, codes_stride, slots};
+}
+
+// x [rows, in] float32 (in a multiple of 32) against int4 rows w [out, int4_row_bytes(in)];
+// y [rows, out] float32. The threads claim blocks of output channels (claimed_items.h).
+inline void int4_linear(const float* x, int64_t rows, int64_t in, const uint8_t* w, int64_t out, float* y) {
+  constexpr int64_t kChannelBlock = 32;
+  const QuantizedRows quantized = quantize_rows(x, rows, in);
+  const int64_t blocks = (out + kChannelBlock - 1) / kChannelBlock, stride = int4_row_bytes(in);
+  for_each_claimed(blocks, [&](int64_t index) {
+    const int64_t block = index * kChannelBlock, block_end = std::min(block + kChannelBlock, out);
+#if defined(__AVX2__) && defined(__FMA__)
+    for (int64_t r = 0; r < rows; r += 4) {
+      QuantizedRows tile = quantized;
+      tile.codes += r * quantized.codes_stride;
+      tile.scale += r * quantized.scale_stride;
+      tile.code_sum += r * quantized.scale_stride;
+      float* yr = y + r * out;
+      switch (std::min<int64_t>(4, rows - r)) {
+        case 1: int4_detail::int4_rows<1>(tile, w, in, block, block_end, yr, out); break;
+        case 2: int4_detail::int4_rows<2>(tile, w, in, block, block_end, yr, out); break;
+        case 3: int4_detail::int4_rows<3>(tile, w, in, block, block_end, yr, out); break;
+        default: int4_detail::int4_rows<4>(tile, w, in, block, block_end, yr, out); break;
+      }
+    }
+#else
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t o = block; o < block_end; ++o) int4_detail::int4_row_portable(quantized, r, w + o * stride, in, y + r * out + o);
+#endif
+  });
+}
+
+}  // namespace ragkv
