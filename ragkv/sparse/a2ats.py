@@ -148,7 +148,7 @@ class A2ATS(Selector):
         module = cpu_extension.load()
         if module is None:
             return None
-        spans = {self.step_span(layer, cache) for layer in range(self.spec.num_layers)}
+        spans = self.compiled_spans(cache)
         if len(spans) != 1:
             return None
         start, end, k = spans.pop()
@@ -158,6 +158,17 @@ class A2ATS(Selector):
         tiles = centroid_tiles(self.codebook, self.options.mean_key)
         return module.A2atsPlan(self.codes.data, tiles, mean, self.rotary_rows(end), cos[0], sin[0],
                                 start, end, k, candidates, self.config.aggregation == "logits")
+
+    def compiled_spans(self, cache: KVCache) -> set[tuple[int, int, int]]:
+        """The distinct step spans of every layer. A layer's span depends only on the cache
+        length and its `ready` rows, so while every layer is as ready as layer 0 after its
+        span (no extension this step) they share it: one call instead of one per layer
+        (30 calls took 36 us with warm caches; a step leaves them cold)."""
+        before = self.ready[0]
+        first = self.step_span(0, cache)
+        if self.ready[0] == before and all(ready == before for ready in self.ready):
+            return {first}
+        return {first} | {self.step_span(layer, cache) for layer in range(1, self.spec.num_layers)}
 
     def wrope_rotation(self, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [1, D] (float32) of relative position b - p, p the token being decoded."""

@@ -285,16 +285,25 @@ class DecodeModel {
  public:
   // layers[l] = {input_norm, qkv weight, qkv scales, o weight, o scales, post-attention norm,
   //              gate_up weight, gate_up scales, down weight, down scales}; each weight int8
-  //              with its scales or int4 rows with empty scales (PackedLinear)
-  DecodeModel(std::vector<std::vector<at::Tensor>> layers, at::Tensor final_norm, at::Tensor lm_weight,
-              at::Tensor lm_scales, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate,
-              double eps, double scale)
-      : final_norm_(std::move(final_norm)), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim),
+  //              with its scales or int4 rows with empty scales (PackedLinear); embed [vocab,
+  //              hidden] float32; inv_freq [D / 2] float32 and attention_scaling as
+  //              ragkv.engine.rope.Rotary holds them
+  DecodeModel(std::vector<std::vector<at::Tensor>> layers, at::Tensor embed, at::Tensor final_norm,
+              at::Tensor lm_weight, at::Tensor lm_scales, at::Tensor inv_freq, double attention_scaling,
+              int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps, double scale)
+      : embed_(std::move(embed)), inv_freq_(std::move(inv_freq)),
+        attention_scaling_(static_cast<float>(attention_scaling)), final_norm_(std::move(final_norm)),
+        heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim),
         hidden_size_(final_norm_.size(0)), intermediate_(intermediate), eps_(static_cast<float>(eps)),
         scale_(static_cast<float>(scale)),
         lm_head_(std::move(lm_weight), std::move(lm_scales), final_norm_.size(0)) {
     TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= kMaxGroup, "query heads per KV head must be <= 16");
     TORCH_CHECK(head_dim % 8 == 0 && head_dim <= kMaxDim, "head_dim must be a multiple of 8, at most 256");
+    TORCH_CHECK(embed_.dim() == 2 && embed_.scalar_type() == at::kFloat && embed_.is_contiguous() &&
+                    embed_.size(1) == hidden_size_,
+                "embeddings must be contiguous [vocab, hidden] float32");
+    TORCH_CHECK(inv_freq_.scalar_type() == at::kFloat && inv_freq_.is_contiguous() && inv_freq_.numel() == head_dim / 2,
+                "inv_freq must be [head_dim / 2] float32");
     const int64_t attention_width = heads * head_dim, qkv_width = (heads + 2 * kv_heads) * head_dim;
     for (const auto& layer : layers) {
       TORCH_CHECK(layer.size() == 10, "each layer needs 10 tensors");
@@ -309,21 +318,20 @@ class DecodeModel {
     }
   }
 
-  // hidden [B, hidden] float32 embeddings of the new tokens; cos/sin [B, D] float32 at their
-  // positions; keys[b]/values[b] [layers, Hkv, capacity, D] caches whose row rows[b] is
+  // token_ids[b] at RoPE position positions[b]; keys[b]/values[b] [layers, Hkv, capacity, D]
+  // caches whose row rows[b] is
   // written, attending to rows [0, rows[b]]. Several tokens of one request (a short
   // prefill) pass the same cache with consecutive rows. plans is empty (all dense) or has
   // one entry per row: an A2ATS plan makes that request's attention sparse. Returns
   // next-token logits [len(logit_rows), vocab] float32 of the batch rows logit_rows.
-  at::Tensor step(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
+  at::Tensor step(const std::vector<int64_t>& token_ids, const std::vector<int64_t>& positions,
                   const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
                   const std::vector<int64_t>& rows, const std::vector<int64_t>& logit_rows,
                   const std::vector<std::optional<A2atsPlan>>& plans) const {
-    const int64_t batch = hidden.size(0);
-    TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.size(1) == hidden_size_, "hidden must be [B, hidden] float32");
-    TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.size(0) == batch &&
-                    cos.size(1) == head_dim_ && sin.sizes() == cos.sizes(),
-                "cos/sin must be [B, head_dim] float32");
+    const int64_t batch = static_cast<int64_t>(token_ids.size());
+    TORCH_CHECK(batch >= 1 && static_cast<int64_t>(positions.size()) == batch, "one position per token");
+    for (const int64_t token : token_ids) TORCH_CHECK(token >= 0 && token < embed_.size(0), "token id out of range");
+    for (const int64_t position : positions) TORCH_CHECK(position >= 0, "negative position");
     std::vector<int64_t> lengths(rows);
     for (auto& length : lengths) length += 1;
     check_caches(keys, values, lengths, batch, kv_heads_, head_dim_, 4);
@@ -335,6 +343,23 @@ class DecodeModel {
       plans[b]->check(static_cast<int64_t>(layers_.size()), kv_heads_, head_dim_, lengths[b]);
       for (int64_t other = 0; other < batch; ++other)
         TORCH_CHECK(other == b || !keys[other].is_same(keys[b]), "a sparse request decodes one row of its own cache");
+    }
+    // the new tokens' embeddings and the cos | sin of their positions, as Rotary.cos_sin
+    // computes them (float32 angle, cos and sin rounded to float32, then scaled)
+    const auto f32 = embed_.options();
+    at::Tensor hidden = at::empty({batch, hidden_size_}, f32), cos = at::empty({batch, head_dim_}, f32);
+    at::Tensor sin = at::empty({batch, head_dim_}, f32);
+    const int64_t half = head_dim_ / 2;
+    for (int64_t b = 0; b < batch; ++b) {
+      const float* row = embed_.data_ptr<float>() + token_ids[b] * hidden_size_;
+      std::copy(row, row + hidden_size_, hidden.data_ptr<float>() + b * hidden_size_);
+      float* c = cos.data_ptr<float>() + b * head_dim_;
+      float* s = sin.data_ptr<float>() + b * head_dim_;
+      for (int64_t i = 0; i < half; ++i) {
+        const float angle = static_cast<float>(positions[b]) * inv_freq_.data_ptr<float>()[i];
+        c[i] = c[half + i] = std::cos(angle) * attention_scaling_;
+        s[i] = s[half + i] = std::sin(angle) * attention_scaling_;
+      }
     }
     if (keys[0].scalar_type() == at::kFloat)
       return run<float>(hidden, cos, sin, keys, values, rows, lengths, logit_rows, plans);
@@ -474,6 +499,8 @@ class DecodeModel {
     PackedLinear qkv, o, gate_up, down;
   };
 
+  at::Tensor embed_, inv_freq_;
+  float attention_scaling_;
   at::Tensor final_norm_;
   int64_t heads_, kv_heads_, head_dim_, hidden_size_, intermediate_;
   float eps_, scale_;
@@ -499,7 +526,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &ragkv::int4_linear_op, "few-row float32 x int4 (groups of 32, scale and minimum) matmul",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   pybind11::class_<ragkv::DecodeModel>(m, "DecodeModel")
-      .def(pybind11::init<std::vector<std::vector<at::Tensor>>, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t,
-                          int64_t, int64_t, double, double>())
+      .def(pybind11::init<std::vector<std::vector<at::Tensor>>, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                          at::Tensor, double, int64_t, int64_t, int64_t, int64_t, double, double>())
       .def("step", &ragkv::DecodeModel::step, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
