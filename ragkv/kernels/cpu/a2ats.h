@@ -77,12 +77,10 @@ struct A2atsLayer {
 
 namespace a2ats_detail {
 
-// A buffer of the calling thread, kept across calls (resized, never shrunk or cleared).
+struct Scratch;
 template <int Slot, typename T>
 T* scratch(int64_t size) {
-  thread_local std::vector<T> buffer;
-  if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(size);
-  return buffer.data();
+  return thread_buffer<Scratch, Slot, T>(size);
 }
 
 constexpr int64_t kTileRows = 64;  // rows per scoring tile (mean_key_tiles, lookup64)

@@ -50,11 +50,10 @@ struct QuantizedRows {
 
 namespace int4_detail {
 
+struct Scratch;
 template <int Slot, typename T>
 T* scratch(int64_t size) {
-  thread_local std::vector<T> buffer;
-  if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(size);
-  return buffer.data();
+  return thread_buffer<Scratch, Slot, T>(size);
 }
 
 inline float quantize_group(const float* x, int8_t* codes, int64_t* code_sum) {

@@ -1,17 +1,27 @@
-// Scalar and AVX2 helpers shared by the CPU kernels: widening bf16 to float32 and
-// reducing a vector's lanes.
+// Scalar and AVX2 helpers shared by the CPU kernels: per-thread scratch buffers, widening
+// bf16 to float32 and reducing a vector's lanes.
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
 
 namespace ragkv {
+
+// A buffer of the calling thread, kept across calls (resized, never shrunk or cleared).
+// Owner and Slot name it, so that two kernels' buffers never alias.
+template <typename Owner, int Slot, typename T>
+T* thread_buffer(int64_t size) {
+  thread_local std::vector<T> buffer;
+  if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(size);
+  return buffer.data();
+}
 
 inline float load_float(const float* p, int64_t i) { return p[i]; }
 
