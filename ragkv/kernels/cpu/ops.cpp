@@ -319,8 +319,8 @@ class DecodeModel {
   }
 
   // token_ids[b] at RoPE position positions[b]; keys[b]/values[b] [layers, Hkv, capacity, D]
-  // caches whose row rows[b] is
-  // written, attending to rows [0, rows[b]]. Several tokens of one request (a short
+  // caches whose row rows[b] is written, attending to rows [0, rows[b]]. The embeddings and
+  // cos | sin are looked up here. Several tokens of one request (a short
   // prefill) pass the same cache with consecutive rows. plans is empty (all dense) or has
   // one entry per row: an A2ATS plan makes that request's attention sparse. Returns
   // next-token logits [len(logit_rows), vocab] float32 of the batch rows logit_rows.
