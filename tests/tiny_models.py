@@ -8,6 +8,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
+from ragkv.engine.linear import Int4Kernel
+
 _COMMON = dict(
     vocab_size=128,
     hidden_size=64,
@@ -26,7 +28,8 @@ _COMMON = dict(
 CONFIGS = {
     "llama": lambda: LlamaConfig(**_COMMON),
     # widths in whole int4 groups of 32 (hidden 2, intermediate 3: an odd pair), weights
-    # rounded to Q4_1 blocks like the packaged GGUF's (make_tiny_model)
+    # rounded to Q4_1 blocks like the packaged GGUF's (make_tiny_model: min/max blocks with a
+    # float16 scale and minimum, as Int4Kernel quantizes)
     "llama-int4": lambda: LlamaConfig(**{**_COMMON, "intermediate_size": 96}),
     "llama3-rope": lambda: LlamaConfig(
         **_COMMON,
@@ -52,16 +55,7 @@ def make_tiny_model(family: str, folder: Path, seed: int = 0) -> Path:
         for parameter in model.parameters():
             parameter.mul_(4.0 if parameter.dim() > 1 else 1.0)
             if family == "llama-int4" and parameter.dim() == 2:
-                parameter.copy_(_q4_1_rounded(parameter))
+                parameter.copy_(Int4Kernel(parameter).dequantized())
     model.save_pretrained(folder)
     return folder
 
-
-def _q4_1_rounded(weight: torch.Tensor) -> torch.Tensor:
-    """weight with each block of 32 input columns as llama.cpp's Q4_1 stores it: codes
-    0..15 from the block's min and max, float16 scale and minimum."""
-    blocks = weight.view(weight.shape[0], -1, 32)
-    low, high = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
-    scale = ((high - low) / 15).half().float()
-    codes = ((blocks - low) / scale).round().clamp(0, 15)
-    return (codes * scale + low.half().float()).view_as(weight)

@@ -185,10 +185,11 @@ inline QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t in) {
   int8_t* codes = scratch<0, int8_t>(rows * codes_stride);
   float* scale = scratch<1, float>(rows * slots);
   float* code_sum = scratch<2, float>(rows * slots);
-  std::fill(codes, codes + rows * codes_stride, 0);
-  std::fill(scale, scale + rows * slots, 0.f);
-  std::fill(code_sum, code_sum + rows * slots, 0.f);
-  for (int64_t r = 0; r < rows; ++r)
+  for (int64_t r = 0; r < rows; ++r) {
+    // the padding (an odd pair's missing block, scale slots past the last group) reads as zero
+    std::fill(codes + r * codes_stride + blocks * kInt4Group, codes + (r + 1) * codes_stride, 0);
+    std::fill(scale + r * slots + blocks, scale + (r + 1) * slots, 0.f);
+    std::fill(code_sum + r * slots + blocks, code_sum + (r + 1) * slots, 0.f);
     for (int64_t block = 0; block < blocks; ++block) {
       const float* group = x + r * in + block * kInt4Group;
       int8_t* group_codes = codes + r * codes_stride + block * kInt4Group;
@@ -201,6 +202,7 @@ inline QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t in) {
       scale[r * slots + block] = d;
       code_sum[r * slots + block] = d * static_cast<float>(sum);
     }
+  }
   return {codes, scale, code_sum, codes_stride, slots};
 }
 

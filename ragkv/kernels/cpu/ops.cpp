@@ -223,33 +223,6 @@ std::tuple<at::Tensor, at::Tensor> a2ats_attention_op(const at::Tensor& q, const
   return {out, chosen};
 }
 
-// x [rows, in] float32 @ (weight [out, in] int8 * scales [out] bf16)^T -> [rows, out] float32.
-at::Tensor int8_linear_op(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [rows, in] float32");
-  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.is_contiguous() && weight.size(1) == x.size(1) &&
-                  weight.size(1) % 8 == 0,
-              "weight must be contiguous int8 [out, in], in a multiple of 8");
-  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.numel() == weight.size(0), "scales must be bf16 [out]");
-  const at::Tensor xc = x.contiguous(), sc = scales.contiguous();
-  at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
-  int8_linear(xc.data_ptr<float>(), x.size(0), x.size(1), weight.data_ptr<int8_t>(), sc.data_ptr<at::BFloat16>(),
-              weight.size(0), y.data_ptr<float>());
-  return y;
-}
-
-// x [rows, in] float32 @ int4 rows weight [out, int4_row_bytes(in)] uint8 (int4_linear.h) -> [rows, out] float32.
-at::Tensor int4_linear_op(const at::Tensor& x, const at::Tensor& weight, int64_t in) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) == in, "x must be [rows, in] float32");
-  TORCH_CHECK(in % kInt4Group == 0, "in_features must be a multiple of 32");
-  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.is_contiguous() && weight.dim() == 2 &&
-                  weight.size(1) == int4_row_bytes(in),
-              "weight must be contiguous uint8 [out, int4_row_bytes(in)]");
-  const at::Tensor xc = x.contiguous();
-  at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
-  int4_linear(xc.data_ptr<float>(), x.size(0), in, weight.data_ptr<uint8_t>(), weight.size(0), y.data_ptr<float>());
-  return y;
-}
-
 // One few-row linear of the compiled step: int8 (weight [out, in] int8, bf16 scale per
 // output channel) or int4 (weight [out, int4_row_bytes(in)] uint8, scales empty).
 class PackedLinear {
@@ -258,13 +231,17 @@ class PackedLinear {
     TORCH_CHECK(weight_.dim() == 2 && weight_.is_contiguous(), "weights must be contiguous matrices");
     int4_ = weight_.scalar_type() == at::kByte;
     if (int4_) {
-      TORCH_CHECK(in % kInt4Group == 0 && weight_.size(1) == int4_row_bytes(in), "int4 weights of whole groups of 32");
+      TORCH_CHECK(in % kInt4Group == 0 && weight_.size(1) == int4_row_bytes(in),
+                  "int4 weights must be uint8 [out, int4_row_bytes(in)], in a multiple of 32");
     } else {
       TORCH_CHECK(weight_.scalar_type() == at::kChar && weight_.size(1) == in && in % 8 == 0,
-                  "int8 weights [out, in], in a multiple of 8");
-      TORCH_CHECK(scales_.scalar_type() == at::kBFloat16 && scales_.numel() == weight_.size(0), "bf16 scale per channel");
+                  "int8 weights must be [out, in], in a multiple of 8");
+      TORCH_CHECK(scales_.scalar_type() == at::kBFloat16 && scales_.numel() == weight_.size(0),
+                  "int8 scales must be bf16 [out]");
+      scales_ = scales_.contiguous();
     }
   }
+  int64_t in() const { return in_; }
   int64_t out() const { return weight_.size(0); }
   void apply(const float* x, int64_t rows, float* y) const {
     if (int4_)
@@ -278,6 +255,27 @@ class PackedLinear {
   int64_t in_;
   bool int4_ = false;
 };
+
+// x [rows, in] float32 through one packed linear -> [rows, out] float32.
+at::Tensor packed_linear_op(const at::Tensor& x, const PackedLinear& linear) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) == linear.in(), "x must be [rows, in] float32");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({x.size(0), linear.out()}, x.options());
+  linear.apply(xc.data_ptr<float>(), x.size(0), y.data_ptr<float>());
+  return y;
+}
+
+// x [rows, in] float32 @ (weight [out, in] int8 * scales [out] bf16)^T -> [rows, out] float32.
+at::Tensor int8_linear_op(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
+  TORCH_CHECK(weight.scalar_type() == at::kChar, "weight must be int8");
+  return packed_linear_op(x, PackedLinear(weight, scales, x.size(-1)));
+}
+
+// x [rows, in] float32 @ int4 rows weight [out, int4_row_bytes(in)] uint8 (int4_linear.h) -> [rows, out] float32.
+at::Tensor int4_linear_op(const at::Tensor& x, const at::Tensor& weight, int64_t in) {
+  TORCH_CHECK(weight.scalar_type() == at::kByte, "int4 rows must be uint8");
+  return packed_linear_op(x, PackedLinear(weight, weight.new_empty({0}), in));
+}
 
 // A Llama-style decoder (RMSNorm, fused q/k/v without bias or q/k norms, rotate-half RoPE,
 // GQA, SiLU-gated MLP) with int8 or int4 weights, as ragkv.engine.model.CausalLM lays it out.
