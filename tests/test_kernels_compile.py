@@ -24,7 +24,7 @@ from triton.compiler import ASTSource
 from ragkv.kernels.triton.code_scores import code_scores_kernel
 from ragkv.kernels.triton.rope import rope_kernel
 from ragkv.kernels.triton.selective_attention import selective_attention_kernel
-from ragkv.kernels.triton.sparse_attention import sparse_decode_kernel
+from ragkv.kernels.triton.sparse_attention import decode_split_kernel, merge_splits_kernel
 
 def compile_for_h100(fn, pointer_types, constexprs):
     # Unlisted runtime arguments are sizes/strides (i32); scales are fp32.
@@ -40,8 +40,14 @@ for dt in ("fp32", "fp16", "bf16"):
     compile_for_h100(rope_kernel, {"x_ptr": f"*{dt}", "cos_ptr": f"*{dt}", "sin_ptr": f"*{dt}", "out_ptr": f"*{dt}"},
                      {"BLOCK_T": 32, "BLOCK_HALF": 64})
     attn = {"q_ptr": f"*{dt}", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "out_ptr": f"*{dt}"}
-    compile_for_h100(sparse_decode_kernel, {**attn, "idx_ptr": "*i64", "len_ptr": "*i32", "lse_ptr": "*fp32"},
-                     {"HAS_LENGTHS": dt == "fp16", "GROUP_PAD": 4, "BLOCK_N": 8, "BLOCK_D": 128})
+    for has_indices in (True, False):
+        compile_for_h100(decode_split_kernel,
+                         {**attn, "idx_ptr": "*i64", "len_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"},
+                         {"HAS_INDICES": has_indices, "HAS_LENGTHS": dt == "fp16", "GROUP_PAD": 4, "BLOCK_N": 8,
+                          "BLOCK_D": 128})
+    compile_for_h100(merge_splits_kernel,
+                     {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": f"*{dt}", "lse_ptr": "*fp32"},
+                     {"GROUP_PAD": 4, "BLOCK_D": 128})
     compile_for_h100(selective_attention_kernel, {**attn, "pos_ptr": "*i32"},
                      {"DOT_PRECISION": "ieee" if dt == "fp32" else "tf32", "BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_D": 128})
 for codes in ("i16", "i32"):

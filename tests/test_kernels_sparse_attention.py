@@ -44,6 +44,19 @@ def test_triton_matches_reference(hkv, group, ragged, num_sel, d, dtype):
     torch.testing.assert_close(lse, ref_lse, **LSE_TOL)
 
 
+@pytest.mark.parametrize("lengths", [[5], [64], [65], [200]])
+def test_triton_splits_merge_exactly(lengths):
+    """One head's 200 rows cut into splits of 64: a length ending inside, at or past the
+    first split leaves later splits empty, which the merge must ignore."""
+    q, k, v, g = make_inputs(1, 4, 300, 64, torch.float32, seed=sum(lengths))
+    indices = torch.randperm(300, generator=g)[:200].unsqueeze(0)
+    lengths = torch.tensor(lengths)
+    out, lse = sparse_decode_attention(q, k, v, indices, 0.125, lengths, return_lse=True, backend="triton")
+    ref_out, ref_lse = reference.sparse_decode_attention(q, k, v, indices, 0.125, lengths)
+    torch.testing.assert_close(out, ref_out, **TOL[torch.float32])
+    torch.testing.assert_close(lse, ref_lse, **LSE_TOL)
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("hkv,group", [(2, 1), (1, 3)])
 def test_all_rows_equals_dense_sdpa(hkv, group, backend):

@@ -1,5 +1,5 @@
-"""`ragkv bench store | fusion | sparse | decode`: argument parsing and result tables (sparse: ragkv.cli.bench_sparse,
-decode: ragkv.cli.bench_decode)."""
+"""`ragkv bench store | fusion | sparse | decode | kernels`: argument parsing and result tables (sparse:
+ragkv.cli.bench_sparse, decode: ragkv.cli.bench_decode, kernels: ragkv.cli.bench_kernels)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ragkv.cli import bench_decode, bench_sparse
+from ragkv.cli import bench_decode, bench_kernels, bench_sparse
 from ragkv.cli.command import Command, CommandParser
 from ragkv.cli.options import add_common_options, runtime_config
 
@@ -51,9 +51,14 @@ def configure(bench: argparse.ArgumentParser) -> None:
     decode = kinds.add_parser("decode", help="dense decode ms/token, batched tokens/s and quality per weight/KV format")
     bench_decode.configure(decode)
 
+    kernels = kinds.add_parser("kernels", help="attention kernels (Triton, FlashInfer, torch) at a real model's geometry "
+                                               "vs the torch reference, and a random-weight decode step")
+    bench_kernels.configure(kernels)
+
 
 def run(args: argparse.Namespace) -> int:
-    handlers = {"store": _run_store, "fusion": _run_fusion, "sparse": bench_sparse.run, "decode": bench_decode.run}
+    handlers = {"store": _run_store, "fusion": _run_fusion, "sparse": bench_sparse.run, "decode": bench_decode.run,
+                "kernels": bench_kernels.run}
     results = handlers[args.bench](args)
     if args.json:
         _write_json(args.json, results)

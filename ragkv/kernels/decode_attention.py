@@ -3,9 +3,10 @@
 One call per layer serves every running request of a decode step: request b's query
 heads [Hq, D] attend to the first lengths[b] rows of its cache layer [Hkv, capacity, D]
 (GQA: query head h reads KV head h // (Hq / Hkv)). On the CPU the compiled kernel
-(`cpu/decode_attention.cpp`) spreads (request, KV head, row block) items over the
-threads and reads a bfloat16 cache without widening it in memory; the torch path loops
-over requests.
+(`cpu/attention.h`) spreads (request, KV head, row block) items over the threads and
+reads a bfloat16 cache without widening it in memory; on a GPU the split-K Triton kernel
+of sparse decode runs over each request's leading rows; the torch path loops over
+requests.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def decode_attention(
             contiguous; keys and values of a request laid out alike.
         lengths: B ints, 1 <= lengths[b] <= capacity_b.
         scale: softmax scale, usually 1/sqrt(D).
-        backend: "auto", "torch" or "cpp" (CPU, float32/bfloat16 caches).
+        backend: "auto", "torch", "triton" or "cpp" (CPU, float32/bfloat16 caches).
 
     Returns [B, Hq, D] in q's dtype.
     """
@@ -60,8 +61,13 @@ def decode_attention(
         require(k.dtype == dtype and v.dtype == dtype, "every cache must share one dtype")
         require(1 <= length <= k.shape[1], f"lengths[{b}] = {length} outside [1, {k.shape[1]}]")
     device = q.device
-    kernels = ("cpp",) if _cpp_supports(q, keys) else ()
+    kernels = ("triton", "cpp") if _cpp_supports(q, keys) else ("triton",)
     chosen = select_backend("decode_attention", backend, device, kernels=kernels)
+    if chosen == "triton":
+        from ragkv.kernels.triton.sparse_attention import launch_decode
+
+        return torch.stack([launch_decode(q[b], keys[b], values[b], None, length, None, scale)[0]
+                            for b, length in enumerate(lengths)])
     if chosen == "cpp":
         out = cpu_extension.load().decode_attention(q.float().contiguous(), keys, values, list(lengths), scale)
         return out.to(q.dtype)

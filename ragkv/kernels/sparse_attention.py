@@ -13,12 +13,6 @@ from ragkv.kernels import reference, torch_cpu
 from ragkv.kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check_dtype, check_shape, common_device, require
 from ragkv.kernels.dispatch import Backend, select_backend
 
-# Upper bound on GROUP_PAD * BLOCK_N * BLOCK_D, the float32 product tile the
-# Triton kernel materialises per block. 4096 compiles without register spills
-# for sm_90 (ptxas -v, num_warps=4) for groups up to 8 at D=128; 8192 spills.
-_TILE_ELEMS = 4096
-
-
 def sparse_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -77,24 +71,6 @@ def sparse_decode_attention(
 
 
 def _sparse_decode_triton(q, k_cache, v_cache, indices, scale, lengths):
-    import triton
+    from ragkv.kernels.triton.sparse_attention import launch_decode
 
-    from ragkv.kernels.triton.sparse_attention import sparse_decode_kernel
-
-    hq, d = q.shape
-    hkv = k_cache.shape[0]
-    group = hq // hkv
-    out = torch.empty((hq, d), dtype=q.dtype, device=q.device)
-    lse = torch.empty((hq,), dtype=torch.float32, device=q.device)
-    group_pad = triton.next_power_of_2(group)
-    block_d = triton.next_power_of_2(d)
-    block_n = max(1, min(64, _TILE_ELEMS // (group_pad * block_d)))
-    # int32 lengths keep the kernel's loop bound the same type as its counter.
-    lengths32 = lengths.int() if lengths is not None else lse  # unread when HAS_LENGTHS=False
-    sparse_decode_kernel[(hkv,)](
-        q, k_cache, v_cache, indices, lengths32, out, lse,
-        float(scale), indices.shape[1], d, group,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *indices.stride(), *out.stride(),
-        HAS_LENGTHS=lengths is not None, GROUP_PAD=group_pad, BLOCK_N=block_n, BLOCK_D=block_d,
-    )
-    return out, lse
+    return launch_decode(q, k_cache, v_cache, indices, indices.shape[1], lengths, scale)

@@ -117,6 +117,11 @@ class PlannedDecode:
 _planned: dict[tuple[torch.device, int], PlannedDecode] = {}
 
 
+def plans_made() -> int:
+    """FlashInfer plan() calls made so far in this process (a decode step should add one at most)."""
+    return sum(decode.plans for decode in _planned.values())
+
+
 def planned_decode(device: torch.device, heads: int, pages_needed: int) -> PlannedDecode:
     """The wrapper for (device, heads), rebuilt with twice the room when a step needs more pages."""
     key = (device, heads)
