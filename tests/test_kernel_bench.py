@@ -37,6 +37,8 @@ def test_bad_settings_are_refused():
         KernelBenchConfig(TINY, contexts=(8,))
     with pytest.raises(ValueError, match="unknown"):
         KernelBenchConfig(TINY, ops=("nope",))
+    with pytest.raises(ValueError, match="not a torch device"):
+        KernelBenchConfig(TINY, device="nope")
     with pytest.raises(ValueError, match="multiple"):
         Geometry("odd", 1, 5, 2, 16, 32, 64, 50)
 

@@ -95,6 +95,10 @@ class KernelBenchConfig:
             raise ValueError("budget and recompute_ratio must be in (0, 1]")
         if not 2 <= self.codebook_size <= 2**15:
             raise ValueError(f"codebook_size must be in [2, 32768] (int16 codes), got {self.codebook_size}")
+        try:
+            torch.device(self.device)
+        except RuntimeError as exc:
+            raise ValueError(f"device {self.device!r} is not a torch device (e.g. cuda, cuda:1, cpu)") from exc
         unknown = sorted(set(self.ops) - set(OP_BACKENDS)) + sorted(set(self.step_modes) - set(STEP_MODES))
         if unknown:
             raise ValueError(f"unknown op(s) or step mode(s) {unknown}; ops: {list(OP_BACKENDS)}, "
