@@ -29,8 +29,10 @@ def kmeans_plus_plus(points: torch.Tensor, clusters: int, generator: torch.Gener
     """k-means++ seeding: initial centroids [B, C, d], each drawn with probability
     proportional to its squared distance from the ones already chosen."""
     b, n, d = points.shape
-    batch = torch.arange(b)
-    first = torch.randint(n, (b,), generator=generator)
+    # random draws come from `generator` (a CPU generator: the same seed picks the same
+    # points on every device) and then move to the points' device
+    batch = torch.arange(b, device=points.device)
+    first = torch.randint(n, (b,), generator=generator).to(points.device)
     centroids = points.new_empty((b, clusters, d))
     centroids[:, 0] = points[batch, first]
     norms = points.pow(2).sum(-1)  # [B, N]
@@ -45,7 +47,7 @@ def kmeans_plus_plus(points: torch.Tensor, clusters: int, generator: torch.Gener
         weights = torch.where(empty.unsqueeze(1), torch.ones_like(weights), weights)
         # inverse-CDF draw (torch.multinomial is far slower on long CPU rows)
         cumulative = weights.double().cumsum(-1)
-        target = torch.rand((b, 1), generator=generator, dtype=torch.float64) * cumulative[:, -1:]
+        target = torch.rand((b, 1), generator=generator, dtype=torch.float64).to(points.device) * cumulative[:, -1:]
         chosen = torch.searchsorted(cumulative, target).squeeze(1).clamp(max=n - 1)
         centroids[:, index] = points[batch, chosen]
         closest = torch.minimum(closest, distance_to(centroids[:, index]))
