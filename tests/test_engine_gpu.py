@@ -1,7 +1,9 @@
-"""The engine's forward loop and every sparse selector on a CUDA GPU (skipped without one):
-a tiny random Llama on the GPU against the same checkpoint in float32 on the CPU, in every
-dtype; each selector at a budget covering every row equals dense decode, and at a small
-budget it is exact attention over the rows it chose. Runs in a fresh interpreter without
+"""The engine's forward loop, every fusion strategy and every sparse selector on a CUDA GPU
+(skipped without one): a tiny random Llama on the GPU against the same checkpoint on the
+CPU, in every dtype. The forward loop is no further from float32 than the CPU's; every
+strategy fuses, and recomputing every row is the full prefill; each selector at a budget
+covering every row equals dense decode, and at a small budget it is exact attention over
+the rows it chose. Runs in a fresh interpreter without
 TRITON_INTERPRET (conftest sets it), so the Triton kernels run compiled; every failure is
 reported, not only the first."""
 
@@ -24,6 +26,7 @@ ROWS = 200
 # compounds over the layers (bfloat16 keeps 8 bits)
 FULL_BUDGET_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}  # against dense, same dtype
 OUT_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}  # against exact attention
+RECOMPUTE_EVERY_ROW = ["a3:ratio=1", "cacheblend:ratio=1"]
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -40,11 +43,37 @@ def teacher_forced(model, ids: torch.Tensor, tokens: list[int] | None = None, st
     return logits
 
 
+def fused_kl(model, spec: str) -> float:
+    """KL(full prefill || fused) of the first answer token for three 40-token chunks after a
+    6-token prefix; also checks that the fused cache decodes."""
+    from ragkv.bench.metrics import kl_divergence
+    from ragkv.fusion import FusionInput, LoadedChunk, build_strategy
+
+    generator = torch.Generator().manual_seed(3)
+    prefix = torch.randint(3, 500, (6,), generator=generator)
+    prefix_cache = model.new_cache(prefix.numel())
+    model.prefill(prefix, prefix_cache)
+    chunks = []
+    for _ in range(3):
+        ids = torch.randint(3, 500, (40,), generator=generator)
+        keys, values = model.chunk_kv(ids, prefix_cache)
+        chunks.append(LoadedChunk(ids.tolist(), keys, values))
+    question = torch.randint(3, 500, (8,), generator=generator).tolist()
+    fused = build_strategy(spec).fuse(model, FusionInput(prefix.tolist(), chunks, question, chunk_precompute_offset=6),
+                                      prefix_cache, extra_capacity=4)
+    whole = torch.tensor(prefix.tolist() + sum((chunk.token_ids for chunk in chunks), []) + question)
+    full = model.prefill(whole, model.new_cache(whole.numel()))
+    assert fused.cache.keys.dtype == model.dtype and torch.isfinite(fused.logits.float()).all()
+    assert torch.isfinite(model.decode_step(int(fused.logits.argmax()), fused.cache).float()).all()
+    return float(kl_divergence(full.float().cpu(), fused.logits.float().cpu()))
+
+
 def check_on_gpu() -> list[str]:
     sys.path.insert(0, str(Path(__file__).parent))
     from test_sparse_support import write_tiny_llama
 
     from ragkv.engine.model import CausalLM
+    from ragkv.fusion import STRATEGY_NAMES
     from ragkv.kernels import reference
     from ragkv.sparse import PromptState, SparseConfig, selector_names
     from ragkv.sparse.calibrate import CalibrationConfig, calibrate
@@ -81,6 +110,16 @@ def check_on_gpu() -> list[str]:
                 print(f"{dtype} forward step {step}: {error:.1e} (CPU {cpu_errors[step]:.1e})")
 
         check(f"{dtype} forward loop", forward_loop)
+
+        for spec in [*STRATEGY_NAMES, *RECOMPUTE_EVERY_ROW]:
+            def fusion(spec=spec):
+                kl = fused_kl(gpu, spec)
+                if spec in RECOMPUTE_EVERY_ROW:  # the full prefill again, up to the dtype's rounding
+                    cpu_kl = fused_kl(CausalLM.load(folder, dtype=dtype), spec)
+                    assert kl <= 2 * cpu_kl + 1e-6, f"KL to the full prefill {kl}, the CPU's {cpu_kl}"
+                print(f"{dtype} fusion {spec}: KL {kl:.1e}")
+
+            check(f"{dtype} fusion {spec}", fusion)
 
         for selector in selector_names():
             def full_budget(selector=selector):
