@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ragkv.bench.kernel_bench import relative_error
 from ragkv.kernels.dispatch import importable
 
 ROWS = 200
@@ -27,11 +28,6 @@ ROWS = 200
 FULL_BUDGET_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}  # against dense, same dtype
 OUT_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}  # against exact attention
 RECOMPUTE_EVERY_ROW = ["a3:ratio=1", "cacheblend:ratio=1"]
-
-
-def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double().cpu(), ref.double().cpu()
-    return float((out - ref).norm() / ref.norm())
 
 
 def teacher_forced(model, ids: torch.Tensor, tokens: list[int] | None = None, steps: int = 6) -> list[torch.Tensor]:

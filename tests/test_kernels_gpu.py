@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 
+from ragkv.bench.kernel_bench import relative_error
 from ragkv.kernels.dispatch import importable
 
 GEOMETRIES = ((8, 4, 128), (3, 3, 64), (2, 1, 64), (1, 8, 128), (4, 5, 96))  # (Hkv, group, head dim)
@@ -22,10 +23,6 @@ SELECTIONS = ((77, 37), (4096, 1), (8192, 492), (30000, 1800))  # (cached rows, 
 
 def tolerance(dtype) -> float:
     return 1e-5 if dtype == torch.float32 else 1e-2
-
-
-def relative_error(out, ref) -> float:
-    return float((out.float() - ref.float()).norm() / ref.float().norm())
 
 
 def check_on_gpu() -> None:

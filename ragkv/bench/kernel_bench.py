@@ -140,19 +140,21 @@ class StepRow:
 @dataclass
 class KernelBenchResult:
     device: str
-    versions: dict[str, str]
-    config: dict
+    versions: dict[str, str]  # package -> version, "absent" when it does not import
+    config: KernelBenchConfig
     kernels: list[KernelRow] = field(default_factory=list)
     steps: list[StepRow] = field(default_factory=list)
     note: str = ""
 
     def to_json(self) -> dict:
-        return {"device": self.device, "versions": self.versions, "config": self.config, "note": self.note,
+        config = {**asdict(self.config), "dtype": str(self.config.dtype).removeprefix("torch.")}
+        return {"device": self.device, "versions": self.versions, "config": config, "note": self.note,
                 "kernels": [asdict(row) for row in self.kernels], "steps": [asdict(row) for row in self.steps]}
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
+    """||out - ref|| / ||ref|| in float64, on out's device."""
+    out, ref = out.double(), ref.double().to(out.device)
     return float(torch.linalg.vector_norm(out - ref) / torch.linalg.vector_norm(ref).clamp_min(1e-30))
 
 
@@ -196,8 +198,8 @@ class OpInputs:
         g, dtype = config.geometry, config.dtype
         gen = torch.Generator(device="cpu").manual_seed(config.seed + context)
 
-        def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
-            return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype)
+        def randn(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
 
         self.scale = 1.0 / math.sqrt(g.head_dim)
         self.keys = randn(g.kv_heads, context, g.head_dim)
@@ -367,21 +369,17 @@ def time_step(model: RandomLlama, mode: str, device: torch.device) -> tuple[floa
 
 def _bench_step(model: RandomLlama, mode: str, context: int, device: torch.device) -> StepRow:
     selected = model.config.selected(context) if mode.startswith("sparse") else context
-    if mode != "sparse-flashinfer":
-        return StepRow(context, mode, *_timed(model, mode, device, selected))
-    from ragkv.kernels.flashinfer.sparse_attention import plans_made
+    plans = None
+    if mode == "sparse-flashinfer":
+        from ragkv.kernels.flashinfer.sparse_attention import plans_made
 
-    model.step(mode)  # the first step of a new context plans once; count the steps after it
-    before = plans_made()
-    model.step(mode)
-    model.step(mode)
-    plans = (plans_made() - before) / 2
-    return StepRow(context, mode, *_timed(model, mode, device, selected), plans_per_step=plans)
-
-
-def _timed(model: RandomLlama, mode: str, device: torch.device, selected: int) -> tuple[float, int, str]:
+        model.step(mode)  # the first step of a new context plans once; count the steps after it
+        before = plans_made()
+        model.step(mode)
+        model.step(mode)
+        plans = (plans_made() - before) / 2
     ms, timing = time_step(model, mode, device)
-    return ms, selected, timing
+    return StepRow(context, mode, ms, selected, timing, plans)
 
 
 def run_kernel_bench(config: KernelBenchConfig, progress: Callable[[str], None] = lambda _: None) -> KernelBenchResult:
@@ -391,7 +389,7 @@ def run_kernel_bench(config: KernelBenchConfig, progress: Callable[[str], None] 
     result = KernelBenchResult(
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         versions=_versions(),
-        config={**asdict(config), "dtype": str(config.dtype).removeprefix("torch.")},
+        config=config,
     )
     with torch.inference_mode():
         for context in config.contexts:
