@@ -40,25 +40,15 @@ def teacher_forced(model, ids: torch.Tensor, tokens: list[int] | None = None, st
 
 
 def fused_kl(model, spec: str) -> float:
-    """KL(full prefill || fused) of the first answer token for three 40-token chunks after a
-    6-token prefix; also checks that the fused cache decodes."""
-    from ragkv.bench.metrics import kl_divergence
-    from ragkv.fusion import FusionInput, LoadedChunk, build_strategy
+    """KL(full prefill || fused) of the first answer token (tiny_models.fusion_case); also
+    checks that the fused cache decodes."""
+    from tiny_models import fusion_case
 
-    generator = torch.Generator().manual_seed(3)
-    prefix = torch.randint(3, 500, (6,), generator=generator)
-    prefix_cache = model.new_cache(prefix.numel())
-    model.prefill(prefix, prefix_cache)
-    chunks = []
-    for _ in range(3):
-        ids = torch.randint(3, 500, (40,), generator=generator)
-        keys, values = model.chunk_kv(ids, prefix_cache)
-        chunks.append(LoadedChunk(ids.tolist(), keys, values))
-    question = torch.randint(3, 500, (8,), generator=generator).tolist()
-    fused = build_strategy(spec).fuse(model, FusionInput(prefix.tolist(), chunks, question, chunk_precompute_offset=6),
-                                      prefix_cache, extra_capacity=4)
-    whole = torch.tensor(prefix.tolist() + sum((chunk.token_ids for chunk in chunks), []) + question)
-    full = model.prefill(whole, model.new_cache(whole.numel()))
+    from ragkv.bench.metrics import kl_divergence
+    from ragkv.fusion import build_strategy
+
+    fusion_input, prefix_cache, full = fusion_case(model, vocab=500)
+    fused = build_strategy(spec).fuse(model, fusion_input, prefix_cache, extra_capacity=4)
     assert fused.cache.keys.dtype == model.dtype and torch.isfinite(fused.logits.float()).all()
     assert torch.isfinite(model.decode_step(int(fused.logits.argmax()), fused.cache).float()).all()
     return float(kl_divergence(full.float().cpu(), fused.logits.float().cpu()))
@@ -66,7 +56,7 @@ def fused_kl(model, spec: str) -> float:
 
 def check_on_gpu() -> list[str]:
     sys.path.insert(0, str(Path(__file__).parent))
-    from test_sparse_support import write_tiny_llama
+    from test_sparse_support import full_budget_and_dense, write_tiny_llama
 
     from ragkv.engine.model import CausalLM
     from ragkv.fusion import STRATEGY_NAMES
@@ -119,18 +109,9 @@ def check_on_gpu() -> list[str]:
 
         for selector in selector_names():
             def full_budget(selector=selector):
-                cache = gpu.new_cache(ROWS + 8)
-                logits = gpu.prefill(ids, cache)
-                dense_cache, sparse_cache = cache.clone(4), cache.clone(4)
-                attention = SparseConfig(selector=selector, budget=1.0, window=8).build(
-                    PromptState.from_prefill(gpu, sparse_cache, ids, 2, ROWS - 8), codebook)
-                token = int(logits.argmax())
-                for _ in range(3):
-                    dense = gpu.decode_step(token, dense_cache)
-                    sparse = gpu.decode_step(token, sparse_cache, attention)
+                for sparse, dense in full_budget_and_dense(gpu, ids, codebook, selector):
                     error = relative_error(sparse, dense)
                     assert error < FULL_BUDGET_TOLERANCE[dtype], f"full budget differs from dense by {error}"
-                    token = int(dense.argmax())
                 print(f"{dtype} {selector} full budget: {error:.1e}")
 
             check(f"{dtype} {selector} full budget", full_budget)

@@ -9,8 +9,8 @@ import torch
 
 from ragkv.bench.metrics import kl_divergence
 from ragkv.engine.model import CausalLM
-from ragkv.fusion import STRATEGY_NAMES, FusionInput, LoadedChunk, build_strategy
-from tiny_models import make_tiny_model
+from ragkv.fusion import STRATEGY_NAMES, build_strategy
+from tiny_models import fusion_case, make_tiny_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # KL(plain prefill || fusion with every row recomputed): the same arithmetic through other
@@ -27,19 +27,7 @@ def folder(tmp_path_factory):
 def case(request, folder):
     """(model, fusion input, plain-prefill logits, dtype name)."""
     model = CausalLM.load(folder, DTYPES[request.param])
-    generator = torch.Generator().manual_seed(3)
-    prefix = torch.randint(3, 128, (6,), generator=generator)
-    prefix_cache = model.new_cache(prefix.numel())
-    model.prefill(prefix, prefix_cache)
-    chunks = []
-    for _ in range(3):
-        ids = torch.randint(3, 128, (40,), generator=generator)
-        keys, values = model.chunk_kv(ids, prefix_cache)
-        chunks.append(LoadedChunk(ids.tolist(), keys, values))
-    question = torch.randint(3, 128, (8,), generator=generator).tolist()
-    fusion_input = FusionInput(prefix.tolist(), chunks, question, chunk_precompute_offset=prefix.numel())
-    whole = torch.tensor(prefix.tolist() + sum((chunk.token_ids for chunk in chunks), []) + question)
-    reference = model.prefill(whole, model.new_cache(whole.numel()))
+    fusion_input, prefix_cache, reference = fusion_case(model, vocab=128)
     return model, fusion_input, prefix_cache, reference, request.param
 
 

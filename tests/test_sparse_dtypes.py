@@ -13,7 +13,7 @@ from ragkv.kernels import reference
 from ragkv.sparse import PromptState, SparseConfig, selector_names
 from ragkv.sparse.calibrate import CalibrationConfig, calibrate
 from ragkv.sparse.oracle import attention_mass
-from test_sparse_support import write_tiny_llama
+from test_sparse_support import full_budget_and_dense, write_tiny_llama
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TOLERANCE = {
@@ -56,18 +56,11 @@ def prompt_cache(model):
 
 @pytest.mark.parametrize("selector", selector_names())
 def test_full_budget_is_dense_decode_of_the_same_dtype(model, codebook, selector):
-    ids, cache, logits = prompt_cache(model)
-    dense_cache, sparse_cache = cache.clone(4), cache.clone(4)
-    attention = SparseConfig(selector=selector, budget=1.0, window=8).build(
-        PromptState.from_prefill(model, sparse_cache, ids, 2, ROWS - 8), codebook)
-    token = int(logits.argmax())
-    for _ in range(3):
-        dense = model.decode_step(token, dense_cache)
-        sparse = model.decode_step(token, sparse_cache, attention)
+    ids, _, _ = prompt_cache(model)
+    for sparse, dense in full_budget_and_dense(model, ids, codebook, selector):
         assert sparse.dtype == dense.dtype
         torch.testing.assert_close(sparse.float(), dense.float(), **LOGIT_TOLERANCE[model.dtype])
         assert int(sparse.argmax()) == int(dense.argmax())
-        token = int(dense.argmax())
 
 
 @pytest.mark.parametrize("selector", [name for name in selector_names() if name != "dense"])

@@ -107,3 +107,22 @@ def test_kmeans_recovers_separated_clusters():
 
 def copy_cache(cache: KVCache, extra: int = 8) -> KVCache:
     return cache.clone(extra_capacity=extra)
+
+
+def full_budget_and_dense(model, ids: torch.Tensor, codebook, selector: str, steps: int = 3):
+    """(sparse, dense) logits of `steps` greedy decode steps after a prefill of `ids`, the
+    sparse side through `selector` at a budget covering every row."""
+    from ragkv.sparse import PromptState, SparseConfig
+
+    rows = ids.numel()
+    cache = model.new_cache(rows + 8)
+    token = int(model.prefill(ids, cache).argmax())
+    dense_cache, sparse_cache = cache.clone(4), cache.clone(4)
+    attention = SparseConfig(selector=selector, budget=1.0, window=8).build(
+        PromptState.from_prefill(model, sparse_cache, ids, 2, rows - 8), codebook)
+    pairs = []
+    for _ in range(steps):
+        dense = model.decode_step(token, dense_cache)
+        pairs.append((model.decode_step(token, sparse_cache, attention), dense))
+        token = int(dense.argmax())
+    return pairs

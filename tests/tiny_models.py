@@ -59,3 +59,22 @@ def make_tiny_model(family: str, folder: Path, seed: int = 0) -> Path:
     model.save_pretrained(folder)
     return folder
 
+
+def fusion_case(model, vocab: int, seed: int = 3):
+    """(fusion input, prefix cache, full-prefill logits): three 40-token chunks of random ids
+    below `vocab`, encoded after a 6-token prefix, then an 8-token question."""
+    from ragkv.fusion import FusionInput, LoadedChunk
+
+    generator = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(3, vocab, (6,), generator=generator)
+    prefix_cache = model.new_cache(prefix.numel())
+    model.prefill(prefix, prefix_cache)
+    chunks = []
+    for _ in range(3):
+        ids = torch.randint(3, vocab, (40,), generator=generator)
+        keys, values = model.chunk_kv(ids, prefix_cache)
+        chunks.append(LoadedChunk(ids.tolist(), keys, values))
+    question = torch.randint(3, vocab, (8,), generator=generator).tolist()
+    fusion_input = FusionInput(prefix.tolist(), chunks, question, chunk_precompute_offset=prefix.numel())
+    whole = torch.tensor(prefix.tolist() + sum((chunk.token_ids for chunk in chunks), []) + question)
+    return fusion_input, prefix_cache, model.prefill(whole, model.new_cache(whole.numel()))
