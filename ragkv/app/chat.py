@@ -110,7 +110,7 @@ class _TurnState:
     # -- prepare --------------------------------------------------------------------
 
     def prepare(self, request: Request) -> Prepared:
-        turn, engine = self.turn, self.engine
+        turn = self.turn
         conversation = self._base_and_conversation()
         self.conversation = conversation
         retrieved = []

@@ -52,7 +52,7 @@ from ragkv.engine.generation import GenerationConfig
 from ragkv.engine.kv_cache import KVCache
 from ragkv.fusion import DEFAULT_STRATEGY, FusionConfig, FusionInput, FusionResult
 from ragkv.fusion.layout import LoadedChunk
-from ragkv.sparse import PromptState, SparseConfig, selector_names
+from ragkv.sparse import PromptState, SparseConfig
 from ragkv.sparse.wiring import sparse_attention, sparse_chunk_codes
 from ragkv.store.blob import decode_blob, encode_blob
 from ragkv.sparse.base import Selector

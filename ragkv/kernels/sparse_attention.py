@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ragkv.kernels import reference, torch_cpu
+from ragkv.kernels import torch_cpu
 from ragkv.kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check_dtype, check_shape, common_device, require
 from ragkv.kernels.dispatch import Backend, select_backend
 

@@ -27,7 +27,7 @@ from ragkv.api.responses_schema import Completion, EmbeddingList
 from ragkv.api.routes.query import SSE_HEADERS
 from ragkv.api.schemas import generation_config, query_config
 from ragkv.api.state import app_state
-from ragkv.api.streaming import JobStream, run_job, sse, sse_events
+from ragkv.api.streaming import JobStream, run_job, sse_events
 from ragkv.api.worker import Job
 from ragkv.app.request import Completion as QueryCompletion
 
