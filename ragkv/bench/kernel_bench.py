@@ -11,6 +11,7 @@ and the new token's K/V are left out, as they cost the same in every attention m
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import time
@@ -219,6 +220,11 @@ class OpInputs:
         self.cos = torch.cat([angles.cos()] * 2, dim=-1).to(device)
         self.sin = torch.cat([angles.sin()] * 2, dim=-1).to(device)
 
+    @functools.cached_property
+    def reference_scores(self) -> torch.Tensor:
+        """Every row's code score [Hkv, T], by the reference."""
+        return reference.code_scores(self.table, self.codes, None)
+
 
 def _dense_flashinfer(inputs: OpInputs) -> torch.Tensor:
     import flashinfer
@@ -234,9 +240,8 @@ def _op_call(op: str, backend: str, inputs: OpInputs) -> tuple[Callable[[], obje
         return lambda: kernels.apply_rope(x.keys, x.cos, x.sin, backend=backend), lambda out: out
     if op == "code_score_topk":
         # compared by the reference scores of the rows chosen: ties may pick other rows of equal score
-        reference_scores = reference.code_scores(x.table, x.codes, None)
         return (lambda: kernels.code_score_topk(x.table, x.codes, x.selected, backend=backend),
-                lambda out: torch.gather(reference_scores, 1, out[1]))
+                lambda out: torch.gather(x.reference_scores, 1, out[1]))
     if op == "sparse_decode_attention":
         return (lambda: kernels.sparse_decode_attention(x.query, x.keys, x.values, x.indices, x.scale, backend=backend),
                 lambda out: out)
@@ -253,7 +258,7 @@ def _op_call(op: str, backend: str, inputs: OpInputs) -> tuple[Callable[[], obje
     raise ValueError(f"unknown op {op!r}")
 
 
-def _reference(op: str, inputs: OpInputs) -> torch.Tensor:
+def reference_output(op: str, inputs: OpInputs) -> torch.Tensor:
     x = inputs
     if op == "apply_rope":
         return reference.rope(x.keys.float(), x.cos, x.sin)
@@ -279,16 +284,27 @@ def _shape(op: str, inputs: OpInputs) -> str:
     }[op]
 
 
-def bench_op(op: str, backend: str, inputs: OpInputs, device: torch.device) -> KernelRow:
+def bench_op(op: str, backend: str, inputs: OpInputs, expected: torch.Tensor, device: torch.device) -> KernelRow:
+    """`op` on `backend`, its output compared with `expected` (`reference_output`)."""
     context = inputs.keys.shape[1]
     call, compared = _op_call(op, backend, inputs)
     try:
         out = compared(call())
-        error = relative_error(out, _reference(op, inputs))
+        error = relative_error(out, expected)
         ms, timing = replayed_ms(call, device)
     except (BackendUnavailableError, ImportError, torch.cuda.OutOfMemoryError) as exc:
         return KernelRow(op, context, backend, None, None, _shape(op, inputs), error=f"{type(exc).__name__}: {exc}")
     return KernelRow(op, context, backend, ms, error, _shape(op, inputs), timing)
+
+
+def bench_backends(op: str, inputs: OpInputs, device: torch.device) -> list[KernelRow]:
+    """`op` on each of its backends, against one reference output (at 32K some take seconds)."""
+    try:
+        expected = reference_output(op, inputs)
+    except torch.cuda.OutOfMemoryError as exc:
+        return [KernelRow(op, inputs.keys.shape[1], backend, None, None, _shape(op, inputs),
+                          error=f"reference: {type(exc).__name__}: {exc}") for backend in OP_BACKENDS[op]]
+    return [bench_op(op, backend, inputs, expected, device) for backend in OP_BACKENDS[op]]
 
 
 class RandomLlama:
@@ -395,8 +411,7 @@ def run_kernel_bench(config: KernelBenchConfig, progress: Callable[[str], None] 
         for context in config.contexts:
             inputs = OpInputs(config, context, device)
             for op in config.ops:
-                for backend in OP_BACKENDS[op]:
-                    row = bench_op(op, backend, inputs, device)
+                for row in bench_backends(op, inputs, device):
                     progress(_format_kernel_row(row))
                     result.kernels.append(row)
             del inputs
