@@ -6,7 +6,8 @@
 //
 // On a 2-core AVX2 CPU a float32 x int8 multiply-add per weight left the decode step's
 // linears bound by vector instructions as much as by memory; this reads 0.625 bytes per
-// weight instead of 1 and takes about half the instructions (BENCHMARKS.md).
+// weight instead of 1 and takes about half the instructions (BENCHMARKS.md). Where the CPU
+// has AVX512-VNNI (int4_tile_vnni) a block pair is one 512-bit vpdpbusd per row.
 //
 // Layout of an output channel's row (`int4_row_bytes`): the codes of block pairs, 32 bytes
 // per pair (byte j: block 2p's code j in the low nibble, block 2p + 1's in the high), then
@@ -96,15 +97,30 @@ inline float quantize_group_avx2(const float* x, int8_t* codes, int64_t* code_su
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+constexpr int64_t kNearTiles = 4;  // tiles ahead fetched into L1
+constexpr int64_t kFarTiles = 64;  // and into L2
+
+// The weights kNearTiles tiles on into L1 and kFarTiles tiles on into L2 (a tile is `bytes`
+// long): the hardware prefetcher follows a thread's rows too late, and with L1 fetches alone
+// one step's linears waited on DRAM about as long as they computed.
+inline void prefetch_tiles_ahead(const uint8_t* tile, int64_t bytes) {
+  const char* near = reinterpret_cast<const char*>(tile + kNearTiles * bytes);
+  const char* far = reinterpret_cast<const char*>(tile + kFarTiles * bytes);
+  for (int64_t line = 0; line < bytes; line += 64) {
+    _mm_prefetch(near + line, _MM_HINT_T0);
+    _mm_prefetch(far + line, _MM_HINT_T1);
+  }
+}
+#endif
+
 // Rows x[0:Rows] (quantized) against output channels [o, o + Outs).
 #if defined(__AVX2__) && defined(__FMA__)
 template <int Rows, int Outs>
 inline void int4_tile(const QuantizedRows& x, const uint8_t* w, int64_t in, int64_t o, float* y, int64_t y_stride) {
-  constexpr int64_t kAheadTiles = 16;  // rows fetched ahead: the interleaved row streams defeat the hardware prefetcher
   const int64_t stride = int4_row_bytes(in), pairs = int4_pairs(in), slots = int4_scale_slots(in);
   const uint8_t* base = w + o * stride;
-  const char* ahead = reinterpret_cast<const char*>(base + kAheadTiles * Outs * stride);
-  for (int64_t line = 0; line < Outs * stride; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+  prefetch_tiles_ahead(base, Outs * stride);
   __m256 acc[Rows][Outs], minimums[Rows][Outs];
   for (int r = 0; r < Rows; ++r)
     for (int j = 0; j < Outs; ++j) acc[r][j] = minimums[r][j] = _mm256_setzero_ps();
@@ -146,13 +162,74 @@ inline void int4_tile(const QuantizedRows& x, const uint8_t* w, int64_t in, int6
     for (int j = 0; j < Outs; ++j) y[r * y_stride + o + j] = sum_lanes(_mm256_add_ps(acc[r][j], minimums[r][j]));
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// int4_tile with one block pair per 512-bit register (block 2p in the low half, 2p + 1 in
+// the high) and VNNI's vpdpbusd for the 4-product integer sums: per 64 weights and row one
+// dot, one conversion, one lane permute and one FMA, against ten 256-bit instructions.
+template <int Rows, int Outs>
+inline void int4_tile_vnni(const QuantizedRows& x, const uint8_t* w, int64_t in, int64_t o, float* y, int64_t y_stride) {
+  const int64_t stride = int4_row_bytes(in), pairs = int4_pairs(in), slots = int4_scale_slots(in);
+  const uint8_t* base = w + o * stride;
+  prefetch_tiles_ahead(base, Outs * stride);
+  __m512 acc[Rows][Outs];
+  __m256 minimums[Rows][Outs];
+  for (int r = 0; r < Rows; ++r)
+    for (int j = 0; j < Outs; ++j) {
+      acc[r][j] = _mm512_setzero_ps();
+      minimums[r][j] = _mm256_setzero_ps();
+    }
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  // lanes 0-7 take scale 2s of a group's 8, lanes 8-15 scale 2s + 1
+  const __m512i spread[4] = {
+      _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+      _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3),
+      _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5),
+      _mm512_setr_epi32(6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7)};
+  for (int64_t group = 0; group < slots; group += kInt4ScaleGroups) {
+    __m512 scales[Rows][Outs];
+    for (int j = 0; j < Outs; ++j) {
+      const uint8_t* row = base + j * stride + 32 * pairs;
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * group)));
+      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * (slots + group))));
+      for (int r = 0; r < Rows; ++r) {
+        scales[r][j] = _mm512_castps256_ps512(_mm256_mul_ps(d, _mm256_loadu_ps(x.scale + r * x.scale_stride + group)));
+        minimums[r][j] = _mm256_fmadd_ps(m, _mm256_loadu_ps(x.code_sum + r * x.scale_stride + group), minimums[r][j]);
+      }
+    }
+    const int64_t last_pair = std::min(pairs, (group + kInt4ScaleGroups) / 2);
+    for (int64_t pair = group / 2; pair < last_pair; ++pair) {
+      const __m512i& lanes = spread[pair - group / 2];
+      __m512i codes[Rows];
+      for (int r = 0; r < Rows; ++r) codes[r] = _mm512_loadu_si512(x.codes + r * x.codes_stride + 64 * pair);
+      for (int j = 0; j < Outs; ++j) {
+        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + j * stride + 32 * pair));
+        const __m512i q = _mm512_and_si512(
+            _mm512_inserti64x4(_mm512_castsi256_si512(packed), _mm256_srli_epi16(packed, 4), 1), nibble);
+        for (int r = 0; r < Rows; ++r) {
+          const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q, codes[r]));
+          acc[r][j] = _mm512_fmadd_ps(_mm512_permutexvar_ps(lanes, scales[r][j]), dot, acc[r][j]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < Rows; ++r)
+    for (int j = 0; j < Outs; ++j)
+      y[r * y_stride + o + j] = _mm512_reduce_add_ps(acc[r][j]) + sum_lanes(minimums[r][j]);
+}
+#endif
+
 template <int Rows>
 inline void int4_rows(const QuantizedRows& x, const uint8_t* w, int64_t in, int64_t begin, int64_t end, float* y,
                       int64_t y_stride) {
   constexpr int Outs = Rows <= 2 ? 2 : 1;
   int64_t o = begin;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  for (; o + Outs <= end; o += Outs) int4_tile_vnni<Rows, Outs>(x, w, in, o, y, y_stride);
+  for (; o < end; ++o) int4_tile_vnni<Rows, 1>(x, w, in, o, y, y_stride);
+#else
   for (; o + Outs <= end; o += Outs) int4_tile<Rows, Outs>(x, w, in, o, y, y_stride);
   for (; o < end; ++o) int4_tile<Rows, 1>(x, w, in, o, y, y_stride);
+#endif
 }
 #endif
 
@@ -209,7 +286,7 @@ inline QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t in) {
 // x [rows, in] float32 (in a multiple of 32) against int4 rows w [out, int4_row_bytes(in)];
 // y [rows, out] float32. The threads claim blocks of output channels (claimed_items.h).
 inline void int4_linear(const float* x, int64_t rows, int64_t in, const uint8_t* w, int64_t out, float* y) {
-  constexpr int64_t kChannelBlock = 32;
+  constexpr int64_t kChannelBlock = 64;
   const QuantizedRows quantized = quantize_rows(x, rows, in);
   const int64_t blocks = (out + kChannelBlock - 1) / kChannelBlock, stride = int4_row_bytes(in);
   for_each_claimed(blocks, [&](int64_t index) {
