@@ -31,6 +31,10 @@ namespace ragkv {
 
 
 constexpr int64_t kBlockRows = 256;
+// Rows ahead of a cache stretch read in order fetched into L2: with the 32-64-row fetches
+// into L1 alone, dense decode attention at 8K read 19-20 GB/s of a 28 GB/s machine, with
+// these 22-23 (an op microbenchmark; BENCHMARKS.md).
+constexpr int64_t kStreamAheadRows = 256;
 
 // exp for x <= 0 (softmax arguments), vectorisable: 2^(x log2 e) split into integer and
 // fractional parts, the fraction by a degree-6 polynomial (relative error ~2e-7).
@@ -98,15 +102,21 @@ inline __m128 sum_lanes4(const __m256* a) {
 // scores[g][r] = q_g . k_r for Group query heads, 4 rows at a time read straight from the
 // cache: 4 x Group independent FMA chains, each key vector widened once for the Group
 // heads. Writes 4 scores per group of rows (the buffer has room past the last row).
+// `streaming`: the rows are a stretch of a cache read in order, whose rows kStreamAheadRows
+// on are fetched into L2 as well.
 template <int Group, typename T>
 void block_scores_for(const float* q, const T* keys, const T* values, int64_t row_stride, int64_t rows, int64_t dim,
-                      float* scores, int64_t scores_stride) {
+                      float* scores, int64_t scores_stride, bool streaming) {
   for (int64_t r = 0; r < rows; r += 4) {
     const T* k[4];
     for (int j = 0; j < 4; ++j) k[j] = keys + (r + std::min<int64_t>(j, rows - r - 1)) * row_stride;
     // keys 64 rows ahead, and values for block_values, which reads them next
     prefetch_rows(keys, r + 64, 4, row_stride, dim);
     prefetch_rows(values, r + 32, 4, row_stride, dim);
+    if (streaming) {
+      prefetch_rows(keys, r + kStreamAheadRows, 4, row_stride, dim, /*l2_only=*/true);
+      prefetch_rows(values, r + kStreamAheadRows, 4, row_stride, dim, /*l2_only=*/true);
+    }
     __m256 acc[Group][4];
     for (int g = 0; g < Group; ++g)
       for (int j = 0; j < 4; ++j) acc[g][j] = _mm256_setzero_ps();
@@ -124,15 +134,15 @@ void block_scores_for(const float* q, const T* keys, const T* values, int64_t ro
 
 template <typename T>
 void block_scores(const float* q, const T* keys, const T* values, int64_t row_stride, int64_t rows, int64_t group,
-                  int64_t dim, float* scores, int64_t scores_stride) {
+                  int64_t dim, float* scores, int64_t scores_stride, bool streaming = false) {
   // query heads in slices of 3: 12 accumulators and 4 key vectors fill the 16 registers
   for (int64_t g0 = 0; g0 < group; g0 += 3) {
     const float* qg = q + g0 * dim;
     float* out = scores + g0 * scores_stride;
     switch (std::min<int64_t>(3, group - g0)) {
-      case 1: block_scores_for<1, T>(qg, keys, values, row_stride, rows, dim, out, scores_stride); break;
-      case 2: block_scores_for<2, T>(qg, keys, values, row_stride, rows, dim, out, scores_stride); break;
-      default: block_scores_for<3, T>(qg, keys, values, row_stride, rows, dim, out, scores_stride); break;
+      case 1: block_scores_for<1, T>(qg, keys, values, row_stride, rows, dim, out, scores_stride, streaming); break;
+      case 2: block_scores_for<2, T>(qg, keys, values, row_stride, rows, dim, out, scores_stride, streaming); break;
+      default: block_scores_for<3, T>(qg, keys, values, row_stride, rows, dim, out, scores_stride, streaming); break;
     }
   }
 }
@@ -239,7 +249,7 @@ inline std::pair<float, float> block_softmax(float* scores, int64_t rows) {
 }
 template <typename T>
 void block_scores(const float* q, const T* keys, const T* values, int64_t row_stride, int64_t rows, int64_t group,
-                  int64_t dim, float* scores, int64_t scores_stride) {
+                  int64_t dim, float* scores, int64_t scores_stride, bool /*streaming*/ = false) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t g = 0; g < group; ++g) {
       float s = 0.f;
@@ -261,14 +271,15 @@ void block_values(const float* p, const T* values, int64_t row_stride, int64_t r
 
 // One block of rows of one KV head: for each of its `group` query heads the block's score
 // max, exp-sum and exp-weighted value sum, written to `partial` = [group][dim + 2].
+// `streaming`: the block is a stretch of a cache read in order (block_scores_for).
 template <typename T>
 void attend_block(const float* q, const T* keys, const T* values, int64_t row_stride, int64_t row_begin,
-                  int64_t row_end, int64_t group, int64_t dim, float* partial) {
+                  int64_t row_end, int64_t group, int64_t dim, float* partial, bool streaming = false) {
   const int64_t rows = row_end - row_begin;
   constexpr int64_t stride = kBlockRows + 8;  // room for the last 4-row group's padding lanes
   alignas(32) float scores[kMaxGroup * stride];
   block_scores<T>(q, keys + row_begin * row_stride, values + row_begin * row_stride, row_stride, rows, group, dim,
-                  scores, stride);
+                  scores, stride, streaming);
   for (int64_t g = 0; g < group; ++g) {
     const auto [m, sum] = block_softmax(scores + g * stride, rows);
     partial[g * (dim + 2) + dim] = m;
@@ -344,7 +355,7 @@ void decode_attention(const float* q, const std::vector<CacheView<T>>& views, in
     const CacheView<T>& view = views[item.request];
     attend_block<T>(q + (row_of(item.request) * heads + item.head * group) * dim, view.keys + item.head * view.head_stride,
                     view.values + item.head * view.head_stride, view.row_stride, item.row_begin, item.row_end,
-                    group, dim, partials.data() + i * group * (dim + 2));
+                    group, dim, partials.data() + i * group * (dim + 2), /*streaming=*/true);
   });
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
