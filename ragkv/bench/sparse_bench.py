@@ -17,6 +17,10 @@ rows every selector keeps). Also reported: `mass_recall`, the same ratio over AL
 rows (sinks + window + retrieved, against sinks + window + the oracle's rows), the
 looser figure papers usually quote; `kept_mass`, the share of the exact attention mass
 on all attended rows; answer F1 against the dense answer and against the gold answers.
+The selectors decode through the forward loop (the observer that measures recall needs
+it), and so does the dense answer they are compared with (the `dense` selector): against
+the compiled step's answer the F1 would also count the two paths' rounding, which on a
+tiny random model flips near-tied greedy tokens.
 
 Speed, per context length: passages are concatenated (repeated when short) to the
 longest length and prefilled once; each shorter context is a prefix of that cache
@@ -112,6 +116,9 @@ def decode_answer(engine: Engine, cache: KVCache, logits: torch.Tensor, attentio
     return "".join(event.text for event in events).strip()
 
 
+DENSE_REFERENCE = SparseConfig(selector="dense")
+"""What the selectors' answers are compared with: dense attention in the forward loop."""
+
 SHARED_OPTIONS = {"head_aggregation": str, "sinks": int, "window": int, "backend": str}
 """SparseConfig fields a bench variant may set next to the selector's own options."""
 
@@ -180,7 +187,8 @@ def run_quality(engine: Engine, examples: Sequence[Example], configs: dict[str, 
         prompt = UserPrompt(engine, example, fusion, max_new_tokens + 1) if path == "user" else PrefillPrompt(engine, example, max_new_tokens + 1)
         cache, logits = prompt.cache, prompt.logits
         prompt_tokens.append(cache.length)
-        dense_answer = decode_answer(engine, cache.clone(max_new_tokens + 1), logits, None, max_new_tokens)
+        reference = cache.clone(max_new_tokens + 1)
+        dense_answer = decode_answer(engine, reference, logits, prompt.attention(DENSE_REFERENCE, reference), max_new_tokens)
         for name, config in configs.items():
             progress(f"quality: example {number}/{len(examples)}: {name}")
             work = cache.clone(max_new_tokens + 1)
