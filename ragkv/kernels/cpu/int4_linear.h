@@ -114,6 +114,22 @@ inline void prefetch_tiles_ahead(const uint8_t* tile, int64_t bytes) {
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+// Output channel j's float16 scales of the 8 blocks from `group` (its row's scale slots at
+// `row`): use(r, d * activation row r's scales) for each row, and the minimums times the
+// rows' code sums added into minimums[r][j].
+template <int Rows, int Outs, typename Use>
+inline void group_scales(const QuantizedRows& x, const uint8_t* row, int64_t slots, int64_t group, int j,
+                         __m256 (&minimums)[Rows][Outs], const Use& use) {
+  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * group)));
+  const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * (slots + group))));
+  for (int r = 0; r < Rows; ++r) {
+    use(r, _mm256_mul_ps(d, _mm256_loadu_ps(x.scale + r * x.scale_stride + group)));
+    minimums[r][j] = _mm256_fmadd_ps(m, _mm256_loadu_ps(x.code_sum + r * x.scale_stride + group), minimums[r][j]);
+  }
+}
+#endif
+
 // Rows x[0:Rows] (quantized) against output channels [o, o + Outs).
 #if defined(__AVX2__) && defined(__FMA__)
 template <int Rows, int Outs>
@@ -127,15 +143,9 @@ inline void int4_tile(const QuantizedRows& x, const uint8_t* w, int64_t in, int6
   const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(0x0F);
   for (int64_t group = 0; group < slots; group += kInt4ScaleGroups) {
     alignas(32) float scales[Rows][Outs][kInt4ScaleGroups];
-    for (int j = 0; j < Outs; ++j) {
-      const uint8_t* row = base + j * stride + 32 * pairs;
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * group)));
-      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * (slots + group))));
-      for (int r = 0; r < Rows; ++r) {
-        _mm256_store_ps(scales[r][j], _mm256_mul_ps(d, _mm256_loadu_ps(x.scale + r * x.scale_stride + group)));
-        minimums[r][j] = _mm256_fmadd_ps(m, _mm256_loadu_ps(x.code_sum + r * x.scale_stride + group), minimums[r][j]);
-      }
-    }
+    for (int j = 0; j < Outs; ++j)
+      group_scales<Rows, Outs>(x, base + j * stride + 32 * pairs, slots, group, j, minimums,
+                               [&](int r, __m256 scaled) { _mm256_store_ps(scales[r][j], scaled); });
     const int64_t last_pair = std::min(pairs, (group + kInt4ScaleGroups) / 2);
     for (int64_t pair = group / 2; pair < last_pair; ++pair) {
       const int64_t slot = 2 * pair - group;
@@ -187,15 +197,9 @@ inline void int4_tile_vnni(const QuantizedRows& x, const uint8_t* w, int64_t in,
       _mm512_setr_epi32(6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7)};
   for (int64_t group = 0; group < slots; group += kInt4ScaleGroups) {
     __m512 scales[Rows][Outs];
-    for (int j = 0; j < Outs; ++j) {
-      const uint8_t* row = base + j * stride + 32 * pairs;
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * group)));
-      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * (slots + group))));
-      for (int r = 0; r < Rows; ++r) {
-        scales[r][j] = _mm512_castps256_ps512(_mm256_mul_ps(d, _mm256_loadu_ps(x.scale + r * x.scale_stride + group)));
-        minimums[r][j] = _mm256_fmadd_ps(m, _mm256_loadu_ps(x.code_sum + r * x.scale_stride + group), minimums[r][j]);
-      }
-    }
+    for (int j = 0; j < Outs; ++j)
+      group_scales<Rows, Outs>(x, base + j * stride + 32 * pairs, slots, group, j, minimums,
+                               [&](int r, __m256 scaled) { scales[r][j] = _mm512_castps256_ps512(scaled); });
     const int64_t last_pair = std::min(pairs, (group + kInt4ScaleGroups) / 2);
     for (int64_t pair = group / 2; pair < last_pair; ++pair) {
       const __m512i& lanes = spread[pair - group / 2];
