@@ -98,20 +98,8 @@ inline float quantize_group_avx2(const float* x, int8_t* codes, int64_t* code_su
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
-constexpr int64_t kNearTiles = 4;  // tiles ahead fetched into L1
+constexpr int64_t kNearTiles = 4;  // tiles ahead fetched into L1 (a tile: 2 channels, 768 bytes for SmolLM2)
 constexpr int64_t kFarTiles = 64;  // and into L2
-
-// The weights kNearTiles tiles on into L1 and kFarTiles tiles on into L2 (a tile is `bytes`
-// long): the hardware prefetcher follows a thread's rows too late, and with L1 fetches alone
-// one step's linears waited on DRAM about as long as they computed.
-inline void prefetch_tiles_ahead(const uint8_t* tile, int64_t bytes) {
-  const char* near = reinterpret_cast<const char*>(tile + kNearTiles * bytes);
-  const char* far = reinterpret_cast<const char*>(tile + kFarTiles * bytes);
-  for (int64_t line = 0; line < bytes; line += 64) {
-    _mm_prefetch(near + line, _MM_HINT_T0);
-    _mm_prefetch(far + line, _MM_HINT_T1);
-  }
-}
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -136,7 +124,7 @@ template <int Rows, int Outs>
 inline void int4_tile(const QuantizedRows& x, const uint8_t* w, int64_t in, int64_t o, float* y, int64_t y_stride) {
   const int64_t stride = int4_row_bytes(in), pairs = int4_pairs(in), slots = int4_scale_slots(in);
   const uint8_t* base = w + o * stride;
-  prefetch_tiles_ahead(base, Outs * stride);
+  prefetch_weights_ahead(base, Outs * stride, kNearTiles, kFarTiles);
   __m256 acc[Rows][Outs], minimums[Rows][Outs];
   for (int r = 0; r < Rows; ++r)
     for (int j = 0; j < Outs; ++j) acc[r][j] = minimums[r][j] = _mm256_setzero_ps();
@@ -180,7 +168,7 @@ template <int Rows, int Outs>
 inline void int4_tile_vnni(const QuantizedRows& x, const uint8_t* w, int64_t in, int64_t o, float* y, int64_t y_stride) {
   const int64_t stride = int4_row_bytes(in), pairs = int4_pairs(in), slots = int4_scale_slots(in);
   const uint8_t* base = w + o * stride;
-  prefetch_tiles_ahead(base, Outs * stride);
+  prefetch_weights_ahead(base, Outs * stride, kNearTiles, kFarTiles);
   __m512 acc[Rows][Outs];
   __m256 minimums[Rows][Outs];
   for (int r = 0; r < Rows; ++r)
