@@ -15,6 +15,7 @@ from ragkv.engine.generation import GenerationConfig
 from ragkv.app.rag import PreparedQuery, QueryConfig, RagPipeline
 from ragkv.app.codebooks import attach_codebook, load_codebook, save_codebook
 from ragkv.sparse import A2ATSCodebook, PromptState, SparseConfig
+from ragkv.sparse.codebook import ScoringCentroids
 from ragkv.sparse.calibrate import CalibrationConfig, calibrate
 from ragkv.app.codebooks import CODEBOOK_DB
 from ragkv.sparse.prompt import unrotate_keys
@@ -61,6 +62,20 @@ def test_calibration_shapes_and_uuid_mix(engine, codebook):
     # deterministic for a seed, different for another
     assert make_codebook(engine).id == codebook.id
     assert make_codebook(engine, seed=1).id != codebook.id
+
+
+def test_scoring_centroids_round_each_centroid_to_int8_within_half_a_step():
+    centroids = torch.randn(2, 3, 40, 16) * torch.logspace(-3, 2, 40).view(1, 1, 40, 1)
+    centroids[0, 0, 5] = 0  # a zero centroid keeps a zero scale
+    rounded = ScoringCentroids.rounded(centroids)
+    assert rounded.codes.dtype == torch.int8 and rounded.scales.dtype == torch.float32
+    nonzero = rounded.scales > 0
+    assert (rounded.codes.abs().amax(-1)[nonzero] == 127).all()  # each centroid's largest coordinate
+    assert rounded.scales[0, 0, 5] == 0 and not rounded.codes[0, 0, 5].any()
+    error = (rounded.values() - centroids).abs()
+    assert (error <= rounded.scales.unsqueeze(-1) / 2 * (1 + 1e-5)).all()
+    relative = error.amax(-1) / centroids.abs().amax(-1).clamp_min(1e-30)
+    assert relative.max() <= 0.5 / 127 * (1 + 1e-5)
 
 
 def test_codebook_round_trips_through_lmdb(tmp_path, engine, codebook):

@@ -54,16 +54,20 @@ ROTATIONS_AHEAD = 64
 """Decode steps whose WRoPE rotations are computed in one call."""
 
 
-def centroid_tiles(codebook: A2ATSCodebook, mean_key: bool) -> torch.Tensor:
-    """The scoring centroids in the compiled step's layout, [L, Hkv, C / 16, D, 16] float16
+def centroid_tiles(codebook: A2ATSCodebook, mean_key: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scoring centroids in the compiled step's layout: tiles [L, Hkv, C / 16, D, 16] int8
     (coordinate d of 16 centroids side by side, C zero-padded to a multiple of 16), so that
-    a step's table streams them contiguously. Built once per codebook and kept."""
-    def build() -> torch.Tensor:
+    a step's table streams them contiguously, and their scales [L, Hkv, C padded] float32.
+    Built once per codebook and kept."""
+    def build() -> tuple[torch.Tensor, torch.Tensor]:
         centroids = codebook.scoring_centroids(mean_key)
-        layers, heads, size, dim = centroids.shape
-        padded = centroids.new_zeros((layers, heads, -(-size // TILE_CENTROIDS) * TILE_CENTROIDS, dim))
-        padded[:, :, :size] = centroids
-        return padded.view(layers, heads, -1, TILE_CENTROIDS, dim).transpose(3, 4).contiguous()
+        layers, heads, size, dim = centroids.codes.shape
+        padded_size = -(-size // TILE_CENTROIDS) * TILE_CENTROIDS
+        codes = centroids.codes.new_zeros((layers, heads, padded_size, dim))
+        codes[:, :, :size] = centroids.codes
+        scales = centroids.scales.new_zeros((layers, heads, padded_size))
+        scales[:, :, :size] = centroids.scales
+        return codes.view(layers, heads, -1, TILE_CENTROIDS, dim).transpose(3, 4).contiguous(), scales
 
     return codebook.derived(("centroid tiles", mean_key), build)
 
@@ -131,7 +135,7 @@ class A2ATS(Selector):
         per codebook and shared by its requests."""
         mean_key = self.options.mean_key
         return self.codebook.derived(("scoring centroids transposed", mean_key), lambda: self.codebook.scoring_centroids(
-            mean_key).float().transpose(2, 3).contiguous())
+            mean_key).values().transpose(2, 3).contiguous())
 
     def extend(self, layer: int, cache: KVCache, start: int, end: int) -> None:
         heads = self.spec.num_kv_heads
@@ -155,8 +159,8 @@ class A2ATS(Selector):
         candidates = self.candidates(start, end, k) if self.options.rerank else k
         cos, sin = self.wrope_rotation(cache)
         mean = self.codebook.key_mean if self.options.mean_key else self.codebook.key_mean.new_empty(0)
-        tiles = centroid_tiles(self.codebook, self.options.mean_key)
-        return module.A2atsPlan(self.codes.data, tiles, mean, self.rotary_rows(end), cos[0], sin[0],
+        tiles, scales = centroid_tiles(self.codebook, self.options.mean_key)
+        return module.A2atsPlan(self.codes.data, tiles, scales, mean, self.rotary_rows(end), cos[0], sin[0],
                                 start, end, k, candidates, self.config.aggregation == "logits")
 
     def compiled_spans(self, cache: KVCache) -> set[tuple[int, int, int]]:

@@ -34,6 +34,29 @@ _ID_BYTES = 16
 _BLOCK = 2048
 
 
+@dataclass(frozen=True, eq=False)
+class ScoringCentroids:
+    """Centroids rounded to int8 with one float32 scale each (symmetric, the largest
+    coordinate at +-127). The step's A2ATS tables were bound by streaming the centroids
+    from DRAM: in float16 a head's 1024 took 6.5-7 us, in int8 2.8 us (BENCHMARKS.md)."""
+
+    codes: torch.Tensor
+    """[layers, kv_heads, C, D] int8."""
+    scales: torch.Tensor
+    """[layers, kv_heads, C] float32."""
+
+    @classmethod
+    def rounded(cls, centroids: torch.Tensor) -> "ScoringCentroids":
+        scales = centroids.abs().amax(-1).float() / 127
+        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+        codes = torch.round(centroids.float() / safe.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+        return cls(codes, scales)
+
+    def values(self) -> torch.Tensor:
+        """[layers, kv_heads, C, D] float32: the centroids as the scores see them."""
+        return self.codes.float() * self.scales.unsqueeze(-1)
+
+
 @dataclass(eq=False)
 class A2ATSCodebook:
     centroids: torch.Tensor
@@ -91,13 +114,14 @@ class A2ATSCodebook:
         mapped = self.centroids @ self.transform  # c L: [layers, kv_heads, C, D]
         return mapped, mapped.pow(2).sum(-1)
 
-    def scoring_centroids(self, mean_key: bool) -> torch.Tensor:
-        """[layers, kv_heads, C, D] float16: the centroids the A2ATS scores use, less the key
-        mean when its term is scored exactly (mean_key). Rounded to float16 once and kept: the
-        compiled decode step streams them every step (half the bytes of float32), and the
-        Python reference uses the same values."""
-        def build() -> torch.Tensor:
-            return (self.centroids - self.key_mean.unsqueeze(2) if mean_key else self.centroids).half()
+    def scoring_centroids(self, mean_key: bool) -> ScoringCentroids:
+        """The centroids the A2ATS scores use, less the key mean when its term is scored
+        exactly (mean_key), rounded to int8 once and kept: the compiled decode step streams
+        them every step (a quarter of float32's bytes), and the Python reference uses the
+        same values."""
+        def build() -> ScoringCentroids:
+            centroids = self.centroids - self.key_mean.unsqueeze(2) if mean_key else self.centroids
+            return ScoringCentroids.rounded(centroids)
 
         return self.derived(("scoring centroids", mean_key), build)
 

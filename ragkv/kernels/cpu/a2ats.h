@@ -7,7 +7,8 @@
 // query head, or with 'logits' their sum):
 //   s[g][t] = table[g][code[t]] + coef[g] . rotary[t]
 // table[g] = WRoPE-rotated query . residual centroids (one [C] row per vector, the
-// centroids read as float16 tiles of 16, contiguous, so a step streams half the bytes), and the
+// centroids read as int8 tiles of 16 with a float scale per centroid, contiguous, so a step
+// streams a quarter of float32's bytes), and the
 // second term the calibration mean key scored with its exact RoPE at position t (coef is
 // the query folded with the mean key's rotation pairs, rotary the [cos | sin] table of
 // positions). 'probs' ranks rows by their estimated attention probabilities, normalised
@@ -60,8 +61,9 @@ constexpr int64_t kWideRadixKeys = 4096;  // keys from which a radix level takes
 struct A2atsLayer {
   const int16_t* codes;         // codes[h * codes_head_stride + t]
   int64_t codes_head_stride;
-  const at::Half* centroid_tiles;  // [Hkv, C / kTileCentroids, D, kTileCentroids] residual centroids
-  const at::Half* next_centroid_tiles;  // the next layer's, warmed while this layer's values are read; or nullptr
+  const int8_t* centroid_tiles;  // [Hkv, C / kTileCentroids, D, kTileCentroids] residual centroids, int8
+  const float* centroid_scales;  // [Hkv, C]: centroid c is centroid_scales[c] times its int8 row
+  const int8_t* next_centroid_tiles;  // the next layer's, warmed while this layer's values are read; or nullptr
   int64_t next_tiles_bytes;
   int64_t centroids;            // C, a multiple of kTileCentroids (the codebook's, padded)
   const float* key_mean;        // [Hkv, D]; nullptr = no mean-key term
@@ -117,24 +119,25 @@ inline void rotate(const float* x, const float* cos, const float* sin, int64_t d
 
 #if defined(__AVX2__) && defined(__FMA__)
 // table[g][16 t + j] = rotated[g] . centroid 16 t + j, for Group query vectors and Tiles
-// consecutive tiles of 16 centroids ([D][16] float16 each).
+// consecutive tiles of 16 centroids ([D][16] int8 each, times scales[16 t + j]).
 template <int Group, int Tiles>
-inline void table_tiles(const float* rotated, const at::Half* tiles, int64_t dim, float* table, int64_t table_stride) {
+inline void table_tiles(const float* rotated, const int8_t* tiles, const float* scales, int64_t dim, float* table,
+                        int64_t table_stride) {
   __m256 acc[Group][2 * Tiles];
   for (int g = 0; g < Group; ++g)
     for (int v = 0; v < 2 * Tiles; ++v) acc[g][v] = _mm256_setzero_ps();
   // the next Tiles tiles (contiguous, read next): Tiles interleaved streams are followed
   // poorly by the hardware prefetcher
   const char* next = reinterpret_cast<const char*>(tiles + Tiles * dim * kTileCentroids);
-  constexpr int64_t bytes_per_d = Tiles * kTileCentroids * 2;
+  constexpr int64_t bytes_per_d = Tiles * kTileCentroids;
   for (int64_t d = 0; d < dim; ++d) {
     if (d * bytes_per_d % 64 < bytes_per_d) _mm_prefetch(next + d * bytes_per_d / 64 * 64, _MM_HINT_T0);
     if (bytes_per_d > 64) _mm_prefetch(next + d * bytes_per_d + 64, _MM_HINT_T0);
     __m256 c[2 * Tiles];
     for (int t = 0; t < Tiles; ++t) {
-      const at::Half* row = tiles + (t * dim + d) * kTileCentroids;
-      c[2 * t] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
-      c[2 * t + 1] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 8)));
+      const int8_t* row = tiles + (t * dim + d) * kTileCentroids;
+      c[2 * t] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row))));
+      c[2 * t + 1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8))));
     }
     for (int g = 0; g < Group; ++g) {
       const __m256 r = _mm256_broadcast_ss(rotated + g * dim + d);
@@ -142,7 +145,8 @@ inline void table_tiles(const float* rotated, const at::Half* tiles, int64_t dim
     }
   }
   for (int g = 0; g < Group; ++g)
-    for (int v = 0; v < 2 * Tiles; ++v) _mm256_storeu_ps(table + g * table_stride + 8 * v, acc[g][v]);
+    for (int v = 0; v < 2 * Tiles; ++v)
+      _mm256_storeu_ps(table + g * table_stride + 8 * v, _mm256_mul_ps(acc[g][v], _mm256_loadu_ps(scales + 8 * v)));
 }
 
 // out[64 t : 64 t + 64] = the mean-key terms of Tiles tiles from their coefficients middle[t]
@@ -196,9 +200,9 @@ inline void lookup64(const float* table, const int16_t* codes, float* out, bool 
 #endif
 
 // table[g][c] for the `group` query vectors of one KV head and centroids [c0, c1), both
-// multiples of kTileCentroids; tiles [C / kTileCentroids][D][kTileCentroids] float16.
-inline void table_block(const float* rotated, const at::Half* tiles, int64_t C, int64_t c0, int64_t c1, int64_t group,
-                        int64_t dim, float* table) {
+// multiples of kTileCentroids; tiles [C / kTileCentroids][D][kTileCentroids] int8, scales [C].
+inline void table_block(const float* rotated, const int8_t* tiles, const float* scales, int64_t C, int64_t c0,
+                        int64_t c1, int64_t group, int64_t dim, float* table) {
   int64_t tile = c0 / kTileCentroids;
   const int64_t last = c1 / kTileCentroids, tile_size = dim * kTileCentroids;
 #if defined(__AVX2__) && defined(__FMA__)
@@ -209,13 +213,13 @@ inline void table_block(const float* rotated, const at::Half* tiles, int64_t C, 
     const int64_t slice = std::min<int64_t>(3, group - g0);
     int64_t t = tile;
     for (; slice == 1 && t + 4 <= last; t += 4)
-      table_tiles<1, 4>(r, tiles + t * tile_size, dim, out + t * kTileCentroids, C);
+      table_tiles<1, 4>(r, tiles + t * tile_size, scales + t * kTileCentroids, dim, out + t * kTileCentroids, C);
     for (; slice == 2 && t + 2 <= last; t += 2)
-      table_tiles<2, 2>(r, tiles + t * tile_size, dim, out + t * kTileCentroids, C);
+      table_tiles<2, 2>(r, tiles + t * tile_size, scales + t * kTileCentroids, dim, out + t * kTileCentroids, C);
     for (; t < last; ++t) switch (slice) {
-        case 1: table_tiles<1, 1>(r, tiles + t * tile_size, dim, out + t * kTileCentroids, C); break;
-        case 2: table_tiles<2, 1>(r, tiles + t * tile_size, dim, out + t * kTileCentroids, C); break;
-        default: table_tiles<3, 1>(r, tiles + t * tile_size, dim, out + t * kTileCentroids, C); break;
+        case 1: table_tiles<1, 1>(r, tiles + t * tile_size, scales + t * kTileCentroids, dim, out + t * kTileCentroids, C); break;
+        case 2: table_tiles<2, 1>(r, tiles + t * tile_size, scales + t * kTileCentroids, dim, out + t * kTileCentroids, C); break;
+        default: table_tiles<3, 1>(r, tiles + t * tile_size, scales + t * kTileCentroids, dim, out + t * kTileCentroids, C); break;
       }
   }
   tile = last;
@@ -226,7 +230,7 @@ inline void table_block(const float* rotated, const at::Half* tiles, int64_t C, 
         float sum = 0.f;
         for (int64_t d = 0; d < dim; ++d)
           sum += rotated[g * dim + d] * static_cast<float>(tiles[(tile * dim + d) * kTileCentroids + j]);
-        table[g * C + tile * kTileCentroids + j] = sum;
+        table[g * C + tile * kTileCentroids + j] = sum * scales[tile * kTileCentroids + j];
       }
 }
 
@@ -588,8 +592,8 @@ void a2ats_attention(const float* q, const CacheView<T>& view, const A2atsLayer&
   auto prepare = [&](int64_t h, int64_t j) {
     if (j < table_blocks) {
       const int64_t c0 = j * kTableColumns;
-      table_block(rotated + h * scored * dim, plan.centroid_tiles + h * dim * C, C, c0, std::min(C, c0 + kTableColumns),
-                  scored, dim, table + h * scored * C);
+      table_block(rotated + h * scored * dim, plan.centroid_tiles + h * dim * C, plan.centroid_scales + h * C, C, c0,
+                  std::min(C, c0 + kTableColumns), scored, dim, table + h * scored * C);
       return;
     }
     float* head_fixed = partials + h * head_partials * partial_size;

@@ -101,7 +101,8 @@ at::Tensor selective_attention_op(const at::Tensor& q, const at::Tensor& keys, c
 
 // One request's A2ATS state for one decode step, as ragkv.sparse.a2ats holds it: codes
 // [layers, Hkv, capacity] int16, residual centroids in tiles of 16 [layers, Hkv, C / 16, D, 16]
-// float16 (coordinate d of 16 centroids side by side; C padded to a multiple of 16),
+// int8 (coordinate d of 16 centroids side by side; C padded to a multiple of 16) with their
+// scales [layers, Hkv, C] float32,
 // key mean [layers, Hkv, D] float32 (empty: no mean-key term), rotary [positions, D] float32
 // ([cos | sin] of every rotation pair at each position), wrope cos/sin [D] float32 at relative
 // position (offset - current position); rows [start, end) are scored and k of them kept:
@@ -109,16 +110,22 @@ at::Tensor selective_attention_op(const at::Tensor& q, const at::Tensor& keys, c
 // by the group's summed probabilities, or its summed logits when `logits`.
 class A2atsPlan {
  public:
-  A2atsPlan(at::Tensor codes, at::Tensor centroid_tiles, at::Tensor key_mean, at::Tensor rotary, at::Tensor wrope_cos,
-            at::Tensor wrope_sin, int64_t start, int64_t end, int64_t k, int64_t candidates, bool logits)
-      : codes_(std::move(codes)), centroid_tiles_(std::move(centroid_tiles)), key_mean_(std::move(key_mean)),
+  A2atsPlan(at::Tensor codes, at::Tensor centroid_tiles, at::Tensor centroid_scales, at::Tensor key_mean,
+            at::Tensor rotary, at::Tensor wrope_cos, at::Tensor wrope_sin, int64_t start, int64_t end, int64_t k,
+            int64_t candidates, bool logits)
+      : codes_(std::move(codes)), centroid_tiles_(std::move(centroid_tiles)),
+        centroid_scales_(std::move(centroid_scales)), key_mean_(std::move(key_mean)),
         rotary_(std::move(rotary)), wrope_cos_(std::move(wrope_cos)), wrope_sin_(std::move(wrope_sin)),
         start_(start), end_(end), k_(k), candidates_(candidates), logits_(logits) {
     TORCH_CHECK(codes_.dim() == 3 && codes_.scalar_type() == at::kShort && codes_.stride(2) == 1,
                 "codes must be [layers, Hkv, capacity] int16 with contiguous rows");
-    TORCH_CHECK(centroid_tiles_.dim() == 5 && centroid_tiles_.scalar_type() == at::kHalf &&
+    TORCH_CHECK(centroid_tiles_.dim() == 5 && centroid_tiles_.scalar_type() == at::kChar &&
                     centroid_tiles_.is_contiguous() && centroid_tiles_.size(4) == kTileCentroids,
-                "centroid tiles must be contiguous [layers, Hkv, C / 16, D, 16] float16");
+                "centroid tiles must be contiguous [layers, Hkv, C / 16, D, 16] int8");
+    TORCH_CHECK(centroid_scales_.scalar_type() == at::kFloat && centroid_scales_.is_contiguous() &&
+                    centroid_scales_.sizes() == at::IntArrayRef({centroid_tiles_.size(0), centroid_tiles_.size(1),
+                                                                 centroid_tiles_.size(2) * kTileCentroids}),
+                "centroid scales must be contiguous [layers, Hkv, C] float32, one per tiled centroid");
     TORCH_CHECK(key_mean_.numel() == 0 || (key_mean_.scalar_type() == at::kFloat && key_mean_.is_contiguous() &&
                                            key_mean_.dim() == 3),
                 "key mean must be contiguous [layers, Hkv, D] float32 or empty");
@@ -169,9 +176,10 @@ class A2atsPlan {
   A2atsLayer layer(int64_t l) const {
     return {codes_.data_ptr<int16_t>() + l * codes_.stride(0),
             codes_.stride(1),
-            centroid_tiles_.data_ptr<at::Half>() + l * centroid_tiles_.stride(0),
-            l + 1 < layers() ? centroid_tiles_.data_ptr<at::Half>() + (l + 1) * centroid_tiles_.stride(0) : nullptr,
-            centroid_tiles_.stride(0) * static_cast<int64_t>(sizeof(at::Half)),
+            centroid_tiles_.data_ptr<int8_t>() + l * centroid_tiles_.stride(0),
+            centroid_scales_.data_ptr<float>() + l * centroid_scales_.stride(0),
+            l + 1 < layers() ? centroid_tiles_.data_ptr<int8_t>() + (l + 1) * centroid_tiles_.stride(0) : nullptr,
+            centroid_tiles_.stride(0),
             centroid_tiles_.size(2) * kTileCentroids,
             key_mean_.numel() == 0 ? nullptr : key_mean_.data_ptr<float>() + l * key_mean_.stride(0),
             rotary_.data_ptr<float>(),
@@ -191,7 +199,7 @@ class A2atsPlan {
   bool selects() const { return k_ < end_ - start_; }
 
  private:
-  at::Tensor codes_, centroid_tiles_, key_mean_, rotary_, wrope_cos_, wrope_sin_;
+  at::Tensor codes_, centroid_tiles_, centroid_scales_, key_mean_, rotary_, wrope_cos_, wrope_sin_;
   std::vector<float> middle_offsets_, half_turn_;
   int64_t start_, end_, k_, candidates_;
   bool logits_;
@@ -517,8 +525,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("a2ats_attention", &ragkv::a2ats_attention_op, "A2ATS sparse decode attention over one cache layer",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   pybind11::class_<ragkv::A2atsPlan>(m, "A2atsPlan")
-      .def(pybind11::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t,
-                          int64_t, int64_t, bool>());
+      .def(pybind11::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t,
+                          int64_t, int64_t, int64_t, bool>());
   m.def("int8_linear", &ragkv::int8_linear_op, "few-row float32 x int8 matmul with per-channel scales",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("int4_linear", &ragkv::int4_linear_op, "few-row float32 x int4 (groups of 32, scale and minimum) matmul",
