@@ -613,9 +613,11 @@ void a2ats_attention(const float* q, const CacheView<T>& view, const A2atsLayer&
     ready[i].store(false, std::memory_order_relaxed);
   }
 
-  // The rerank reads its candidates' keys at DRAM latency, while the scores are bound by
-  // arithmetic: scoring a later head fetches an earlier head's candidate keys into L2 a few
-  // rows at a time, so that most of the rerank reads hit cache.
+  // The rerank reads its candidates' keys at DRAM latency, and the kept rows' values after
+  // it, while the scores are bound by arithmetic: scoring a later head fetches an earlier
+  // head's candidate keys and values into L2 a few rows at a time, so that most of those
+  // reads hit cache (the values of the candidates not kept are fetched for nothing: the
+  // kept rows' value reads took 0.3 thread-ms less per 8K step, the scores ~0.1 more).
   std::unique_ptr<std::atomic<int64_t>[]> warmed(new std::atomic<int64_t>[kv_heads]);
   for (int64_t h = 0; h < kv_heads; ++h) warmed[h].store(0, std::memory_order_relaxed);
   auto warm_candidates = [&](int64_t scoring) {
@@ -624,8 +626,11 @@ void a2ats_attention(const float* q, const CacheView<T>& view, const A2atsLayer&
       const int64_t first = warmed[h].fetch_add(kWarmRows, std::memory_order_relaxed);
       if (first >= candidates) continue;
       const T* head_keys = view.keys + h * view.head_stride;
-      for (int64_t i = first; i < std::min(candidates, first + kWarmRows); ++i)
+      const T* head_values = view.values + h * view.head_stride;
+      for (int64_t i = first; i < std::min(candidates, first + kWarmRows); ++i) {
         prefetch_rows(head_keys, picked[h * candidates + i], 1, view.row_stride, dim, /*l2_only=*/true);
+        prefetch_rows(head_values, picked[h * candidates + i], 1, view.row_stride, dim, /*l2_only=*/true);
+      }
       return;
     }
   };
