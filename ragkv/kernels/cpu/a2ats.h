@@ -48,8 +48,8 @@
 namespace ragkv {
 
 constexpr int64_t kScoreRows = 512;  // a multiple of kWarmEvery
-constexpr int64_t kWarmEvery = 128;  // rows scored between two batches of warmed candidate keys (two 64-row tiles)
-constexpr int64_t kWarmRows = 16;    // candidate key rows warmed per batch
+constexpr int64_t kWarmEvery = 128;  // rows scored between two batches of warmed candidate rows (two 64-row tiles)
+constexpr int64_t kWarmRows = 16;    // candidate rows (key and value) warmed per batch
 constexpr int64_t kTableColumns = 256;  // a multiple of kTileCentroids
 constexpr int64_t kTileCentroids = 16;
 constexpr int64_t kRerankRows = 128;  // a multiple of the 4-row score tiles
