@@ -8,8 +8,8 @@
 //   s[g][t] = table[g][code[t]] + coef[g] . rotary[t]
 // table[g] = WRoPE-rotated query . residual centroids (one [C] row per vector, the
 // centroids read as int8 tiles of 16 with a float scale per centroid, contiguous, so a step
-// streams a quarter of float32's bytes), and the
-// second term the calibration mean key scored with its exact RoPE at position t (coef is
+// streams a quarter of float32's bytes), and the second term the calibration mean key
+// scored with its exact RoPE at position t (coef is
 // the query folded with the mean key's rotation pairs, rotary the [cos | sin] table of
 // positions). 'probs' ranks rows by their estimated attention probabilities, normalised
 // together with the exact logits of the always-attended rows and summed over the group;
