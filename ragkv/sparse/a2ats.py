@@ -62,11 +62,9 @@ def centroid_tiles(codebook: A2ATSCodebook, mean_key: bool) -> tuple[torch.Tenso
     def build() -> tuple[torch.Tensor, torch.Tensor]:
         centroids = codebook.scoring_centroids(mean_key)
         layers, heads, size, dim = centroids.codes.shape
-        padded_size = -(-size // TILE_CENTROIDS) * TILE_CENTROIDS
-        codes = centroids.codes.new_zeros((layers, heads, padded_size, dim))
-        codes[:, :, :size] = centroids.codes
-        scales = centroids.scales.new_zeros((layers, heads, padded_size))
-        scales[:, :, :size] = centroids.scales
+        padding = -size % TILE_CENTROIDS
+        codes = torch.nn.functional.pad(centroids.codes, (0, 0, 0, padding))
+        scales = torch.nn.functional.pad(centroids.scales, (0, padding))
         return codes.view(layers, heads, -1, TILE_CENTROIDS, dim).transpose(3, 4).contiguous(), scales
 
     return codebook.derived(("centroid tiles", mean_key), build)

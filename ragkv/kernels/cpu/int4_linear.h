@@ -100,9 +100,7 @@ inline float quantize_group_avx2(const float* x, int8_t* codes, int64_t* code_su
 #if defined(__AVX2__) && defined(__FMA__)
 constexpr int64_t kNearTiles = 4;  // tiles ahead fetched into L1 (a tile: 2 channels, 768 bytes for SmolLM2)
 constexpr int64_t kFarTiles = 64;  // and into L2
-#endif
 
-#if defined(__AVX2__) && defined(__FMA__)
 // Output channel j's float16 scales of the 8 blocks from `group` (its row's scale slots at
 // `row`): use(r, d * activation row r's scales) for each row, and the minimums times the
 // rows' code sums added into minimums[r][j].
