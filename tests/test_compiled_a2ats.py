@@ -74,22 +74,23 @@ def _decoding_row(cache) -> None:
     cache.length += 1
 
 
-VARIANTS = {  # (mean_key, rerank, head_aggregation)
-    "default": (True, 0, "probs"),
-    "rerank": (True, 2, "probs"),
-    "logits": (True, 0, "logits"),
-    "logits-rerank": (True, 2.5, "logits"),
-    "no-mean-key": (False, 0, "probs"),
+VARIANTS = {  # (mean_key, rerank, head_aggregation, budget)
+    "default": (True, 0, "probs", 0.1),
+    "rerank": (True, 2, "probs", 0.1),
+    "logits": (True, 0, "logits", 0.1),
+    "logits-rerank": (True, 2.5, "logits", 0.1),
+    "rerank-over-chunks": (True, 2, "logits", 0.45),  # more candidates than one rerank chunk (kRerankRows)
+    "no-mean-key": (False, 0, "probs", 0.1),
 }
 
 
 @pytest.mark.parametrize("kv", ["float32", "bfloat16"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_compiled_selection_equals_the_selector(folder, codebook, kv, variant):
-    mean_key, rerank, aggregation = VARIANTS[variant]
+    mean_key, rerank, aggregation, budget = VARIANTS[variant]
     model = CausalLM.load(folder, numerics=_numerics(kv))
     ids, cache, _ = _prompt(model, 1)
-    attention = _selector(model, cache, ids, codebook, mean_key, rerank=rerank, aggregation=aggregation)
+    attention = _selector(model, cache, ids, codebook, mean_key, budget, rerank, aggregation)
     _decoding_row(cache)
     plan = attention.compiled_plan(cache)
     assert plan is not None
@@ -101,7 +102,7 @@ def test_compiled_selection_equals_the_selector(folder, codebook, kv, variant):
         out, chosen = module.a2ats_attention(q[:, 0], cache.keys[layer], cache.values[layer], cache.length, plan,
                                              layer, model.scale)
         k = chosen.shape[1]
-        assert 0 < k < end - start
+        assert 0 < k < end - start and (variant != "rerank-over-chunks" or 2 * k > 512)
         assert bool((chosen.diff(dim=-1) > 0).all())  # ascending and distinct: read in address order
         if mean_key:
             assert torch.equal(chosen.sort(-1).values, indices[:, start : start + k].sort(-1).values)
