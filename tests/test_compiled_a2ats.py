@@ -116,6 +116,29 @@ def test_compiled_selection_equals_the_selector(folder, codebook, kv, variant):
         torch.testing.assert_close(out, expected.float(), atol=2e-5, rtol=1e-4)
 
 
+def test_compiled_plan_is_kept_across_steps_until_its_buffers_grow(folder, codebook):
+    """One plan serves a request's steps (each sets its own span and WRoPE row), and a new one
+    is built when the codes buffer grows; each step keeps the Python selector's rows."""
+    model = CausalLM.load(folder, numerics=_numerics("float32"))
+    ids, cache, _ = _prompt(model, 4)
+    attention = _selector(model, cache, ids, codebook, True, aggregation="logits")
+    module = cpu_extension.load()
+    plans = []
+    for step in range(4):
+        _decoding_row(cache)
+        if step == 3:
+            attention.codes.ensure(attention.codes.data.shape[2] + 1)
+        plans.append(attention.compiled_plan(cache))
+        q = torch.randn(model.spec.num_heads, 1, model.spec.head_dim, generator=torch.Generator().manual_seed(step))
+        for layer in range(model.spec.num_layers):
+            indices, start, _ = attention.indices(layer, q, cache)
+            _, chosen = module.a2ats_attention(q[:, 0], cache.keys[layer], cache.values[layer], cache.length,
+                                               plans[-1], layer, model.scale)
+            assert torch.equal(chosen.sort(-1).values, indices[:, start : start + chosen.shape[1]].sort(-1).values)
+        cache.next_position += 1
+    assert plans[1] is plans[2] and plans[3] is not plans[2]  # (the rotary table grew by doubling after step 0)
+
+
 def test_compiled_selection_under_a_scaled_rope(tmp_path):
     """YaRN folds an attention scaling into cos and sin: the mean-key term carries it once."""
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}

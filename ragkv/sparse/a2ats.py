@@ -70,6 +70,16 @@ def centroid_tiles(codebook: A2ATSCodebook, mean_key: bool) -> tuple[torch.Tenso
     return codebook.derived(("centroid tiles", mean_key), build)
 
 
+@dataclass(frozen=True)
+class KeptPlan:
+    """The compiled step's plan of a request, kept while the codes buffer and the rotary
+    table it was built on are the selector's (both are replaced when they grow)."""
+
+    codes: torch.Tensor
+    rotary: torch.Tensor
+    plan: object
+
+
 @register
 @dataclass(frozen=True)
 class A2ATSOptions(SelectorOptions):
@@ -105,6 +115,7 @@ class A2ATS(Selector):
         codebook.check_model(self.spec)
         self.codebook = codebook.on(self.model.device)
         self._rotation: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        self._plan: KeptPlan | None = None
         self._table: torch.Tensor | None = None
         self._rows: torch.Tensor | None = None
         layers, heads, rows = self.spec.num_layers, self.spec.num_kv_heads, prompt.length
@@ -155,11 +166,15 @@ class A2ATS(Selector):
             return None
         start, end, k = spans.pop()
         candidates = self.candidates(start, end, k) if self.options.rerank else k
-        cos, sin = self.wrope_rotation(cache)
-        mean = self.codebook.key_mean if self.options.mean_key else self.codebook.key_mean.new_empty(0)
-        tiles, scales = centroid_tiles(self.codebook, self.options.mean_key)
-        return module.A2atsPlan(self.codes.data, tiles, scales, mean, self.rotary_rows(end), cos[0], sin[0],
-                                start, end, k, candidates, self.config.aggregation == "logits")
+        rotary = self.rotary_rows(end)
+        if self._plan is None or self._plan.codes is not self.codes.data or self._plan.rotary is not rotary:
+            mean = self.codebook.key_mean if self.options.mean_key else self.codebook.key_mean.new_empty(0)
+            tiles, scales = centroid_tiles(self.codebook, self.options.mean_key)
+            self._plan = KeptPlan(self.codes.data, rotary, module.A2atsPlan(
+                self.codes.data, tiles, scales, mean, rotary, self.config.aggregation == "logits"))
+        position, cos, sin = self.wrope_rotations(cache)
+        self._plan.plan.step(cos, sin, self.current_position(cache) - position, start, end, k, candidates)
+        return self._plan.plan
 
     def compiled_spans(self, cache: KVCache) -> set[tuple[int, int, int]]:
         """The distinct step spans of every layer. A layer's span depends only on the cache
@@ -174,6 +189,13 @@ class A2ATS(Selector):
 
     def wrope_rotation(self, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [1, D] (float32) of relative position b - p, p the token being decoded."""
+        first, cos, sin = self.wrope_rotations(cache)
+        row = self.current_position(cache) - first
+        return cos[row : row + 1], sin[row : row + 1]
+
+    def wrope_rotations(self, cache: KVCache) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """(first position, cos, sin [ROTATIONS_AHEAD, D] float32): the rotations of the
+        steps from the first position on, which covers the token being decoded."""
         position = self.current_position(cache)
         first = None if self._rotation is None else self._rotation[0]
         if first is None or not 0 <= position - first < ROTATIONS_AHEAD:
@@ -181,9 +203,7 @@ class A2ATS(Selector):
             relative = self.codebook.offset - torch.arange(position, position + ROTATIONS_AHEAD, device=self.model.device)
             cos, sin = self.model.rotary.cos_sin(relative)
             self._rotation = (position, cos.float().contiguous(), sin.float().contiguous())
-            first = position
-        row = position - first
-        return self._rotation[1][row : row + 1], self._rotation[2][row : row + 1]
+        return self._rotation
 
     def wrope_query(self, q: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Every query head rotated to relative position b: R(b - p) q_post = R(b) q_pre, [Hq, D]."""

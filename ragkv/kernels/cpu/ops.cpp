@@ -99,24 +99,21 @@ at::Tensor selective_attention_op(const at::Tensor& q, const at::Tensor& keys, c
   return out;
 }
 
-// One request's A2ATS state for one decode step, as ragkv.sparse.a2ats holds it: codes
-// [layers, Hkv, capacity] int16, residual centroids in tiles of 16 [layers, Hkv, C / 16, D, 16]
-// int8 (coordinate d of 16 centroids side by side; C padded to a multiple of 16) with their
-// scales [layers, Hkv, C] float32,
-// key mean [layers, Hkv, D] float32 (empty: no mean-key term), rotary [positions, D] float32
-// ([cos | sin] of every rotation pair at each position), wrope cos/sin [D] float32 at relative
-// position (offset - current position); rows [start, end) are scored and k of them kept:
-// the codes pick `candidates` (>= k; more: the k of them with the most exact mass), ranking
-// by the group's summed probabilities, or its summed logits when `logits`.
+// One request's A2ATS state, as ragkv.sparse.a2ats holds it: codes [layers, Hkv, capacity]
+// int16, residual centroids in tiles of 16 [layers, Hkv, C / 16, D, 16] int8 (coordinate d of
+// 16 centroids side by side; C padded to a multiple of 16) with their scales [layers, Hkv, C]
+// float32, key mean [layers, Hkv, D] float32 (empty: no mean-key term), rotary
+// [positions, D] float32 ([cos | sin] of every rotation pair at each position), ranking by
+// the group's summed probabilities, or its summed logits when `logits`. Built once and kept
+// while those tensors are; each decode step then sets its own part (`step`). A cold build
+// cost ~40 us of Python and C++ a step.
 class A2atsPlan {
  public:
   A2atsPlan(at::Tensor codes, at::Tensor centroid_tiles, at::Tensor centroid_scales, at::Tensor key_mean,
-            at::Tensor rotary, at::Tensor wrope_cos, at::Tensor wrope_sin, int64_t start, int64_t end, int64_t k,
-            int64_t candidates, bool logits)
+            at::Tensor rotary, bool logits)
       : codes_(std::move(codes)), centroid_tiles_(std::move(centroid_tiles)),
         centroid_scales_(std::move(centroid_scales)), key_mean_(std::move(key_mean)),
-        rotary_(std::move(rotary)), wrope_cos_(std::move(wrope_cos)), wrope_sin_(std::move(wrope_sin)),
-        start_(start), end_(end), k_(k), candidates_(candidates), logits_(logits) {
+        rotary_(std::move(rotary)), logits_(logits) {
     TORCH_CHECK(codes_.dim() == 3 && codes_.scalar_type() == at::kShort && codes_.stride(2) == 1,
                 "codes must be [layers, Hkv, capacity] int16 with contiguous rows");
     TORCH_CHECK(centroid_tiles_.dim() == 5 && centroid_tiles_.scalar_type() == at::kChar &&
@@ -132,10 +129,6 @@ class A2atsPlan {
     TORCH_CHECK(rotary_.dim() == 2 && rotary_.scalar_type() == at::kFloat && rotary_.is_contiguous() &&
                     rotary_.size(0) >= a2ats_detail::kTileRows,
                 "rotary table must be contiguous [positions, D] float32 covering one scoring tile");
-    TORCH_CHECK(wrope_cos_.scalar_type() == at::kFloat && wrope_cos_.is_contiguous() &&
-                    wrope_sin_.scalar_type() == at::kFloat && wrope_sin_.is_contiguous(),
-                "wrope cos/sin must be contiguous float32");
-    TORCH_CHECK(0 <= start_ && start_ <= end_ && 0 <= k_ && k_ <= candidates_, "need 0 <= start <= end, 0 <= k <= candidates");
     // each rotation pair's frequency w and scaling r from the table's position 1, for the
     // mean-key term's tables at half offsets (once per step for every layer)
     const int64_t dim = rotary_.size(1), half = dim / 2, offsets = a2ats_detail::kHalfTile;
@@ -159,8 +152,31 @@ class A2atsPlan {
     }
   }
 
+  // This step's part: wrope cos/sin [rotations, D] float32 at relative positions (offset -
+  // position), of which row `rotation` is the current token's; rows [start, end) are
+  // scored and k of them kept, the codes picking `candidates` (>= k; more: the k of them
+  // with the most exact mass).
+  void step(at::Tensor wrope_cos, at::Tensor wrope_sin, int64_t rotation, int64_t start, int64_t end, int64_t k,
+            int64_t candidates) {
+    TORCH_CHECK(wrope_cos.dim() == 2 && wrope_cos.scalar_type() == at::kFloat && wrope_cos.is_contiguous() &&
+                    wrope_sin.sizes() == wrope_cos.sizes() && wrope_sin.scalar_type() == at::kFloat &&
+                    wrope_sin.is_contiguous() && wrope_cos.size(1) == rotary_.size(1),
+                "wrope cos/sin must be contiguous [rotations, D] float32");
+    TORCH_CHECK(0 <= rotation && rotation < wrope_cos.size(0), "wrope row out of range");
+    TORCH_CHECK(0 <= start && start <= end && 0 <= k && k <= candidates, "need 0 <= start <= end, 0 <= k <= candidates");
+    wrope_cos_ = std::move(wrope_cos);
+    wrope_sin_ = std::move(wrope_sin);
+    rotation_ = rotation;
+    start_ = start;
+    end_ = end;
+    k_ = k;
+    candidates_ = candidates;
+    stepped_ = true;
+  }
+
   // Checks the state against a model and a cache of `length` rows.
   void check(int64_t layers, int64_t kv_heads, int64_t dim, int64_t length) const {
+    TORCH_CHECK(stepped_, "an A2ATS plan needs its step set before it runs");
     TORCH_CHECK(codes_.size(0) == layers && codes_.size(1) == kv_heads && codes_.size(2) >= end_,
                 "codes must cover every layer, KV head and candidate row");
     TORCH_CHECK(centroid_tiles_.size(0) == layers && centroid_tiles_.size(1) == kv_heads &&
@@ -169,7 +185,6 @@ class A2atsPlan {
     TORCH_CHECK(key_mean_.numel() == 0 || key_mean_.sizes() == at::IntArrayRef({layers, kv_heads, dim}),
                 "key mean must be [layers, Hkv, D] of this model");
     TORCH_CHECK(rotary_.size(1) == dim && rotary_.size(0) >= end_, "rotary table must cover every candidate position");
-    TORCH_CHECK(wrope_cos_.numel() == dim && wrope_sin_.numel() == dim, "wrope cos/sin must have head_dim elements");
     TORCH_CHECK(end_ <= length, "candidate rows beyond the cache");
   }
 
@@ -185,8 +200,8 @@ class A2atsPlan {
             rotary_.data_ptr<float>(),
             middle_offsets_.data(),
             half_turn_.data(),
-            wrope_cos_.data_ptr<float>(),
-            wrope_sin_.data_ptr<float>(),
+            wrope_cos_.data_ptr<float>() + rotation_ * wrope_cos_.size(1),
+            wrope_sin_.data_ptr<float>() + rotation_ * wrope_sin_.size(1),
             start_,
             end_,
             k_,
@@ -201,8 +216,8 @@ class A2atsPlan {
  private:
   at::Tensor codes_, centroid_tiles_, centroid_scales_, key_mean_, rotary_, wrope_cos_, wrope_sin_;
   std::vector<float> middle_offsets_, half_turn_;
-  int64_t start_, end_, k_, candidates_;
-  bool logits_;
+  int64_t rotation_ = 0, start_ = 0, end_ = 0, k_ = 0, candidates_ = 0;
+  bool logits_, stepped_ = false;
 };
 
 // q [Hq, D] over one cache layer keys/values [Hkv, capacity, D] of `length` rows with the
@@ -525,8 +540,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("a2ats_attention", &ragkv::a2ats_attention_op, "A2ATS sparse decode attention over one cache layer",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   pybind11::class_<ragkv::A2atsPlan>(m, "A2atsPlan")
-      .def(pybind11::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t,
-                          int64_t, int64_t, int64_t, bool>());
+      .def(pybind11::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, bool>())
+      .def("step", &ragkv::A2atsPlan::step);
   m.def("int8_linear", &ragkv::int8_linear_op, "few-row float32 x int8 matmul with per-channel scales",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("int4_linear", &ragkv::int4_linear_op, "few-row float32 x int4 (groups of 32, scale and minimum) matmul",
