@@ -153,9 +153,10 @@ class A2ATS(Selector):
         self.codes.write(layer, start, self.codebook.encode_layer(layer, pre))
 
     def compiled_plan(self, cache: KVCache):
-        """This step's codes, tables and span for the compiled step, whose a2ats_attention
-        does what `select` and the shared attention do here (every option of this selector);
-        None where only the Python loop applies (an observer, SnapKV-evicted rows)."""
+        """The compiled step's plan (codes, tables; kept across steps, see KeptPlan) with this
+        step's span and WRoPE row set; its a2ats_attention does what `select` and the shared
+        attention do here (every option of this selector). None where only the Python loop
+        applies (an observer, SnapKV-evicted rows)."""
         if self.observer is not None or self.positions.table is not None or self.model.device.type != "cpu":
             return None
         module = cpu_extension.load()

@@ -545,8 +545,9 @@ void a2ats_attention(const float* q, const CacheView<T>& view, const A2atsLayer&
   // query vectors the codes score per KV head: each query head, or their sum
   const int64_t scored = plan.logits ? 1 : group;
   // about four scoring items per thread, for the threads to share the heads evenly
-  const int64_t per_thread = (n * kv_heads + 4 * at::get_num_threads() - 1) / (4 * at::get_num_threads());
-  const int64_t score_rows = std::min(kScoreRows, (per_thread + kWarmEvery - 1) / kWarmEvery * kWarmEvery);
+  const int64_t items = 4 * at::get_num_threads();
+  const int64_t item_rows = (n * kv_heads + items - 1) / items;
+  const int64_t score_rows = std::min(kScoreRows, (item_rows + kWarmEvery - 1) / kWarmEvery * kWarmEvery);
   const int64_t blocks = selecting ? (n + score_rows - 1) / score_rows : 0;
   auto block_begin = [&](int64_t b) { return std::min(end, start + b * score_rows); };
   const int64_t table_blocks = selecting ? (C + kTableColumns - 1) / kTableColumns : 0;

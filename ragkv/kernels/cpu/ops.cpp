@@ -130,7 +130,7 @@ class A2atsPlan {
                     rotary_.size(0) >= a2ats_detail::kTileRows,
                 "rotary table must be contiguous [positions, D] float32 covering one scoring tile");
     // each rotation pair's frequency w and scaling r from the table's position 1, for the
-    // mean-key term's tables at half offsets (once per step for every layer)
+    // mean-key term's tables at half offsets (once per plan, for every layer and step)
     const int64_t dim = rotary_.size(1), half = dim / 2, offsets = a2ats_detail::kHalfTile;
     const float* position_one = rotary_.data_ptr<float>() + dim;
     middle_offsets_.resize(dim * offsets);
