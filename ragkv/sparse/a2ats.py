@@ -173,8 +173,8 @@ class A2ATS(Selector):
             tiles, scales = centroid_tiles(self.codebook, self.options.mean_key)
             self._plan = KeptPlan(self.codes.data, rotary, module.A2atsPlan(
                 self.codes.data, tiles, scales, mean, rotary, self.config.aggregation == "logits"))
-        position, cos, sin = self.wrope_rotations(cache)
-        self._plan.plan.step(cos, sin, self.current_position(cache) - position, start, end, k, candidates)
+        cos, sin, row = self.wrope_rotations(cache)
+        self._plan.plan.step(cos, sin, row, start, end, k, candidates)
         return self._plan.plan
 
     def compiled_spans(self, cache: KVCache) -> set[tuple[int, int, int]]:
@@ -190,13 +190,12 @@ class A2ATS(Selector):
 
     def wrope_rotation(self, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [1, D] (float32) of relative position b - p, p the token being decoded."""
-        first, cos, sin = self.wrope_rotations(cache)
-        row = self.current_position(cache) - first
+        cos, sin, row = self.wrope_rotations(cache)
         return cos[row : row + 1], sin[row : row + 1]
 
-    def wrope_rotations(self, cache: KVCache) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """(first position, cos, sin [ROTATIONS_AHEAD, D] float32): the rotations of the
-        steps from the first position on, which covers the token being decoded."""
+    def wrope_rotations(self, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(cos, sin [ROTATIONS_AHEAD, D] float32, row): the rotations of ROTATIONS_AHEAD
+        steps, of which `row` is the token being decoded's."""
         position = self.current_position(cache)
         first = None if self._rotation is None else self._rotation[0]
         if first is None or not 0 <= position - first < ROTATIONS_AHEAD:
@@ -204,7 +203,8 @@ class A2ATS(Selector):
             relative = self.codebook.offset - torch.arange(position, position + ROTATIONS_AHEAD, device=self.model.device)
             cos, sin = self.model.rotary.cos_sin(relative)
             self._rotation = (position, cos.float().contiguous(), sin.float().contiguous())
-        return self._rotation
+        first, cos, sin = self._rotation
+        return cos, sin, position - first
 
     def wrope_query(self, q: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Every query head rotated to relative position b: R(b - p) q_post = R(b) q_pre, [Hq, D]."""

@@ -218,14 +218,16 @@ inline void table_block(const float* rotated, const int8_t* tiles, const float* 
     float* out = table + g0 * C;
     const int64_t slice = std::min<int64_t>(3, group - g0);
     int64_t t = tile;
-    for (; slice == 1 && t + 4 <= last; t += 4)
-      table_tiles<1, 4>(r, tiles + t * tile_size, scales + t * kTileCentroids, dim, out + t * kTileCentroids, C);
-    for (; slice == 2 && t + 2 <= last; t += 2)
-      table_tiles<2, 2>(r, tiles + t * tile_size, scales + t * kTileCentroids, dim, out + t * kTileCentroids, C);
+    // tiles from tile t through one table_tiles instantiation
+    auto at_tile = [&](auto tiles_fn) {
+      tiles_fn(r, tiles + t * tile_size, scales + t * kTileCentroids, dim, out + t * kTileCentroids, C);
+    };
+    for (; slice == 1 && t + 4 <= last; t += 4) at_tile(table_tiles<1, 4>);
+    for (; slice == 2 && t + 2 <= last; t += 2) at_tile(table_tiles<2, 2>);
     for (; t < last; ++t) switch (slice) {
-        case 1: table_tiles<1, 1>(r, tiles + t * tile_size, scales + t * kTileCentroids, dim, out + t * kTileCentroids, C); break;
-        case 2: table_tiles<2, 1>(r, tiles + t * tile_size, scales + t * kTileCentroids, dim, out + t * kTileCentroids, C); break;
-        default: table_tiles<3, 1>(r, tiles + t * tile_size, scales + t * kTileCentroids, dim, out + t * kTileCentroids, C); break;
+        case 1: at_tile(table_tiles<1, 1>); break;
+        case 2: at_tile(table_tiles<2, 1>); break;
+        default: at_tile(table_tiles<3, 1>); break;
       }
   }
   tile = last;
