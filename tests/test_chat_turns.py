@@ -13,7 +13,7 @@ import torch
 
 from ragkv.app.chat import ChatTurn, ChatTurns
 from ragkv.app.contexts import ContextCache, SessionNotFoundError
-from ragkv.app.query import CollectingSink
+from ragkv.app.generate import CollectingSink, complete
 from ragkv.app.rag import QueryConfig
 from ragkv.app.scheduler import Scheduler
 from ragkv.engine.generation import GenerationConfig
@@ -51,15 +51,15 @@ def test_resent_history_reuses_the_longest_prefix_and_decodes_like_a_full_prefil
     for before, after in zip(completions, completions[1:]):
         # Everything of the previous turn's prompt is cached (and most of its answer).
         assert after.usage.cached_tokens >= before.usage.prompt_tokens
-        assert after.usage.computed_tokens < 30 and after.info["turn"] == before.info["turn"] + 1
+        assert after.usage.computed_tokens < 30 and after.info.turn == before.info.turn + 1
 
     # The last turn's prompt is the chat template's rendering of the messages, roles and
     # the user's system prompt kept, and its answer is that of a plain full prefill.
     ids = engine.prompt.encode_messages(messages[:-1])
     assert engine.tokenizer.decode(ids).startswith("<|im_start|>system\nYou answer in few words.<|im_end|>")
     assert completions[-1].usage.prompt_tokens == len(ids)
-    cache, logits = engine.prefill(ids, 8)
-    reference = "".join(event.text for event in engine.stream(cache, logits, CONFIG.generation)).strip()
+    cache, _ = engine.prefill(ids, 8)
+    reference = complete(engine, ids, CONFIG.generation).text.strip()
     assert completions[-1].text == reference
 
     context = turns.contexts.match("default", engine.fingerprint, ids).context
@@ -71,9 +71,9 @@ def test_resent_history_reuses_the_longest_prefix_and_decodes_like_a_full_prefil
 def test_sessions_are_handles_and_tenants_never_share(engine, turns):
     first = [{"role": "user", "content": "Name a colour."}]
     done = _turn(engine, turns, first)
-    session_id = done.info["session_id"]
+    session_id = done.info.session_id
     follow = _turn(engine, turns, [{"role": "user", "content": "Another?"}], session_id=session_id)
-    assert follow.info["turn"] == 2 and follow.usage.cached_tokens >= done.usage.prompt_tokens
+    assert follow.info.turn == 2 and follow.usage.cached_tokens >= done.usage.prompt_tokens
     with pytest.raises(SessionNotFoundError):
         _turn(engine, turns, first, session_id="sess_unknown")
     with pytest.raises(SessionNotFoundError):

@@ -1,5 +1,6 @@
 """Generation on the packaged SmolLM2 against transformers generate, and the generation
-controls (stop strings, EOS, token limit, seeded sampling, top-p)."""
+controls (stop strings, EOS, token limit, seeded sampling, top-p), through the scheduler
+step every request decodes in."""
 
 from __future__ import annotations
 
@@ -7,14 +8,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from ragkv.app.generate import CollectingSink, complete
+from ragkv.app.request import FinishReason
 from ragkv.engine.generation import GenerationConfig
 from ragkv.engine.sampling import Sampler, SamplingConfig
 
 MESSAGES = [{"role": "user", "content": "Name three colours of the rainbow."}]
 
 
-def _generate(engine, config):
-    return list(engine.chat(MESSAGES, config))
+def _generate(engine, config, sink=None):
+    return complete(engine, engine.prompt.encode_messages(MESSAGES), config, sink)
 
 
 def test_greedy_matches_transformers_generate_token_for_token(engine):
@@ -22,11 +25,11 @@ def test_greedy_matches_transformers_generate_token_for_token(engine):
     reference = AutoModelForCausalLM.from_pretrained(engine.model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         expected = reference.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):].tolist()
-    events = _generate(engine, GenerationConfig(max_new_tokens=24))
-    got = [event.token_id for event in events]
-    # transformers keeps the EOS token in its output; so does the stream's last event.
+    done = _generate(engine, GenerationConfig(max_new_tokens=24))
+    got = done.token_ids
+    # transformers keeps the EOS token in its output; the completion's ids end before it.
     assert got == expected[: len(got)]
-    assert len(got) == len(expected) or events[-1].finish_reason == "eos"
+    assert len(got) == len(expected) or (done.finish_reason is FinishReason.EOS and len(got) == len(expected) - 1)
 
 
 def test_chat_template_is_applied(engine):
@@ -36,36 +39,35 @@ def test_chat_template_is_applied(engine):
 
 
 def test_max_new_tokens_and_finish_reason(engine):
-    events = _generate(engine, GenerationConfig(max_new_tokens=3))
-    assert len(events) == 3
-    assert events[-1].finish_reason == "length"
-    assert all(event.finish_reason is None for event in events[:-1])
+    done = _generate(engine, GenerationConfig(max_new_tokens=3))
+    assert len(done.token_ids) == 3 and done.usage.completion_tokens == 3
+    assert done.finish_reason is FinishReason.LENGTH and done.finish_reason.openai == "length"
 
 
 def test_stop_string_ends_generation_and_is_not_returned(engine):
-    full = "".join(e.text for e in _generate(engine, GenerationConfig(max_new_tokens=24)))
+    full = _generate(engine, GenerationConfig(max_new_tokens=24)).text
     words = full.split()
     assert len(words) >= 3, full
     stop = words[2]
-    events = _generate(engine, GenerationConfig(max_new_tokens=24, stop=(stop,)))
-    text = "".join(e.text for e in events)
-    assert events[-1].finish_reason == "stop"
-    assert stop not in text
-    assert full.startswith(text)
+    sink = CollectingSink()
+    done = _generate(engine, GenerationConfig(max_new_tokens=24, stop=(stop,)), sink)
+    assert done.finish_reason is FinishReason.STOP and done.finish_reason.openai == "stop"
+    assert stop not in done.text and done.text == "".join(sink.pieces)
+    assert full.startswith(done.text)
 
 
 def test_streamed_text_equals_decoding_all_tokens(engine):
-    events = _generate(engine, GenerationConfig(max_new_tokens=20))
-    ids = [e.token_id for e in events if e.finish_reason != "eos"]
-    assert "".join(e.text for e in events) == engine.tokenizer.decode(ids, skip_special_tokens=True)
+    sink = CollectingSink()
+    done = _generate(engine, GenerationConfig(max_new_tokens=20), sink)
+    assert "".join(sink.pieces) == done.text == engine.tokenizer.decode(done.token_ids, skip_special_tokens=True)
 
 
 def test_seeded_sampling_is_reproducible_and_differs_from_greedy(engine):
     sampled = SamplingConfig(temperature=1.2, top_p=0.95, seed=7)
-    first = [e.token_id for e in _generate(engine, GenerationConfig(max_new_tokens=12, sampling=sampled))]
-    second = [e.token_id for e in _generate(engine, GenerationConfig(max_new_tokens=12, sampling=sampled))]
+    first = _generate(engine, GenerationConfig(max_new_tokens=12, sampling=sampled)).token_ids
+    second = _generate(engine, GenerationConfig(max_new_tokens=12, sampling=sampled)).token_ids
     assert first == second
-    others = [[e.token_id for e in _generate(engine, GenerationConfig(max_new_tokens=12, sampling=SamplingConfig(1.2, 0.95, seed)))]
+    others = [_generate(engine, GenerationConfig(max_new_tokens=12, sampling=SamplingConfig(1.2, 0.95, seed))).token_ids
               for seed in (8, 9, 10)]
     assert any(other != first for other in others)
 

@@ -1,11 +1,12 @@
 """The scheduler against one-at-a-time decoding: requests of mixed prompt lengths, admitted
-at different steps and decoded in batches, give the tokens and text each gives alone."""
+at different steps and decoded in batches, give the tokens and text each gives alone, and
+the streamed text is the tokenizer's decoding of the whole answer."""
 
 from __future__ import annotations
 
 import pytest
 
-from ragkv.app.query import CollectingSink
+from ragkv.app.generate import CollectingSink, complete
 from ragkv.app.request import Phase, Prepared, Request, RequestCancelled
 from ragkv.app.scheduler import QueueFull, Scheduler, SchedulerConfig
 from ragkv.app.usage import Usage
@@ -35,20 +36,15 @@ def _request(engine, question: str, max_new_tokens: int, sink, **options) -> Req
 
 
 class RecordingSink(CollectingSink):
-    def __init__(self):
-        super().__init__()
-        self.pieces: list[str] = []
-
-    def token(self, text: str) -> None:
-        self.pieces.append(text)
+    pass
 
 
 def test_batched_decode_equals_one_at_a_time(engine):
     lengths = (24, 9, 24, 16)
     alone = []
     for question, n in zip(QUESTIONS, lengths):
-        events = list(engine.chat(_messages(question), GenerationConfig(max_new_tokens=n)))
-        alone.append(([e.token_id for e in events if e.finish_reason != "eos"], "".join(e.text for e in events)))
+        done = complete(engine, engine.prompt.encode_messages(_messages(question)), GenerationConfig(max_new_tokens=n))
+        alone.append((done.token_ids, engine.tokenizer.decode(done.token_ids, skip_special_tokens=True)))
 
     scheduler = Scheduler(engine.model, engine.tokenizer, engine.eos_token_ids, SchedulerConfig(max_running=4))
     sinks = [RecordingSink() for _ in QUESTIONS]

@@ -12,14 +12,14 @@ from ragkv.engine import Engine, EngineConfig
 from ragkv.engine.kv_storage import dense
 from ragkv.fusion import FusionConfig, FusionInput, LoadedChunk
 from ragkv.engine.generation import GenerationConfig
-from ragkv.app.rag import PreparedQuery, QueryConfig, RagPipeline
+from ragkv.app.generate import decode
 from ragkv.app.codebooks import attach_codebook, load_codebook, save_codebook
 from ragkv.sparse import A2ATSCodebook, PromptState, SparseConfig
 from ragkv.sparse.codebook import ScoringCentroids
 from ragkv.sparse.calibrate import CalibrationConfig, calibrate
 from ragkv.app.codebooks import CODEBOOK_DB
 from ragkv.sparse.prompt import unrotate_keys
-from ragkv.sparse.wiring import sparse_chunk_codes
+from ragkv.sparse.wiring import sparse_attention, sparse_chunk_codes
 from ragkv.store.errors import CorruptBlobError
 from ragkv.store.lmdb_env import LMDBEnvironment
 from ragkv.store.url import open_store
@@ -203,16 +203,15 @@ def test_recomputed_rows_get_fresh_codes(tmp_path, engine, codebook):
     assert changed > 0  # recomputation really changed some keys' codes
 
 
-def test_rag_stream_decodes_with_the_configured_selector(tmp_path, engine, codebook):
+def test_a_fused_prompt_decodes_with_the_configured_selector(tmp_path, engine, codebook):
     chunks, stored = ingest_chunks(engine, tmp_path, codebook)
-    rag = RagPipeline(engine, store=None, registry=None, embedder=None)
     generation = GenerationConfig(max_new_tokens=6)
 
     def answer(sparse):
         result = fuse(engine, chunks, "a3")
         codes = sparse_chunk_codes(engine, sparse, chunks, stored)
-        prepared = PreparedQuery(result, [], {}, "a3", codes)
-        return [event.token_id for event in rag.stream(prepared, QueryConfig(generation=generation, sparse=sparse))]
+        attention = sparse_attention(engine, sparse, result, codes)  # what a query request decodes with
+        return decode(engine, result.cache, result.logits, generation, attention).token_ids
 
     engine.codebook = codebook
     try:

@@ -1,5 +1,5 @@
 """What the model worker runs for the routes: requests for the scheduler (queries, chat
-turns) and job bodies (ingestion, deletion).
+turns, completions) and job bodies (ingestion, deletion).
 
 The query path and the chat-turn algorithm live in the application layer
 (ragkv.app.query, ragkv.app.chat); this module converts their errors to API errors and
@@ -9,18 +9,24 @@ records their metrics.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
+
+import numpy as np
 
 from ragkv.api.config import ServeConfig
 from ragkv.api.errors import as_api_error
 from ragkv.api.metrics import Metrics
+from ragkv.api.request_stream import RequestStream
 from ragkv.api.sessions import RedisSessions
 from ragkv.api.worker import Job
-from ragkv.app.chat import ChatTurn, ChatTurns
+from ragkv.app.chat import ChatInfo, ChatTurn, ChatTurns
+from ragkv.app.completion import completion_request, prompt_ids
 from ragkv.app.contexts import ContextCache
-from ragkv.app.query import query_request
+from ragkv.app.query import QueryInfo, query_request
 from ragkv.app.rag import QueryConfig
 from ragkv.app.request import Completion, Request
 from ragkv.app.runtime import Runtime
+from ragkv.engine.generation import GenerationConfig
 from ragkv.ingest.errors import InputError
 
 
@@ -35,37 +41,61 @@ class Service:
 
     # -- /v1/query ------------------------------------------------------------------
 
-    def query_job(self, question: str, tenant: str, config: QueryConfig) -> Job:
-        """A job whose request the scheduler prepares and decodes (batched with the others)."""
+    def query_stream(self, question: str, tenant: str, config: QueryConfig) -> RequestStream:
+        """A request the scheduler prepares and decodes (batched with the others)."""
         try:
             request = query_request(self.rag, question, tenant, config, max_input_tokens=self.config.max_input_tokens,
-                                    arrival=time.perf_counter(), on_finished=self._recorder("query"))
+                                    arrival=time.perf_counter(), on_finished=self._record_query)
         except InputError as error:
             raise as_api_error(error) from None
-        return Job("query", request=request)
+        return RequestStream("query", [request], self._count)
 
     # -- /v1/chat/completions -------------------------------------------------------
 
-    def chat_job(self, turn: ChatTurn, context_id: str) -> Job:
+    def chat_stream(self, turn: ChatTurn, context_id: str) -> RequestStream:
         try:
             request = self.chat.request(turn, context_id=context_id, arrival=time.perf_counter(),
-                                        on_finished=self._recorder("chat"))
+                                        on_finished=self._record_chat)
         except InputError as error:
             raise as_api_error(error) from None
-        return Job("chat", request=request)
+        return RequestStream("chat", [request], self._count)
 
-    def _recorder(self, endpoint: str):
-        def record(request: Request, completion: Completion) -> None:
-            phase = "fused" if endpoint == "query" else ("next_turn" if completion.info["turn"] > 1 else "first_turn")
-            self.metrics.ttft.labels(endpoint, phase).observe(completion.timings.ttft)
-            self.metrics.queue_wait.labels(endpoint).observe(completion.timings.queue)
-            missing = completion.info.get("missing_chunks", 0)
-            fused = completion.info.get("new_chunks", len(completion.citations))
-            self.metrics.record_usage(completion.usage, max(fused - missing, 0), missing)
-            if endpoint == "chat":
-                self.metrics.sessions_turns.labels(phase).inc()
+    # -- /v1/completions ------------------------------------------------------------
 
-        return record
+    def completion_stream(self, prompts: Sequence[str | list[int]], generation: GenerationConfig) -> RequestStream:
+        """One request per prompt; every prompt is checked before any runs."""
+        engine = self.runtime.engine
+        try:
+            all_ids = [prompt_ids(engine, prompt, generation, max_input_tokens=self.config.max_input_tokens,
+                                  where=f"prompt {index}" if len(prompts) > 1 else "the prompt")
+                       for index, prompt in enumerate(prompts)]
+        except InputError as error:
+            raise as_api_error(error) from None
+        arrival = time.perf_counter()
+        return RequestStream("completion", [completion_request(engine, ids, generation, arrival=arrival)
+                                            for ids in all_ids], self._count)
+
+    # -- metrics --------------------------------------------------------------------
+
+    def _count(self, stream: RequestStream) -> None:
+        self.metrics.jobs.labels(stream.kind, stream.outcome or "unknown").inc()
+
+    def _record_query(self, request: Request, completion: Completion) -> None:
+        info: QueryInfo = completion.info
+        self._record("query", "fused", completion)
+        self.metrics.record_usage(completion.usage, max(len(completion.citations) - info.missing_chunks, 0),
+                                  info.missing_chunks)
+
+    def _record_chat(self, request: Request, completion: Completion) -> None:
+        info: ChatInfo = completion.info
+        phase = "next_turn" if info.turn > 1 else "first_turn"
+        self._record("chat", phase, completion)
+        self.metrics.record_usage(completion.usage, info.new_chunks, 0)
+        self.metrics.sessions_turns.labels(phase).inc()
+
+    def _record(self, endpoint: str, phase: str, completion: Completion) -> None:
+        self.metrics.ttft.labels(endpoint, phase).observe(completion.timings.ttft)
+        self.metrics.queue_wait.labels(endpoint).observe(completion.timings.queue)
 
     # -- ingestion and deletion -----------------------------------------------------
 
@@ -82,6 +112,19 @@ class Service:
             result = self.runtime.ingestor.ingest_text(text, name, tenant=tenant, metadata=metadata, progress=on_progress)
             return result
             yield  # a generator: the whole ingestion is one step (it yields to queries via checkpoint)
+
+        return body
+
+    def embeddings_body(self, texts: list[str]):
+        """(vectors [n, dimension] float32 unit rows, tokens read) for the texts."""
+        embedder = self.runtime.embedder
+
+        def body(job: Job):
+            tokenizer = embedder.model.tokenizer
+            tokens = sum(len(ids) for ids in tokenizer(texts, add_special_tokens=True)["input_ids"])
+            vectors = np.asarray(embedder.embed_passages(texts), dtype=np.float32)
+            return vectors, tokens
+            yield  # a generator: embedding is one step
 
         return body
 

@@ -1,9 +1,10 @@
-"""Awaiting worker jobs from request handlers: disconnects cancel the job, errors map to 4xx.
+"""Awaiting the worker from request handlers: disconnects cancel the work, errors map to 4xx.
 
-Non-streaming requests race the job against the client's disconnect. Streaming requests
-first await the job's first item (so a bad request still gets a proper 4xx status), then
-stream the rest as server-sent events; when the client goes away Starlette cancels the
-stream and the `finally` cancels the job, which the worker drops before its next token.
+Non-streaming requests race the work against the client's disconnect. Streaming requests
+first await the first event of their requests (so a bad request still gets a proper 4xx
+status), then stream the rest as server-sent events; when the client goes away Starlette
+cancels the stream and the `finally` cancels the requests, which the scheduler drops
+before their next token.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from typing import Any
 from fastapi import Request
 
 from ragkv.api.errors import ApiError, ClientGone, as_api_error, error_body, request_id_of
+from ragkv.api.request_stream import RequestStream, StreamEvent
 from ragkv.api.worker import Job, JobCancelled, ModelWorker
+from ragkv.app.request import Completion, RequestCancelled
 
 log = logging.getLogger("ragkv.api")
 
@@ -34,7 +37,7 @@ def _client_error(error: BaseException) -> BaseException:
     mapped = as_api_error(error)
     if mapped is not None:
         return mapped
-    if isinstance(error, JobCancelled):
+    if isinstance(error, (JobCancelled, RequestCancelled)):
         return ApiError(503, "cancelled", "the request was cancelled (server shutting down?)")
     return error  # unexpected: the 500 handler logs it
 
@@ -55,51 +58,62 @@ async def _race(request: Request, awaitable) -> Any:
     return task.result()
 
 
-async def run_job(request: Request, worker: ModelWorker, job: Job) -> Any:
-    """Submit `job` and return its result; cancel it if the client disconnects first."""
-    worker.submit(job)
+async def _awaited(request: Request, work: Job | RequestStream) -> Any:
     try:
-        return await _race(request, job.wait())
-    except ClientGone:
-        job.cancel()
-        raise
-    except asyncio.CancelledError:
-        job.cancel()
+        return await _race(request, work.wait())
+    except (ClientGone, asyncio.CancelledError):
+        work.cancel()
         raise
     except Exception as error:
         raise _client_error(error) from None
 
 
-class JobStream:
-    """A submitted job whose first item has arrived; iterate `rest()` for the others."""
+async def run_job(request: Request, worker: ModelWorker, job: Job) -> Any:
+    """Submit `job` and return its result; cancel it if the client disconnects first."""
+    worker.submit(job)
+    return await _awaited(request, job)
 
-    def __init__(self, job: Job, iterator: AsyncIterator[Any], first: Any):
-        self.job = job
+
+async def run_requests(request: Request, worker: ModelWorker, stream: RequestStream) -> list[Completion]:
+    """Submit the stream's requests and return their completions; cancel them if the
+    client disconnects first."""
+    worker.submit_requests(stream)
+    return await _awaited(request, stream)
+
+
+class EventStream:
+    """A submitted request stream whose first event has arrived; iterate `rest()` for the others."""
+
+    def __init__(self, stream: RequestStream, iterator: AsyncIterator[StreamEvent], first: StreamEvent | None):
+        self.stream = stream
         self._iterator = iterator
         self.first = first
 
     @classmethod
-    async def start(cls, request: Request, worker: ModelWorker, job: Job) -> "JobStream":
-        worker.submit(job)
-        iterator = job.items().__aiter__()
+    async def start(cls, request: Request, worker: ModelWorker, stream: RequestStream) -> "EventStream":
+        worker.submit_requests(stream)
+        iterator = stream.events().__aiter__()
         try:
             first = await _race(request, iterator.__anext__())
         except StopAsyncIteration:
-            return cls(job, iterator, None)
+            return cls(stream, iterator, None)
         except (ClientGone, asyncio.CancelledError):
-            job.cancel()
+            stream.cancel()
             raise
         except Exception as error:
             raise _client_error(error) from None
-        return cls(job, iterator, first)
+        return cls(stream, iterator, first)
 
-    async def rest(self) -> AsyncIterator[Any]:
-        async for item in self._iterator:
-            yield item
+    async def rest(self) -> AsyncIterator[StreamEvent]:
+        async for event in self._iterator:
+            yield event
 
     @property
-    def result(self) -> Any:
-        return getattr(self.job, "result", None)
+    def completions(self) -> list[Completion]:
+        return self.stream.completions
+
+    def cancel(self) -> None:
+        self.stream.cancel()
 
 
 def sse(data: Any) -> str:
@@ -107,15 +121,16 @@ def sse(data: Any) -> str:
     return f"data: {payload}\n\n"
 
 
-async def sse_events(request: Request, stream: JobStream, render: Callable[[str, Any], list[Any]],
-                     finish: Callable[[Any], list[Any]]) -> AsyncIterator[str]:
-    """SSE body: `render(kind, value)` for each item, `finish(result)` at the end, then
-    [DONE]. An error mid-stream becomes one error event (the status line is already sent)."""
+async def sse_events(request: Request, stream: EventStream, render: Callable[[StreamEvent], list[Any]],
+                     finish: Callable[[list[Completion]], list[Any]]) -> AsyncIterator[str]:
+    """SSE body: `render(event)` for each event after the first, `finish(completions)` at
+    the end, then [DONE]. An error mid-stream becomes one error event (the status line is
+    already sent)."""
     try:
-        async for kind, value in stream.rest():
-            for event in render(kind, value):
+        async for item in stream.rest():
+            for event in render(item):
                 yield sse(event)
-        for event in finish(stream.result):
+        for event in finish(stream.completions):
             yield sse(event)
         yield sse("[DONE]")
     except asyncio.CancelledError:
@@ -129,4 +144,4 @@ async def sse_events(request: Request, stream: JobStream, render: Callable[[str,
             log.error("stream %s failed", request_id, exc_info=error)
             yield sse(error_body(500, "internal_error", f"internal error; quote request id {request_id} to the operator", request_id))
     finally:
-        stream.job.cancel()  # no-op when it finished; frees the worker when the client left
+        stream.cancel()  # no-op when it finished; frees the worker when the client left

@@ -1,13 +1,12 @@
 """The model worker: one thread owns the engine; requests reach it through a queue.
 
-Two kinds of work, both seen by the event loop as a `Job` (an asyncio queue of what the
-work yields, then its result or error):
-  model requests  queries and chat turns: an application `Request` run by the
+Two kinds of work:
+  model requests  queries, chat turns and completions: application `Request`s run by the
                   `Scheduler` (ragkv.app.scheduler), which prepares one request at a time
                   and decodes all running ones in one batched forward pass per step; the
-                  job is the request's sink.
-  job bodies      deletions and ingestion: a generator function run on the worker
-                  thread, one `next()` per unit of work.
+                  event loop sees them through a `RequestStream` (api.request_stream).
+  job bodies      deletions, embeddings and ingestion: a generator function run on the
+                  worker thread, one `next()` per unit of work, seen as a `Job`.
 
 Each round of the worker steps the interactive job bodies once and the scheduler once.
 Background jobs (ingestion) run one at a time when nothing interactive is waiting or
@@ -25,12 +24,14 @@ import itertools
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Generator
 from typing import Any
 
 from ragkv.api.errors import QueueFullError
-from ragkv.app.request import Completion, Request, RequestCancelled
+from ragkv.api.request_stream import RequestStream
+from ragkv.app.request import Request
 from ragkv.app.scheduler import Scheduler
 
 log = logging.getLogger("ragkv.api.worker")
@@ -46,14 +47,8 @@ class JobCancelled(Exception):
 class Job:
     """One unit of work for the worker, created on the event loop thread."""
 
-    def __init__(self, kind: str, body: Callable[["Job"], Generator[Any, None, Any]] | None = None, *,
-                 interactive: bool = True, request: Request | None = None):
-        if (body is None) == (request is None):
-            raise ValueError("a job runs either a body or a model request")
+    def __init__(self, kind: str, body: Callable[["Job"], Generator[Any, None, Any]], *, interactive: bool = True):
         self.id = next(_ids)
-        self.request = request
-        if request is not None:
-            request.sink = self
         self.kind = kind
         self.interactive = interactive
         self._body = body
@@ -65,7 +60,6 @@ class Job:
         self.started_at: float | None = None
         self.done = False
         self.outcome: str | None = None
-        self._on_end: Callable[["Job"], None] | None = None
 
     # -- event loop side -----------------------------------------------------------
 
@@ -141,30 +135,6 @@ class Job:
         self.outcome = outcome
         self._emit(kind, value)
 
-    # -- worker side, as a scheduler request's sink ----------------------------------
-
-    def started(self, info: dict) -> None:
-        self._emit(_ITEM, ("prepared", info))
-
-    def token(self, text: str) -> None:
-        self._emit(_ITEM, ("token", text))
-
-    def finished(self, completion: Completion) -> None:
-        self._end("ok", _DONE, completion)
-
-    def failed(self, error: BaseException) -> None:
-        if isinstance(error, RequestCancelled):
-            self._end("cancelled", _ERROR, JobCancelled(str(error)))
-        else:
-            self._end("error", _ERROR, error)
-
-    def _end(self, outcome: str, kind: str, value: Any) -> None:
-        self.done = True
-        self.outcome = outcome
-        self._emit(kind, value)
-        if self._on_end is not None:
-            self._on_end(self)
-
     def check_cancelled(self) -> None:
         """For long bodies (ingestion) to call between units of work."""
         if self._cancelled.is_set():
@@ -184,7 +154,7 @@ class ModelWorker:
         self._background: deque[Job] = deque()
         self._active: list[Job] = []
         self._inbox: list[Request] = []
-        self._requests: list[Job] = []
+        self._streams: weakref.WeakSet[RequestStream] = weakref.WeakSet()
         self._stopping = False
         self._in_background = False
         self._thread: threading.Thread | None = None
@@ -207,15 +177,13 @@ class ModelWorker:
     def stop(self, timeout: float = 10.0) -> None:
         with self._cond:
             self._stopping = True
-            for job in itertools.chain(self._interactive, self._background, self._active, self._requests):
+            for job in itertools.chain(self._interactive, self._background, self._active, list(self._streams)):
                 job.cancel()
             self._cond.notify_all()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
     def submit(self, job: Job) -> Job:
-        if job.request is not None:
-            return self._submit_request(job)
         with self._cond:
             if self._stopping:
                 raise QueueFullError(0)
@@ -226,8 +194,8 @@ class ModelWorker:
             self._cond.notify_all()
         return job
 
-    def _submit_request(self, job: Job) -> Job:
-        """Hand a job's model request to the scheduler; the job is its sink."""
+    def submit_requests(self, stream: RequestStream) -> RequestStream:
+        """Hand a stream's requests to the scheduler."""
         if self.scheduler is None:
             raise RuntimeError("this worker has no scheduler")
         with self._cond:
@@ -236,17 +204,10 @@ class ModelWorker:
                 raise QueueFullError(0)
             if waiting >= self.max_queued:
                 raise QueueFullError(waiting)
-            job.started_at = time.perf_counter()
-            job._on_end = self._request_ended
-            self._requests.append(job)
-            self._inbox.append(job.request)
+            self._streams.add(stream)
+            self._inbox.extend(stream.requests)
             self._cond.notify_all()
-        return job
-
-    def _request_ended(self, job: Job) -> None:
-        with self._cond:
-            self._requests.remove(job)
-        self._finished(job)
+        return stream
 
     def _waiting(self) -> int:
         scheduled = len(self.scheduler.waiting) if self.scheduler is not None else 0

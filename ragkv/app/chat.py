@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,7 +32,7 @@ from ragkv.app.contexts import Context, ContextCache, Insertion, new_context_id
 from ragkv.app.conversation import Conversation, common_prefix, continue_conversation, render_conversation
 from ragkv.app.query import CHUNK_TOKENS_ESTIMATE, check_input_tokens
 from ragkv.app.rag import QueryConfig, RagPipeline
-from ragkv.app.request import Completion, Prepared, Request
+from ragkv.app.request import Completion, Prepared, Request, RequestInfo
 from ragkv.app.usage import Usage
 from ragkv.engine.kv_cache import KVCache
 from ragkv.engine.prompt import RAG_INSTRUCTION
@@ -56,6 +56,20 @@ class ChatTurn:
     """Continue this session (an error when unknown); None = match any cached context."""
     rag: bool
     config: QueryConfig
+
+
+@dataclass
+class ChatInfo(RequestInfo):
+    session_id: str = ""
+    """The context the turn leaves: its session, or the anonymous context's id."""
+    turn: int = 1
+    """The turn's number in its conversation."""
+    new_chunks: int = 0
+    """Chunks fused for this turn (not held by the context it started from)."""
+    context_tokens: int = 0
+    """Prompt rows taken from a cached context."""
+    session: dict = field(default_factory=dict)
+    """The saved context's summary (Context.summary), once the turn finished."""
 
 
 @dataclass
@@ -133,8 +147,7 @@ class _TurnState:
             cache, logits, usage, strategy = self._fuse(request, conversation, cache, new)
         else:
             cache, logits, usage, strategy = self._prefill(request, conversation, cache)
-        info = {"session_id": self.context_id, "turn": self.number, "new_chunks": len(new),
-                "context_tokens": context_rows}
+        info = ChatInfo(self.context_id, self.number, len(new), context_rows)
         return Prepared(cache, logits, usage, strategy, citations, None, info)
 
     def _base_and_conversation(self) -> Conversation:
@@ -260,7 +273,7 @@ class _TurnState:
             if self.base.held:
                 contexts.release(base.tenant, base.id, None)
             contexts.put(context)
-        completion.info["session"] = context.summary()
+        completion.info.session = context.summary()
         if self._on_finished is not None:
             self._on_finished(request, completion)
 

@@ -7,11 +7,11 @@ scheduler of its own, alone.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from ragkv.app.generate import run_alone
 from ragkv.app.rag import Citation, QueryConfig, RagPipeline
-from ragkv.app.request import Completion, Prepared, Request, RequestSink
-from ragkv.app.scheduler import Scheduler
+from ragkv.app.request import Completion, FinishReason, Prepared, Request, RequestInfo, RequestSink
 from ragkv.app.usage import Usage
 from ragkv.engine import Engine
 from ragkv.ingest.errors import InputError
@@ -19,6 +19,14 @@ from ragkv.sparse.wiring import sparse_attention
 
 CHUNK_TOKENS_ESTIMATE = 512
 """KV rows one retrieved chunk is assumed to take when a request is admitted."""
+
+
+@dataclass
+class QueryInfo(RequestInfo):
+    chunk_hashes: list[str] = field(default_factory=list)
+    """Token hashes of the fused chunks, in prompt order."""
+    missing_chunks: int = 0
+    """Chunks the store could not give (computed for this request)."""
 
 
 def check_input_tokens(engine: Engine, text: str, limit: int | None, what: str) -> int:
@@ -50,39 +58,17 @@ def query_request(rag: RagPipeline, question: str, tenant: str, config: QueryCon
         attention = sparse_attention(engine, config.sparse, fusion, prepared.chunk_codes)
         usage = Usage.of_fusion(fusion, recomputed_chunks=prepared.recomputed_chunks)
         return Prepared(fusion.cache, fusion.logits, usage, prepared.strategy, prepared.citations, attention,
-                        {"chunk_hashes": prepared.chunk_hashes, "missing_chunks": len(prepared.recomputed_chunks)})
+                        QueryInfo(prepared.chunk_hashes, len(prepared.recomputed_chunks)))
 
     estimate = len(engine.chunk_prefix_ids) + question_tokens + config.top_k * CHUNK_TOKENS_ESTIMATE
     return Request("query", prepare, config.generation, sink, estimated_tokens=estimate, arrival=arrival,
                    on_finished=on_finished)
 
 
-class CollectingSink:
-    """A sink that keeps the completion (for callers that run a scheduler themselves)."""
-
-    cancelled = False
-
-    def __init__(self):
-        self.completion: Completion | None = None
-        self.error: BaseException | None = None
-
-    def started(self, info: dict) -> None:
-        pass
-
-    def token(self, text: str) -> None:
-        pass
-
-    def finished(self, completion: Completion) -> None:
-        self.completion = completion
-
-    def failed(self, error: BaseException) -> None:
-        self.error = error
-
-
 @dataclass
 class Answer:
     text: str
-    finish_reason: str
+    finish_reason: FinishReason
     citations: list[Citation]
     usage: Usage
     timings: dict[str, float]
@@ -90,19 +76,12 @@ class Answer:
 
     def to_dict(self) -> dict:
         """The fields and names of the API's /v1/query answer."""
-        return {"object": "query", "answer": self.text, "finish_reason": self.finish_reason, "strategy": self.strategy,
+        return {"object": "query", "answer": self.text, "finish_reason": self.finish_reason.value, "strategy": self.strategy,
                 "citations": [citation.to_dict() for citation in self.citations], "usage": self.usage.to_dict(),
                 "timings": self.timings}
 
 
 def ask(rag: RagPipeline, question: str, tenant: str = "default", config: QueryConfig = QueryConfig()) -> Answer:
     """Answer one question through the same scheduler path the server uses."""
-    engine = rag.engine
-    sink = CollectingSink()
-    scheduler = Scheduler(engine.model, engine.tokenizer, engine.eos_token_ids)
-    scheduler.add(query_request(rag, question, tenant, config, sink))
-    scheduler.run_until_done()
-    if sink.error is not None:
-        raise sink.error
-    done = sink.completion
+    done = run_alone(rag.engine, query_request(rag, question, tenant, config))
     return Answer(done.text, done.finish_reason, done.citations, done.usage, done.timings.to_dict(), done.strategy)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from ragkv.ingest.embedder import Embedder
@@ -18,9 +17,9 @@ from ragkv.ingest.registry import ChunkRecord, DocumentRecord, Registry, check_t
 from ragkv.engine import Engine
 from ragkv.fusion import FusionConfig, FusionInput, FusionResult, LoadedChunk
 from ragkv.fusion.layout import Layout
-from ragkv.engine.generation import GenerationConfig, TokenEvent
+from ragkv.engine.generation import GenerationConfig
 from ragkv.sparse import SparseConfig
-from ragkv.sparse.wiring import sparse_attention, sparse_chunk_codes
+from ragkv.sparse.wiring import sparse_chunk_codes
 from ragkv.store.base import ChunkStore
 from ragkv.store.keys import ChunkKey
 
@@ -182,8 +181,3 @@ class RagPipeline:
             raise InputError("snapkv_capacity_too_small",
                              f"snapkv_capacity is {capacity}, below the {fixed} prefix and question rows SnapKV must "
                              f"keep; ask for at least {fixed} (or none)")
-
-    def stream(self, prepared: PreparedQuery, config: QueryConfig) -> Iterator[TokenEvent]:
-        fusion = prepared.fusion
-        attention = sparse_attention(self.engine, config.sparse, fusion, prepared.chunk_codes)
-        return self.engine.stream(fusion.cache, fusion.logits, config.generation, attention)

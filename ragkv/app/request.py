@@ -3,14 +3,18 @@
     WAITING ─► PREPARING (retrieve, load, fuse / prefill: the request's `prepare`) ─►
     DECODING (one row of the batched decode step per token) ─► FINISHED
 
-What a request produces goes to its `RequestSink` (the API's job, or a collector for the
-CLI): `started` once the first token's logits exist, `token` per piece of text,
-`finished` with the `Completion`, or `failed`. A sink whose client went away reports
-`cancelled`; the scheduler then drops the request and its cache.
+What a request produces goes to its `RequestSink` (the API's request stream, or a
+collector for the CLI): `started` once the first token's logits exist, `token` per piece
+of text, `finished` with the `Completion`, or `failed`. A sink whose client went away
+reports `cancelled`; the scheduler then drops the request and its cache.
+
+Every kind of request (a RAG query, a chat turn, a plain completion) is one `Request`
+with its own `prepare`; what a kind reports beyond the shared fields is its `RequestInfo`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import itertools
 import time
@@ -37,15 +41,48 @@ class Phase(enum.Enum):
     FINISHED = "finished"
 
 
+class FinishReason(enum.Enum):
+    """Why a request stopped generating."""
+
+    EOS = "eos"
+    """The model ended its answer (an end-of-sequence token)."""
+    STOP = "stop"
+    """A stop string was reached (it is not part of the text)."""
+    LENGTH = "length"
+    """max_new_tokens were generated."""
+
+    @property
+    def openai(self) -> str:
+        """OpenAI's finish_reason: it does not tell an end-of-sequence token from a stop string."""
+        return "length" if self is FinishReason.LENGTH else "stop"
+
+
 class RequestCancelled(Exception):
     """The request's client went away (or the server is stopping); its work was dropped."""
+
+
+@dataclass
+class RequestInfo:
+    """What one kind of request reports beside the shared fields; each kind subclasses it
+    (ragkv.app.query.QueryInfo, ragkv.app.chat.ChatInfo)."""
+
+
+@dataclass(frozen=True)
+class Started:
+    """What a request reports once its prompt is ready (before its first token)."""
+
+    citations: list
+    strategy: str
+    timings: Timings
+    """A copy, taken when the request started."""
+    info: RequestInfo | None
 
 
 class RequestSink(Protocol):
     @property
     def cancelled(self) -> bool: ...
 
-    def started(self, info: dict) -> None: ...
+    def started(self, started: Started) -> None: ...
 
     def token(self, text: str) -> None: ...
 
@@ -65,20 +102,19 @@ class Prepared:
     citations: list = field(default_factory=list)
     attention: DecodeAttention | None = None
     """Sparse decode attention for this request; None = dense."""
-    info: dict = field(default_factory=dict)
-    """Extra fields reported with the first token and the completion (session, ...)."""
+    info: RequestInfo | None = None
+    """What the request's kind reports with the first token and the completion."""
 
 
 @dataclass
 class Completion:
     text: str
-    finish_reason: str
-    """'eos', 'stop' or 'length'."""
+    finish_reason: FinishReason
     citations: list
     usage: Usage
     timings: Timings
     strategy: str
-    info: dict = field(default_factory=dict)
+    info: RequestInfo | None = None
     token_ids: list[int] = field(default_factory=list)
 
 
@@ -86,7 +122,9 @@ class Request:
     def __init__(self, kind: str, prepare: Callable[["Request"], Prepared], generation: GenerationConfig,
                  sink: RequestSink | None = None, *, estimated_tokens: int = 0, arrival: float | None = None,
                  on_finished: Callable[["Request", Completion], None] | None = None,
-                 on_dropped: Callable[["Request"], None] | None = None):
+                 on_dropped: Callable[["Request"], None] | None = None, strip_text: bool = True):
+        """`strip_text`: the completion's text loses its surrounding white space (answers),
+        or is kept as generated (a plain completion continues its prompt exactly)."""
         self.id = next(_ids)
         self.kind = kind
         self.phase = Phase.WAITING
@@ -105,6 +143,7 @@ class Request:
         self._on_finished = on_finished
         self._on_dropped = on_dropped
         self._decode_started = 0.0
+        self._strip_text = strip_text
 
     @property
     def cache(self) -> KVCache | None:
@@ -129,12 +168,17 @@ class Request:
     def first_token_sent(self) -> None:
         self.timings.ttft = time.perf_counter() - self.arrival
 
-    def finish(self, finish_reason: str) -> Completion:
+    def started(self) -> Started:
+        prepared = self.prepared
+        return Started(prepared.citations, prepared.strategy, dataclasses.replace(self.timings), prepared.info)
+
+    def finish(self, finish_reason: FinishReason) -> Completion:
         prepared = self.prepared
         self.phase = Phase.FINISHED
         self.timings.decode = time.perf_counter() - self._decode_started
         prepared.usage.completion_tokens = len(self.output_ids)
-        completion = Completion(self.detokenizer.text.strip(), finish_reason, prepared.citations, prepared.usage,
+        text = self.detokenizer.text.strip() if self._strip_text else self.detokenizer.text
+        completion = Completion(text, finish_reason, prepared.citations, prepared.usage,
                                 self.timings, prepared.strategy, prepared.info, list(self.output_ids))
         if self._on_finished is not None:
             self._on_finished(self, completion)

@@ -19,7 +19,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
-from ragkv.app.request import Request, RequestCancelled
+from ragkv.app.request import FinishReason, Request, RequestCancelled
 from ragkv.engine.model import CausalLM
 
 log = logging.getLogger("ragkv.app.scheduler")
@@ -99,8 +99,7 @@ class Scheduler:
             self._drop(request, error)
             return
         self.running.append(request)
-        request.sink.started({"citations": request.prepared.citations, "strategy": request.prepared.strategy,
-                              "timings": request.timings.to_dict(), **request.prepared.info})
+        request.sink.started(request.started())
 
     def _decode(self) -> None:
         continuing = []
@@ -131,20 +130,20 @@ class Scheduler:
         token = request.sampler(request.pending_logits)
         first = not request.output_ids and request.timings.ttft is None
         if token in self.eos_token_ids:
-            return self._finish(request, "eos", request.detokenizer.rest(), first)
+            return self._finish(request, FinishReason.EOS, request.detokenizer.rest(), first)
         request.output_ids.append(token)
         delta, stopped = request.detokenizer.push(token)
         if stopped:
-            return self._finish(request, "stop", delta, first)
+            return self._finish(request, FinishReason.STOP, delta, first)
         if len(request.output_ids) >= request.generation.max_new_tokens:
-            return self._finish(request, "length", delta + request.detokenizer.rest(), first)
+            return self._finish(request, FinishReason.LENGTH, delta + request.detokenizer.rest(), first)
         if first:
             request.first_token_sent()
         if delta:
             request.sink.token(delta)
         return True
 
-    def _finish(self, request: Request, reason: str, delta: str, first: bool) -> bool:
+    def _finish(self, request: Request, reason: FinishReason, delta: str, first: bool) -> bool:
         if first:
             request.first_token_sent()
         if delta:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ragkv.app.generate import decode
 from ragkv.app.runtime import Runtime
 from ragkv.bench.datasets import Example
 from ragkv.bench.metrics import kl_divergence, normalize_answer, token_f1
@@ -73,7 +74,7 @@ def _ingest_passages(runtime: Runtime, examples: list[Example], progress: Callab
 
 def _decode(runtime: Runtime, result: FusionResult, max_new_tokens: int) -> str:
     config = GenerationConfig(max_new_tokens=max_new_tokens)
-    return "".join(event.text for event in runtime.engine.stream(result.cache, result.logits, config)).strip()
+    return decode(runtime.engine, result.cache, result.logits, config).text.strip()
 
 
 class _Runner:

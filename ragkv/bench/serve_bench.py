@@ -156,7 +156,7 @@ def bench_decode(batches: list[int], prompt_tokens: int, steps: int, progress: C
     """Aggregate decode tokens/s with B requests in the scheduler's batched decode step."""
     import torch
 
-    from ragkv.app.query import CollectingSink
+    from ragkv.app.generate import CollectingSink
     from ragkv.app.request import Prepared, Request
     from ragkv.app.scheduler import Scheduler, SchedulerConfig
     from ragkv.app.usage import Usage

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ragkv.app.generate import decode
 from ragkv.bench.datasets import Example
 from ragkv.engine.spec_string import split_spec
 from ragkv.bench.metrics import token_f1
@@ -112,8 +113,7 @@ def build(config: SparseConfig | None, engine: Engine, cache: KVCache, ids, pref
 
 
 def decode_answer(engine: Engine, cache: KVCache, logits: torch.Tensor, attention, max_new_tokens: int) -> str:
-    events = engine.stream(cache, logits, GenerationConfig(max_new_tokens=max_new_tokens), attention)
-    return "".join(event.text for event in events).strip()
+    return decode(engine, cache, logits, GenerationConfig(max_new_tokens=max_new_tokens), attention).text.strip()
 
 
 DENSE_REFERENCE = SparseConfig(selector="dense")

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from ragkv.app.generate import decode
 from ragkv.bench.datasets import Example
 from ragkv.bench.metrics import kl_divergence, token_f1
 from ragkv.engine import Engine
@@ -107,8 +108,8 @@ def run_format_fidelity_bench(engine: Engine, examples: list[Example], formats: 
                 fusion_input = FusionInput(segments.prefix_ids, [chunk for chunk, _ in stored[name]],
                                            segments.question_ids, len(engine.chunk_prefix_ids), segments.question_text_span)
                 result = strategy.fuse(engine.model, fusion_input, engine.chunk_prefix_cache(), max_new_tokens)
-                answer = "".join(event.text for event in engine.stream(
-                    result.cache, result.logits, GenerationConfig(max_new_tokens=max_new_tokens))).strip()
+                answer = decode(engine, result.cache, result.logits,
+                                GenerationConfig(max_new_tokens=max_new_tokens)).text.strip()
                 outcomes[name] = (result.logits, answer)
             reference_logits, reference_answer = outcomes[REFERENCE_FORMAT]
             for name in formats:

@@ -7,17 +7,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from transformers import AutoTokenizer
 
 from ragkv.engine.fingerprint import model_fingerprint
-from ragkv.engine.generation import GenerationConfig, TokenEvent, stream_tokens
 from ragkv.engine.kv_cache import KVCache
 from ragkv.engine.kv_storage import KV_STORAGE_FORMATS
-from ragkv.engine.model import CausalLM, DecodeAttention
+from ragkv.engine.model import CausalLM
 from ragkv.engine.model_files import resolve_model_dir
 from ragkv.engine.numerics import DTYPES, WEIGHT_FORMATS, Numerics, resolve_numerics
 from ragkv.engine.prompt import DEFAULT_SYSTEM_PROMPT, ChatPrompt
@@ -129,22 +127,8 @@ class Engine:
             tensors.update(self.codebook.chunk_tensors(self.kv_format.dense_keys(tensors, torch.float32)))
         return tensors
 
-    def stream(
-        self,
-        cache: KVCache,
-        first_logits: torch.Tensor,
-        config: GenerationConfig,
-        attention: DecodeAttention | None = None,
-    ) -> Iterator[TokenEvent]:
-        return stream_tokens(self.model, self.tokenizer, cache, first_logits, config, attention)
-
     def prefill(self, token_ids: list[int], extra_capacity: int = 0) -> tuple[KVCache, torch.Tensor]:
         """Plain full prefill of a prompt into a fresh cache sized for the answer too."""
         cache = self.model.new_cache(len(token_ids) + extra_capacity)
         logits = self.model.prefill(torch.tensor(token_ids), cache)
         return cache, logits
-
-    def chat(self, messages: list[dict[str, str]], config: GenerationConfig = GenerationConfig()) -> Iterator[TokenEvent]:
-        """Stream an answer to chat messages with a plain prefill (no retrieval)."""
-        cache, logits = self.prefill(self.prompt.encode_messages(messages), config.max_new_tokens)
-        return self.stream(cache, logits, config)

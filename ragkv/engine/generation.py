@@ -1,15 +1,14 @@
-"""Streaming generation from a prefilled cache: stop strings, EOS, token limits."""
+"""What a request asks of generation: token limit, sampling, stop strings.
+
+Generation itself is the application's scheduler step (ragkv.app.scheduler): every kind
+of request decodes there, batched, with one incremental detokenizer.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import torch
-
-from ragkv.engine.kv_cache import KVCache
-from ragkv.engine.model import CausalLM, DecodeAttention
-from ragkv.engine.sampling import Sampler, SamplingConfig
+from ragkv.engine.sampling import SamplingConfig
 
 
 @dataclass(frozen=True)
@@ -25,81 +24,3 @@ class GenerationConfig:
             raise ValueError(f"max_new_tokens must be in [1, 32768], got {self.max_new_tokens}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
-
-
-@dataclass
-class TokenEvent:
-    """One step of a stream: the new token, the text it completes (may be empty while a
-    possible stop string or a partial UTF-8 character is held back), and, on the last
-    event, why generation ended ('stop', 'eos' or 'length')."""
-
-    token_id: int | None
-    text: str
-    finish_reason: str | None = None
-
-
-class _TextTracker:
-    """Turns a growing token list into text deltas, holding back what may still become a
-    stop string or an incomplete multi-byte character."""
-
-    def __init__(self, tokenizer, stop: tuple[str, ...]):
-        self.tokenizer = tokenizer
-        self.stop = stop
-        self.token_ids: list[int] = []
-        self.emitted = 0
-
-    def push(self, token_id: int) -> tuple[str, bool]:
-        self.token_ids.append(token_id)
-        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        for stop in self.stop:
-            at = text.find(stop)
-            if at != -1:
-                delta = text[self.emitted : at] if at > self.emitted else ""
-                self.emitted = max(self.emitted, at)
-                return delta, True
-        safe = len(text)
-        while safe > self.emitted and text[safe - 1] == "\ufffd":
-            safe -= 1
-        for stop in self.stop:
-            for keep in range(min(len(stop) - 1, safe - self.emitted), 0, -1):
-                if text[safe - keep : safe] == stop[:keep]:
-                    safe -= keep
-                    break
-        delta = text[self.emitted : safe]
-        self.emitted = safe
-        return delta, False
-
-    def rest(self) -> str:
-        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        delta = text[self.emitted :]
-        self.emitted = len(text)
-        return delta
-
-
-def stream_tokens(
-    model: CausalLM,
-    tokenizer,
-    cache: KVCache,
-    first_logits: torch.Tensor,
-    config: GenerationConfig,
-    attention: DecodeAttention | None = None,
-) -> Iterator[TokenEvent]:
-    """Yield tokens decoded from `cache`, whose last row produced `first_logits`."""
-    sampler = Sampler(config.sampling)
-    eos = set(model.spec.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
-    tracker = _TextTracker(tokenizer, config.stop)
-    logits = first_logits
-    for step in range(config.max_new_tokens):
-        token = sampler(logits)
-        if token in eos:
-            yield TokenEvent(token, tracker.rest(), "eos")
-            return
-        delta, stopped = tracker.push(token)
-        if stopped:
-            yield TokenEvent(token, delta, "stop")
-            return
-        if step + 1 == config.max_new_tokens:
-            yield TokenEvent(token, delta + tracker.rest(), "length")
-            return
-        yield TokenEvent(token, delta)
-        logits = model.decode_step(token, cache, attention)

@@ -40,14 +40,12 @@ from ragkv.api.schemas import (DEFAULT_MAX_TOKENS, SESSION_ID_PATTERN, ChatRag, 
 from ragkv.api.sessions import check_session_id
 from ragkv.api.sources import sources_block
 from ragkv.api.state import app_state
-from ragkv.api.streaming import JobStream, run_job, sse, sse_events
-from ragkv.app.chat import ChatTurn
+from ragkv.api.streaming import EventStream, run_requests, sse, sse_events
+from ragkv.app.chat import ChatInfo, ChatTurn
 from ragkv.app.contexts import new_context_id
 from ragkv.app.request import Completion
 
 router = APIRouter(tags=["chat"])
-
-_FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
 def _messages(body: ChatRequest) -> list[dict[str, str]]:
@@ -63,11 +61,11 @@ def _messages(body: ChatRequest) -> list[dict[str, str]]:
 
 
 def _rag_extension(completion: Completion, session_id: str) -> dict:
-    info = completion.info
-    return {"session_id": session_id, "turn": info["turn"], "strategy": completion.strategy,
-            "new_chunks": info["new_chunks"], "context_tokens": info["context_tokens"],
+    info: ChatInfo = completion.info
+    return {"session_id": session_id, "turn": info.turn, "strategy": completion.strategy,
+            "new_chunks": info.new_chunks, "context_tokens": info.context_tokens,
             "citations": [c.to_dict() for c in completion.citations],
-            "timings": completion.timings.to_dict(), "session": info.get("session")}
+            "timings": completion.timings.to_dict(), "session": info.session}
 
 
 @router.post("/v1/chat/completions", responses={
@@ -89,7 +87,7 @@ async def chat_completions(request: Request, body: ChatRequest):
     max_tokens = body.max_completion_tokens or body.max_tokens or DEFAULT_MAX_TOKENS
     generation = generation_config(max_tokens, body.temperature, body.top_p, body.seed, body.stop, state.config)
     config = query_config(rag, generation, state.config)
-    job = state.service.chat_job(ChatTurn(tenant, messages, session_id if named else None, rag.enabled, config),
+    work = state.service.chat_stream(ChatTurn(tenant, messages, session_id if named else None, rag.enabled, config),
                                  session_id)
     completion_id = "chatcmpl-" + uuid.uuid4().hex[:24]
     created = int(time.time())
@@ -99,28 +97,29 @@ async def chat_completions(request: Request, body: ChatRequest):
         return sources_block([c.to_dict() for c in outcome.citations], session_id)
 
     if not body.stream:
-        outcome: Completion = await run_job(request, state.worker, job)
+        [outcome] = await run_requests(request, state.worker, work)
         content = outcome.text + (sources(outcome) if body.sources else "")
         return JSONResponse(
             {"id": completion_id, "object": "chat.completion", "created": created, "model": state.model_id,
              "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
-                          "finish_reason": _FINISH.get(outcome.finish_reason, "stop"), "logprobs": None}],
+                          "finish_reason": outcome.finish_reason.openai, "logprobs": None}],
              "usage": outcome.usage.to_openai(), "session_id": session_id, "rag": _rag_extension(outcome, session_id)},
             headers=headers)
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    stream = await JobStream.start(request, state.worker, job)
+    stream = await EventStream.start(request, state.worker, work)
 
     def chunk(delta: dict, finish_reason: str | None = None, **extra) -> dict:
         return {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": state.model_id,
                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}], **extra}
 
-    def render(kind: str, value):
-        return [chunk({"content": value})] if kind == "token" else []
+    def render(event):
+        return [chunk({"content": event.value})] if event.kind == "token" else []
 
-    def finish(outcome: Completion):
+    def finish(completions: list[Completion]):
+        [outcome] = completions
         events = [chunk({"content": sources(outcome)})] if body.sources else []
-        events += [chunk({}, _FINISH.get(outcome.finish_reason, "stop"), session_id=session_id,
+        events += [chunk({}, outcome.finish_reason.openai, session_id=session_id,
                         rag=_rag_extension(outcome, session_id))]
         if include_usage:
             events.append({"id": completion_id, "object": "chat.completion.chunk", "created": created,
@@ -133,7 +132,7 @@ async def chat_completions(request: Request, body: ChatRequest):
             async for item in sse_events(request, stream, render, finish):
                 yield item
         finally:
-            stream.job.cancel()
+            stream.cancel()
 
     return StreamingResponse(events(), media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
 

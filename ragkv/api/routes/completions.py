@@ -19,7 +19,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from ragkv.api.auth import tenant_of
-from ragkv.api.completion_jobs import CompletionOutcome, embeddings_body, plain_completions_body
 from ragkv.api.completion_schemas import CompletionRequest, EmbeddingRequest
 from ragkv.api.errors import ApiError
 from ragkv.api.openapi import errors, sse_or
@@ -27,14 +26,13 @@ from ragkv.api.responses_schema import Completion, EmbeddingList
 from ragkv.api.routes.query import SSE_HEADERS
 from ragkv.api.schemas import generation_config, query_config
 from ragkv.api.state import app_state
-from ragkv.api.streaming import JobStream, run_job, sse_events
+from ragkv.api.streaming import EventStream, run_job, run_requests, sse_events
 from ragkv.api.worker import Job
-from ragkv.app.request import Completion as QueryCompletion
+from ragkv.app.request import Completion as AppCompletion
 
 router = APIRouter(tags=["openai"])
 
 EMBEDDING_MODEL_ID = "all-MiniLM-L6-v2"
-_FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
 def _prompts(prompt) -> list[str | list[int]]:
@@ -54,17 +52,9 @@ def _refuse_unsupported(body: CompletionRequest) -> None:
             raise ApiError(400, "unsupported_parameter", f"{name} is not supported by this server", param=name)
 
 
-def _outcomes(result: list[CompletionOutcome] | QueryCompletion) -> list[CompletionOutcome]:
-    """A plain job's outcomes, or the one of a /v1/query request (rag.enabled)."""
-    if isinstance(result, list):
-        return result
-    return [CompletionOutcome(result.text, result.finish_reason, result.usage.prompt_tokens, result.usage.completion_tokens,
-                              [citation.to_dict() for citation in result.citations])]
-
-
-def _usage(outcomes: list[CompletionOutcome]) -> dict:
-    prompt = sum(o.prompt_tokens for o in outcomes)
-    completion = sum(o.completion_tokens for o in outcomes)
+def _usage(completions: list[AppCompletion]) -> dict:
+    prompt = sum(c.usage.prompt_tokens for c in completions)
+    completion = sum(c.usage.completion_tokens for c in completions)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -89,9 +79,9 @@ async def completions(request: Request, body: CompletionRequest):
         if len(prompts) != 1 or not isinstance(prompts[0], str):
             raise ApiError(400, "unsupported_prompt", "with rag.enabled the prompt is one question, as a string",
                            param="prompt")
-        job = state.service.query_job(prompts[0], tenant, config)
+        work = state.service.query_stream(prompts[0], tenant, config)
     else:
-        job = Job("completion", plain_completions_body(state.runtime, prompts, generation, state.config.max_input_tokens))
+        work = state.service.completion_stream(prompts, generation)
     completion_id = "cmpl-" + uuid.uuid4().hex[:24]
     created = int(time.time())
 
@@ -105,24 +95,24 @@ async def completions(request: Request, body: CompletionRequest):
         return {"id": completion_id, "object": "text_completion", "created": created, "model": state.model_id,
                 "choices": choices, **extra}
 
+    def citations(completion: AppCompletion) -> list | None:
+        return [c.to_dict() for c in completion.citations] if with_citations else None
+
     if not body.stream:
-        outcomes = _outcomes(await run_job(request, state.worker, job))
-        return envelope([choice(i, o.text, _FINISH.get(o.finish_reason, "stop"), o.citations if with_citations else None)
-                         for i, o in enumerate(outcomes)], usage=_usage(outcomes))
+        completions = await run_requests(request, state.worker, work)
+        return envelope([choice(i, c.text, c.finish_reason.openai, citations(c)) for i, c in enumerate(completions)],
+                        usage=_usage(completions))
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    stream = await JobStream.start(request, state.worker, job)
+    stream = await EventStream.start(request, state.worker, work)
 
-    def render(kind: str, value):
-        index, text = value if isinstance(value, tuple) else (0, value)  # a query request yields bare text
-        return [envelope([choice(index, text, None)])] if kind == "token" else []
+    def render(event):
+        return [envelope([choice(event.index, event.value, None)])] if event.kind == "token" else []
 
-    def finish(result):
-        outcomes = _outcomes(result)
-        events = [envelope([choice(i, "", _FINISH.get(o.finish_reason, "stop"), o.citations if with_citations else None)])
-                  for i, o in enumerate(outcomes)]
+    def finish(completions: list[AppCompletion]):
+        events = [envelope([choice(i, "", c.finish_reason.openai, citations(c))]) for i, c in enumerate(completions)]
         if include_usage:
-            events.append(envelope([], usage=_usage(outcomes)))
+            events.append(envelope([], usage=_usage(completions)))
         return events
 
     async def events():
@@ -130,7 +120,7 @@ async def completions(request: Request, body: CompletionRequest):
             async for item in sse_events(request, stream, render, finish):
                 yield item
         finally:
-            stream.job.cancel()
+            stream.cancel()
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
 
@@ -148,7 +138,7 @@ async def embeddings(request: Request, body: EmbeddingRequest):
         raise ApiError(400, "unsupported_parameter", f"dimensions must be {dimension} (or absent): this model's vectors "
                        "are not truncated", param="dimensions")
     texts = [body.input] if isinstance(body.input, str) else list(body.input)
-    vectors, tokens = await run_job(request, state.worker, Job("embedding", embeddings_body(state.runtime, texts)))
+    vectors, tokens = await run_job(request, state.worker, Job("embedding", state.service.embeddings_body(texts)))
 
     def encoded(vector):
         if body.encoding_format == "base64":

@@ -14,7 +14,7 @@ from ragkv.api.responses_schema import QueryResponse
 from ragkv.api.schemas import QueryRequest, generation_config, query_config
 from ragkv.app.request import Completion
 from ragkv.api.state import app_state
-from ragkv.api.streaming import JobStream, run_job, sse, sse_events
+from ragkv.api.streaming import EventStream, run_requests, sse, sse_events
 
 router = APIRouter(tags=["query"])
 
@@ -22,7 +22,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def outcome_body(query_id: str, completion: Completion) -> dict:
-    return {"id": query_id, "object": "query", "answer": completion.text, "finish_reason": completion.finish_reason,
+    return {"id": query_id, "object": "query", "answer": completion.text, "finish_reason": completion.finish_reason.value,
             "strategy": completion.strategy, "citations": [c.to_dict() for c in completion.citations],
             "usage": completion.usage.to_dict(), "timings": completion.timings.to_dict()}
 
@@ -39,35 +39,35 @@ async def query(request: Request, body: QueryRequest):
     generation = generation_config(body.max_tokens, body.temperature, body.top_p, body.seed, body.stop, limits)
     config = query_config(body, generation, limits)
     query_id = "q_" + uuid.uuid4().hex[:20]
-    job = state.service.query_job(body.question, tenant, config)
+    work = state.service.query_stream(body.question, tenant, config)
     started = time.perf_counter()
     if not body.stream:
-        outcome: Completion = await run_job(request, state.worker, job)
+        [outcome] = await run_requests(request, state.worker, work)
         result = outcome_body(query_id, outcome)
         result["timings"]["total"] = round(time.perf_counter() - started, 4)
         return result
 
-    stream = await JobStream.start(request, state.worker, job)
+    stream = await EventStream.start(request, state.worker, work)
 
-    def render(kind: str, value):
-        if kind == "token":
-            return [{"type": "token", "text": value}]
+    def render(event):
+        if event.kind == "token":
+            return [{"type": "token", "text": event.value}]
         return []
 
-    def finish(outcome: Completion):
-        result = outcome_body(query_id, outcome)
+    def finish(completions: list[Completion]):
+        result = outcome_body(query_id, completions[0])
         result["timings"]["total"] = round(time.perf_counter() - started, 4)
         return [{"type": "done", **result}]
 
     async def events():
         try:
-            _, info = stream.first
-            citations = [c.to_dict() for c in info["citations"]]
-            yield sse({"type": "retrieval", "id": query_id, "citations": citations, "strategy": info["strategy"],
-                       "timings": info["timings"]})
+            first = stream.first.value
+            citations = [c.to_dict() for c in first.citations]
+            yield sse({"type": "retrieval", "id": query_id, "citations": citations, "strategy": first.strategy,
+                       "timings": first.timings.to_dict()})
             async for chunk in sse_events(request, stream, render, finish):
                 yield chunk
         finally:
-            stream.job.cancel()
+            stream.cancel()
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)

@@ -1,0 +1,53 @@
+"""A plain completion as a scheduler request: the prompt's ids prefilled as they are (no
+chat template, no retrieval), then decoded in the same batched steps as the queries and
+chat turns that run beside it.
+
+The API's /v1/completions builds one request per prompt; the text is kept as generated
+(not stripped): a completion continues its prompt exactly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from ragkv.app.request import Completion, Prepared, Request, RequestSink
+from ragkv.app.usage import Usage
+from ragkv.engine import Engine
+from ragkv.engine.generation import GenerationConfig
+from ragkv.ingest.errors import InputError
+
+
+def prompt_ids(engine: Engine, prompt: str | list[int], generation: GenerationConfig, *,
+               max_input_tokens: int | None = None, where: str = "the prompt") -> list[int]:
+    """The prompt's token ids (a text is tokenized, ids are checked); InputError when the
+    prompt is empty, holds an id outside the vocabulary, is longer than `max_input_tokens`,
+    or leaves no room for its answer in the model's context."""
+    ids = engine.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+    vocabulary = engine.spec.vocab_size
+    limit = engine.spec.rope.max_position_embeddings
+    if not ids:
+        raise InputError("empty_prompt", f"{where} has no tokens")
+    if max(ids) >= vocabulary:
+        raise InputError("bad_token_id", f"{where} holds token id {max(ids)}; the vocabulary has {vocabulary}")
+    if max_input_tokens is not None and len(ids) > max_input_tokens:
+        raise InputError("too_many_tokens", f"{where} is {len(ids)} tokens; the limit is {max_input_tokens}")
+    if len(ids) + generation.max_new_tokens > limit:
+        raise InputError("context_length_exceeded", f"{where} is {len(ids)} tokens and max_tokens is "
+                         f"{generation.max_new_tokens}: above the model's context of {limit}")
+    return ids
+
+
+def completion_request(engine: Engine, token_ids: list[int], generation: GenerationConfig,
+                       sink: RequestSink | None = None, *, arrival: float | None = None,
+                       on_finished: Callable[[Request, Completion], None] | None = None) -> Request:
+    """A request that prefills `token_ids` (checked by `prompt_ids`) and continues them."""
+
+    def prepare(request: Request) -> Prepared:
+        started = time.perf_counter()
+        cache, logits = engine.prefill(token_ids, generation.max_new_tokens)
+        request.timings.prefill = time.perf_counter() - started
+        return Prepared(cache, logits, Usage(prompt_tokens=len(token_ids)), "none")
+
+    return Request("completion", prepare, generation, sink, estimated_tokens=len(token_ids), arrival=arrival,
+                   on_finished=on_finished, strip_text=False)

@@ -1,0 +1,71 @@
+"""Running requests on a scheduler of their own, for callers without a server: `ragkv ask`,
+the benchmarks and the tests. The text is generated exactly as the server generates it
+(the same scheduler step, sampler and incremental detokenizer); only the batch is one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ragkv.app.completion import completion_request
+from ragkv.app.request import Completion, Prepared, Request, Started
+from ragkv.app.scheduler import Scheduler
+from ragkv.app.usage import Usage
+from ragkv.engine import Engine
+from ragkv.engine.generation import GenerationConfig
+from ragkv.engine.kv_cache import KVCache
+from ragkv.engine.model import DecodeAttention
+
+
+class CollectingSink:
+    """A sink that keeps the pieces of text and the completion (or the error)."""
+
+    cancelled = False
+
+    def __init__(self):
+        self.start: Started | None = None
+        self.pieces: list[str] = []
+        self.completion: Completion | None = None
+        self.error: BaseException | None = None
+
+    def started(self, started: Started) -> None:
+        self.start = started
+
+    def token(self, text: str) -> None:
+        self.pieces.append(text)
+
+    def finished(self, completion: Completion) -> None:
+        self.completion = completion
+
+    def failed(self, error: BaseException) -> None:
+        self.error = error
+
+
+def run_alone(engine: Engine, request: Request, sink: CollectingSink | None = None) -> Completion:
+    """Run `request` to its end on a scheduler of its own; its completion, or its error raised."""
+    sink = sink if sink is not None else CollectingSink()
+    request.sink = sink
+    scheduler = Scheduler(engine.model, engine.tokenizer, engine.eos_token_ids)
+    scheduler.add(request)
+    scheduler.run_until_done()
+    if sink.error is not None:
+        raise sink.error
+    return sink.completion
+
+
+def decode(engine: Engine, cache: KVCache, logits: torch.Tensor, generation: GenerationConfig,
+           attention: DecodeAttention | None = None, *, strategy: str = "none",
+           sink: CollectingSink | None = None) -> Completion:
+    """Decode from a prompt already in `cache`, whose last row produced `logits` (a fused or
+    prefilled prompt); `attention`: sparse decode attention, None = dense."""
+
+    def prepare(request: Request) -> Prepared:
+        return Prepared(cache, logits, Usage(prompt_tokens=cache.length), strategy, attention=attention)
+
+    return run_alone(engine, Request("decode", prepare, generation, strip_text=False), sink)
+
+
+def complete(engine: Engine, token_ids: list[int], generation: GenerationConfig,
+             sink: CollectingSink | None = None) -> Completion:
+    """Continue `token_ids` with a plain prefill: what /v1/completions does."""
+    return run_alone(engine, completion_request(engine, token_ids, generation), sink)
