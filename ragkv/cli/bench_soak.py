@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -34,6 +35,8 @@ def run(args: argparse.Namespace) -> dict:
         scratch = tempfile.TemporaryDirectory(prefix="ragkv-soak-")
     data_dir = args.data_dir or Path(scratch.name)
     data_dir.mkdir(parents=True, exist_ok=True)
+    # A SIGTERM unwinds like Ctrl-C, so the replicas and the redis-server the soak started are stopped too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         result = run_soak(config, data_dir, progress=lambda message: print(message, file=sys.stderr, flush=True))
     finally:
