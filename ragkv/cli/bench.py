@@ -9,7 +9,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ragkv.cli import bench_decode, bench_kernels, bench_sparse
+from ragkv.cli import bench_decode, bench_kernels, bench_soak, bench_sparse
 from ragkv.cli.command import Command, CommandParser
 from ragkv.cli.options import add_common_options, runtime_config
 
@@ -55,10 +55,14 @@ def configure(bench: argparse.ArgumentParser) -> None:
                                                "vs the torch reference, and a random-weight decode step")
     bench_kernels.configure(kernels)
 
+    soak = kinds.add_parser("soak", help="two replicas under mixed load through a Redis restart and a replica kill: "
+                                         "errors, lost documents, TTFT and memory over time")
+    bench_soak.configure(soak)
+
 
 def run(args: argparse.Namespace) -> int:
     handlers = {"store": _run_store, "fusion": _run_fusion, "sparse": bench_sparse.run, "decode": bench_decode.run,
-                "kernels": bench_kernels.run}
+                "kernels": bench_kernels.run, "soak": bench_soak.run}
     results = handlers[args.bench](args)
     if args.json:
         _write_json(args.json, results)
