@@ -53,14 +53,16 @@ def _llama_permute(weights: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_tiny_gguf(family: str, path: Path, matrix_type: str = "F32", seed: int = 0, name: str | None = None,
-                    architecture: str | None = None) -> Path:
+                    architecture: str | None = None, context_length: int | None = None) -> Path:
     """A random tiny `family` model (tests/tiny_models.py's config, vocabulary VOCAB) at
     `path`, its matrices stored as `matrix_type` (F32, F16, BF16, Q8_0, Q4_0, Q4_1) and its
-    norms and biases as F32. `architecture` overrides the file's declared architecture."""
+    norms and biases as F32. `architecture` overrides the file's declared architecture,
+    `context_length` the config's 512 positions."""
     torch.manual_seed(seed)
     config = CONFIGS[family]()
     config.vocab_size = VOCAB
     config.intermediate_size = 96  # every width whole blocks of 32
+    config.max_position_embeddings = context_length or config.max_position_embeddings
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for parameter in model.parameters():  # spread logits out so greedy ties are unlikely
