@@ -67,6 +67,12 @@ def run(args: argparse.Namespace) -> int:
 
     config = serve_config(args)
     configure_logging(args.log_level, config.log_format, access_log=config.access_log)
+    from ragkv.engine.model_files import resolve_model_dir
+
+    # A model that cannot load (missing, unsupported architecture) is refused here with its
+    # reason (exit 2), not as a traceback from the server's startup; a GGUF is materialised
+    # now, so the server then starts from the cached folder.
+    resolve_model_dir(config.runtime.engine.model)
     app = create_app(config)
     # log_config=None: uvicorn keeps the handlers set above (text or JSON); its access log
     # is off because ragkv.access logs the same requests with request id and tenant.

@@ -26,7 +26,8 @@ log = logging.getLogger("ragkv.engine")
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None
-    """Local Hugging Face folder (Llama, Mistral, Qwen2, Qwen3); None = packaged SmolLM2."""
+    """A GGUF file, a local Hugging Face folder or a hub id in the local Hugging Face cache, of
+    Llama, Mistral, Qwen2 or Qwen3 (ragkv.engine.model_files); None = packaged SmolLM2."""
     dtype: str = "float32"
     """dtype of the residual stream (embeddings, norms, MLP activations)."""
     weights: str = "auto"
