@@ -27,6 +27,7 @@ def causal_attention(
     rows, cached = q.shape[1], keys.shape[1]
     first, last = int(positions[0]), int(positions[-1])
     if window is not None and last - window + 1 > 0:
+        first, last = int(positions.min()), int(positions.max())  # selective recompute may pass any order
         start = max(0, first - window + 1)
         if rows == 1 and first >= cached - 1:
             return decode_attention(q, keys[:, start:], values[:, start:], scale)

@@ -108,12 +108,17 @@ class CausalLM:
         """The RoPE of `layer` (Gemma 3's sliding-window layers use another base)."""
         return self.rotaries[layer]
 
-    def rope_groups(self) -> list[tuple[Rotary, list[int]]]:
-        """Each distinct RoPE with the layers that use it (one group for most families)."""
-        groups: dict[int, tuple[Rotary, list[int]]] = {}
-        for layer, rotary in enumerate(self.rotaries):
-            groups.setdefault(id(rotary), (rotary, []))[1].append(layer)
-        return list(groups.values())
+    def rope_runs(self) -> list[tuple[slice, Rotary]]:
+        """Runs of consecutive layers that share a RoPE, as slices (so a cache indexed by
+        one is a view): one run for most families, six for Gemma 3's 5 local + 1 global
+        pattern. Position recovery rotates each run's stored keys with its own base."""
+        runs: list[tuple[slice, Rotary]] = []
+        start = 0
+        for layer in range(1, self.spec.num_layers + 1):
+            if layer == self.spec.num_layers or self.rotaries[layer] is not self.rotaries[start]:
+                runs.append((slice(start, layer), self.rotaries[start]))
+                start = layer
+        return runs
 
     def project(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor) -> Projection:
         """Input norm and q/k/v projections of `hidden` [N, hidden] at `positions` [N]."""
@@ -252,7 +257,7 @@ class CausalLM:
             # a same-dtype .to() still costs ~40 us of cold dispatch after the step, the check ~10
             return logits if logits.dtype == self.hidden_dtype else logits.to(self.hidden_dtype)
         positions = torch.tensor([cache.next_position for cache in caches], device=self.device)
-        tables = {id(rotary): rotary.cos_sin(positions) for rotary, _ in self.rope_groups()}
+        tables = {id(rotary): rotary.cos_sin(positions) for rotary in {id(r): r for r in self.rotaries}.values()}
         hidden = self.embed(torch.tensor(list(token_ids), device=self.device))
         for layer in range(self.spec.num_layers):
             projection = self._project(layer, hidden, *tables[id(self.rotary_of(layer))])
