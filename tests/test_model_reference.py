@@ -65,6 +65,6 @@ def test_chunk_kv_keys_are_pre_rope(tiny):
     model.prefill(tokens, cache)
     keys, values = model.chunk_kv(tokens)
     for layer in range(model.spec.num_layers):
-        rotated = model.rotary.rotate(keys[layer], torch.arange(30))
+        rotated = model.rotary_of(layer).rotate(keys[layer], torch.arange(30))
         torch.testing.assert_close(rotated, cache.keys[layer, :, :30], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(values[layer], cache.values[layer, :, :30], atol=1e-5, rtol=1e-5)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from ragkv.engine.linear import Int4Kernel
 
@@ -43,6 +43,17 @@ CONFIGS = {
         **_COMMON, head_dim=16,
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128},
     ),
+    # Gemma 3's layout in small: sliding-window layers with their own RoPE base around a full
+    # one, a window of 8 so it cuts into a 40-token prompt, one KV head, QK-norm, a softmax
+    # scale that is not 1/sqrt(head_dim), tied and scaled embeddings
+    "gemma3": lambda: Gemma3TextConfig(
+        **{**_COMMON, "num_hidden_layers": 4, "num_key_value_heads": 1, "tie_word_embeddings": True,
+           "rms_norm_eps": 1e-6},
+        head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+    ),
 }
 
 
@@ -54,6 +65,9 @@ def make_tiny_model(family: str, folder: Path, seed: int = 0) -> Path:
         # Larger-than-init weights make logits spread out, so greedy ties are unlikely.
         for parameter in model.parameters():
             parameter.mul_(4.0 if parameter.dim() > 1 else 1.0)
+            if family == "gemma3" and parameter.dim() == 1:
+                # Gemma norms store w around zero and scale by 1 + w: non-zero w tests the offset
+                parameter.add_(0.3 * torch.randn_like(parameter))
             if family == "llama-int4" and parameter.dim() == 2:
                 parameter.copy_(Int4Kernel(parameter).dequantized())
     model.save_pretrained(folder)

@@ -2,7 +2,9 @@
 
 A prefill from position 0 is triangular (the fused causal kernel), a decode row sees every
 cached row (no mask), and anything else (selective recompute, a prefill after a cached
-prefix) is a causal-by-position mask over an arbitrary row subset.
+prefix) is a causal-by-position mask over an arbitrary row subset. A sliding-window layer
+(Gemma 3) sees only its last `window` positions; where the window cuts anything off, its
+rows run a masked attention over the span the window can reach.
 """
 
 from __future__ import annotations
@@ -17,11 +19,20 @@ from ragkv.engine.numerics import attention_compute_dtype
 
 
 def causal_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, scale: float
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """q [Hq, N, D] at `positions` [N] over cache rows keys/values [Hkv, T, D] (row j = position j)."""
+    """q [Hq, N, D] at `positions` [N] (ascending) over cache rows keys/values [Hkv, T, D]
+    (row j = position j). With `window`, the row at position p sees rows p - window + 1 .. p."""
     rows, cached = q.shape[1], keys.shape[1]
     first, last = int(positions[0]), int(positions[-1])
+    if window is not None and last - window + 1 > 0:
+        first, last = int(positions.min()), int(positions.max())  # selective recompute may pass any order
+        start = max(0, first - window + 1)
+        if rows == 1 and first >= cached - 1:
+            return decode_attention(q, keys[:, start:], values[:, start:], scale)
+        return windowed_attention(q, keys[:, start : last + 1], values[:, start : last + 1], positions - start, scale,
+                                  window)
     if rows == 1 and first >= cached - 1:
         return decode_attention(q, keys, values, scale)
     whole_prefix = rows == cached and first == 0 and last == cached - 1
@@ -34,6 +45,23 @@ def causal_attention(
     if whole_prefix:
         return _sdpa(q, keys, values, scale, is_causal=True)
     return selective_attention(q, keys, values, positions, scale)
+
+
+def windowed_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, scale: float, window: int
+) -> torch.Tensor:
+    """Causal attention limited to a sliding window, as one masked SDPA: q [Hq, N, D] at
+    `positions` [N] over rows keys/values [Hkv, S, D] (row j = position j). No compiled
+    kernel takes a lower bound per row; the span is at most the rows plus one window."""
+    compute = attention_compute_dtype(keys.dtype, keys.device)
+    columns = torch.arange(keys.shape[1], device=keys.device)
+    offset = columns[None, :] - positions[:, None].to(keys.device)
+    visible = (offset <= 0) & (offset > -window)
+    out = F.scaled_dot_product_attention(
+        q[None].to(compute), keys[None].to(compute), values[None].to(compute), attn_mask=visible[None, None],
+        scale=scale, enable_gqa=True,
+    )[0]
+    return out.to(q.dtype)
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:

@@ -42,6 +42,10 @@ def unsupported_reason(model: "CausalLM") -> str | None:
         return f"it runs int8 or int4 decode weights, the model's are {model.numerics.weights}"
     if model.hidden_dtype != torch.float32 or model.dtype not in cpu_extension.CACHE_DTYPES:
         return "it needs a float32 residual stream and a float32 or bfloat16 cache"
+    if spec.sandwich_norms or spec.layer_types or spec.embed_scale != 1.0 or spec.hidden_act != "silu":
+        # Gemma 3: its step would need q/k norms, four norms a layer, GELU, scaled
+        # embeddings, a second RoPE table and a window per layer; the Python loop runs it
+        return "Gemma-style layers (sandwich norms, GELU, scaled embeddings, sliding windows) are not covered"
     if any(layer.qkv_bias is not None or layer.q_norm is not None for layer in weights.layers):
         return "q/k/v biases and q/k norms are not covered"
     if not cpu_extension.supports_heads(spec.num_heads, spec.num_kv_heads, spec.head_dim):

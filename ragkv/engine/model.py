@@ -8,7 +8,6 @@ attention that reads selected cache rows). Nothing here patches transformers.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +60,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x * torch.rsqrt(variance + eps))
 
 
+_ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
 class CausalLM:
     """`dtype` is the dtype of q/k/v, attention and the KV cache (what cache writers and
     sparse selectors see); `hidden_dtype` that of the residual stream. They differ when
@@ -74,7 +76,13 @@ class CausalLM:
         self.hidden_dtype = numerics.hidden_dtype
         self.device = torch.device(device)
         self.rotary = Rotary(spec.rope, device=self.device, dtype=self.hidden_dtype)
-        self.scale = 1.0 / math.sqrt(spec.head_dim)
+        """The RoPE of the full-attention layers (every layer's but where `rotary_of` differs)."""
+        local = None if spec.local_rope is None else Rotary(spec.local_rope, device=self.device, dtype=self.hidden_dtype)
+        self.rotaries = [self.rotary if local is None or spec.layer_window(i) is None else local
+                         for i in range(spec.num_layers)]
+        self.scale = spec.softmax_scale
+        self.activation = _ACTIVATIONS[spec.hidden_act]
+        self._embed_scale = torch.tensor(spec.embed_scale, dtype=self.hidden_dtype, device=self.device)
         self.compiled_decode = True
         """Run dense decode steps through the compiled step where it covers this model
         (ragkv.engine.compiled_decode); False keeps the Python loop (its reference)."""
@@ -93,11 +101,28 @@ class CausalLM:
     # -- building blocks -------------------------------------------------------------
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.weights.embed[token_ids]
+        rows = self.weights.embed[token_ids]
+        return rows if self.spec.embed_scale == 1.0 else rows * self._embed_scale
+
+    def rotary_of(self, layer: int) -> Rotary:
+        """The RoPE of `layer` (Gemma 3's sliding-window layers use another base)."""
+        return self.rotaries[layer]
+
+    def rope_runs(self) -> list[tuple[slice, Rotary]]:
+        """Runs of consecutive layers that share a RoPE, as slices (so a cache indexed by
+        one is a view): one run for most families, six for Gemma 3's 5 local + 1 global
+        pattern. Position recovery rotates each run's stored keys with its own base."""
+        runs: list[tuple[slice, Rotary]] = []
+        start = 0
+        for layer in range(1, self.spec.num_layers + 1):
+            if layer == self.spec.num_layers or self.rotaries[layer] is not self.rotaries[start]:
+                runs.append((slice(start, layer), self.rotaries[start]))
+                start = layer
+        return runs
 
     def project(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor) -> Projection:
         """Input norm and q/k/v projections of `hidden` [N, hidden] at `positions` [N]."""
-        return self._project(layer, hidden, *self.rotary.cos_sin(positions))
+        return self._project(layer, hidden, *self.rotary_of(layer).cos_sin(positions))
 
     def _project(self, layer: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Projection:
         spec, w = self.spec, self.weights.layers[layer]
@@ -122,17 +147,23 @@ class CausalLM:
         )
 
     def finish_layer(self, layer: int, hidden: torch.Tensor, attention_out: torch.Tensor) -> torch.Tensor:
-        """o_proj + residual, then post-attention norm, MLP and residual. attention_out: [Hq, N, D]."""
-        w = self.weights.layers[layer]
+        """o_proj + residual, then post-attention norm, MLP and residual. attention_out: [Hq, N, D].
+        Gemma's layers norm the attention and MLP outputs before adding them (sandwich norms)."""
+        w, eps = self.weights.layers[layer], self.spec.rms_norm_eps
         n = hidden.shape[0]
-        hidden = hidden + w.o_proj(attention_out.transpose(0, 1).reshape(n, -1).to(hidden.dtype))
-        x = rms_norm(hidden, w.post_attention_norm, self.spec.rms_norm_eps)
+        attended = w.o_proj(attention_out.transpose(0, 1).reshape(n, -1).to(hidden.dtype))
+        if w.pre_feedforward_norm is not None:
+            hidden = hidden + rms_norm(attended, w.post_attention_norm, eps)
+            gate, up = w.gate_up(rms_norm(hidden, w.pre_feedforward_norm, eps)).chunk(2, dim=-1)
+            return hidden + rms_norm(w.down(self.activation(gate) * up), w.post_feedforward_norm, eps)
+        hidden = hidden + attended
+        x = rms_norm(hidden, w.post_attention_norm, eps)
         gate, up = w.gate_up(x).chunk(2, dim=-1)
-        return hidden + w.down(F.silu(gate) * up)
+        return hidden + w.down(self.activation(gate) * up)
 
     def attend(self, layer: int, projection: Projection, positions: torch.Tensor, cache: KVCache, rows: int) -> torch.Tensor:
         keys, values = cache.layer(layer, rows)
-        return causal_attention(projection.q, keys, values, positions, self.scale)
+        return causal_attention(projection.q, keys, values, positions, self.scale, window=self.spec.layer_window(layer))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.weights.lm_head(rms_norm(hidden, self.weights.final_norm, self.spec.rms_norm_eps))
@@ -226,23 +257,27 @@ class CausalLM:
             # a same-dtype .to() still costs ~40 us of cold dispatch after the step, the check ~10
             return logits if logits.dtype == self.hidden_dtype else logits.to(self.hidden_dtype)
         positions = torch.tensor([cache.next_position for cache in caches], device=self.device)
-        cos, sin = self.rotary.cos_sin(positions)
+        tables = {id(rotary): rotary.cos_sin(positions) for rotary in {id(r): r for r in self.rotaries}.values()}
         hidden = self.embed(torch.tensor(list(token_ids), device=self.device))
-        dense = [b for b, attention in enumerate(attentions) if attention is None]
-        lengths = [rows[b] + 1 for b in dense]
         for layer in range(self.spec.num_layers):
-            projection = self._project(layer, hidden, cos, sin)
+            projection = self._project(layer, hidden, *tables[id(self.rotary_of(layer))])
             for b, (cache, row) in enumerate(zip(caches, rows)):
                 cache.keys[layer, :, row] = projection.k[:, b]
                 cache.values[layer, :, row] = projection.v[:, b]
             queries = projection.q.transpose(0, 1)  # [B, Hq, D]
+            # a sliding-window layer reads its window densely: the window is what a sparse
+            # selector would narrow, and selectors rank rows over the whole cache
+            layer_attentions = attentions if self.spec.layer_window(layer) is None else [None] * len(caches)
+            dense = [b for b, attention in enumerate(layer_attentions) if attention is None]
             if len(dense) == len(caches):
-                out = self._dense_decode(layer, queries, caches, lengths)
+                out = self._dense_decode(layer, queries, caches, [rows[b] + 1 for b in dense])
             else:
                 out = torch.empty_like(queries)
                 if dense:
-                    out[dense] = self._dense_decode(layer, queries[dense], [caches[b] for b in dense], lengths)
-                for b, (cache, attention) in enumerate(zip(caches, attentions)):
+                    out[dense] = self._dense_decode(
+                        layer, queries[dense], [caches[b] for b in dense], [rows[b] + 1 for b in dense]
+                    )
+                for b, (cache, attention) in enumerate(zip(caches, layer_attentions)):
                     if attention is not None:
                         out[b] = attention(layer, projection.q[:, b : b + 1], cache, self.scale)[:, 0]
             hidden = self.finish_layer(layer, hidden, out.transpose(0, 1))
@@ -264,7 +299,17 @@ class CausalLM:
         return self._compiled_decoder
 
     def _dense_decode(self, layer: int, queries: torch.Tensor, caches: Sequence[KVCache], lengths: list[int]) -> torch.Tensor:
-        """One attention call for every dense request of a step, each over its own cache."""
+        """One attention call for every dense request of a step, each over its own cache; a
+        sliding-window layer reads only its last `window` rows (views, nothing copied)."""
+        window = self.spec.layer_window(layer)
+        if window is None:
+            return batched_decode_attention(
+                queries, [cache.keys[layer] for cache in caches], [cache.values[layer] for cache in caches], lengths,
+                self.scale,
+            )
+        starts = [max(0, length - window) for length in lengths]
         return batched_decode_attention(
-            queries, [cache.keys[layer] for cache in caches], [cache.values[layer] for cache in caches], lengths, self.scale
+            queries, [cache.keys[layer, :, start:] for cache, start in zip(caches, starts)],
+            [cache.values[layer, :, start:] for cache, start in zip(caches, starts)],
+            [length - start for length, start in zip(lengths, starts)], self.scale,
         )

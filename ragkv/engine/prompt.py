@@ -42,9 +42,17 @@ class ChatPrompt:
         if not messages or messages[0]["role"] != "system":
             messages = [{"role": "system", "content": self.system_prompt}, *messages]
         if self.tokenizer.chat_template is None:
+            # a base model (Gemma 3 270M's GGUF has no template): plain turns, opened by BOS
+            # where the tokenizer adds one itself, since templates write it and Gemma's
+            # outputs are garbage without it
             body = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
-            return body + "assistant: "
+            return self._bos_text() + body + "assistant: "
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def _bos_text(self) -> str:
+        bos = self.tokenizer.bos_token_id
+        adds_bos = bos is not None and bos in self.tokenizer("")["input_ids"]
+        return self.tokenizer.bos_token if adds_bos else ""
 
     def encode_messages(self, messages: list[dict[str, str]]) -> list[int]:
         return self.encode(self.render(messages))

@@ -31,6 +31,10 @@ class LayerWeights:
     post_attention_norm: torch.Tensor
     gate_up: Linear  # hidden -> 2 * intermediate
     down: Linear  # intermediate -> hidden
+    pre_feedforward_norm: torch.Tensor | None = None
+    """Gemma's four-norm layers: `post_attention_norm` then norms the attention output, this
+    the MLP input and `post_feedforward_norm` the MLP output."""
+    post_feedforward_norm: torch.Tensor | None = None
 
 
 @dataclass
@@ -74,6 +78,15 @@ def load_weights(model_dir: Path, spec: ModelSpec, numerics: Numerics, device: t
     def optional(name: str) -> torch.Tensor | None:
         return take(name) if name in raw else None
 
+    def norm(name: str) -> torch.Tensor:
+        """A norm weight with the family's offset folded in (Gemma multiplies by 1 + w)."""
+        if name not in raw:
+            raise KeyError(f"weight {name!r} missing from {model_dir}")
+        return (raw[name].float() + spec.norm_offset).to(device=device, dtype=numerics.hidden_dtype)
+
+    def optional_norm(name: str) -> torch.Tensor | None:
+        return norm(name) if name in raw else None
+
     def linear(*names: str, lm_head: bool = False) -> Linear:
         """The named [out, in] weights stacked along out, in float32 until quantized."""
         for name in names:
@@ -95,21 +108,23 @@ def load_weights(model_dir: Path, spec: ModelSpec, numerics: Numerics, device: t
         biases = [optional(p + f"self_attn.{n}_proj.bias") for n in "qkv"]
         layers.append(
             LayerWeights(
-                input_norm=take(p + "input_layernorm.weight"),
+                input_norm=norm(p + "input_layernorm.weight"),
                 qkv=linear(*(p + f"self_attn.{n}_proj.weight" for n in "qkv")),
                 qkv_bias=torch.cat(biases) if all(b is not None for b in biases) else None,
-                q_norm=optional(p + "self_attn.q_norm.weight"),
-                k_norm=optional(p + "self_attn.k_norm.weight"),
+                q_norm=optional_norm(p + "self_attn.q_norm.weight"),
+                k_norm=optional_norm(p + "self_attn.k_norm.weight"),
                 o_proj=linear(p + "self_attn.o_proj.weight"),
-                post_attention_norm=take(p + "post_attention_layernorm.weight"),
+                post_attention_norm=norm(p + "post_attention_layernorm.weight"),
                 gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
                 down=linear(p + "mlp.down_proj.weight"),
+                pre_feedforward_norm=optional_norm(p + "pre_feedforward_layernorm.weight"),
+                post_feedforward_norm=optional_norm(p + "post_feedforward_layernorm.weight"),
             )
         )
     tied = spec.tie_word_embeddings or "lm_head.weight" not in raw
     return ModelWeights(
         embed=take("model.embed_tokens.weight"),
         layers=layers,
-        final_norm=take("model.norm.weight"),
+        final_norm=norm("model.norm.weight"),
         lm_head=linear("model.embed_tokens.weight" if tied else "lm_head.weight", lm_head=True),
     )

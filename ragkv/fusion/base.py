@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ragkv.fusion.layout import FusionInput, Layout
-from ragkv.kernels.place_kv import place_keys, place_values
+from ragkv.kernels.place_kv import layers_of, place_keys, place_values
 from ragkv.engine.kv_cache import KVCache
 from ragkv.engine.model import CausalLM, Projection
 
@@ -152,9 +152,12 @@ class FusionStrategy(ABC):
             cache.values[:, :, : layout.prefix_len] = prefix_cache.values[:, :, : layout.prefix_len]
         for index, chunk in enumerate(fusion_input.chunks):
             start, end = layout.chunk_spans[index]
-            cos, sin = model.rotary.cos_sin(self.chunk_key_positions(layout, fusion_input, index).to(model.device))
-            # Integer-coded chunks are dequantised inside these two writes (kernels.place_kv).
-            place_keys(cache.keys[:, :, start:end], chunk.keys, cos, sin)
+            positions = self.chunk_key_positions(layout, fusion_input, index).to(model.device)
+            # Integer-coded chunks are dequantised inside these writes (kernels.place_kv); each
+            # run of layers is rotated with its own RoPE base (Gemma 3: local vs global layers).
+            for layers, rotary in model.rope_runs():
+                cos, sin = rotary.cos_sin(positions)
+                place_keys(cache.keys[layers, :, start:end], layers_of(chunk.keys, layers), cos, sin)
             place_values(cache.values[:, :, start:end], chunk.values)
 
 

@@ -77,7 +77,9 @@ def question_attention_by_layer(model: CausalLM, cache: KVCache, layout: Layout)
         cache.keys[layer, :, rows] = projection.k
         cache.values[layer, :, rows] = projection.v
         keys, values = cache.layer(layer, layout.length)
-        attention, mass, last_row_mass = attention_with_column_mass(projection.q, keys, values, rows, model.scale)
+        attention, mass, last_row_mass = attention_with_column_mass(
+            projection.q, keys, values, rows, model.scale, model.spec.layer_window(layer)
+        )
         for shares, column_mass in ((question, mass), (last_row, last_row_mass)):
             document = column_mass[layout.prefix_len : layout.question_start]
             shares.append(document / document.sum().clamp_min(1e-12))
@@ -87,13 +89,15 @@ def question_attention_by_layer(model: CausalLM, cache: KVCache, layout: Layout)
 
 
 def attention_with_column_mass(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, scale: float
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, scale: float,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Causal attention of q [Hq, N, D] at `positions` over keys/values [Hkv, T, D] (row j
     = position j), in float32; the attention each cache row receives summed over the rows
     and heads of q [T]; and the same for the last row of q alone [T]. The probabilities
     are materialised for a block of rows at a time (PROBABILITY_BYTES at most), so a long
-    question (a chat turn's history) costs time, not memory."""
+    question (a chat turn's history) costs time, not memory. With `window` (a sliding-window
+    layer) a row at p sees only rows p - window + 1 .. p, as the model's attention does."""
     heads, rows, dim = q.shape
     kv_heads, length = keys.shape[0], keys.shape[1]
     group = heads // kv_heads
@@ -107,7 +111,10 @@ def attention_with_column_mass(
         # query head h reads KV head h // group: a KV head's group of heads is one GEMM
         grouped = q[:, first:end].float().reshape(kv_heads, group * (end - first), dim)
         logits = torch.matmul(grouped, keys_t) * scale
-        hidden_columns = columns[None, :] > positions[first:end].repeat(group)[:, None]
+        row_positions = positions[first:end].repeat(group)[:, None]
+        hidden_columns = columns[None, :] > row_positions
+        if window is not None:
+            hidden_columns |= columns[None, :] <= row_positions - window
         probabilities = logits.masked_fill(hidden_columns, float("-inf")).softmax(dim=-1)
         attention[:, first:end] = torch.matmul(probabilities, values).reshape(heads, end - first, dim)
         per_row = probabilities.reshape(heads, end - first, length).sum(dim=0)

@@ -66,6 +66,15 @@ def place_values(out: torch.Tensor, stored: Stored) -> None:
             target.copy_(work)
 
 
+def layers_of(stored: Stored, layers: slice) -> Stored:
+    """The stored K/V of a run of layers (a view, codes and scales alike): chunks of a model
+    with a RoPE base per layer type are placed one run of layers at a time."""
+    if not isinstance(stored, QuantizedKV):
+        return stored[layers]
+    return QuantizedKV(stored.codes[layers], stored.scale[layers], stored.minimum[layers], stored.bits,
+                       stored.grouping, stored.group)
+
+
 def _float32_rows(target: torch.Tensor) -> torch.Tensor:
     """Where a group is computed: the cache rows themselves when they are float32, else a
     float32 buffer (a float16/bfloat16 cache would round every intermediate step)."""

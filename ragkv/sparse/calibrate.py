@@ -107,7 +107,7 @@ def collect(model: CausalLM, sequences: Sequence[list[int]], prefix_ids: Sequenc
             cache.values[layer, :, positions] = projection.v
             keys[layer].append(projection.k_pre_rope[:, skip:].float().cpu())
             # R(b - p) q_post = R(b) q_pre, then the GQA group sum the selector uses.
-            wrope = model.rotary.rotate(projection.q[:, skip:], offset - positions[skip:])
+            wrope = model.rotary_of(layer).rotate(projection.q[:, skip:], offset - positions[skip:])
             pooled = wrope.double().reshape(spec.num_kv_heads, spec.group_size * (n - skip), spec.head_dim)
             moments[layer] += torch.einsum("hnd,hne->hde", pooled, pooled).cpu() / spec.group_size
             if layer + 1 < spec.num_layers:

@@ -103,6 +103,11 @@ class SparseConfig:
         Call it once the first token's logits exist and before the first decode step:
         that is 'after the first token'."""
         self.check_dtype(prompt.cache.keys.dtype)
+        if self.eviction is not None and prompt.model.spec.sliding_layers:
+            raise ValueError(
+                f"SnapKV eviction is not available for {prompt.model.spec.family}: it compacts the cache, so rows no "
+                "longer sit at their positions, and the sliding-window layers find their window by row"
+            )
         selector = self.options.attach(self, prompt, codebook)
         if self.eviction is not None and self.eviction.capacity < prompt.length:
             kept = self.eviction.evict(prompt)
