@@ -140,6 +140,7 @@ class Citation(_Open):
     char_end: int
     score: float
     text: str
+    page: int | None = Field(None, description="1-based page where the chunk starts (PDF); null for formats without pages")
 
 
 class RagUsage(_Open):

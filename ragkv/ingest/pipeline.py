@@ -21,12 +21,13 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from ragkv.ingest.cleanup import delete_document
-from ragkv.ingest.chunker import DEFAULT_CHUNK_TOKENS, chunk_document
+from ragkv.ingest.chunker import chunk_document
+from ragkv.ingest.config import IngestConfig
 from ragkv.ingest.embedder import Embedder
 from ragkv.ingest.errors import InputError
 from ragkv.ingest.journal import IngestJournal
 from ragkv.ingest.registry import ChunkRecord, DocumentRecord, Registry, check_tenant
-from ragkv.ingest.validation import DEFAULT_MAX_DOCUMENT_BYTES, check_text
+from ragkv.ingest.validation import check_text
 from ragkv.engine import Engine
 from ragkv.engine.fingerprint import KV_FORMAT_VERSION
 from ragkv.store.base import ChunkStore
@@ -41,26 +42,6 @@ Progress = Callable[[int, int], None]
 def chunk_key(engine: Engine, chunk_hash: str) -> ChunkKey:
     """Where `engine`'s KV of a chunk lives in the store."""
     return ChunkKey(engine.fingerprint, chunk_hash, KV_FORMAT_VERSION)
-
-
-@dataclass(frozen=True)
-class IngestConfig:
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
-    """Tokens per chunk; the last chunk of a document may be shorter."""
-    max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES
-    """Larger documents are refused with a clear error."""
-    show_progress: bool = True
-    """Draw a progress bar on stderr while chunks are precomputed."""
-    share_chunks_across_tenants: bool = False
-    """Let tenants share chunk KV and document ids for identical text. Off by default: each
-    tenant's chunk keys and document ids are salted with the tenant, so ingesting a text
-    another tenant holds reveals nothing (no reuse, a different id)."""
-
-    def __post_init__(self) -> None:
-        if not 16 <= self.chunk_tokens <= 8192:
-            raise InputError("bad_chunk_tokens", f"chunk_tokens must be in [16, 8192], got {self.chunk_tokens}")
-        if self.max_document_bytes < 1:
-            raise ValueError("max_document_bytes must be positive")
 
 
 @dataclass
