@@ -87,6 +87,8 @@ class IngestSummary(_Open):
     reused_chunks: int = Field(description="chunks whose KV the store already held")
     seconds: float
     duplicate_of_existing: bool
+    replaced: bool = Field(False, description="the document was a new version of one with this id (PUT)")
+    encode_tokens_per_second: float = Field(0.0, description="tokens of computed chunks per second of model time")
 
 
 class DocumentCreated(_Open):
