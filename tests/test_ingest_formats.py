@@ -78,7 +78,8 @@ def test_pdf_pages_keep_their_spans_and_a_chunk_knows_its_page():
 def test_docx_reads_paragraphs_and_tables_in_order():
     data = docx_bytes(PAGE_FACTS[:2], table=[["Ferry", "07:45"], ["Bus", "08:10"]])
     text = load_document(data, "notes.docx").text
-    order = [text.index(part) for part in (PAGE_FACTS[0], PAGE_FACTS[1], "Ferry | 07:45", "Bus | 08:10", "After the table.")]
+    parts = (PAGE_FACTS[0], PAGE_FACTS[1], "Ferry | 07:45", "Bus | 08:10", "After the table.")
+    order = [text.index(part) for part in parts]
     assert order == sorted(order)
     assert load_document(data, "notes.docx").pages is None
 

@@ -218,24 +218,45 @@ class Ingestor:
         return list({h: (chunk, h) for chunk, h in todo}.values())
 
     def _precompute(self, name, unique, added, timings, progress) -> tuple[int, int]:
-        """Encode and store each chunk of `unique`; returns the blob bytes and tokens written."""
+        """Encode and store each chunk of `unique` (in batches of up to the configured tokens:
+        memory stays bounded by one batch); returns the blob bytes and tokens written."""
         bar = tqdm(total=len(unique), desc=f"precompute {name}", unit="chunk", disable=not self.config.show_progress or not unique)
-        stored_bytes = stored_tokens = 0
-        for done, (chunk, chunk_hash) in enumerate(unique, start=1):
+        stored_bytes = stored_tokens = done = 0
+        for batch in self._batches(unique):
             t0 = time.perf_counter()
-            tensors = self.engine.encode_chunk(chunk.token_ids)
-            t1 = time.perf_counter()
-            key = self.chunk_key(chunk_hash)
-            added.append(key)  # first: a put that fails half-way may still have written
-            stored_bytes += self.store.put(key, tensors, required=True)
-            stored_tokens += chunk.num_tokens
-            timings["precompute"] += t1 - t0
-            timings["store_write"] += time.perf_counter() - t1
-            bar.update(1)
-            if progress is not None:
-                progress(done, len(unique))
+            if len(batch) == 1:
+                encoded = [self.engine.encode_chunk(batch[0][0].token_ids)]
+            else:
+                encoded = self.engine.encode_chunks([chunk.token_ids for chunk, _ in batch])
+            timings["precompute"] += time.perf_counter() - t0
+            for (chunk, chunk_hash), tensors in zip(batch, encoded):
+                t1 = time.perf_counter()
+                key = self.chunk_key(chunk_hash)
+                added.append(key)  # first: a put that fails half-way may still have written
+                stored_bytes += self.store.put(key, tensors, required=True)
+                stored_tokens += chunk.num_tokens
+                timings["store_write"] += time.perf_counter() - t1
+                done += 1
+                bar.update(1)
+                if progress is not None:
+                    progress(done, len(unique))
         bar.close()
         return stored_bytes, stored_tokens
+
+    def _batches(self, unique: list) -> list[list]:
+        """`unique` cut into runs of at most `encode_batch_tokens` tokens (a chunk longer
+        than that runs alone)."""
+        batches: list[list] = []
+        tokens = 0
+        for item in unique:
+            size = item[0].num_tokens
+            if batches and tokens + size <= self.config.encode_batch_tokens:
+                batches[-1].append(item)
+                tokens += size
+            else:
+                batches.append([item])
+                tokens = size
+        return batches
 
     def _roll_back(self, added: list[ChunkKey]) -> None:
         for key in added:
