@@ -319,7 +319,8 @@ def test_bad_inputs_get_clear_4xx(env):
         _error(http.post("/v1/documents", json={"text": "a" * (1 << 20) + "b"}), 413)
         assert "text: Value error, must not be empty" in _error(http.post("/v1/documents", json={"text": "   "}), 400)["message"]
         assert _error(http.post("/v1/documents", files={"file": ("x.txt", b"\x00\x01binary", "text/plain")}), 400)["code"] == "binary"
-        assert _error(http.post("/v1/documents", files={"file": ("x.pdf", b"%PDF", "application/pdf")}), 400)["code"] == "unsupported_type"
+        assert _error(http.post("/v1/documents", files={"file": ("x.odt", b"PK", "application/zip")}), 400)["code"] == "unsupported_type"
+        assert _error(http.post("/v1/documents", files={"file": ("x.pdf", b"%PDF", "application/pdf")}), 400)["code"] == "unreadable"
         _error(http.post("/v1/documents", content=b"plain", headers={"content-type": "text/plain"}), 415)
         _error(http.post("/v1/documents", json={"text": "hello", "metadata": [1]}), 400)
         chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}

@@ -144,14 +144,14 @@ def test_folder_summary_lists_unsupported_files_and_tenants_are_isolated(tmp_pat
     folder.mkdir()
     text = (CORPUS / "orchard.txt").read_text()
     (folder / "orchard.txt").write_text(text)
-    (folder / "scan.pdf").write_bytes(b"%PDF-1.4")
+    (folder / "scan.odt").write_bytes(b"PK\x03\x04")
     (folder / "photo.jpg").write_bytes(b"\xff\xd8\xff")
     home = tmp_path / "home"
     alice = ragkv(home, "ingest", str(folder), "--json", "--no-progress", "--tenant", "alice", "--chunk-tokens", "64")
     assert alice.returncode == 0, alice.stderr
     summary = json.loads(alice.stdout)
-    assert sorted(Path(p).name for p in summary["unsupported"]) == ["photo.jpg", "scan.pdf"]
-    assert "scan.pdf: unsupported file type" in alice.stderr
+    assert sorted(Path(p).name for p in summary["unsupported"]) == ["photo.jpg", "scan.odt"]
+    assert "scan.odt: unsupported file type" in alice.stderr
     totals = summary["totals"]
     assert (totals["files"], totals["ingested"], totals["failed"], totals["unsupported"]) == (1, 1, 0, 2)
     assert totals["computed_chunks"] == totals["chunks"] > 1 and totals["stored_bytes"] > 0

@@ -113,8 +113,8 @@ def test_bad_input_is_refused_with_a_reason(data, reason):
 
 
 def test_unsupported_file_type_is_named():
-    with pytest.raises(InputError, match="unsupported file type '.pdf'"):
-        document_text(b"%PDF-1.4", "paper.pdf")
+    with pytest.raises(InputError, match="unsupported file type '.odt'"):
+        document_text(b"PK\x03\x04", "paper.odt")
 
 
 def test_html_markup_is_removed():

@@ -206,6 +206,68 @@ def test_concurrent_removes_of_one_document_release_its_chunks_once(replicas):
     assert replicas[1].refcount("h1") == 1 and [r.doc_id for r in replicas[1].list("t")] == ["doc_b"]
 
 
+
+def replaced(old: DocumentRecord, chunk_hashes: list[str]) -> DocumentRecord:
+    """A new version of `old`: same id, other text hash and chunks."""
+    version = document(old.doc_id, chunk_hashes, tenant=old.tenant)
+    return DocumentRecord(**{**version.__dict__, "text_hash": old.text_hash + "-v2"})
+
+
+def test_replace_swaps_versions_and_keeps_shared_chunks_referenced(replicas):
+    replica_a, replica_b = replicas
+    replica_a.add(document("doc_a", ["h1", "h2"]), "version one", unit_rows(0, 1))
+    replica_a.add(document("doc_b", ["h2"]), "b", unit_rows(3))
+    assert [h.doc_id for h in replica_b.search("t", unit_rows(0)[0], 1)] == ["doc_a"]  # B caches the matrix
+    generation = replica_b.generation("t")
+    new = replaced(replica_a.get("t", "doc_a"), ["h2", "h3", "h4"])
+    old, orphans = replica_a.replace(new, "version two", unit_rows(2, 2, 1))
+    assert old.chunks[0].chunk_hash == "h1" and orphans == ["h1"]  # h2 is in both versions (and doc_b)
+    assert replica_b.generation("t") != generation
+    assert replica_b.get("t", "doc_a") == new and replica_b.text("t", "doc_a") == "version two"
+    assert replica_b.find_by_text("t", "hash-doc_a") is None and replica_b.find_by_text("t", "hash-doc_a-v2") == "doc_a"
+    assert [replica_b.refcount(h) for h in ("h1", "h2", "h3", "h4")] == [0, 2, 1, 1]
+    assert [r.doc_id for r in replica_b.list("t")] == ["doc_b", "doc_a"]
+    # the old chunks left retrieval as the new ones entered: no row of version one remains
+    hits = replica_b.search("t", unit_rows(0)[0], 10)
+    assert all(h.score < 0.5 for h in hits if h.doc_id == "doc_a")
+    top = replica_b.search("t", unit_rows(2)[0], 2)
+    assert [(h.doc_id, h.chunk_index) for h in top] == [("doc_a", 0), ("doc_a", 1)]
+    _, orphans = replica_b.remove("t", "doc_a")
+    assert sorted(orphans) == ["h3", "h4"] and replica_b.refcount("h2") == 1
+
+
+def test_replace_of_a_missing_document_or_bad_embeddings_changes_nothing(registry):
+    with pytest.raises(NotFoundError):
+        registry.replace(document("doc_missing", ["h1"]), "x", unit_rows(0))
+    registry.add(document("doc_a", ["h1"]), "a", unit_rows(0))
+    with pytest.raises(ValueError, match="one embedding per chunk"):
+        registry.replace(replaced(registry.get("t", "doc_a"), ["h2", "h3"]), "b", unit_rows(0))
+    with pytest.raises(NotFoundError):
+        registry.replace(document("doc_a", ["h2"], tenant="other"), "x", unit_rows(0))
+    assert registry.text("t", "doc_a") == "a" and registry.refcount("h1") == 1 and registry.refcount("h2") == 0
+    assert registry.list("t") == [registry.get("t", "doc_a")]
+
+
+def test_concurrent_replaces_leave_one_version_whole(replicas):
+    replicas[0].add(document("doc_a", ["h0"]), "v0", unit_rows(0))
+    barrier = threading.Barrier(6)
+
+    def replace(i: int) -> None:
+        barrier.wait()
+        new = replaced(replicas[i % 2].get("t", "doc_a"), [f"h{i + 1}", "shared"])
+        replicas[i % 2].replace(new, f"v{i + 1}", unit_rows(1, 2))
+
+    threads = [threading.Thread(target=replace, args=(i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    record = replicas[1].get("t", "doc_a")
+    winner = record.chunks[0].chunk_hash
+    assert replicas[1].text("t", "doc_a") == f"v{winner[1:]}"
+    counts = {h: replicas[1].refcount(h) for h in ["h0", "shared"] + [f"h{i + 1}" for i in range(6)]}
+    assert counts == {h: int(h in (winner, "shared")) for h in counts}
+
 # -- backend-specific: the Redis server going away, URLs --------------------------------------
 
 @pytest.mark.redis

@@ -87,6 +87,8 @@ class IngestSummary(_Open):
     reused_chunks: int = Field(description="chunks whose KV the store already held")
     seconds: float
     duplicate_of_existing: bool
+    replaced: bool = Field(False, description="the document was a new version of one with this id (PUT)")
+    encode_tokens_per_second: float = Field(0.0, description="tokens of computed chunks per second of model time")
 
 
 class DocumentCreated(_Open):
@@ -140,6 +142,7 @@ class Citation(_Open):
     char_end: int
     score: float
     text: str
+    page: int | None = Field(None, description="1-based page where the chunk starts (PDF); null for formats without pages")
 
 
 class RagUsage(_Open):

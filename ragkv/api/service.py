@@ -99,7 +99,8 @@ class Service:
 
     # -- ingestion and deletion -----------------------------------------------------
 
-    def ingest_body(self, text: str, name: str, tenant: str, metadata: dict | None, progress=None, checkpoint=None):
+    def ingest_body(self, text: str, name: str, tenant: str, metadata: dict | None, progress=None, checkpoint=None,
+                    pages: list[list[int]] | None = None, replaces: str | None = None):
         def body(job: Job):
             def on_progress(done: int, total: int) -> None:
                 if progress is not None:
@@ -109,7 +110,8 @@ class Service:
                     checkpoint()
                 job.check_cancelled()
 
-            result = self.runtime.ingestor.ingest_text(text, name, tenant=tenant, metadata=metadata, progress=on_progress)
+            result = self.runtime.ingestor.ingest_text(text, name, tenant=tenant, metadata=metadata,
+                                                       progress=on_progress, pages=pages, replaces=replaces)
             return result
             yield  # a generator: the whole ingestion is one step (it yields to queries via checkpoint)
 

@@ -53,11 +53,14 @@ class Citation:
     char_end: int
     score: float
     text: str
+    page: int | None = None
+    """1-based page where the chunk starts, for documents with pages (PDF)."""
 
     def to_dict(self) -> dict:
         """The API's citation fields (POST /v1/query)."""
         return {"document_id": self.doc_id, "name": self.name, "chunk_index": self.chunk_index,
-                "char_start": self.char_start, "char_end": self.char_end, "score": self.score, "text": self.text}
+                "char_start": self.char_start, "char_end": self.char_end, "score": self.score, "text": self.text,
+                "page": self.page}
 
 
 @dataclass
@@ -162,7 +165,7 @@ class RagPipeline:
         for record, chunk, score in reversed(retrieved):
             text = texts.get(record.doc_id) or texts.setdefault(record.doc_id, self.registry.text(tenant, record.doc_id))
             citations.append(Citation(record.doc_id, record.name, chunk.index, chunk.char_start, chunk.char_end, round(score, 4),
-                                      text[chunk.char_start : chunk.char_end]))
+                                      text[chunk.char_start : chunk.char_end], record.page_of(chunk.char_start)))
         return citations
 
     def check_fits(self, layout: Layout, config: QueryConfig) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 from ragkv.ingest.journal import IngestJournal
 from ragkv.ingest.registry import Registry
 from ragkv.ingest.registry_url import open_registry, registry_url_from_env
+from ragkv.ingest.store_binding import check_store
 from ragkv.store.base import ChunkStore
 from ragkv.store.lmdb_env import LMDBEnvironment
 from ragkv.store.url import open_store
@@ -80,6 +81,8 @@ class Storage:
             self.env.close()
             raise
         self.journal = IngestJournal(self.env)
+        self.previous_store = check_store(self.env, config.resolved_store_url, record=not read_only)
+        """The chunk store this data folder's registry was used with before, when another."""
         if not read_only:
             # Blobs of ingestions a dead process left half done are deleted before anything runs.
             self.journal.reconcile(self.registry.refcount, self.store)

@@ -1,10 +1,16 @@
 """`ragkv ingest PATH...`: precompute and store the chunk KV of files and folders.
 
-One progress bar for the whole run (ETA from the bytes still to read), a line per file,
-and a final total: files, tokens, chunks computed and reused, bytes stored, failures and
-the unsupported files found in folders. `--json` prints all of it as one JSON object.
-A store that cannot take a write stops the run (exit 3); files that cannot be read are
-failures (exit 1) and the rest are still ingested.
+Every file is read and checked (type, size, encoding, empty, a PDF without a text layer)
+before the model loads: files that cannot be used are refused in a second, and when none
+is usable the model is never loaded. Then one progress bar for the whole run (ETA from the
+bytes still to read), a line per file, and a final total: files, tokens, chunks computed
+and reused, tokens/s, bytes stored, failures and the unsupported files found in folders.
+`--json` prints all of it as one JSON object. A store that cannot take a write stops the
+run (exit 3); refused files are failures (exit 1) and the rest are still ingested.
+
+A file whose name (its path as given) the tenant already has replaces that document: the
+id stays, the old chunks leave retrieval when the new ones enter, unchanged chunks keep
+their KV. `--no-replace` adds it as another document instead.
 """
 
 from __future__ import annotations
@@ -22,10 +28,12 @@ from ragkv.cli.options import add_common_options, runtime_config
 
 def configure(parser: argparse.ArgumentParser) -> None:
     from ragkv.cli.config_args import add_config_options
-    from ragkv.ingest.pipeline import IngestConfig
+    from ragkv.ingest.config import IngestConfig
 
     parser.add_argument("paths", nargs="+", type=Path, help="files, or folders searched recursively")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--no-replace", action="store_true",
+                        help="add a file whose name the tenant has as another document (default: replace that one)")
     parser.add_argument("--json", action="store_true", help="print one JSON summary (per file and totals) on stdout")
     add_config_options(parser.add_argument_group("ingestion"), IngestConfig, skip=("show_progress",))
     add_common_options(parser)
@@ -49,10 +57,16 @@ class Summary:
             "failed": len(self.failures), "unsupported": len(self.unsupported), "tokens": total("tokens"),
             "chunks": total("chunks"), "computed_chunks": total("computed_chunks"),
             "reused_chunks": total("reused_chunks"), "stored_bytes": total("stored_bytes"),
-            "stored_tokens": total("stored_tokens"),
+            "stored_tokens": total("stored_tokens"), "replaced": sum(d["replaced"] for d in self.documents),
+            "encode_seconds": round(sum(d["encode_seconds"] for d in self.documents), 3),
+            "encode_tokens_per_second": self._encode_rate(),
             "bytes_per_token": round(total("stored_bytes") / total("stored_tokens"), 1) if total("stored_tokens") else 0.0,
             "seconds": round(time.perf_counter() - self.started, 3),
         }
+
+    def _encode_rate(self) -> float:
+        seconds = sum(d["encode_seconds"] for d in self.documents)
+        return round(self._sum("stored_tokens") / seconds, 1) if seconds else 0.0
 
     def to_dict(self) -> dict:
         return {"object": "ingestion", "documents": self.documents, "failures": self.failures,
@@ -61,9 +75,11 @@ class Summary:
     def total_line(self) -> str:
         t = self.totals()
         present = f" ({t['already_present']} already present)" if t["already_present"] else ""
+        present += f" ({t['replaced']} replaced)" if t["replaced"] else ""
+        rate = f", {t['encode_tokens_per_second']:,.0f} tokens/s encoded" if t["encode_seconds"] else ""
         return (f"total: {t['ingested']} of {t['files']} files ingested{present}, {t['failed']} failed, "
                 f"{t['unsupported']} unsupported skipped; {t['tokens']} tokens, {t['chunks']} chunks "
-                f"({t['computed_chunks']} computed, {t['reused_chunks']} reused), "
+                f"({t['computed_chunks']} computed, {t['reused_chunks']} reused{rate}), "
                 f"{t['stored_bytes'] / 2**20:.1f} MiB stored ({t['bytes_per_token']:,.0f} bytes/token), {t['seconds']:.1f} s")
 
 
@@ -102,45 +118,106 @@ class Progress:
         self.bar.close()
 
 
-def run(args: argparse.Namespace) -> int:
-    from ragkv.app.runtime import Runtime
+_KEPT_TEXT_BYTES = 256 * 2**20
+"""Texts read during the checks are kept for ingestion up to this total; files past it are
+read again when their turn comes (a large folder does not sit in memory)."""
+
+
+@dataclass
+class Checked:
+    path: Path
+    size: int
+    document: object | None
+    """The LoadedDocument read during the checks, or None to read it again."""
+
+
+def check_files(files: list[Path], max_bytes: int, summary: Summary, write) -> list[Checked]:
+    """Read and check every file without the model; refusals go into `summary`."""
     from ragkv.ingest.errors import InputError
-    from ragkv.ingest.loaders import expand_paths, read_document
+    from ragkv.ingest.loaders import load_path
+
+    usable, kept = [], 0
+    for path in files:
+        try:
+            document = load_path(path, max_bytes)
+        except InputError as error:
+            summary.failures.append({"path": str(path), "reason": error.reason, "error": str(error)})
+            write(f"refused {path}: {error}")
+            continue
+        size = len(document.text)
+        kept += size
+        usable.append(Checked(path, path.stat().st_size, document if kept <= _KEPT_TEXT_BYTES else None))
+    return usable
+
+
+def run(args: argparse.Namespace) -> int:
+    from ragkv.cli.config_args import config_from_args
+    from ragkv.ingest.config import IngestConfig
+    from ragkv.ingest.errors import InputError
+    from ragkv.ingest.loaders import expand_paths
 
     found = expand_paths(args.paths)
     summary = Summary(unsupported=[str(path) for path in found.unsupported])
-    if not found.files:
-        raise InputError("missing", "no supported files found in the given paths"
-                         + (f" ({len(found.unsupported)} unsupported)" if found.unsupported else ""))
+    ingest_config = config_from_args(IngestConfig, args, show_progress=False)
+    for path in found.unsupported:
+        print(f"skipped {path}: unsupported file type", file=sys.stderr)
+    usable = check_files(found.files, ingest_config.max_document_bytes, summary,
+                         lambda line: print(line, file=sys.stderr, flush=True))
+    if not usable:
+        _print_summary(args, summary)
+        if not found.files:
+            raise InputError("missing", "no supported files found in the given paths"
+                             + (f" ({len(found.unsupported)} unsupported)" if found.unsupported else ""))
+        print(f"nothing to ingest: {len(summary.failures)} file(s) refused (the model was not loaded)", file=sys.stderr)
+        return 1
+    _ingest(args, usable, summary)
+    _print_summary(args, summary)
+    return 1 if summary.failures else 0
+
+
+def _ingest(args: argparse.Namespace, usable: list[Checked], summary: Summary) -> None:
+    from ragkv.app.runtime import Runtime
+    from ragkv.ingest.errors import InputError
+    from ragkv.ingest.loaders import load_path
+
     config = runtime_config(args, show_progress=False)
-    progress = Progress(found.files, enabled=not args.no_progress)
+    progress = Progress([checked.path for checked in usable], enabled=not args.no_progress)
     try:
-        for path in found.unsupported:
-            progress.write(f"skipped {path}: unsupported file type")
         with Runtime(config) as runtime:
-            for path in found.files:
-                size = path.stat().st_size if path.is_file() else 0
-                on_chunks = progress.start_file(path, size)
+            names = {} if args.no_replace else _latest_by_name(runtime.registry, args.tenant)
+            for checked in usable:
+                path = checked.path
+                on_chunks = progress.start_file(path, checked.size)
                 try:
-                    result = runtime.ingestor.ingest_text(read_document(path), str(path), tenant=args.tenant,
-                                                          progress=on_chunks)
+                    document = checked.document or load_path(path, config.ingest.max_document_bytes)
+                    result = runtime.ingestor.ingest_text(document.text, str(path), tenant=args.tenant,
+                                                          progress=on_chunks, pages=document.pages,
+                                                          replaces=names.get(str(path)))
                 except InputError as error:
                     summary.failures.append({"path": str(path), "reason": error.reason, "error": str(error)})
                     progress.write(f"failed {path}: {error}")
                     continue
                 finally:
-                    progress.end_file(size)
-                document = _document(path, result)
-                summary.documents.append(document)
+                    progress.end_file(checked.size)
+                names[str(path)] = result.doc_id
+                record = _document(path, result)
+                summary.documents.append(record)
                 if not args.json:
-                    progress.write(_document_line(document), file=sys.stdout)
+                    progress.write(_document_line(record), file=sys.stdout)
     finally:
         progress.close()
+
+
+def _latest_by_name(registry, tenant: str) -> dict[str, str]:
+    """The tenant's newest document id for each name (list is oldest first)."""
+    return {record.name: record.doc_id for record in registry.list(tenant)}
+
+
+def _print_summary(args: argparse.Namespace, summary: Summary) -> None:
     if args.json:
         print(json.dumps(summary.to_dict(), indent=2))
     else:
         print(summary.total_line())
-    return 1 if summary.failures else 0
 
 
 def _document(path: Path, result) -> dict:
@@ -148,17 +225,21 @@ def _document(path: Path, result) -> dict:
             "computed_chunks": result.computed_chunks, "reused_chunks": result.reused_chunks,
             "stored_bytes": result.stored_bytes, "stored_tokens": result.stored_tokens,
             "bytes_per_token": round(result.bytes_per_token, 1), "seconds": round(result.seconds, 3),
-            "duplicate_of_existing": result.duplicate_of_existing}
+            "encode_seconds": round(result.timings.get("precompute", 0.0), 3),
+            "encode_tokens_per_second": round(result.encode_tokens_per_second, 1),
+            "duplicate_of_existing": result.duplicate_of_existing, "replaced": result.replaced}
 
 
 def _document_line(document: dict) -> str:
     note = " (identical text already ingested)" if document["duplicate_of_existing"] else ""
+    note += " (replaced the previous version)" if document["replaced"] else ""
     rate = document["tokens"] / document["seconds"] if document["seconds"] else 0.0
+    encoded = f", {document['encode_tokens_per_second']:,.0f} tokens/s encoded" if document["encode_seconds"] else ""
     return (f"{document['id']}  {document['path']}  {document['tokens']} tokens, {document['chunks']} chunks "
             f"({document['computed_chunks']} computed, {document['reused_chunks']} reused), "
             f"{document['stored_bytes'] / 2**20:.1f} MiB stored ({document['bytes_per_token']:,.0f} bytes/token), "
-            f"{rate:.0f} tokens/s{note}")
+            f"{rate:.0f} tokens/s{encoded}{note}")
 
 
-COMMAND = Command("ingest", "ingest files or folders (.txt, .md, .rst, .csv, .html, ...)", configure, run,
+COMMAND = Command("ingest", "ingest files or folders (.txt, .md, .rst, .csv, .html, .pdf, .docx, ...)", configure, run,
                   description=__doc__)

@@ -219,6 +219,39 @@ class CausalLM:
         return keys, values
 
     @torch.inference_mode()
+    def chunk_kv_many(self, chunks: Sequence[torch.Tensor],
+                      prefix: KVCache | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`chunk_kv` of several chunks in one pass: their rows go through each weight matmul
+        together (one projection and one MLP call per layer for all of them), while each
+        chunk attends only to `prefix` and its own rows, as `chunk_kv` does one by one."""
+        spec = self.spec
+        start = prefix.length if prefix is not None else 0
+        sizes = [chunk.numel() for chunk in chunks]
+        caches = [prefix.clone(extra_capacity=n) if prefix is not None else self.new_cache(n) for n in sizes]
+        positions = [torch.arange(start, start + n, device=self.device) for n in sizes]
+        shape = (spec.num_layers, spec.num_kv_heads)
+        out = [(torch.empty(shape + (n, spec.head_dim), dtype=self.dtype, device=self.device),
+                torch.empty(shape + (n, spec.head_dim), dtype=self.dtype, device=self.device)) for n in sizes]
+        hidden = self.embed(torch.cat(list(chunks)).to(self.device))
+        every_position = torch.cat(positions)
+        for layer in range(spec.num_layers):
+            projection = self.project(layer, hidden, every_position)
+            attended, offset = [], 0
+            for (keys, values), cache, at, n in zip(out, caches, positions, sizes):
+                rows = slice(offset, offset + n)
+                offset += n
+                part = Projection(projection.q[:, rows], projection.k[:, rows], projection.k_pre_rope[:, rows],
+                                  projection.v[:, rows])
+                keys[layer], values[layer] = part.k_pre_rope, part.v
+                cache.keys[layer, :, at] = part.k
+                cache.values[layer, :, at] = part.v
+                if layer + 1 < spec.num_layers:
+                    attended.append(self.attend(layer, part, at, cache, start + n))
+            if layer + 1 < spec.num_layers:
+                hidden = self.finish_layer(layer, hidden, torch.cat(attended, dim=1))
+        return out
+
+    @torch.inference_mode()
     def decode_step(self, token_id: int, cache: KVCache, attention: DecodeAttention | None = None) -> torch.Tensor:
         """Append one token and return next-token logits [vocab]."""
         return self.decode_batch([token_id], [cache], [attention])[0]

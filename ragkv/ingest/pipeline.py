@@ -21,12 +21,13 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from ragkv.ingest.cleanup import delete_document
-from ragkv.ingest.chunker import DEFAULT_CHUNK_TOKENS, chunk_document
+from ragkv.ingest.chunker import chunk_document
+from ragkv.ingest.config import IngestConfig
 from ragkv.ingest.embedder import Embedder
 from ragkv.ingest.errors import InputError
 from ragkv.ingest.journal import IngestJournal
 from ragkv.ingest.registry import ChunkRecord, DocumentRecord, Registry, check_tenant
-from ragkv.ingest.validation import DEFAULT_MAX_DOCUMENT_BYTES, check_text
+from ragkv.ingest.validation import check_text
 from ragkv.engine import Engine
 from ragkv.engine.fingerprint import KV_FORMAT_VERSION
 from ragkv.store.base import ChunkStore
@@ -41,26 +42,6 @@ Progress = Callable[[int, int], None]
 def chunk_key(engine: Engine, chunk_hash: str) -> ChunkKey:
     """Where `engine`'s KV of a chunk lives in the store."""
     return ChunkKey(engine.fingerprint, chunk_hash, KV_FORMAT_VERSION)
-
-
-@dataclass(frozen=True)
-class IngestConfig:
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
-    """Tokens per chunk; the last chunk of a document may be shorter."""
-    max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES
-    """Larger documents are refused with a clear error."""
-    show_progress: bool = True
-    """Draw a progress bar on stderr while chunks are precomputed."""
-    share_chunks_across_tenants: bool = False
-    """Let tenants share chunk KV and document ids for identical text. Off by default: each
-    tenant's chunk keys and document ids are salted with the tenant, so ingesting a text
-    another tenant holds reveals nothing (no reuse, a different id)."""
-
-    def __post_init__(self) -> None:
-        if not 16 <= self.chunk_tokens <= 8192:
-            raise InputError("bad_chunk_tokens", f"chunk_tokens must be in [16, 8192], got {self.chunk_tokens}")
-        if self.max_document_bytes < 1:
-            raise ValueError("max_document_bytes must be positive")
 
 
 @dataclass
@@ -78,6 +59,8 @@ class IngestResult:
     """Bytes of chunk KV blobs this ingestion wrote (chunks already in the store cost none)."""
     stored_tokens: int = 0
     """Tokens of the chunks it wrote."""
+    replaced: bool = False
+    """The document was a new version of one the tenant had (same id, old chunks retired)."""
 
     @property
     def bytes_per_token(self) -> float:
@@ -87,6 +70,12 @@ class IngestResult:
     @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def encode_tokens_per_second(self) -> float:
+        """Tokens of computed chunks per second of model time (the ingestion throughput)."""
+        seconds = self.timings.get("precompute", 0.0)
+        return self.stored_tokens / seconds if seconds else 0.0
 
 
 def _text_hash(text: str, namespace: str) -> str:
@@ -122,7 +111,13 @@ class Ingestor:
         tenant: str = "default",
         metadata: dict | None = None,
         progress: Progress | None = None,
+        pages: list[list[int]] | None = None,
+        replaces: str | None = None,
     ) -> IngestResult:
+        """Ingest a document. `pages`: each page's [start, end) in `text` (PDF citations
+        name the page). `replaces`: the id of the tenant's document this text is a new
+        version of; the document keeps its id, its old chunks leave retrieval when the new
+        ones enter (one registry step) and chunks both versions share are not recomputed."""
         started = time.perf_counter()
         check_tenant(tenant)
         text = check_text(text, name, self.config.max_document_bytes)
@@ -130,25 +125,31 @@ class Ingestor:
             raise InputError("bad_metadata", "metadata must be a JSON object")
         namespace = "" if self.config.share_chunks_across_tenants else tenant
         text_hash = _text_hash(text, namespace)
+        old = self.registry.get(tenant, replaces) if replaces is not None else None  # NotFoundError first
         existing = self.registry.find_by_text(tenant, text_hash)
+        if existing is not None and existing != replaces and replaces is not None:
+            raise InputError("duplicate_text", f"{name}: document {existing} already holds this exact text; delete "
+                                               f"one of the two or change the text")
         if existing is not None:
-            record = self.registry.get(tenant, existing)
-            return IngestResult(record.doc_id, record.name, len(record.chunks), record.num_tokens, 0, len(record.chunks),
-                                time.perf_counter() - started, duplicate_of_existing=True)
+            return self._fill_existing(self.registry.get(tenant, existing), text, namespace, started, progress)
 
         chunks = chunk_document(self.engine.tokenizer, text, self.config.chunk_tokens)
         hashes = [hash_tokens(chunk.token_ids, namespace) for chunk in chunks]
         todo = self._missing(chunks, hashes)
         added: list[ChunkKey] = []
         timings = {"precompute": 0.0, "store_write": 0.0}
-        journal_entry = self.journal.begin(self.chunk_key(h) for _, h in todo) if todo else None
+        # The old version's keys are journalled too: if the process dies after the replace
+        # commits but before their blobs are deleted, the next start-up deletes the orphans.
+        retiring = [self.chunk_key(c.chunk_hash) for c in old.chunks] if old else []
+        noted = [self.chunk_key(h) for _, h in todo] + retiring
+        journal_entry = self.journal.begin(noted) if noted else None
         try:
             stored_bytes, stored_tokens = self._precompute(name, todo, added, timings, progress)
             embed_started = time.perf_counter()
             embeddings = self.embedder.embed_passages([text[c.char_start : c.char_end] for c in chunks])
             timings["embed"] = time.perf_counter() - embed_started
             record = DocumentRecord(
-                doc_id="doc_" + text_hash[:16],
+                doc_id=old.doc_id if old else "doc_" + text_hash[:16],
                 tenant=tenant,
                 name=name,
                 text_hash=text_hash,
@@ -161,9 +162,15 @@ class Ingestor:
                                 c.index * self.config.chunk_tokens + c.num_tokens, c.char_start, c.char_end)
                     for c, h in zip(chunks, hashes)
                 ],
-                metadata=dict(metadata or {}),
+                metadata=dict(metadata if metadata is not None else old.metadata if old else {}),
+                pages=pages,
             )
-            self.registry.add(record, text, embeddings)
+            if old is None:
+                self.registry.add(record, text, embeddings)
+            else:
+                _, orphans = self.registry.replace(record, text, embeddings)
+                for chunk_hash in orphans:  # other models' blobs of them are left to `ragkv store gc`
+                    self.store.delete(self.chunk_key(chunk_hash))
         except BaseException:
             self._roll_back(added)
             raise
@@ -173,7 +180,37 @@ class Ingestor:
         computed = len(todo)
         return IngestResult(record.doc_id, name, len(chunks), record.num_tokens, computed, len(chunks) - computed,
                             time.perf_counter() - started, timings=timings, stored_bytes=stored_bytes,
-                            stored_tokens=stored_tokens)
+                            stored_tokens=stored_tokens, replaced=old is not None)
+
+    def _fill_existing(self, record: DocumentRecord, text: str, namespace: str, started: float,
+                       progress: Progress | None) -> IngestResult:
+        """Identical text is registered already: make sure its KV is in this store (the
+        registry may have been filled through another store), computing what is missing."""
+        chunks = chunk_document(self.engine.tokenizer, text, record.chunk_tokens)
+        hashes = [hash_tokens(chunk.token_ids, namespace) for chunk in chunks]
+        if hashes != [c.chunk_hash for c in record.chunks]:
+            # Another tokenizer made the record: its chunks are recomputed at question time.
+            log.warning("%s: registered by another model's tokenizer; its chunk KV is not filled in", record.name)
+            todo = []
+        else:
+            todo = self._missing(chunks, hashes)
+        added: list[ChunkKey] = []
+        timings = {"precompute": 0.0, "store_write": 0.0}
+        stored_bytes = stored_tokens = 0
+        if todo:
+            log.warning("%s: registered already, but %d of its %d chunks are missing from this store; computing them",
+                        record.name, len(todo), len(chunks))
+            journal_entry = self.journal.begin(self.chunk_key(h) for _, h in todo)
+            try:
+                stored_bytes, stored_tokens = self._precompute(record.name, todo, added, timings, progress)
+            except BaseException:
+                self._roll_back(added)
+                raise
+            finally:
+                self.journal.end(journal_entry)
+        return IngestResult(record.doc_id, record.name, len(record.chunks), record.num_tokens, len(todo),
+                            len(record.chunks) - len(todo), time.perf_counter() - started, duplicate_of_existing=True,
+                            timings=timings, stored_bytes=stored_bytes, stored_tokens=stored_tokens)
 
     def _missing(self, chunks, hashes) -> list:
         """(chunk, hash) of the chunks the store lacks, each once (a chunk can repeat)."""
@@ -181,24 +218,45 @@ class Ingestor:
         return list({h: (chunk, h) for chunk, h in todo}.values())
 
     def _precompute(self, name, unique, added, timings, progress) -> tuple[int, int]:
-        """Encode and store each chunk of `unique`; returns the blob bytes and tokens written."""
+        """Encode and store each chunk of `unique` (in batches of up to the configured tokens:
+        memory stays bounded by one batch); returns the blob bytes and tokens written."""
         bar = tqdm(total=len(unique), desc=f"precompute {name}", unit="chunk", disable=not self.config.show_progress or not unique)
-        stored_bytes = stored_tokens = 0
-        for done, (chunk, chunk_hash) in enumerate(unique, start=1):
+        stored_bytes = stored_tokens = done = 0
+        for batch in self._batches(unique):
             t0 = time.perf_counter()
-            tensors = self.engine.encode_chunk(chunk.token_ids)
-            t1 = time.perf_counter()
-            key = self.chunk_key(chunk_hash)
-            added.append(key)  # first: a put that fails half-way may still have written
-            stored_bytes += self.store.put(key, tensors, required=True)
-            stored_tokens += chunk.num_tokens
-            timings["precompute"] += t1 - t0
-            timings["store_write"] += time.perf_counter() - t1
-            bar.update(1)
-            if progress is not None:
-                progress(done, len(unique))
+            if len(batch) == 1:
+                encoded = [self.engine.encode_chunk(batch[0][0].token_ids)]
+            else:
+                encoded = self.engine.encode_chunks([chunk.token_ids for chunk, _ in batch])
+            timings["precompute"] += time.perf_counter() - t0
+            for (chunk, chunk_hash), tensors in zip(batch, encoded):
+                t1 = time.perf_counter()
+                key = self.chunk_key(chunk_hash)
+                added.append(key)  # first: a put that fails half-way may still have written
+                stored_bytes += self.store.put(key, tensors, required=True)
+                stored_tokens += chunk.num_tokens
+                timings["store_write"] += time.perf_counter() - t1
+                done += 1
+                bar.update(1)
+                if progress is not None:
+                    progress(done, len(unique))
         bar.close()
         return stored_bytes, stored_tokens
+
+    def _batches(self, unique: list) -> list[list]:
+        """`unique` cut into runs of at most `encode_batch_tokens` tokens (a chunk longer
+        than that runs alone)."""
+        batches: list[list] = []
+        tokens = 0
+        for item in unique:
+            size = item[0].num_tokens
+            if batches and tokens + size <= self.config.encode_batch_tokens:
+                batches[-1].append(item)
+                tokens += size
+            else:
+                batches.append([item])
+                tokens = size
+        return batches
 
     def _roll_back(self, added: list[ChunkKey]) -> None:
         for key in added:

@@ -10,12 +10,15 @@ What every backend guarantees (tests/test_registry_contract.py):
   atomically, so a failure or a concurrent reader never sees half a document;
 - adding a document id that exists changes nothing (two replicas ingesting the same
   text at once count its chunks once);
+- replacing a document swaps its versions in one step: a reader sees the old or the new
+  version whole, never both or neither;
 - every add/remove bumps the tenant's generation, a counter the per-process embedding
   matrix cache checks on each search, so a replica sees documents another one added.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import threading
 from abc import ABC, abstractmethod
@@ -56,6 +59,19 @@ class DocumentRecord:
     created: float
     chunks: list[ChunkRecord]
     metadata: dict = field(default_factory=dict)
+    pages: list[list[int]] | None = None
+    """[char start, char end) of each page in the text, page 1 first (PDF); None for
+    formats without pages."""
+
+    def page_of(self, char: int) -> int | None:
+        """The 1-based page holding text offset `char` (a chunk starting between two pages
+        belongs to the next); None without pages."""
+        if not self.pages:
+            return None
+        page = max(bisect.bisect_right([start for start, _ in self.pages], char), 1)
+        if char >= self.pages[page - 1][1] and page < len(self.pages):
+            page += 1
+        return page
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -142,6 +158,20 @@ class Registry(ABC):
     @abstractmethod
     def remove(self, tenant: str, doc_id: str) -> tuple[DocumentRecord, list[str]]:
         """Delete a document; return it and the chunk hashes no document uses any more."""
+
+    def replace(self, record: DocumentRecord, text: str, embeddings: np.ndarray) -> tuple[DocumentRecord, list[str]]:
+        """Put a new version in place of the tenant's document `record.doc_id` in one atomic
+        step: its old chunks leave retrieval as the new ones enter, chunks both versions use
+        keep their references throughout (their KV is never orphaned). Returns the old
+        record and the chunk hashes no document uses any more; NotFoundError if there is no
+        such document."""
+        if embeddings.ndim != 2 or embeddings.shape[0] != len(record.chunks):
+            raise ValueError("one embedding per chunk is required")
+        return self._replace(record, text, np.ascontiguousarray(embeddings, dtype=np.float32))
+
+    @abstractmethod
+    def _replace(self, record: DocumentRecord, text: str,
+                 embeddings: np.ndarray) -> tuple[DocumentRecord, list[str]]: ...
 
     def close(self) -> None:
         """Release what the backend holds (connections; an environment it opened)."""

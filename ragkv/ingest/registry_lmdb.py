@@ -9,7 +9,7 @@ Sub-databases (keys are UTF-8):
   embeddings  {tenant}/{doc_id}/{index:06d}  -> float32 embedding of one chunk
   registry_meta generation/{tenant}          -> the tenant's generation
 
-Each add/remove is one write transaction.
+Each add/remove/replace is one write transaction.
 """
 
 from __future__ import annotations
@@ -116,6 +116,38 @@ class LMDBRegistry(Registry):
                     orphans.append(chunk_hash)
             self._bump_generation(txn, tenant)
             return record, orphans
+
+        return self.env.write(write)
+
+    def _replace(self, record: DocumentRecord, text: str, embeddings: np.ndarray) -> tuple[DocumentRecord, list[str]]:
+        def write(txn) -> tuple[DocumentRecord, list[str]]:
+            tenant, doc_id = record.tenant, record.doc_id
+            key = f"{tenant}/{doc_id}".encode()
+            raw = txn.get(key, db=self._documents)
+            if raw is None:
+                raise NotFoundError(f"no document {doc_id!r}")
+            old = DocumentRecord.from_json(raw)
+            txn.delete(f"{tenant}/{old.text_hash}".encode(), db=self._by_text)
+            for chunk in old.chunks:
+                txn.delete(f"{tenant}/{doc_id}/{chunk.index:06d}".encode(), db=self._vectors)
+            txn.put(key, record.to_json(), db=self._documents)
+            txn.put(key, text.encode(), db=self._texts)
+            txn.put(f"{tenant}/{record.text_hash}".encode(), doc_id.encode(), db=self._by_text)
+            for chunk, vector in zip(record.chunks, embeddings):
+                txn.put(f"{tenant}/{doc_id}/{chunk.index:06d}".encode(), vector.tobytes(), db=self._vectors)
+            old_hashes, new_hashes = {c.chunk_hash for c in old.chunks}, {c.chunk_hash for c in record.chunks}
+            orphans = []
+            changes = [(h, 1) for h in new_hashes - old_hashes] + [(h, -1) for h in old_hashes - new_hashes]
+            for chunk_hash, change in changes:
+                raw_count = txn.get(chunk_hash.encode(), db=self._refs)
+                count = (int(bytes(raw_count)) if raw_count is not None else 0) + change
+                if count > 0:
+                    txn.put(chunk_hash.encode(), str(count).encode(), db=self._refs)
+                else:
+                    txn.delete(chunk_hash.encode(), db=self._refs)
+                    orphans.append(chunk_hash)
+            self._bump_generation(txn, tenant)
+            return old, sorted(orphans)
 
         return self.env.write(write)
 

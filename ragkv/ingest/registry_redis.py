@@ -11,7 +11,7 @@ give it a Redis that never evicts (`maxmemory-policy noeviction`) and persists
   {prefix}gen:{tenant}      int   the tenant's generation
   {prefix}refs              hash  chunk_hash -> number of documents that use the chunk
 
-Add and remove are Lua scripts, so each is atomic on the server. Retrieval reads the
+Add, remove and replace are Lua scripts, so each is atomic on the server. Retrieval reads the
 tenant's vectors hash with its generation in one MULTI and caches the matrix per process;
 each search costs one GET of the generation. The keys of one call span several hash slots:
 a single server (or a primary with replicas / Sentinel), not Redis Cluster.
@@ -64,6 +64,30 @@ redis.call('INCR', KEYS[6])
 return orphans
 """
 
+# KEYS as for _ADD; ARGV: doc_id, the old record as read, its text_hash, the new record, text,
+# text_hash, vectors, the number n of old chunk hashes, the n old hashes, then the new ones.
+# The new references are counted before the old are dropped, so a chunk both versions use
+# never reaches zero; like _REMOVE it returns false when the record changed since it was read.
+_REPLACE = """
+if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return false end
+redis.call('HDEL', KEYS[3], ARGV[3])
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[4])
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[5])
+redis.call('HSET', KEYS[3], ARGV[6], ARGV[1])
+redis.call('HSET', KEYS[4], ARGV[1], ARGV[7])
+local n = tonumber(ARGV[8])
+for i = 9 + n, #ARGV do redis.call('HINCRBY', KEYS[5], ARGV[i], 1) end
+local orphans = {}
+for i = 9, 8 + n do
+  if redis.call('HINCRBY', KEYS[5], ARGV[i], -1) <= 0 then
+    redis.call('HDEL', KEYS[5], ARGV[i])
+    table.insert(orphans, ARGV[i])
+  end
+end
+redis.call('INCR', KEYS[6])
+return orphans
+"""
+
 _HEADER = struct.Struct("<II")  # rows, dim
 
 
@@ -96,6 +120,7 @@ class RedisRegistry(Registry):
                                             retry=Retry(NoBackoff(), 1))
         self._add_script = self._client.register_script(_ADD)
         self._remove_script = self._client.register_script(_REMOVE)
+        self._replace_script = self._client.register_script(_REPLACE)
         self._call(self._client.ping)
 
     def _keys(self, tenant: str) -> list[str]:
@@ -158,6 +183,22 @@ class RedisRegistry(Registry):
             orphans = self._call(self._remove_script, keys=keys, args=[doc_id, raw, record.text_hash, *hashes])
             if orphans is not None:  # None: removed by someone else since it was read
                 return record, sorted(hash_.decode() for hash_ in orphans)
+
+    def _replace(self, record: DocumentRecord, text: str, embeddings: np.ndarray) -> tuple[DocumentRecord, list[str]]:
+        keys = self._keys(record.tenant)
+        vectors = _pack([chunk.index for chunk in record.chunks], embeddings)
+        new_hashes = sorted({chunk.chunk_hash for chunk in record.chunks})
+        while True:
+            raw = self._call(self._client.hget, keys[0], record.doc_id)
+            if raw is None:
+                raise NotFoundError(f"no document {record.doc_id!r}")
+            old = DocumentRecord.from_json(raw)
+            old_hashes = sorted({chunk.chunk_hash for chunk in old.chunks})
+            args = [record.doc_id, raw, old.text_hash, record.to_json(), text.encode(), record.text_hash, vectors,
+                    len(old_hashes), *old_hashes, *new_hashes]
+            orphans = self._call(self._replace_script, keys=keys, args=args)
+            if orphans is not None:  # None: changed by someone else since it was read
+                return old, sorted(hash_.decode() for hash_ in orphans)
 
     def close(self) -> None:
         self._client.close()

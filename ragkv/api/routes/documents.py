@@ -1,9 +1,14 @@
-"""Documents and ingestion jobs: POST/GET/DELETE /v1/documents, GET /v1/jobs."""
+"""Documents and ingestion jobs: POST/GET/PUT/DELETE /v1/documents, GET /v1/jobs.
+
+PUT /v1/documents/{id} replaces a document by a new version (same id): its old chunks
+leave retrieval when the new ones enter, in one registry step; chunks both versions
+share keep their KV. POST never replaces (its name defaults to one name for all)."""
 
 from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Request
@@ -21,7 +26,7 @@ from ragkv.api.schemas import DOC_ID_PATTERN, DocumentCreate, check_metadata
 from ragkv.api.state import AppState, app_state
 from ragkv.api.streaming import run_job
 from ragkv.api.worker import Job, JobCancelled
-from ragkv.ingest.loaders import document_text
+from ragkv.ingest.loaders import load_document
 from ragkv.ingest.pipeline import IngestResult
 from ragkv.ingest.validation import check_text
 
@@ -35,7 +40,20 @@ def ingest_summary(result: IngestResult) -> dict:
     return {"chunks": result.chunks, "tokens": result.tokens, "computed_chunks": result.computed_chunks,
             "reused_chunks": result.reused_chunks, "seconds": round(result.seconds, 3),
             "stored_bytes": result.stored_bytes, "bytes_per_token": round(result.bytes_per_token, 1),
-            "duplicate_of_existing": result.duplicate_of_existing}
+            "encode_tokens_per_second": round(result.encode_tokens_per_second, 1),
+            "duplicate_of_existing": result.duplicate_of_existing, "replaced": result.replaced}
+
+
+@dataclass(frozen=True)
+class Upload:
+    """A document as a request carries it."""
+
+    text: str
+    name: str | None
+    """None when the request named none."""
+    metadata: dict | None
+    background: bool | None
+    pages: list[list[int]] | None = None
 
 
 def _pydantic_message(error: ValidationError) -> str:
@@ -55,8 +73,8 @@ def _form_flag(value, name: str) -> bool | None:
     return flag
 
 
-async def _read_document(request: Request, state: AppState) -> tuple[str, str, dict | None, bool | None]:
-    """(text, name, metadata, background) from a JSON body or a multipart upload."""
+async def _read_document(request: Request, state: AppState) -> Upload:
+    """The document of a JSON body or a multipart upload."""
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     limit = state.config.runtime.ingest.max_document_bytes
     if content_type == "multipart/form-data":
@@ -64,10 +82,12 @@ async def _read_document(request: Request, state: AppState) -> tuple[str, str, d
         upload = form.get("file")
         if not isinstance(upload, UploadFile):
             raise ApiError(400, "missing_file", "multipart uploads need a 'file' field holding the document", param="file")
-        name = str(form.get("name") or upload.filename or "upload.txt")
+        given = form.get("name") or upload.filename
+        name = str(given or "upload.txt")
         data = await upload.read()
-        text = document_text(data, name, limit)
-        return text, name, check_metadata(form.get("metadata")), _form_flag(form.get("background"), "background")
+        document = load_document(data, name, limit)
+        return Upload(document.text, str(given) if given else None, check_metadata(form.get("metadata")),
+                      _form_flag(form.get("background"), "background"), document.pages)
     if content_type not in ("application/json", ""):
         raise ApiError(415, "unsupported_media_type",
                        "send the document as JSON {\"text\": ..., \"name\": ...} or as multipart/form-data with a 'file' field")
@@ -82,7 +102,9 @@ async def _read_document(request: Request, state: AppState) -> tuple[str, str, d
         document = DocumentCreate.model_validate(payload)
     except ValidationError as error:
         raise ApiError(400, "invalid_parameters", _pydantic_message(error)) from None
-    return check_text(document.text, document.name, limit), document.name, check_metadata(document.metadata), document.background
+    named = document.name if "name" in document.model_fields_set else None
+    return Upload(check_text(document.text, document.name, limit), named, check_metadata(document.metadata),
+                  document.background)
 
 
 _DOCUMENT_BODY = {
@@ -92,7 +114,8 @@ _DOCUMENT_BODY = {
         "multipart/form-data": {"schema": {
             "type": "object", "required": ["file"],
             "properties": {
-                "file": {"type": "string", "format": "binary", "description": "the document: .txt, .md, .html, .json, ..."},
+                "file": {"type": "string", "format": "binary",
+                         "description": "the document: .txt, .md, .html, .pdf, .docx, ..."},
                 "name": {"type": "string", "description": "its name (default: the file name)"},
                 "metadata": {"type": "string", "description": "a JSON object, as text"},
                 "background": {"type": "boolean", "description": "force (true) or refuse (false) a background job"},
@@ -110,22 +133,46 @@ async def create_document(request: Request):
     documents answer 201 when ingested; large ones (or background=true) answer 202 with a
     job whose progress GET /v1/jobs/{id} reports."""
     state = app_state(request)
+    upload = await _read_document(request, state)
+    return await _ingest(request, state, upload, upload.name or "document.txt", None, 201)
+
+
+@router.put("/v1/documents/{doc_id}", status_code=200, openapi_extra={"requestBody": _DOCUMENT_BODY},
+            responses={200: {"model": DocumentCreated, "description": "replaced"},
+                       202: {"model": JobAccepted, "description": "replacing in the background: poll status_url"},
+                       **errors(400, 401, 404, 413, 415, 503)})
+async def replace_document(request: Request, doc_id: DocumentId):
+    """Replace a document by a new version, keeping its id (same body as POST). Its old
+    chunks leave retrieval when the new ones enter, in one step; chunks the versions share
+    keep their KV. The name and metadata are kept unless the request gives new ones."""
+    state = app_state(request)
+    old = state.runtime.registry.get(tenant_of(request), doc_id)  # 404 before the body is read
+    upload = await _read_document(request, state)
+    metadata = upload.metadata if upload.metadata is not None else old.metadata
+    return await _ingest(request, state, upload, upload.name or old.name, doc_id, 200, metadata)
+
+
+async def _ingest(request: Request, state: AppState, upload: Upload, name: str, replaces: str | None, status: int,
+                  metadata: dict | None = None):
     tenant = tenant_of(request)
-    text, name, metadata, background = await _read_document(request, state)
+    metadata = upload.metadata if metadata is None else metadata
+    background = upload.background
     if background is None:
-        background = len(text.encode("utf-8", errors="surrogatepass")) > state.config.background_ingest_bytes
+        background = len(upload.text.encode("utf-8", errors="surrogatepass")) > state.config.background_ingest_bytes
     service = state.service
+    options = {"pages": upload.pages, "replaces": replaces}
     if not background:
-        job = Job("ingest", service.ingest_body(text, name, tenant, metadata, checkpoint=state.worker.checkpoint),
-                  interactive=False)
+        job = Job("ingest", service.ingest_body(upload.text, name, tenant, metadata, checkpoint=state.worker.checkpoint,
+                                                **options), interactive=False)
         result: IngestResult = await run_job(request, state.worker, job)
         record = state.runtime.registry.get(tenant, result.doc_id)
-        return {"document": record.summary(), "ingest": ingest_summary(result)}
+        return JSONResponse(status_code=status,
+                            content={"document": record.summary(), "ingest": ingest_summary(result)})
 
     record = state.jobs.create(tenant, "ingest", name)
-    body = service.ingest_body(text, name, tenant, metadata,
+    body = service.ingest_body(upload.text, name, tenant, metadata,
                                progress=lambda done, total: state.jobs.progress(record, done, total),
-                               checkpoint=state.worker.checkpoint)
+                               checkpoint=state.worker.checkpoint, **options)
     job = Job("ingest", _tracked(state, record, body), interactive=False)
     state.worker.submit(job)
     return JSONResponse(status_code=202, content={"job": record.to_dict(), "status_url": f"/v1/jobs/{record.id}"},

@@ -1,0 +1,171 @@
+"""PDF and DOCX reading (files generated here with fpdf2 and python-docx, so the text
+each page holds is known), and `ragkv ingest` refusing unusable files before the model
+loads. No model runs in this file."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import docx
+import pytest
+from fpdf import FPDF
+
+from ragkv.ingest.errors import InputError
+from ragkv.ingest.formats import CONTAINER_FACTOR
+from ragkv.ingest.loaders import load_document, load_path
+from ragkv.ingest.registry import DocumentRecord
+
+PAGE_FACTS = ["The lighthouse keeper logged 41 storms in 1902.",
+              "The orchard's oldest tree is a Bramley planted in 1871.",
+              "The ferry to Inish More leaves at 07:45 on weekdays."]
+
+
+def pdf_bytes(pages: list[str]) -> bytes:
+    pdf = FPDF()
+    pdf.set_font("Helvetica", size=11)
+    for text in pages:
+        pdf.add_page()
+        pdf.multi_cell(0, 7, text)
+    return bytes(pdf.output())
+
+
+def scanned_pdf_bytes() -> bytes:
+    """Pages that carry only drawings: what a scan without OCR looks like to a text reader."""
+    pdf = FPDF()
+    for _ in range(2):
+        pdf.add_page()
+        pdf.rect(20, 20, 120, 160, style="F")
+    return bytes(pdf.output())
+
+
+def docx_bytes(paragraphs: list[str], table: list[list[str]] | None = None) -> bytes:
+    document = docx.Document()
+    for paragraph in paragraphs:
+        document.add_paragraph(paragraph)
+    if table:
+        grid = document.add_table(rows=len(table), cols=len(table[0]))
+        for r, row in enumerate(table):
+            for c, value in enumerate(row):
+                grid.cell(r, c).text = value
+    document.add_paragraph("After the table.")
+    out = io.BytesIO()
+    document.save(out)
+    return out.getvalue()
+
+
+def test_pdf_pages_keep_their_spans_and_a_chunk_knows_its_page():
+    pages = [(fact + " ") * 6 for fact in PAGE_FACTS]
+    loaded = load_document(pdf_bytes(pages), "report.pdf")
+    assert len(loaded.pages) == 3
+    for (start, end), fact in zip(loaded.pages, PAGE_FACTS):
+        page_text = " ".join(loaded.text[start:end].split())  # the PDF wraps lines
+        assert page_text.count(fact) == 6 and not any(other in page_text for other in PAGE_FACTS if other != fact)
+    record = DocumentRecord("d", "t", "report.pdf", "h", 1, 1, "fp", 0.0, [], pages=loaded.pages)
+    for number, (start, end) in enumerate(loaded.pages, start=1):
+        assert record.page_of(start) == number and record.page_of(end - 1) == number
+        if number < 3:
+            assert record.page_of(end) == number + 1  # the separator belongs to the next page
+    assert DocumentRecord.from_json(record.to_json()) == record
+    assert DocumentRecord("d", "t", "a.txt", "h", 1, 1, "fp", 0.0, []).page_of(5) is None
+
+
+def test_docx_reads_paragraphs_and_tables_in_order():
+    data = docx_bytes(PAGE_FACTS[:2], table=[["Ferry", "07:45"], ["Bus", "08:10"]])
+    text = load_document(data, "notes.docx").text
+    parts = (PAGE_FACTS[0], PAGE_FACTS[1], "Ferry | 07:45", "Bus | 08:10", "After the table.")
+    order = [text.index(part) for part in parts]
+    assert order == sorted(order)
+    assert load_document(data, "notes.docx").pages is None
+
+
+@pytest.mark.parametrize("name, data, reason", [
+    ("scan.pdf", scanned_pdf_bytes(), "no_text_layer"),
+    ("broken.pdf", b"%PDF-1.4\n% nothing else", "unreadable"),
+    ("fake.pdf", b"plain text, not a PDF", "unreadable"),
+    ("broken.docx", b"PK\x03\x04 not a zip", "unreadable"),
+    ("program.exe", b"MZ\x90\x00", "unsupported_type"),
+    ("empty.txt", b"   \n", "empty"),
+    ("latin1.txt", "caf\xe9".encode("latin-1"), "not_utf8"),
+])
+def test_unusable_files_are_refused_with_a_reason(name, data, reason):
+    with pytest.raises(InputError) as refused:
+        load_document(data, name)
+    assert refused.value.reason == reason and name in str(refused.value)
+    if reason == "no_text_layer":
+        assert "OCR" in str(refused.value)
+
+
+def test_a_docx_zip_without_a_document_is_unreadable():
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as archive:
+        archive.writestr("hello.txt", "not word")
+    with pytest.raises(InputError) as refused:
+        load_document(out.getvalue(), "archive.docx")
+    assert refused.value.reason == "unreadable"
+
+
+def test_size_limits_apply_to_the_file_and_to_its_text(tmp_path):
+    text_pdf = pdf_bytes([PAGE_FACTS[0] * 40])
+    path = tmp_path / "big.pdf"
+    path.write_bytes(text_pdf)
+    limit = len(text_pdf) // CONTAINER_FACTOR - 1
+    with pytest.raises(InputError, match="exceeds the limit") as refused:
+        load_path(path, limit)
+    assert refused.value.reason == "too_large"
+    with pytest.raises(InputError, match="exceeds the limit"):  # the file fits, its text does not
+        load_document(text_pdf, "big.pdf", max_bytes=len(PAGE_FACTS[0]) * 10)
+
+
+def unusable_folder(root: Path) -> Path:
+    folder = root / "inbox"
+    folder.mkdir()
+    (folder / "scan.pdf").write_bytes(scanned_pdf_bytes())
+    (folder / "broken.docx").write_bytes(b"PK\x03\x04 not a zip")
+    (folder / "empty.md").write_text("  \n")
+    (folder / "latin1.txt").write_bytes("caf\xe9 cr\xe8me".encode("latin-1"))
+    (folder / "photo.jpg").write_bytes(b"\xff\xd8\xff\xe0")
+    return folder
+
+
+def test_a_folder_of_unusable_files_is_refused_without_loading_the_model(tmp_path):
+    folder = unusable_folder(tmp_path)
+    # The probe runs the real command with the model's loaders replaced by tripwires.
+    probe = ("import sys, runpy\n"
+             "import ragkv.engine.core as core, ragkv.engine.model as model\n"
+             "def tripwire(*args, **kwargs):\n    raise SystemExit('the model was loaded')\n"
+             "core.Engine.__init__ = tripwire\nmodel.CausalLM.load = tripwire\n"
+             f"sys.argv = ['ragkv', 'ingest', {str(folder)!r}, '--json', '--no-progress']\n"
+             "try:\n    runpy.run_module('ragkv', run_name='__main__')\nexcept SystemExit as exit:\n"
+             "    assert exit.code == 1, exit.code\n"
+             "assert 'ragkv.app.runtime' not in sys.modules, 'runtime imported'\n")
+    env = {**os.environ, "RAGKV_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    reasons = {Path(failure["path"]).name: failure["reason"] for failure in summary["failures"]}
+    assert reasons == {"scan.pdf": "no_text_layer", "broken.docx": "unreadable", "empty.md": "empty",
+                       "latin1.txt": "not_utf8"}
+    assert [Path(p).name for p in summary["unsupported"]] == ["photo.jpg"]
+    assert summary["totals"]["ingested"] == 0 and summary["totals"]["failed"] == 4
+    for name in reasons:
+        assert f"refused {folder / name}" in result.stderr
+    assert "the model was not loaded" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_plain_command_refuses_named_files_and_says_why(tmp_path):
+    """`ragkv ingest report.pdf notes.docx` as a user types it, with both files unusable."""
+    folder = unusable_folder(tmp_path)
+    env = {**os.environ, "RAGKV_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-m", "ragkv", "ingest", str(folder / "scan.pdf"),
+                             str(folder / "broken.docx"), "--no-progress"],
+                            capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 1 and "2 file(s) refused (the model was not loaded)" in result.stderr, result.stderr
+    assert "no text layer" in result.stderr and "not a readable DOCX file" in result.stderr
+    assert "0 of 2 files ingested, 2 failed" in result.stdout and "Traceback" not in result.stderr
+    assert not (tmp_path / "home").exists()  # nothing was created either
