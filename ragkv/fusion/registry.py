@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ragkv.engine.spec_string import build_from_spec
+from ragkv.engine.registry import Registry
 from ragkv.fusion.a3 import A3
 from ragkv.fusion.base import FusionStrategy
 from ragkv.fusion.cacheblend import CacheBlend
@@ -13,11 +13,11 @@ from ragkv.fusion.full_reuse import FullReuse
 from ragkv.fusion.pie import Pie
 from ragkv.fusion.probe import Probe
 
-STRATEGIES: dict[str, type[FusionStrategy]] = {cls.name: cls for cls in (Full, FullReuse, Pie, Epic, CacheBlend, A3, Probe)}
-STRATEGY_NAMES = tuple(STRATEGIES)
+STRATEGIES = Registry("fusion strategy", (Full, FullReuse, Pie, Epic, CacheBlend, A3, Probe))
+STRATEGY_NAMES = STRATEGIES.names()
 DEFAULT_STRATEGY = Probe.name
 
 
 def build_strategy(spec: str) -> FusionStrategy:
     """The strategy a spec string names, its options validated by the strategy itself."""
-    return build_from_spec(spec, STRATEGIES, "fusion strategy")
+    return STRATEGIES.build(spec)

@@ -10,12 +10,6 @@ registry.py for how selectors are chosen ('name:option=value,...').
 
 from __future__ import annotations
 
-# Importing each selector module registers it (ragkv.sparse.registry), in this order.
-from ragkv.sparse import dense  # noqa: F401, I001
-from ragkv.sparse import oracle  # noqa: F401
-from ragkv.sparse import a2ats  # noqa: F401
-from ragkv.sparse import pqcache  # noqa: F401
-from ragkv.sparse import lrqk  # noqa: F401
 from ragkv.sparse.base import Selector
 from ragkv.sparse.codebook import A2ATSCodebook
 from ragkv.sparse.config import SparseConfig

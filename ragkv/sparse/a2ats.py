@@ -41,9 +41,8 @@ import torch
 
 from ragkv.kernels import code_score_topk, cpu_extension
 from ragkv.engine.kv_cache import KVCache
-from ragkv.sparse.base import RowBuffer, Selector
+from ragkv.sparse.base import RowBuffer, Selector, SelectorOptions
 from ragkv.sparse.codebook import A2ATSCodebook
-from ragkv.sparse.registry import SelectorOptions, register
 from ragkv.sparse.prompt import PromptState, unrotate_keys
 
 
@@ -80,7 +79,6 @@ class KeptPlan:
     plan: object
 
 
-@register
 @dataclass(frozen=True)
 class A2ATSOptions(SelectorOptions):
     name: ClassVar[str] = "a2ats"

@@ -28,14 +28,18 @@ from __future__ import annotations
 
 from abc import ABC
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from ragkv.kernels import sparse_decode_attention
 from ragkv.kernels.torch_cpu import gather_rows
 from ragkv.engine.kv_cache import KVCache
-from ragkv.sparse.config import SparseConfig
 from ragkv.sparse.prompt import PromptState, RowPositions
+
+if TYPE_CHECKING:  # config.py imports the registry, which imports every selector module
+    from ragkv.sparse.config import SparseConfig
 
 EXTEND_BATCH = 16
 """Decoded rows get their per-row state (codes, factors) this many at a time."""
@@ -77,6 +81,20 @@ class RowBuffer:
         for size in self.data.shape[3:]:
             trailing *= size
         return self.data.shape[0] * self.data.shape[1] * trailing * self.data.element_size()
+
+
+@dataclass(frozen=True)
+class SelectorOptions:
+    """A selector's own settings, the dataclass a spec string builds (ragkv.sparse.registry);
+    subclasses add fields, validate them in __post_init__ and define `attach`."""
+
+    name: ClassVar[str] = ""
+    default_head_aggregation: ClassVar[str] = "probs"
+    """SparseConfig.head_aggregation when a request leaves it unset."""
+
+    def attach(self, config: SparseConfig, prompt: PromptState, codebook) -> Selector:
+        """The per-request Selector for `prompt` under `config` (whose options are these)."""
+        raise NotImplementedError
 
 
 class Selector(ABC):

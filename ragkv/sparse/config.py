@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ragkv.kernels.dispatch import BACKENDS
-from ragkv.sparse.registry import DEFAULT_SELECTOR, SelectorOptions, selector_options
+from ragkv.sparse.base import SelectorOptions
+from ragkv.sparse.registry import DEFAULT_SELECTOR, selector_options
 from ragkv.sparse.snapkv import SnapKV
 
 SNAPKV_DEFAULT_KERNEL = 7

@@ -10,11 +10,9 @@ import torch
 
 from ragkv.engine.attention import decode_attention
 from ragkv.engine.kv_cache import KVCache
-from ragkv.sparse.base import Selector
-from ragkv.sparse.registry import SelectorOptions, register
+from ragkv.sparse.base import Selector, SelectorOptions
 
 
-@register
 @dataclass(frozen=True)
 class DenseOptions(SelectorOptions):
     """No options: every row, exact."""

@@ -18,9 +18,8 @@ from typing import ClassVar
 import torch
 
 from ragkv.engine.kv_cache import KVCache
-from ragkv.sparse.base import RowBuffer, Selector
+from ragkv.sparse.base import RowBuffer, Selector, SelectorOptions
 from ragkv.sparse.prompt import PromptState
-from ragkv.sparse.registry import SelectorOptions, register
 
 _RELATIVE_CUTOFF = 1e-5
 
@@ -45,7 +44,6 @@ def joint_factors(queries: torch.Tensor, keys: torch.Tensor, rank: int) -> tuple
     return w_q.float(), w_k.float()
 
 
-@register
 @dataclass(frozen=True)
 class LRQKOptions(SelectorOptions):
     name: ClassVar[str] = "lrqk"

@@ -9,8 +9,7 @@ from typing import ClassVar
 import torch
 
 from ragkv.engine.kv_cache import KVCache
-from ragkv.sparse.base import Selector, top_rows
-from ragkv.sparse.registry import SelectorOptions, register
+from ragkv.sparse.base import Selector, SelectorOptions, top_rows
 
 
 def attention_mass(q: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
@@ -22,7 +21,6 @@ def attention_mass(q: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.T
     return logits.softmax(-1).sum(1)
 
 
-@register
 @dataclass(frozen=True)
 class OracleOptions(SelectorOptions):
     """No options: exact attention mass decides."""

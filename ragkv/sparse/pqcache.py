@@ -19,13 +19,11 @@ import torch
 
 from ragkv.kernels import code_score_topk
 from ragkv.engine.kv_cache import KVCache
-from ragkv.sparse.base import RowBuffer, Selector
+from ragkv.sparse.base import RowBuffer, Selector, SelectorOptions
 from ragkv.sparse.kmeans import kmeans, nearest
 from ragkv.sparse.prompt import PromptState
-from ragkv.sparse.registry import SelectorOptions, register
 
 
-@register
 @dataclass(frozen=True)
 class PQCacheOptions(SelectorOptions):
     name: ClassVar[str] = "pqcache"
