@@ -19,14 +19,19 @@ from usearch.index import Index
 class GraphConfig:
     connectivity: int = 16
     """Neighbours per node (HNSW's M)."""
-    expansion_add: int = 128
+    expansion_add: int = 64
     """Candidate list while inserting (efConstruction)."""
     expansion_search: int = 96
     """Candidate list while searching (ef): recall against time."""
+    dtype: str = "f16"
+    """How the graph keeps its copy of the vectors (f32, f16, i8); candidates are rescored
+    from the dense index's float32 rows either way."""
 
     def __post_init__(self) -> None:
         if not 4 <= self.connectivity <= 128 or self.expansion_add < 8 or self.expansion_search < 8:
             raise ValueError("connectivity must be in [4, 128] and the expansions at least 8")
+        if self.dtype not in ("f32", "f16", "i8"):
+            raise ValueError(f"dtype must be f32, f16 or i8, got {self.dtype!r}")
 
 
 class Graph:
@@ -34,7 +39,7 @@ class Graph:
 
     def __init__(self, dim: int, config: GraphConfig = GraphConfig()):
         self.config = config
-        self._index = Index(ndim=dim, metric="ip", dtype="f16", connectivity=config.connectivity,
+        self._index = Index(ndim=dim, metric="ip", dtype=config.dtype, connectivity=config.connectivity,
                             expansion_add=config.expansion_add, expansion_search=config.expansion_search)
 
     def __len__(self) -> int:
