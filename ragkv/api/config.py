@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ragkv.app.runtime import RuntimeConfig
+from ragkv.ingest.index.hybrid import DEFAULT_RETRIEVAL, RETRIEVAL_MODES
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -47,6 +48,8 @@ class ServeConfig:
     """Largest question / chat message, in tokens."""
     max_top_k: int = 16
     """Largest top_k a request may ask for (16 x 512-token chunks fill 8k positions)."""
+    retrieval: str = DEFAULT_RETRIEVAL
+    """Retrieval of requests that name none: dense, bm25 or hybrid (dense and BM25 fused)."""
     background_ingest_bytes: int = 32_768
     """Documents larger than this ingest as a background job (202 + /v1/jobs/{id})."""
     max_active: int = 16
@@ -75,6 +78,8 @@ class ServeConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.background_ingest_bytes < 0:
             raise ValueError("background_ingest_bytes must be >= 0")
+        if self.retrieval not in RETRIEVAL_MODES:
+            raise ValueError(f"retrieval must be one of {', '.join(RETRIEVAL_MODES)}, got {self.retrieval!r}")
         if self.log_format not in ("text", "json"):
             raise ValueError(f"log_format must be 'text' or 'json', got {self.log_format!r}")
         if self.session_store not in (None, "memory") and not self.session_store.startswith(("redis://", "rediss://")):

@@ -19,6 +19,9 @@ from ragkv.api.errors import ApiError
 from ragkv.fusion import DEFAULT_STRATEGY, STRATEGY_NAMES, FusionConfig
 from ragkv.engine.generation import GenerationConfig
 from ragkv.app.rag import QueryConfig
+from ragkv.ingest.errors import InputError
+from ragkv.ingest.index.filters import MetadataFilter
+from ragkv.ingest.index.hybrid import RETRIEVAL_MODES
 from ragkv.engine.sampling import SamplingConfig
 
 try:  # sparse decode (ragkv.sparse) is optional in this layer: without it only dense decode is served
@@ -105,6 +108,12 @@ class RetrievalOptions(_Strict):
                           + ") or name:option=value,... (e.g. a3:ratio=0.3)")
     ratio: float | None = Field(None, ge=0, le=1, description="share of document tokens recomputed (a3, cacheblend); "
                                 "overrides the spec's")
+    retrieval: Literal[RETRIEVAL_MODES] | None = Field(
+        None, description="dense (embeddings), bm25 (words) or hybrid (both, fused by reciprocal rank); "
+        "default: the server's --retrieval")
+    filter: dict[str, Any] | None = Field(
+        None, description='retrieve only from documents whose metadata matches: {"team": "legal"}, '
+        '{"team": {"$in": ["legal", "hr"]}}, {"year": {"$gte": 2020}} ($gt, $gte, $lt, $lte, $ne); every key must hold')
 
     @field_validator("strategy")
     @classmethod
@@ -284,9 +293,20 @@ def query_config(options: RetrievalOptions, generation: GenerationConfig, limits
         if isinstance(options, SparseOptions) and options.wants_sparse:
             extra["sparse"] = sparse_config(options)
         return QueryConfig(top_k=options.top_k, doc_ids=tuple(options.document_ids) if options.document_ids else None,
-                           fusion=fusion, generation=generation, **extra)
+                           fusion=fusion, generation=generation, retrieval=options.retrieval or limits.retrieval,
+                           filter=metadata_filter(options.filter), **extra)
     except ValueError as error:
         raise ApiError(400, "invalid_parameters", str(error)) from None
+
+
+def metadata_filter(raw: dict | None) -> MetadataFilter | None:
+    """The request's metadata filter, parsed once; a 400 naming what is wrong."""
+    if raw is None:
+        return None
+    try:
+        return MetadataFilter.parse(raw)
+    except InputError as error:
+        raise ApiError(400, error.reason, str(error), param="filter") from None
 
 
 def sparse_config(options: SparseOptions):

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 from ragkv.ingest.embedder import Embedder
 from ragkv.ingest.errors import InputError
+from ragkv.ingest.index.filters import MetadataFilter
+from ragkv.ingest.index.hybrid import DEFAULT_RETRIEVAL, check_mode
 from ragkv.ingest.pipeline import chunk_key
 from ragkv.ingest.registry import ChunkRecord, DocumentRecord, Registry, check_tenant
 from ragkv.engine import Engine
@@ -32,6 +34,10 @@ class QueryConfig:
     """Chunks retrieved for the question."""
     doc_ids: tuple[str, ...] | None = None
     """Restrict retrieval to these documents (all of their chunks when top_k allows)."""
+    retrieval: str = DEFAULT_RETRIEVAL
+    """dense (embeddings), bm25 (words) or hybrid (both, fused by reciprocal rank)."""
+    filter: MetadataFilter | None = None
+    """Retrieve only from documents whose metadata matches (applied inside the search)."""
     fusion: FusionConfig = field(default_factory=FusionConfig)
     generation: GenerationConfig = field(default_factory=lambda: GenerationConfig(max_new_tokens=128))
     sparse: SparseConfig | None = None
@@ -42,6 +48,7 @@ class QueryConfig:
             raise ValueError(f"top_k must be in [1, 64], got {self.top_k}")
         if self.doc_ids is not None and not self.doc_ids:
             raise ValueError("doc_ids, when given, must name at least one document")
+        check_mode(self.retrieval)
 
 
 @dataclass(frozen=True)
@@ -91,12 +98,18 @@ class RagPipeline:
     def chunk_key(self, chunk_hash: str) -> ChunkKey:
         return chunk_key(self.engine, chunk_hash)
 
-    def retrieve(self, question: str, tenant: str, top_k: int, doc_ids: tuple[str, ...] | None) -> list[tuple[DocumentRecord, ChunkRecord, float]]:
+    def retrieve(self, question: str, tenant: str, top_k: int, doc_ids: tuple[str, ...] | None,
+                 retrieval: str = DEFAULT_RETRIEVAL,
+                 metadata_filter: MetadataFilter | None = None) -> list[tuple[DocumentRecord, ChunkRecord, float]]:
+        """The top_k chunks for the question through the registry's retrieval index, least
+        relevant first; only of `doc_ids` and of documents `metadata_filter` matches."""
         if doc_ids is not None:
             for doc_id in doc_ids:
                 self.registry.get(tenant, doc_id)  # NotFoundError for unknown ids
-        query_vector = self.embedder.embed_queries([question])[0]
-        hits = self.registry.search(tenant, query_vector, top_k, set(doc_ids) if doc_ids else None)
+        index = self.registry.index
+        allowed = index.allowed(tenant, metadata_filter, set(doc_ids) if doc_ids else None)
+        query_vector = self.embedder.embed_queries([question])[0] if retrieval != "bm25" else None
+        hits = index.search(tenant, retrieval, query_vector, question, top_k, allowed)
         records: dict[str, DocumentRecord] = {}
         found = []
         for hit in hits:
@@ -136,7 +149,7 @@ class RagPipeline:
             raise InputError("empty_question", "the question is empty")
         timings: dict[str, float] = {}
         started = time.perf_counter()
-        retrieved = self.retrieve(question, tenant, config.top_k, config.doc_ids)
+        retrieved = self.retrieve(question, tenant, config.top_k, config.doc_ids, config.retrieval, config.filter)
         if not retrieved:
             raise InputError("no_documents", "no documents to answer from: ingest some first")
         timings["retrieve"] = time.perf_counter() - started

@@ -75,7 +75,8 @@ class Storage:
             self.env.close()
             raise
         try:
-            self.registry: Registry = open_registry(config.registry_url, self.env)
+            # The retrieval index is a cache derived from the registry: written even when read_only.
+            self.registry: Registry = open_registry(config.registry_url, self.env, Path(config.data_dir) / "index")
         except BaseException:
             self.store.close()
             self.env.close()

@@ -14,6 +14,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     from ragkv.engine.generation import GenerationConfig
     from ragkv.engine.sampling import SamplingConfig
     from ragkv.fusion import FusionConfig
+    from ragkv.ingest.index.hybrid import DEFAULT_RETRIEVAL, RETRIEVAL_MODES
     from ragkv.sparse import SparseConfig
 
     parser.add_argument("question")
@@ -23,6 +24,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     retrieval.add_argument("--top-k", type=int, default=5, help="chunks retrieved (default: 5)")
     retrieval.add_argument("--doc", action="append", default=None,
                            help="restrict retrieval to this document id (repeatable)")
+    retrieval.add_argument("--retrieval", choices=RETRIEVAL_MODES, default=DEFAULT_RETRIEVAL,
+                           help="dense (embeddings), bm25 (words) or hybrid (both, fused by reciprocal rank) "
+                           f"(default: {DEFAULT_RETRIEVAL})")
+    retrieval.add_argument("--filter", action="append", default=None, metavar="KEY=VALUE",
+                           help="retrieve only from documents whose metadata KEY equals VALUE (repeatable: every key "
+                           "must hold; a key given twice matches either value)")
     add_config_options(parser.add_argument_group("fusion"), FusionConfig)
     generation = parser.add_argument_group("generation")
     add_config_options(generation, GenerationConfig, skip=("stop",))
@@ -40,8 +47,11 @@ def run(args: argparse.Namespace) -> int:
     from ragkv.engine.generation import GenerationConfig
     from ragkv.engine.sampling import SamplingConfig
     from ragkv.fusion import FusionConfig
+    from ragkv.ingest.index.filters import MetadataFilter
     from ragkv.sparse import SparseConfig
 
+    # A bad filter is an InputError (exit 2 with its message) before the model loads.
+    metadata_filter = MetadataFilter.from_pairs(args.filter) if args.filter else None
     generation = config_from_args(
         GenerationConfig, args, sampling=config_from_args(SamplingConfig, args), stop=tuple(args.stop or ())
     )
@@ -51,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
         fusion=config_from_args(FusionConfig, args),
         generation=generation,
         sparse=config_from_args(SparseConfig, args, prefix="sparse_") if args.sparse_selector else None,
+        retrieval=args.retrieval,
+        filter=metadata_filter,
     )
     with Runtime(runtime_config(args, show_progress=False), read_only=True) as runtime:
         answer = ask(runtime.rag, args.question, args.tenant, query)

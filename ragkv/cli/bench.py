@@ -1,5 +1,6 @@
-"""`ragkv bench store | fusion | sparse | decode | kernels`: argument parsing and result tables (sparse:
-ragkv.cli.bench_sparse, decode: ragkv.cli.bench_decode, kernels: ragkv.cli.bench_kernels)."""
+"""`ragkv bench store | fusion | sparse | decode | kernels | retrieval`: argument parsing and result tables (sparse:
+ragkv.cli.bench_sparse, decode: ragkv.cli.bench_decode, kernels: ragkv.cli.bench_kernels, retrieval:
+ragkv.cli.bench_retrieval)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ragkv.cli import bench_decode, bench_kernels, bench_soak, bench_sparse
+from ragkv.cli import bench_decode, bench_kernels, bench_retrieval, bench_soak, bench_sparse
 from ragkv.cli.command import Command, CommandParser
 from ragkv.cli.options import add_common_options, runtime_config
 
@@ -59,10 +60,14 @@ def configure(bench: argparse.ArgumentParser) -> None:
                                          "errors, lost documents, TTFT and memory over time")
     bench_soak.configure(soak)
 
+    retrieval = kinds.add_parser("retrieval", help="the retrieval index: search latency, recall vs exact, add/delete "
+                                                   "cost at N chunks; dense/bm25/hybrid recall on a dev set (--dev)")
+    bench_retrieval.configure(retrieval)
+
 
 def run(args: argparse.Namespace) -> int:
     handlers = {"store": _run_store, "fusion": _run_fusion, "sparse": bench_sparse.run, "decode": bench_decode.run,
-                "kernels": bench_kernels.run, "soak": bench_soak.run}
+                "kernels": bench_kernels.run, "retrieval": bench_retrieval.run, "soak": bench_soak.run}
     results = handlers[args.bench](args)
     if args.json:
         _write_json(args.json, results)

@@ -12,8 +12,10 @@ What every backend guarantees (tests/test_registry_contract.py):
   text at once count its chunks once);
 - replacing a document swaps its versions in one step: a reader sees the old or the new
   version whole, never both or neither;
-- every add/remove bumps the tenant's generation, a counter the per-process embedding
-  matrix cache checks on each search, so a replica sees documents another one added.
+- every add/remove/replace bumps the tenant's generation and logs the document it touched in the
+  same atomic write; each search checks the generation, and a process's retrieval index
+  (ingest/index/) applies the logged changes it has not seen, so a replica sees documents
+  another one added without re-reading every vector.
 """
 
 from __future__ import annotations
@@ -23,10 +25,18 @@ import json
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ragkv.ingest.errors import InputError
+
+if TYPE_CHECKING:
+    from ragkv.ingest.index.retrieval import RetrievalIndex
+
+CHANGE_LOG_KEEP = 100_000
+"""Change log entries a backend keeps per tenant; an index further behind is rebuilt."""
 
 _TENANT_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
 
@@ -107,14 +117,15 @@ class SearchHit:
 
 
 class Registry(ABC):
-    """The registry contract; `search` (cosine top-k over a cached matrix) is shared."""
+    """The registry contract; `search` (cosine top-k through the retrieval index) is shared."""
 
     backend: str
     """Short name of the backend ("lmdb", "redis"), for /health and logs."""
 
     def __init__(self) -> None:
-        # Per-tenant embedding matrices with the generation they were read at.
-        self._matrix_cache: dict[str, tuple[int, list[tuple[str, int]], np.ndarray]] = {}
+        self.index_folder: Path | None = None
+        """Where the retrieval indexes live (the data folder's index/); None: in memory."""
+        self._index: RetrievalIndex | None = None
         self._lock = threading.Lock()
 
     # -- reads -----------------------------------------------------------------------
@@ -141,7 +152,21 @@ class Registry(ABC):
 
     @abstractmethod
     def generation(self, tenant: str) -> int:
-        """A counter that changes whenever the tenant's documents do."""
+        """A counter that grows by one with every change of the tenant's documents."""
+
+    @abstractmethod
+    def changes(self, tenant: str, after: int) -> list[tuple[int, str]]:
+        """(generation, doc_id) of the logged changes after generation `after`, oldest
+        first; the log keeps the last CHANGE_LOG_KEEP (a gap means entries were dropped)."""
+
+    @abstractmethod
+    def document_vectors(self, tenant: str, doc_id: str) -> tuple[DocumentRecord, np.ndarray] | None:
+        """The document's record and chunk embeddings (rows in chunk order), read together;
+        None when the tenant has no such document."""
+
+    @abstractmethod
+    def identity(self) -> str:
+        """Names the registry's storage, so an index built from another one is not reused."""
 
     # -- writes (atomic each) ----------------------------------------------------------
 
@@ -174,7 +199,15 @@ class Registry(ABC):
                  embeddings: np.ndarray) -> tuple[DocumentRecord, list[str]]: ...
 
     def close(self) -> None:
-        """Release what the backend holds (connections; an environment it opened)."""
+        """Release what the backend holds (connections; an environment it opened). Backends
+        call `close_index` first."""
+
+    def close_index(self) -> None:
+        """Write the retrieval index's pending snapshots and close its files."""
+        with self._lock:
+            index, self._index = self._index, None
+        if index is not None:
+            index.close()
 
     def healthy(self) -> bool | None:
         """Whether the registry's server answers; None for an embedded backend (no server)."""
@@ -185,28 +218,21 @@ class Registry(ABC):
     @abstractmethod
     def _embeddings(self, tenant: str) -> tuple[int, list[tuple[str, int]], np.ndarray]:
         """(generation, [(doc_id, chunk index)], matrix) read as one consistent snapshot,
-        rows ordered by (doc_id, chunk index)."""
+        rows ordered by (doc_id, chunk index): what an index is rebuilt from."""
 
-    def _matrix(self, tenant: str) -> tuple[list[tuple[str, int]], np.ndarray]:
-        generation = self.generation(tenant)
+    @property
+    def index(self) -> "RetrievalIndex":
+        """The retrieval indexes over this registry (opened on first use)."""
         with self._lock:
-            cached = self._matrix_cache.get(tenant)
-        if cached is not None and cached[0] == generation:
-            return cached[1], cached[2]
-        generation, owners, matrix = self._embeddings(tenant)
-        with self._lock:
-            self._matrix_cache[tenant] = (generation, owners, matrix)
-        return owners, matrix
+            if self._index is None:
+                from ragkv.ingest.index.retrieval import RetrievalIndex
 
-    def search(self, tenant: str, query_vector: np.ndarray, top_k: int, doc_ids: set[str] | None = None) -> list[SearchHit]:
+                self._index = RetrievalIndex(self, self.index_folder)
+            return self._index
+
+    def search(self, tenant: str, query_vector: np.ndarray, top_k: int,
+               doc_ids: set[str] | None = None) -> list[SearchHit]:
         """Cosine top-k over the tenant's chunks (optionally only within `doc_ids`); equal
         scores keep (doc_id, chunk index) order, so every backend ranks alike."""
-        owners, matrix = self._matrix(tenant)
-        if not owners:
-            return []
-        scores = matrix @ query_vector.astype(np.float32)
-        if doc_ids is not None:
-            allowed = np.array([doc in doc_ids for doc, _ in owners])
-            scores = np.where(allowed, scores, -np.inf)
-        order = np.argsort(-scores, kind="stable")[:top_k]
-        return [SearchHit(owners[i][0], owners[i][1], float(scores[i])) for i in order if np.isfinite(scores[i])]
+        hits = self.index.search_dense(tenant, np.asarray(query_vector, dtype=np.float32), top_k, doc_ids)
+        return [SearchHit(hit.doc_id, hit.chunk_index, hit.score) for hit in hits]

@@ -8,8 +8,9 @@ Sub-databases (keys are UTF-8):
   chunk_refs  {chunk_hash}                   -> number of documents that use the chunk
   embeddings  {tenant}/{doc_id}/{index:06d}  -> float32 embedding of one chunk
   registry_meta generation/{tenant}          -> the tenant's generation
+  changes     {tenant}/{generation:012d}     -> doc_id the change touched (the vector index's log)
 
-Each add/remove/replace is one write transaction.
+Each add/remove/replace is one write transaction, its change log entry included.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from ragkv.ingest.errors import NotFoundError
-from ragkv.ingest.registry import DocumentRecord, Registry
+from ragkv.ingest.registry import CHANGE_LOG_KEEP, DocumentRecord, Registry
 from ragkv.store.lmdb_env import LMDBEnvironment
 
 
@@ -36,6 +37,7 @@ class LMDBRegistry(Registry):
         self._refs = env.db("chunk_refs")
         self._vectors = env.db("embeddings")
         self._meta = env.db("registry_meta")
+        self._changes = env.db("changes")
 
     # -- reads -----------------------------------------------------------------------
 
@@ -88,7 +90,7 @@ class LMDBRegistry(Registry):
                 raw = txn.get(chunk_hash.encode(), db=self._refs)
                 count = int(bytes(raw)) if raw is not None else 0
                 txn.put(chunk_hash.encode(), str(count + 1).encode(), db=self._refs)
-            self._bump_generation(txn, record.tenant)
+            self._bump_generation(txn, record.tenant, record.doc_id)
             return True
 
         return self.env.write(write)
@@ -114,7 +116,7 @@ class LMDBRegistry(Registry):
                 else:
                     txn.delete(chunk_hash.encode(), db=self._refs)
                     orphans.append(chunk_hash)
-            self._bump_generation(txn, tenant)
+            self._bump_generation(txn, tenant, doc_id)
             return record, orphans
 
         return self.env.write(write)
@@ -146,12 +148,16 @@ class LMDBRegistry(Registry):
                 else:
                     txn.delete(chunk_hash.encode(), db=self._refs)
                     orphans.append(chunk_hash)
-            self._bump_generation(txn, tenant)
+            self._bump_generation(txn, tenant, doc_id)
             return old, sorted(orphans)
 
         return self.env.write(write)
 
+    def identity(self) -> str:
+        return f"lmdb:{self.env.path}"
+
     def close(self) -> None:
+        self.close_index()
         if self._owns_env:
             self.env.close()
 
@@ -184,5 +190,34 @@ class LMDBRegistry(Registry):
         raw = txn.get(f"generation/{tenant}".encode(), db=self._meta)
         return int(bytes(raw)) if raw is not None else 0
 
-    def _bump_generation(self, txn, tenant: str) -> None:
-        txn.put(f"generation/{tenant}".encode(), str(self._generation(txn, tenant) + 1).encode(), db=self._meta)
+    def _bump_generation(self, txn, tenant: str, doc_id: str) -> None:
+        """Count a change of `doc_id` and log it, in the caller's transaction; the log keeps
+        the last CHANGE_LOG_KEEP entries (an index further behind rebuilds)."""
+        generation = self._generation(txn, tenant) + 1
+        txn.put(f"generation/{tenant}".encode(), str(generation).encode(), db=self._meta)
+        txn.put(f"{tenant}/{generation:012d}".encode(), doc_id.encode(), db=self._changes)
+        if generation > CHANGE_LOG_KEEP:
+            txn.delete(f"{tenant}/{generation - CHANGE_LOG_KEEP:012d}".encode(), db=self._changes)
+
+    def changes(self, tenant: str, after: int) -> list[tuple[int, str]]:
+        prefix = f"{tenant}/".encode()
+        found = []
+        with self.env.read() as txn:
+            cursor = txn.cursor(db=self._changes)
+            if cursor.set_range(prefix + f"{after + 1:012d}".encode()):
+                for key, value in cursor:
+                    key = bytes(key)
+                    if not key.startswith(prefix):
+                        break
+                    found.append((int(key[len(prefix):]), bytes(value).decode()))
+        return found
+
+    def document_vectors(self, tenant: str, doc_id: str) -> tuple[DocumentRecord, np.ndarray] | None:
+        with self.env.read() as txn:
+            raw = txn.get(f"{tenant}/{doc_id}".encode(), db=self._documents)
+            if raw is None:
+                return None
+            record = DocumentRecord.from_json(raw)
+            scan = self._scan(txn, self._vectors, f"{tenant}/{doc_id}")
+            rows = [np.frombuffer(bytes(value), dtype=np.float32) for _, value in scan]
+        return record, np.stack(rows)

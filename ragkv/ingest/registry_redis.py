@@ -9,11 +9,14 @@ give it a Redis that never evicts (`maxmemory-policy noeviction`) and persists
   {prefix}bytext:{tenant}   hash  text_hash -> doc_id
   {prefix}vectors:{tenant}  hash  doc_id    -> the document's chunk embeddings (see _pack)
   {prefix}gen:{tenant}      int   the tenant's generation
+  {prefix}changes:{tenant}  stream entry id {generation}-0, field doc -> the doc_id changed
   {prefix}refs              hash  chunk_hash -> number of documents that use the chunk
 
-Add, remove and replace are Lua scripts, so each is atomic on the server. Retrieval reads the
-tenant's vectors hash with its generation in one MULTI and caches the matrix per process;
-each search costs one GET of the generation. The keys of one call span several hash slots:
+Add, remove and replace are Lua scripts, so each is atomic on the server, the change stream's entry
+included. A replica's vector index follows the stream from the last generation it applied
+(XRANGE, then one HGET per changed document); only a missing index, or one further behind
+than the stream keeps, reads the whole vectors hash (with its generation, in one MULTI).
+Each search costs one GET of the generation. The keys of one call span several hash slots:
 a single server (or a primary with replicas / Sentinel), not Redis Cluster.
 """
 
@@ -28,11 +31,11 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from ragkv.ingest.errors import NotFoundError, RegistryUnavailableError
-from ragkv.ingest.registry import DocumentRecord, Registry
+from ragkv.ingest.registry import CHANGE_LOG_KEEP, DocumentRecord, Registry
 
 DEFAULT_PREFIX = "ragkv:registry:"
 
-# KEYS: docs texts bytext vectors refs gen; ARGV: doc_id record text text_hash vectors chunk_hash...
+# KEYS: docs texts bytext vectors refs gen changes; ARGV: doc_id record text text_hash vectors chunk_hash...
 _ADD = """
 if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
@@ -40,7 +43,8 @@ redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
 redis.call('HSET', KEYS[3], ARGV[4], ARGV[1])
 redis.call('HSET', KEYS[4], ARGV[1], ARGV[5])
 for i = 6, #ARGV do redis.call('HINCRBY', KEYS[5], ARGV[i], 1) end
-redis.call('INCR', KEYS[6])
+local generation = redis.call('INCR', KEYS[6])
+redis.call('XADD', KEYS[7], 'MAXLEN', '~', '%d', generation .. '-0', 'doc', ARGV[1])
 return 1
 """
 
@@ -60,7 +64,8 @@ for i = 4, #ARGV do
     table.insert(orphans, ARGV[i])
   end
 end
-redis.call('INCR', KEYS[6])
+local generation = redis.call('INCR', KEYS[6])
+redis.call('XADD', KEYS[7], 'MAXLEN', '~', '%d', generation .. '-0', 'doc', ARGV[1])
 return orphans
 """
 
@@ -84,7 +89,8 @@ for i = 9, 8 + n do
     table.insert(orphans, ARGV[i])
   end
 end
-redis.call('INCR', KEYS[6])
+local generation = redis.call('INCR', KEYS[6])
+redis.call('XADD', KEYS[7], 'MAXLEN', '~', '%d', generation .. '-0', 'doc', ARGV[1])
 return orphans
 """
 
@@ -118,15 +124,15 @@ class RedisRegistry(Registry):
         # One retry on a dropped connection: a server restart costs one reconnect, not an error.
         self._client = redis.Redis.from_url(url, socket_connect_timeout=connect_timeout_s, socket_timeout=op_timeout_s,
                                             retry=Retry(NoBackoff(), 1))
-        self._add_script = self._client.register_script(_ADD)
-        self._remove_script = self._client.register_script(_REMOVE)
-        self._replace_script = self._client.register_script(_REPLACE)
+        self._add_script = self._client.register_script(_ADD % CHANGE_LOG_KEEP)
+        self._remove_script = self._client.register_script(_REMOVE % CHANGE_LOG_KEEP)
+        self._replace_script = self._client.register_script(_REPLACE % CHANGE_LOG_KEEP)
         self._call(self._client.ping)
 
     def _keys(self, tenant: str) -> list[str]:
         p = self.prefix
         return [f"{p}docs:{tenant}", f"{p}texts:{tenant}", f"{p}bytext:{tenant}", f"{p}vectors:{tenant}",
-                f"{p}refs", f"{p}gen:{tenant}"]
+                f"{p}refs", f"{p}gen:{tenant}", f"{p}changes:{tenant}"]
 
     def _call(self, fn, *args, **kwargs):
         try:
@@ -200,7 +206,11 @@ class RedisRegistry(Registry):
             if orphans is not None:  # None: changed by someone else since it was read
                 return old, sorted(hash_.decode() for hash_ in orphans)
 
+    def identity(self) -> str:
+        return f"redis:{self.where}#{self.prefix}"
+
     def close(self) -> None:
+        self.close_index()
         self._client.close()
 
     def healthy(self) -> bool:
@@ -210,6 +220,21 @@ class RedisRegistry(Registry):
             return False
 
     # -- retrieval -------------------------------------------------------------------
+
+    def changes(self, tenant: str, after: int) -> list[tuple[int, str]]:
+        entries = self._call(self._client.xrange, self._keys(tenant)[6], min=f"{after + 1}-0")
+        return [(int(entry_id.split(b"-")[0]), fields[b"doc"].decode()) for entry_id, fields in entries]
+
+    def document_vectors(self, tenant: str, doc_id: str) -> tuple[DocumentRecord, np.ndarray] | None:
+        keys = self._keys(tenant)
+        pipe = self._client.pipeline(transaction=True)
+        pipe.hget(keys[0], doc_id)
+        pipe.hget(keys[3], doc_id)
+        raw_record, blob = self._call(pipe.execute)
+        if raw_record is None or blob is None:
+            return None
+        indices, matrix = _unpack(blob)
+        return DocumentRecord.from_json(raw_record), matrix[np.argsort(indices, kind="stable")]
 
     def _embeddings(self, tenant: str) -> tuple[int, list[tuple[str, int]], np.ndarray]:
         keys = self._keys(tenant)

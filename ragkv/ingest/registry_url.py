@@ -13,8 +13,10 @@ on one host may share the data folder's LMDB.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
+from pathlib import Path
 from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
 from ragkv.ingest.registry import Registry
@@ -32,8 +34,17 @@ def registry_url_from_env() -> str | None:
     return os.environ.get(REGISTRY_ENV) or None
 
 
-def open_registry(url: str | None, env: LMDBEnvironment) -> Registry:
-    """The registry `url` names; None = LMDBRegistry over `env` (the data folder's)."""
+def open_registry(url: str | None, env: LMDBEnvironment, index_dir: Path | None = None) -> Registry:
+    """The registry `url` names; None = LMDBRegistry over `env` (the data folder's). Its
+    retrieval indexes live under `index_dir` (one folder per registry), in memory if None."""
+    registry = _open(url, env)
+    if index_dir is not None:
+        digest = hashlib.blake2b(registry.identity().encode(), digest_size=6).hexdigest()
+        registry.index_folder = Path(index_dir) / f"{registry.backend}-{digest}"
+    return registry
+
+
+def _open(url: str | None, env: LMDBEnvironment) -> Registry:
     if url is None:
         return LMDBRegistry(env)
     shown = _PASSWORD.sub(r"\1***@", url)
