@@ -6,14 +6,13 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
+from test_fusion import fused_case
+from test_sparse_support import write_tiny_llama
 
 from ragkv.bench.teacher_forced import TeacherForced, teacher_forced_logits
 from ragkv.cli.main import main
 from ragkv.engine.generation import GenerationConfig
 from ragkv.fusion import Full, FullReuse
-from test_fusion import fused_case
-from test_sparse_support import write_tiny_llama
 
 CORPUS = Path(__file__).resolve().parents[1] / "examples" / "corpus"
 
@@ -85,8 +84,7 @@ def test_bench_fusion_reports_teacher_forced_figures_with_spread(tiny, tmp_path)
     assert int8["teacher_forced_kl"] >= 0.0
 
 
-def test_bench_fusion_refuses_a_bad_example_range(tiny, tmp_path, capsys):
-    folder, home = tiny
+def test_bench_fusion_refuses_a_bad_example_range(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "fusion", "--data", str(tmp_path / "x.json"), "--examples", "5:2"])
     assert exit_info.value.code == 2 and "START < END" in capsys.readouterr().err

@@ -48,7 +48,7 @@ class TeacherForced:
     positions: int
 
     @classmethod
-    def compare(cls, reference: torch.Tensor, other: torch.Tensor) -> "TeacherForced":
+    def compare(cls, reference: torch.Tensor, other: torch.Tensor) -> TeacherForced:
         """Both [positions, vocab] from `teacher_forced_logits` over the same answer."""
         if reference.shape != other.shape:
             raise ValueError(f"teacher-forced logits differ in shape: {tuple(reference.shape)} vs {tuple(other.shape)}")

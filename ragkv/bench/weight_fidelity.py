@@ -20,7 +20,7 @@ from ragkv.bench.teacher_forced import TeacherForced, teacher_forced_logits
 from ragkv.engine import Engine, EngineConfig
 from ragkv.engine.generation import GenerationConfig
 
-REFERENCE_NUMERICS = dict(dtype="float32", weights="float32", prefill_weights="float32", kv_cache_dtype="float32")
+REFERENCE_NUMERICS = {"dtype": "float32", "weights": "float32", "prefill_weights": "float32", "kv_cache_dtype": "float32"}
 
 
 @dataclass(frozen=True)
