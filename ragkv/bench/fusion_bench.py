@@ -11,9 +11,14 @@ Figures per strategy, over the examples:
   answer_agreement    mean token-F1 (SQuAD normalisation) of the strategy's greedy answer
                       against the full prefill's greedy answer, same max_new_tokens
   answer_exact        share of examples whose normalised answer equals full's
+  teacher_forced_agreement  share of answer positions whose argmax equals full's token,
+                      with full's greedy answer fed through the strategy's cache
+                      (ragkv.bench.teacher_forced); mean over examples
+  teacher_forced_kl   mean over examples of the mean KL(full || strategy) over those positions
   gold_f1             mean token-F1 against the dataset's gold answers
   speedup_total       sum of full's TTFTs / sum of the strategy's (same examples, same run)
   speedup_median      median of full's TTFTs / median of the strategy's
+Each fidelity figure also has its spread over the examples (min, p25, median, p75, max).
 Every per-example figure is kept under "per_example" so the summary can be recomputed.
 """
 
@@ -27,10 +32,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ragkv.app.generate import decode
+from ragkv.app.generate import decode, forced_answer_ids
 from ragkv.app.runtime import Runtime
 from ragkv.bench.datasets import Example
 from ragkv.bench.metrics import kl_divergence, normalize_answer, token_f1
+from ragkv.bench.teacher_forced import TeacherForced, teacher_forced_logits
+from ragkv.bench.weight_fidelity import run_weight_fidelity
 from ragkv.engine.generation import GenerationConfig
 from ragkv.engine.spec_string import spec_of
 from ragkv.fusion import FusionInput, FusionResult, FusionStrategy, build_strategy
@@ -72,9 +79,12 @@ def _ingest_passages(runtime: Runtime, examples: list[Example], progress: Callab
     return doc_ids
 
 
-def _decode(runtime: Runtime, result: FusionResult, max_new_tokens: int) -> str:
+def _decode(runtime: Runtime, result: FusionResult, max_new_tokens: int) -> tuple[str, list[int]]:
+    """The greedy answer and its token ids (the last may be EOS); the cache is left at the prompt."""
     config = GenerationConfig(max_new_tokens=max_new_tokens)
-    return decode(runtime.engine, result.cache, result.logits, config).text.strip()
+    completion = decode(runtime.engine, result.cache, result.logits, config)
+    result.cache.truncate(result.layout.length)
+    return completion.text.strip(), forced_answer_ids(runtime.engine, completion)
 
 
 class _Runner:
@@ -109,11 +119,14 @@ def run_fusion_bench(
     variants: list[Variant],
     *,
     max_new_tokens: int = 32,
+    weight_formats: list[str] = (),
     progress: Callable[[str], None] = lambda message: None,
     checkpoint: Callable[[dict], None] = lambda partial: None,
 ) -> dict:
     """The figures over `examples`; `checkpoint` receives them after every example (long
-    runs keep what they measured when stopped)."""
+    runs keep what they measured when stopped). `weight_formats` (int8, int4, served, ...)
+    adds the full prefill's figures per decode-weight format against float32
+    (ragkv.bench.weight_fidelity) on the same prompts."""
     doc_ids = _ingest_passages(runtime, examples, progress)
     reference = build_strategy(REFERENCE)
     progress("warming up")
@@ -121,20 +134,31 @@ def run_fusion_bench(
     for strategy in [reference, *(variant.strategy for variant in variants)]:
         warmup.fuse(strategy)
     rows: dict[str, list[dict]] = {REFERENCE: [], **{variant.label: [] for variant in variants}}
+    prompts: list[list[int]] = []
     for number, (example, ids) in enumerate(zip(examples, doc_ids), start=1):
         progress(f"example {number}/{len(examples)}")
         runner = _Runner(runtime, example, ids, max_new_tokens)
         full, full_ttft, _ = runner.fuse(reference)
-        full_answer = _decode(runtime, full, max_new_tokens)
-        rows[REFERENCE].append(_row(full, full, full_ttft, 0.0, full_answer, full_answer, example))
+        full_answer, answer_ids = _decode(runtime, full, max_new_tokens)
+        full_forced = teacher_forced_logits(runtime.engine.model, full.cache, full.logits, answer_ids)
+        prompts.append(full.layout.token_ids.tolist())
+        forced = TeacherForced.compare(full_forced, full_forced)
+        rows[REFERENCE].append(_row(full, full, full_ttft, 0.0, full_answer, full_answer, example, forced))
         for variant in variants:
             result, ttft, load = runner.fuse(variant.strategy)
-            answer = _decode(runtime, result, max_new_tokens)
-            rows[variant.label].append(_row(result, full, ttft, load, answer, full_answer, example))
+            forced = TeacherForced.compare(
+                full_forced, teacher_forced_logits(runtime.engine.model, result.cache, result.logits, answer_ids))
+            answer, _ = _decode(runtime, result, max_new_tokens)
+            rows[variant.label].append(_row(result, full, ttft, load, answer, full_answer, example, forced))
             progress(f"  {variant.label}: KL {rows[variant.label][-1]['first_token_kl']:.3f}, "
-                     f"{full_ttft / ttft:.1f}x, answer {answer[:60]!r} (full {full_answer[:60]!r})")
+                     f"forced {forced.agreement:.2f}/{forced.kl:.3f}, {full_ttft / ttft:.1f}x, "
+                     f"answer {answer[:60]!r} (full {full_answer[:60]!r})")
         checkpoint(_results(runtime, examples[:number], variants, rows, max_new_tokens))
-    return _results(runtime, examples, variants, rows, max_new_tokens)
+    results = _results(runtime, examples, variants, rows, max_new_tokens)
+    if weight_formats:
+        results["weights"] = run_weight_fidelity(runtime.engine.config, prompts, list(weight_formats),
+                                                 max_new_tokens=max_new_tokens, progress=progress)
+    return results
 
 
 def _results(runtime: Runtime, examples: list[Example], variants: list[Variant], rows: dict[str, list[dict]],
@@ -154,7 +178,7 @@ def _results(runtime: Runtime, examples: list[Example], variants: list[Variant],
 
 
 def _row(result: FusionResult, reference: FusionResult, ttft: float, load: float, answer: str, reference_answer: str,
-         example: Example) -> dict:
+         example: Example, forced: TeacherForced) -> dict:
     return {
         "ttft_s": ttft,
         "load_s": load,
@@ -164,6 +188,10 @@ def _row(result: FusionResult, reference: FusionResult, ttft: float, load: float
         "answer_agreement": token_f1(answer, [reference_answer]),
         "answer_exact": normalize_answer(answer) == normalize_answer(reference_answer),
         "gold_f1": token_f1(answer, example.answers),
+        "teacher_forced_agreement": forced.agreement,
+        "teacher_forced_kl": forced.kl,
+        "teacher_forced_kl_max": forced.kl_max,
+        "answer_tokens": forced.positions,
         "prompt_tokens": result.layout.length,
         "document_tokens": result.layout.num_document_tokens,
         "recomputed_tokens": result.recomputed_tokens,
@@ -191,10 +219,24 @@ def summarize(rows: list[dict], reference_rows: list[dict]) -> dict[str, float]:
         "answer_agreement": mean("answer_agreement"),
         "answer_exact": mean("answer_exact"),
         "gold_f1": mean("gold_f1"),
+        "teacher_forced_agreement": mean("teacher_forced_agreement"),
+        "teacher_forced_kl": mean("teacher_forced_kl"),
         "prompt_tokens": mean("prompt_tokens"),
         "recomputed_tokens": mean("recomputed_tokens"),
         "recomputed_share": sum(row["recomputed_tokens"] for row in rows) / sum(row["document_tokens"] for row in rows),
     }
     for key in sorted({key for row in rows for key in row if key.startswith("selection_")}):
         summary[key] = mean(key)
+    for key in SPREAD_KEYS:
+        summary[f"{key}_spread"] = spread([float(row[key]) for row in rows])
     return summary
+
+
+SPREAD_KEYS = ("first_token_kl", "teacher_forced_agreement", "teacher_forced_kl", "answer_agreement")
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """min, p25, median, p75, max (linear interpolation between order statistics)."""
+    quantiles = torch.tensor(values, dtype=torch.float64).quantile(torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0],
+                                                                                dtype=torch.float64))
+    return dict(zip(("min", "p25", "median", "p75", "max"), (float(q) for q in quantiles)))

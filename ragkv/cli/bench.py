@@ -39,6 +39,12 @@ def configure(bench: argparse.ArgumentParser) -> None:
     add_common_options(fusion)
     fusion.add_argument("--data", type=Path, required=True, help="CacheBlend-style JSON or LongBench JSONL")
     fusion.add_argument("--limit", type=int, default=12, help="examples (default: 12)")
+    fusion.add_argument("--examples", type=_example_range, default=None, metavar="START:END",
+                        help="the examples START..END-1 of the dataset instead of the first --limit (tune on one "
+                             "range, report on another)")
+    fusion.add_argument("--weight-formats", nargs="*", default=[],
+                        help="also compare full prefill with these decode-weight formats (int8 int4 bfloat16 ..., "
+                             "or 'served' for the engine as configured) against float32 on the same prompts")
     fusion.add_argument("--passages", type=int, default=None, help="passages per example (default: all)")
     fusion.add_argument("--strategies", nargs="+", default=["full_reuse", "pie", "epic", "cacheblend", "a3", "probe"],
                         help="strategy specs to compare with the full prefill: name or name:option=value,... "
@@ -144,22 +150,49 @@ def _run_fusion(args: argparse.Namespace) -> dict:
     from ragkv.bench.datasets import load_examples
     from ragkv.bench.fusion_bench import parse_variants, run_fusion_bench
 
-    examples = load_examples(args.data, args.limit, args.passages)
+    if args.examples is None:
+        examples = load_examples(args.data, args.limit, args.passages)
+    else:
+        start, end = args.examples
+        examples = load_examples(args.data, None, args.passages)[start:end]
+        if not examples:
+            raise ValueError(f"the dataset has no examples in {start}:{end}")
     variants = parse_variants(args.strategies)
     with Runtime(runtime_config(args, show_progress=False)) as runtime:
         results = run_fusion_bench(runtime, examples, variants, max_new_tokens=args.max_new_tokens,
+                                   weight_formats=args.weight_formats,
                                    progress=lambda message: print(message, file=sys.stderr, flush=True),
                                    checkpoint=lambda partial: _write_json(args.json, partial))
     print(f"{results['examples']} examples, {results['passages_per_example']:.0f} passages, "
           f"{results['strategies']['full']['prompt_tokens']:.0f} prompt tokens on average, {results['dtype']}")
-    print(f"{'strategy':<48} {'TTFT s':>7} {'speedup':>7} {'KL':>6} {'top1':>5} {'agree':>5} {'exact':>5} {'gold':>5} {'recomp':>6}")
+    if args.examples is not None:
+        results["example_range"] = list(args.examples)
+    print(f"{'strategy':<40} {'TTFT s':>7} {'speedup':>7} {'KL':>6} {'KL p75':>6} {'top1':>5} {'TF agr':>6} "
+          f"{'TF min':>6} {'TF KL':>6} {'agree':>5} {'gold':>5} {'recomp':>6}")
     for label, row in results["strategies"].items():
-        print(f"{label:<48} {row['ttft_median_s']:>7.2f} {row['speedup_total']:>7.2f} {row['first_token_kl']:>6.3f} "
-              f"{row['top1_agreement']:>5.2f} {row['answer_agreement']:>5.2f} {row['answer_exact']:>5.2f} "
-              f"{row['gold_f1']:>5.2f} {row['recomputed_share']:>6.3f}")
-    print("TTFT: median; speedup: total full TTFT / total strategy TTFT; agree: answer token-F1 vs full's answer; "
+        print(f"{label:<40} {row['ttft_median_s']:>7.2f} {row['speedup_total']:>7.2f} {row['first_token_kl']:>6.3f} "
+              f"{row['first_token_kl_spread']['p75']:>6.3f} {row['top1_agreement']:>5.2f} "
+              f"{row['teacher_forced_agreement']:>6.3f} {row['teacher_forced_agreement_spread']['min']:>6.3f} "
+              f"{row['teacher_forced_kl']:>6.3f} {row['answer_agreement']:>5.2f} {row['gold_f1']:>5.2f} "
+              f"{row['recomputed_share']:>6.3f}")
+    for label, row in results.get("weights", {}).items():
+        print(f"{label:<40} {'':>7} {'':>7} {row['first_token_kl']:>6.3f} {'':>6} {row['top1_equal']:>5.2f} "
+              f"{row['teacher_forced_agreement']:>6.3f} {'':>6} {row['teacher_forced_kl']:>6.3f} "
+              f"{row['answer_agreement']:>5.2f}   (full prefill vs float32)")
+    print("TTFT: median; speedup: total full TTFT / total strategy TTFT; TF: teacher-forced along full's greedy answer "
+          "(agreement mean and worst example, mean KL); agree: free-running answer token-F1 vs full's answer; "
           "recomp: share of document tokens recomputed")
     return results
+
+
+def _example_range(text: str) -> tuple[int, int]:
+    try:
+        start, end = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected START:END (e.g. 50:70), got {text!r}") from None
+    if not 0 <= start < end:
+        raise argparse.ArgumentTypeError(f"expected 0 <= START < END, got {text!r}")
+    return start, end
 
 
 COMMAND = Command("bench", "benchmarks (store throughput, fusion quality and TTFT, sparse decode)", configure, run)

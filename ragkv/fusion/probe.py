@@ -41,6 +41,13 @@ class Probe(FusionStrategy):
     last_row_weight: float = 1.0
     """Weight of the last question row's own attention share beside the whole question's
     (0 = every question row alike)."""
+    coverage: float = 0.0
+    """Per-request budget: recompute the fewest tokens whose scores hold this share of the
+    total score, when that is more than `ratio` (which then is the floor), up to
+    `max_ratio`. A question whose attention spreads over many tokens gets more rows than
+    one that reads a few; 0 = the fixed budget `ratio`."""
+    max_ratio: float = 0.5
+    """Ceiling of the per-request budget `coverage` sets."""
 
     def __post_init__(self) -> None:
         check_ratio(self.ratio)
@@ -48,6 +55,11 @@ class Probe(FusionStrategy):
             raise ValueError(f"layer_aggregation must be one of {LAYER_AGGREGATIONS}")
         if not self.last_row_weight >= 0.0:
             raise ValueError("last_row_weight must be >= 0")
+        if not 0.0 <= self.coverage <= 1.0:
+            raise ValueError(f"coverage must be in [0, 1], got {self.coverage}")
+        check_ratio(self.max_ratio)
+        if self.coverage and self.max_ratio < self.ratio:
+            raise ValueError("max_ratio must be >= ratio")
 
     def initial_rows(self, layout: Layout) -> torch.Tensor:
         """The rows the probe runs (the question); `rows_for` adds the chosen documents'."""
@@ -57,10 +69,18 @@ class Probe(FusionStrategy):
         question, last_row = question_attention_by_layer(model, cache, layout)
         shares = question + self.last_row_weight * last_row
         scores = shares.sum(dim=0) if self.layer_aggregation == "sum" else shares.max(dim=0).values
-        chosen = top_k_rows(scores, ratio_budget(self.ratio, layout))
+        chosen = top_k_rows(scores, self.budget(scores, layout))
         report["attention_covered"] = float(scores[chosen].sum() / scores.sum().clamp_min(1e-12))
         report["recomputed_share"] = chosen.numel() / max(1, layout.num_document_tokens)
         return torch.cat((chosen.cpu() + layout.prefix_len, self.initial_rows(layout)))
+
+    def budget(self, scores: torch.Tensor, layout: Layout) -> int:
+        floor = ratio_budget(self.ratio, layout)
+        if not self.coverage:
+            return floor
+        ordered = scores.sort(descending=True).values.cumsum(0)
+        needed = int((ordered < self.coverage * ordered[-1]).sum()) + 1 if ordered.numel() else 0
+        return max(floor, min(needed, ratio_budget(self.max_ratio, layout)))
 
 
 @torch.inference_mode()
