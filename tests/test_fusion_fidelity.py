@@ -9,6 +9,7 @@ import pytest
 from test_fusion import fused_case
 from test_sparse_support import write_tiny_llama
 
+from ragkv.app.generate import decode, forced_answer_ids
 from ragkv.bench.teacher_forced import TeacherForced, teacher_forced_logits
 from ragkv.cli.main import main
 from ragkv.engine.generation import GenerationConfig
@@ -21,7 +22,7 @@ CORPUS = Path(__file__).resolve().parents[1] / "examples" / "corpus"
 def forced_case(engine):
     fusion_input, _ = fused_case(engine)
     full = Full().fuse(engine.model, fusion_input, engine.chunk_prefix_cache(), 16)
-    answer = [event.token_id for event in engine.stream(full.cache, full.logits, GenerationConfig(max_new_tokens=12))]
+    answer = forced_answer_ids(decode(engine, full.cache, full.logits, GenerationConfig(max_new_tokens=12)))
     full.cache.truncate(full.layout.length)
     return engine, fusion_input, full, answer
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ragkv.app.completion import completion_request
-from ragkv.app.request import Completion, FinishReason, Prepared, Request, Started
+from ragkv.app.request import Completion, Prepared, Request, Started
 from ragkv.app.scheduler import Scheduler
 from ragkv.app.usage import Usage
 from ragkv.engine import Engine
@@ -65,12 +65,10 @@ def decode(engine: Engine, cache: KVCache, logits: torch.Tensor, generation: Gen
     return run_alone(engine, Request("decode", prepare, generation, strip_text=False), sink)
 
 
-def forced_answer_ids(engine: Engine, completion: Completion) -> list[int]:
-    """The completion's tokens with the end-of-sequence token that ended it, if one did: what
-    teacher forcing feeds back. Which of the model's EOS tokens is named does not matter
-    there, only that the position predicting it is compared too."""
-    ended = completion.finish_reason is FinishReason.EOS
-    return completion.token_ids + ([min(engine.eos_token_ids)] if ended and engine.eos_token_ids else [])
+def forced_answer_ids(completion: Completion) -> list[int]:
+    """The completion's tokens with the end-of-sequence token that ended them, if one did:
+    what teacher forcing feeds back, so the position that predicts the end is compared too."""
+    return completion.token_ids + ([completion.eos_token] if completion.eos_token is not None else [])
 
 
 def complete(engine: Engine, token_ids: list[int], generation: GenerationConfig,

@@ -116,6 +116,8 @@ class Completion:
     strategy: str
     info: RequestInfo | None = None
     token_ids: list[int] = field(default_factory=list)
+    eos_token: int | None = None
+    """The end-of-sequence token that ended the answer (not in token_ids), if one did."""
 
 
 class Request:
@@ -129,6 +131,7 @@ class Request:
         self.kind = kind
         self.phase = Phase.WAITING
         self.generation = generation
+        self.eos_token: int | None = None
         self.sink = sink
         self.arrival = time.perf_counter() if arrival is None else arrival
         self.estimated_tokens = estimated_tokens + generation.max_new_tokens
@@ -179,7 +182,7 @@ class Request:
         prepared.usage.completion_tokens = len(self.output_ids)
         text = self.detokenizer.text.strip() if self._strip_text else self.detokenizer.text
         completion = Completion(text, finish_reason, prepared.citations, prepared.usage,
-                                self.timings, prepared.strategy, prepared.info, list(self.output_ids))
+                                self.timings, prepared.strategy, prepared.info, list(self.output_ids), self.eos_token)
         if self._on_finished is not None:
             self._on_finished(self, completion)
         self.release()

@@ -130,6 +130,7 @@ class Scheduler:
         token = request.sampler(request.pending_logits)
         first = not request.output_ids and request.timings.ttft is None
         if token in self.eos_token_ids:
+            request.eos_token = token
             return self._finish(request, FinishReason.EOS, request.detokenizer.rest(), first)
         request.output_ids.append(token)
         delta, stopped = request.detokenizer.push(token)

@@ -84,7 +84,7 @@ def _decode(runtime: Runtime, result: FusionResult, max_new_tokens: int) -> tupl
     config = GenerationConfig(max_new_tokens=max_new_tokens)
     completion = decode(runtime.engine, result.cache, result.logits, config)
     result.cache.truncate(result.layout.length)
-    return completion.text.strip(), forced_answer_ids(runtime.engine, completion)
+    return completion.text.strip(), forced_answer_ids(completion)
 
 
 class _Runner:

@@ -47,7 +47,7 @@ def _answer(engine: Engine, prompt: list[int], max_new_tokens: int):
     cache, logits = engine.prefill(prompt, max_new_tokens)
     completion = decode(engine, cache, logits, GenerationConfig(max_new_tokens=max_new_tokens))
     cache.truncate(len(prompt))
-    return cache, logits, completion.text.strip(), forced_answer_ids(engine, completion)
+    return cache, logits, completion.text.strip(), forced_answer_ids(completion)
 
 
 def run_weight_fidelity(base: EngineConfig, prompts: list[list[int]], formats: list[str], *, max_new_tokens: int = 32,
