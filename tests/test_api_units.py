@@ -15,9 +15,14 @@ import pytest
 from ragkv.api.auth import Authenticator, load_api_keys
 from ragkv.api.config import ServeConfig
 from ragkv.api.errors import ApiError, QueueFullError
-from ragkv.api.jobs import SUCCEEDED, JobRegistry
+from ragkv.api.ingest_records import SUCCEEDED, IngestRecords
 from ragkv.api.schemas import ChatRequest, QueryRequest, generation_config, query_config
-from ragkv.api.worker import Job, JobCancelled, ModelWorker
+from ragkv.api.request_stream import RequestStream
+from ragkv.api.task import Task
+from ragkv.api.worker import ModelWorker
+from ragkv.app.request import Request, RequestCancelled
+from ragkv.app.scheduler import Scheduler, SchedulerConfig
+from ragkv.engine.generation import GenerationConfig
 from ragkv.store.lmdb_env import LMDBEnvironment
 
 
@@ -82,7 +87,7 @@ def test_requests_convert_to_typed_configs_or_400():
 
 
 def test_job_registry_is_per_tenant(tmp_path):
-    jobs = JobRegistry(LMDBEnvironment(tmp_path / "db"))
+    jobs = IngestRecords(LMDBEnvironment(tmp_path / "db"))
     record = jobs.create("alpha", "ingest", "doc.txt")
     jobs.progress(record, 1, 4)
     assert jobs.get("alpha", record.id).to_dict()["progress"] == {"chunks_done": 1, "chunks_total": 4, "fraction": 0.25}
@@ -93,13 +98,13 @@ def test_job_registry_is_per_tenant(tmp_path):
 
 def test_a_job_whose_process_died_reads_as_failed(tmp_path):
     killed = subprocess.run([sys.executable, "-c", (
-        "import os, sys; from ragkv.api.jobs import JobRegistry; from ragkv.store.lmdb_env import LMDBEnvironment\n"
-        "jobs = JobRegistry(LMDBEnvironment(sys.argv[1])); record = jobs.create('alpha', 'ingest', 'big.txt')\n"
+        "import os, sys; from ragkv.api.ingest_records import IngestRecords; from ragkv.store.lmdb_env import LMDBEnvironment\n"
+        "jobs = IngestRecords(LMDBEnvironment(sys.argv[1])); record = jobs.create('alpha', 'ingest', 'big.txt')\n"
         "jobs.start(record); jobs.progress(record, 3, 10); print(record.id, flush=True); os.kill(os.getpid(), 9)"),
         str(tmp_path / "db")], capture_output=True, text=True, timeout=120)
     assert killed.returncode == -9, killed.stderr
     job_id = killed.stdout.strip()
-    jobs = JobRegistry(LMDBEnvironment(tmp_path / "db"))
+    jobs = IngestRecords(LMDBEnvironment(tmp_path / "db"))
     shown = jobs.get("alpha", job_id).to_dict()
     assert shown["status"] == "failed" and shown["error"]["code"] == "interrupted"
     assert shown["progress"]["chunks_done"] == 3 and jobs.get("beta", job_id) is None
@@ -127,19 +132,19 @@ def test_worker_interleaves_cancels_and_bounds_its_queue():
                     closed.append(name)
             return body
 
-        a = worker.submit(Job("q", counting("a", 3)))
-        b = worker.submit(Job("q", counting("b", 3)))
+        a = worker.submit(Task("q", counting("a", 3)))
+        b = worker.submit(Task("q", counting("b", 3)))
         assert await a.wait() == "a" and await b.wait() == "b"
         assert trace.index("b0") < trace.index("a2")  # interleaved token by token
 
-        slow = worker.submit(Job("q", counting("slow", 1000, delay=0.002)))
+        slow = worker.submit(Task("q", counting("slow", 1000, delay=0.002)))
         seen = 0
         async for _ in slow.items():
             seen += 1
             if seen == 5:
                 slow.cancel()
                 break
-        with pytest.raises(JobCancelled):
+        with pytest.raises(RequestCancelled):
             await slow.wait()
         assert "slow" in closed and sum(t.startswith("slow") for t in trace) < 100
 
@@ -148,17 +153,43 @@ def test_worker_interleaves_cancels_and_bounds_its_queue():
             yield
 
         with pytest.raises(ValueError, match="bad input"):
-            await worker.submit(Job("q", failing)).wait()
+            await worker.submit(Task("q", failing)).wait()
 
-        blocker = worker.submit(Job("bg", counting("bg", 1, delay=0.5), interactive=False))
+        blocker = worker.submit(Task("bg", counting("bg", 1, delay=0.5), interactive=False))
         await asyncio.sleep(0.1)
         for _ in range(3):
-            worker.submit(Job("q", counting("x", 1)))
+            worker.submit(Task("q", counting("x", 1)))
         with pytest.raises(QueueFullError):
-            worker.submit(Job("q", counting("y", 1)))
+            worker.submit(Task("q", counting("y", 1)))
         await blocker.wait()
         worker.stop()
         assert not worker.alive
+
+    asyncio.run(scenario())
+
+
+def test_the_scheduler_alone_bounds_waiting_requests_and_a_stopping_worker_cancels_them():
+    async def scenario():
+        scheduler = Scheduler(None, None, set(), SchedulerConfig(max_waiting=2))
+        worker = ModelWorker(scheduler, max_queued=100)  # the tasks' bound is not the requests'
+
+        def never_prepared(request):
+            raise AssertionError("a request of a stopping worker was prepared")
+
+        def request():
+            return Request("test", never_prepared, GenerationConfig(max_new_tokens=1))
+
+        first = worker.submit_requests(RequestStream("test", [request(), request()]))
+        with pytest.raises(QueueFullError) as full:
+            worker.submit_requests(RequestStream("test", [request()]))
+        assert full.value.status == 503 and full.value.headers["Retry-After"]
+        assert len(scheduler.waiting) == 2 and worker.queued == 2
+        worker.stop()
+        worker.start()
+        with pytest.raises(RequestCancelled):
+            await first.wait()
+        await asyncio.to_thread(worker.stop)
+        assert not worker.alive and not scheduler.has_work and first.outcome == "cancelled"
 
     asyncio.run(scenario())
 
@@ -179,7 +210,7 @@ def test_worker_runs_its_jobs_on_the_thread_that_calls_run():
 
         model_thread = threading.Thread(target=worker.run, name="built-the-engine")
         model_thread.start()
-        assert await worker.submit(Job("q", body)).wait() == "done"
+        assert await worker.submit(Task("q", body)).wait() == "done"
         assert threads == ["built-the-engine"] and worker.alive
         await asyncio.to_thread(worker.stop)
         assert not model_thread.is_alive() and not worker.alive

@@ -80,3 +80,56 @@ def test_sessions_are_handles_and_tenants_never_share(engine, turns):
         _turn(engine, turns, first, tenant="other", session_id=session_id)
     elsewhere = _turn(engine, turns, first, tenant="other")
     assert elsewhere.usage.cached_tokens == 0 and elsewhere.text == done.text
+
+
+def _session_state(turns: ChatTurns, session_id: str):
+    context = turns.contexts.checkout("default", session_id)
+    try:
+        rows = context.cache.length
+        return (list(context.conversation_ids), list(context.row_ids), rows, context.turns,
+                context.cache.keys[:, :, :rows].clone(), context.cache.values[:, :, :rows].clone())
+    finally:
+        turns.contexts.release("default", session_id, context)
+
+
+def _assert_same_session(before, after) -> None:
+    assert after[:4] == before[:4]  # ids, rows, length, turns
+    assert torch.equal(after[4], before[4]) and torch.equal(after[5], before[5])
+
+
+def test_a_failed_or_cancelled_turn_leaves_its_session_whole(engine, turns):
+    """A history that diverges from the stored session makes the turn reuse only the common
+    prefix; whether the turn then fails or is cancelled mid-answer, the session keeps every
+    row it had, with the same keys and values."""
+    first = _turn(engine, turns, [{"role": "user", "content": "Name a colour."}])
+    session_id = first.info.session_id
+    _turn(engine, turns, [{"role": "user", "content": "Name another one."}], session_id=session_id)
+    before = _session_state(turns, session_id)
+    diverging = [{"role": "user", "content": "Name a colour."},
+                 {"role": "assistant", "content": "Something else entirely, said at some length."},
+                 {"role": "user", "content": "Why that one?"}]
+
+    too_long = QueryConfig(generation=GenerationConfig(max_new_tokens=engine.spec.rope.max_position_embeddings))
+    request = turns.request(ChatTurn("default", diverging, session_id, False, too_long))
+    sink = CollectingSink()
+    request.sink = sink
+    scheduler = Scheduler(engine.model, engine.tokenizer, engine.eos_token_ids)
+    scheduler.add(request)
+    scheduler.run_until_done()
+    assert getattr(sink.error, "reason", None) == "context_length_exceeded"
+    _assert_same_session(before, _session_state(turns, session_id))
+
+    request = turns.request(ChatTurn("default", diverging, session_id, False,
+                                     QueryConfig(generation=GenerationConfig(max_new_tokens=32))))
+    sink = CollectingSink()
+    request.sink = sink
+    scheduler.add(request)
+    while len(request.output_ids) < 3:  # the turn's prompt and a few answer rows are written
+        scheduler.step()
+    sink.cancelled = True
+    scheduler.run_until_done()
+    assert sink.completion is None and sink.error is not None
+    _assert_same_session(before, _session_state(turns, session_id))
+
+    third = _turn(engine, turns, [{"role": "user", "content": "And a third?"}], session_id=session_id)
+    assert third.info.turn == 3 and third.usage.cached_tokens >= before[2] - 1

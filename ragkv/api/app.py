@@ -21,7 +21,7 @@ from ragkv.api.access_log import AccessLogMiddleware
 from ragkv.api.auth import Authenticator, load_api_keys
 from ragkv.api.config import ServeConfig
 from ragkv.api.errors import install_error_handlers
-from ragkv.api.jobs import JobRegistry
+from ragkv.api.ingest_records import IngestRecords
 from ragkv.api.metrics import Metrics, Reading
 from ragkv.api.middleware import ServingMiddleware
 from ragkv.api.openapi import install_docs
@@ -84,7 +84,7 @@ def _readings(state: AppState) -> Iterator[Reading]:
         yield "gauge", "ragkv_redis_up", "1 if Redis answers PING", {"role": "registry"}, float(registry_up)
     degraded = (redis_up and not all(redis_up)) or sessions.get("redis_up") is False or registry_up is False
     yield "gauge", "ragkv_degraded", "1 while a fallback is in use (Redis unreachable)", {}, float(bool(degraded))
-    for status, count in state.jobs.counts().items():
+    for status, count in state.ingest_records.counts().items():
         yield "gauge", "ragkv_ingest_jobs", "Ingestion jobs by status", {"status": status}, count
     state.metrics.queue_depth.set(state.worker.queued)
     state.metrics.active_jobs.set(state.worker.active)
@@ -102,10 +102,10 @@ def _build_state(config: ServeConfig, metrics: Metrics) -> AppState:
                               SchedulerConfig(max_running=config.max_active, max_waiting=config.max_queued,
                                               token_budget=config.token_budget))
         worker = ModelWorker(scheduler, max_active=config.max_active, max_queued=config.max_queued,
-                             on_finished=lambda job: metrics.jobs.labels(job.kind, job.outcome or "unknown").inc())
+                             on_finished=lambda task: metrics.jobs.labels(task.kind, task.outcome or "unknown").inc())
         service = Service(runtime, config, metrics, sessions)
         model_id = config.model_id or runtime.engine.model_dir.name
-        state = AppState(config, runtime, worker, sessions, JobRegistry(runtime.env), metrics, service, model_id)
+        state = AppState(config, runtime, worker, sessions, IngestRecords(runtime.env), metrics, service, model_id)
     except BaseException:
         runtime.close()
         raise

@@ -59,7 +59,8 @@ class ServeConfig:
     """KV rows (prompt + answer) the running requests may hold together; a waiting request
     is prepared only when its estimate fits."""
     max_queued: int = 64
-    """Requests waiting for the model worker; beyond this the API answers 503."""
+    """Requests waiting in the scheduler (and, in a queue of their own, deletions, embeddings
+    and ingestions waiting for the model worker); beyond this the API answers 503."""
     access_log: bool = True
     """Log one line per request (method, path, status, latency, request id, tenant) on the
     ragkv.access logger, whatever --log-level is."""

@@ -19,6 +19,7 @@ from starlette.routing import Match
 
 from ragkv.api.responses import SafeJSONResponse
 from ragkv.app.contexts import SessionBusyError
+from ragkv.app.request import RequestCancelled
 from ragkv.ingest.errors import InputError, NotFoundError, RegistryUnavailableError
 from ragkv.store.errors import StoreUnavailableError
 
@@ -48,7 +49,7 @@ class ApiError(Exception):
         self.headers = headers
 
 
-class ClientGone(Exception):
+class ClientGone(RequestCancelled):
     """The client disconnected before its answer was ready (its work was cancelled)."""
 
 

@@ -1,5 +1,5 @@
 """What the model worker runs for the routes: requests for the scheduler (queries, chat
-turns, completions) and job bodies (ingestion, deletion).
+turns, completions) and task bodies (ingestion, deletion, embeddings).
 
 The query path and the chat-turn algorithm live in the application layer
 (ragkv.app.query, ragkv.app.chat); this module converts their errors to API errors and
@@ -18,7 +18,7 @@ from ragkv.api.errors import as_api_error
 from ragkv.api.metrics import Metrics
 from ragkv.api.request_stream import RequestStream
 from ragkv.api.sessions import RedisSessions
-from ragkv.api.worker import Job
+from ragkv.api.task import Task
 from ragkv.app.chat import ChatInfo, ChatTurn, ChatTurns
 from ragkv.app.completion import completion_request, prompt_ids
 from ragkv.app.contexts import ContextCache
@@ -101,14 +101,14 @@ class Service:
 
     def ingest_body(self, text: str, name: str, tenant: str, metadata: dict | None, progress=None, checkpoint=None,
                     pages: list[list[int]] | None = None, replaces: str | None = None):
-        def body(job: Job):
+        def body(task: Task):
             def on_progress(done: int, total: int) -> None:
                 if progress is not None:
                     progress(done, total)
-                job.check_cancelled()
+                task.check_cancelled()
                 if checkpoint is not None:
                     checkpoint()
-                job.check_cancelled()
+                task.check_cancelled()
 
             result = self.runtime.ingestor.ingest_text(text, name, tenant=tenant, metadata=metadata,
                                                        progress=on_progress, pages=pages, replaces=replaces)
@@ -121,7 +121,7 @@ class Service:
         """(vectors [n, dimension] float32 unit rows, tokens read) for the texts."""
         embedder = self.runtime.embedder
 
-        def body(job: Job):
+        def body(task: Task):
             tokenizer = embedder.model.tokenizer
             tokens = sum(len(ids) for ids in tokenizer(texts, add_special_tokens=True)["input_ids"])
             vectors = np.asarray(embedder.embed_passages(texts), dtype=np.float32)
@@ -131,7 +131,7 @@ class Service:
         return body
 
     def delete_body(self, doc_id: str, tenant: str):
-        def body(job: Job):
+        def body(task: Task):
             return self.runtime.ingestor.delete(doc_id, tenant)
             yield
 

@@ -1,4 +1,4 @@
-"""What the routes share: the runtime, the worker, sessions, jobs, metrics."""
+"""What the routes share: the runtime, the worker, sessions, ingestion records, metrics."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 
 from ragkv.api.config import ServeConfig
-from ragkv.api.jobs import JobRegistry
+from ragkv.api.ingest_records import IngestRecords
 from ragkv.api.metrics import Metrics
 from ragkv.api.service import Service
 from ragkv.api.sessions import RedisSessions
@@ -29,7 +29,7 @@ class AppState:
     runtime: Runtime
     worker: ModelWorker
     sessions: ContextCache | RedisSessions
-    jobs: JobRegistry
+    ingest_records: IngestRecords
     metrics: Metrics
     service: Service
     model_id: str

@@ -19,7 +19,8 @@ from fastapi import Request
 
 from ragkv.api.errors import ApiError, ClientGone, as_api_error, error_body, request_id_of
 from ragkv.api.request_stream import RequestStream, StreamEvent
-from ragkv.api.worker import Job, JobCancelled, ModelWorker
+from ragkv.api.task import Task
+from ragkv.api.worker import ModelWorker
 from ragkv.app.request import Completion, RequestCancelled
 
 log = logging.getLogger("ragkv.api")
@@ -37,7 +38,7 @@ def _client_error(error: BaseException) -> BaseException:
     mapped = as_api_error(error)
     if mapped is not None:
         return mapped
-    if isinstance(error, (JobCancelled, RequestCancelled)):
+    if isinstance(error, RequestCancelled):
         return ApiError(503, "cancelled", "the request was cancelled (server shutting down?)")
     return error  # unexpected: the 500 handler logs it
 
@@ -58,7 +59,7 @@ async def _race(request: Request, awaitable) -> Any:
     return task.result()
 
 
-async def _awaited(request: Request, work: Job | RequestStream) -> Any:
+async def _awaited(request: Request, work: Task | RequestStream) -> Any:
     try:
         return await _race(request, work.wait())
     except (ClientGone, asyncio.CancelledError):
@@ -68,10 +69,10 @@ async def _awaited(request: Request, work: Job | RequestStream) -> Any:
         raise _client_error(error) from None
 
 
-async def run_job(request: Request, worker: ModelWorker, job: Job) -> Any:
-    """Submit `job` and return its result; cancel it if the client disconnects first."""
-    worker.submit(job)
-    return await _awaited(request, job)
+async def run_task(request: Request, worker: ModelWorker, task: Task) -> Any:
+    """Submit `task` and return its result; cancel it if the client disconnects first."""
+    worker.submit(task)
+    return await _awaited(request, task)
 
 
 async def run_requests(request: Request, worker: ModelWorker, stream: RequestStream) -> list[Completion]:

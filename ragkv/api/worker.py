@@ -1,160 +1,55 @@
-"""The model worker: one thread owns the engine; requests reach it through a queue.
+"""The model worker: one thread owns the engine and runs everything that touches it.
 
-Two kinds of work:
-  model requests  queries, chat turns and completions: application `Request`s run by the
-                  `Scheduler` (ragkv.app.scheduler), which prepares one request at a time
-                  and decodes all running ones in one batched forward pass per step; the
-                  event loop sees them through a `RequestStream` (api.request_stream).
-  job bodies      deletions, embeddings and ingestion: a generator function run on the
-                  worker thread, one `next()` per unit of work, seen as a `Job`.
+Two kinds of work, two types on the event loop's side:
+  requests  queries, chat turns and completions: application `Request`s that the
+            `Scheduler` (ragkv.app.scheduler) holds, waiting then running: it prepares
+            one at a time and decodes all running ones in one batched forward pass per
+            step. It alone bounds the waiting requests (full: 503 with Retry-After). The
+            event loop awaits them through a `RequestStream` (api.request_stream).
+  tasks     deletions, embeddings and ingestion: generator bodies (api.task.Task), one
+            `next()` per unit of work; at most `max_queued` wait.
 
-Each round of the worker steps the interactive job bodies once and the scheduler once.
-Background jobs (ingestion) run one at a time when nothing interactive is waiting or
+Each round of the worker steps the interactive tasks once and the scheduler once.
+Background tasks (ingestion) run one at a time when nothing interactive is waiting or
 running; while one runs, its progress callback calls `checkpoint()`, which serves the
 interactive work first (for up to `checkpoint_budget_s` between two chunks).
 
-A job whose client went away is cancelled: the scheduler drops its request (and cache)
-before its next step; a job body's generator is closed before its next step.
+Cancelled work raises RequestCancelled: the scheduler drops a cancelled request (and its
+cache) before its next step; a task's generator is closed before its next step.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import threading
 import time
-import weakref
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Generator
-from typing import Any
+from collections.abc import Callable
 
 from ragkv.api.errors import QueueFullError
 from ragkv.api.request_stream import RequestStream
-from ragkv.app.request import Request
-from ragkv.app.scheduler import Scheduler
+from ragkv.api.task import Task
+from ragkv.app.scheduler import QueueFull, Scheduler
 
 log = logging.getLogger("ragkv.api.worker")
-
-_ITEM, _DONE, _ERROR = "item", "done", "error"
-_ids = itertools.count(1)
-
-
-class JobCancelled(Exception):
-    """Raised inside a job body (or into its awaiter) when the job was cancelled."""
-
-
-class Job:
-    """One unit of work for the worker, created on the event loop thread."""
-
-    def __init__(self, kind: str, body: Callable[["Job"], Generator[Any, None, Any]], *, interactive: bool = True):
-        self.id = next(_ids)
-        self.kind = kind
-        self.interactive = interactive
-        self._body = body
-        self._generator: Generator[Any, None, Any] | None = None
-        self._cancelled = threading.Event()
-        self._loop = asyncio.get_running_loop()
-        self._events: asyncio.Queue = asyncio.Queue()
-        self.submitted = time.perf_counter()
-        self.started_at: float | None = None
-        self.done = False
-        self.outcome: str | None = None
-
-    # -- event loop side -----------------------------------------------------------
-
-    def cancel(self) -> None:
-        """Ask the worker to stop this job at its next step (thread-safe, idempotent)."""
-        self._cancelled.set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
-
-    @property
-    def queue_seconds(self) -> float:
-        return (self.started_at or time.perf_counter()) - self.submitted
-
-    async def items(self) -> AsyncIterator[Any]:
-        """What the body yields, in order; raises what the body raised. The body's return
-        value is left in `self.result`."""
-        while True:
-            kind, value = await self._events.get()
-            if kind == _ITEM:
-                yield value
-            elif kind == _DONE:
-                self.result = value
-                return
-            else:
-                raise value
-
-    async def wait(self) -> Any:
-        """Run to the end, discarding yielded items; the body's return value."""
-        async for _ in self.items():
-            pass
-        return self.result
-
-    # -- worker side ---------------------------------------------------------------
-
-    def _emit(self, kind: str, value: Any) -> None:
-        try:
-            self._loop.call_soon_threadsafe(self._events.put_nowait, (kind, value))
-        except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
-            pass
-
-    def _step(self) -> bool:
-        """Advance one unit of work on the worker thread; False when the job ended."""
-        if self._cancelled.is_set():
-            self._finish("cancelled", _ERROR, JobCancelled(f"{self.kind} job {self.id} was cancelled"))
-            return False
-        try:
-            if self._generator is None:
-                self.started_at = time.perf_counter()
-                self._generator = self._body(self)
-            item = next(self._generator)
-        except StopIteration as stop:
-            self._finish("ok", _DONE, stop.value)
-            return False
-        except JobCancelled as error:
-            self._finish("cancelled", _ERROR, error)
-            return False
-        except BaseException as error:  # handed to the awaiting request, which maps it
-            self._finish("error", _ERROR, error)
-            return False
-        self._emit(_ITEM, item)
-        return True
-
-    def _finish(self, outcome: str, kind: str, value: Any) -> None:
-        if self._generator is not None:
-            try:
-                self._generator.close()  # runs the body's finally blocks, drops its tensors
-            except BaseException:  # a body that fails while closing must not kill the worker
-                log.exception("%s job %d failed while closing", self.kind, self.id)
-        self._generator = None
-        self.done = True
-        self.outcome = outcome
-        self._emit(kind, value)
-
-    def check_cancelled(self) -> None:
-        """For long bodies (ingestion) to call between units of work."""
-        if self._cancelled.is_set():
-            raise JobCancelled(f"{self.kind} job {self.id} was cancelled")
 
 
 class ModelWorker:
     def __init__(self, scheduler: Scheduler | None = None, *, max_active: int = 4, max_queued: int = 64,
-                 checkpoint_budget_s: float = 5.0, on_finished: Callable[[Job], None] | None = None):
+                 checkpoint_budget_s: float = 5.0, on_finished: Callable[[Task], None] | None = None):
+        """`max_active`: interactive tasks stepped in turn; `max_queued`: tasks waiting
+        (requests wait in the scheduler, bounded by its `max_waiting`); `on_finished`:
+        called with each task that ended."""
         self.scheduler = scheduler
         self.max_active = max_active
         self.max_queued = max_queued
         self.checkpoint_budget_s = checkpoint_budget_s
         self._on_finished = on_finished
         self._cond = threading.Condition()
-        self._interactive: deque[Job] = deque()
-        self._background: deque[Job] = deque()
-        self._active: list[Job] = []
-        self._inbox: list[Request] = []
-        self._streams: weakref.WeakSet[RequestStream] = weakref.WeakSet()
+        self._interactive: deque[Task] = deque()
+        self._background: deque[Task] = deque()
+        self._active: list[Task] = []
         self._stopping = False
         self._in_background = False
         self._thread: threading.Thread | None = None
@@ -177,46 +72,43 @@ class ModelWorker:
     def stop(self, timeout: float = 10.0) -> None:
         with self._cond:
             self._stopping = True
-            for job in itertools.chain(self._interactive, self._background, self._active, list(self._streams)):
-                job.cancel()
+            for task in itertools.chain(self._interactive, self._background, self._active):
+                task.cancel()
             self._cond.notify_all()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
-    def submit(self, job: Job) -> Job:
+    def submit(self, task: Task) -> Task:
         with self._cond:
+            waiting = len(self._interactive) + len(self._background)
             if self._stopping:
                 raise QueueFullError(0)
-            waiting = self._waiting()
             if waiting >= self.max_queued:
                 raise QueueFullError(waiting)
-            (self._interactive if job.interactive else self._background).append(job)
+            (self._interactive if task.interactive else self._background).append(task)
             self._cond.notify_all()
-        return job
+        return task
 
     def submit_requests(self, stream: RequestStream) -> RequestStream:
-        """Hand a stream's requests to the scheduler."""
+        """Hand a stream's requests to the scheduler (all or none)."""
         if self.scheduler is None:
             raise RuntimeError("this worker has no scheduler")
         with self._cond:
-            waiting = self._waiting()
             if self._stopping:
                 raise QueueFullError(0)
-            if waiting >= self.max_queued:
-                raise QueueFullError(waiting)
-            self._streams.add(stream)
-            self._inbox.extend(stream.requests)
+            try:
+                self.scheduler.add(*stream.requests)
+            except QueueFull as full:
+                raise QueueFullError(full.waiting) from None
             self._cond.notify_all()
         return stream
 
-    def _waiting(self) -> int:
-        scheduled = len(self.scheduler.waiting) if self.scheduler is not None else 0
-        return len(self._interactive) + len(self._background) + len(self._inbox) + scheduled
-
     @property
     def queued(self) -> int:
+        """Requests and tasks waiting."""
         with self._cond:
-            return self._waiting()
+            scheduled = len(self.scheduler.waiting) if self.scheduler is not None else 0
+            return len(self._interactive) + len(self._background) + scheduled
 
     @property
     def active(self) -> int:
@@ -225,7 +117,7 @@ class ModelWorker:
             return len(self._active) + running + (1 if self._in_background else 0)
 
     def _scheduler_busy(self) -> bool:
-        return self.scheduler is not None and (self.scheduler.has_work or bool(self._inbox))
+        return self.scheduler is not None and self.scheduler.has_work
 
     @property
     def alive(self) -> bool:
@@ -239,6 +131,10 @@ class ModelWorker:
                 while not (self._stopping or self._interactive or self._background or self._active
                            or self._scheduler_busy()):
                     self._cond.wait()
+                stopping = self._stopping
+            if stopping and self.scheduler is not None:
+                self.scheduler.abort("the server is stopping")
+            with self._cond:
                 if self._stopping and not (self._active or self._interactive or self._background
                                            or self._scheduler_busy()):
                     return
@@ -251,44 +147,40 @@ class ModelWorker:
                 self._round()
 
     def _admit(self) -> None:
-        """Move interactive jobs from the queue to the active set and new requests to the
-        scheduler (caller holds the lock)."""
+        """Move interactive tasks from the queue to the active set (caller holds the lock)."""
         while self._interactive and len(self._active) < self.max_active:
             self._active.append(self._interactive.popleft())
-        for request in self._inbox:
-            self.scheduler.add(request)
-        self._inbox.clear()
 
     def _round(self) -> None:
-        for job in list(self._active):
-            if not job._step():
+        for task in list(self._active):
+            if not task.step():
                 with self._cond:
-                    self._active.remove(job)
-                self._finished(job)
-        if self.scheduler is not None and self.scheduler.has_work:
+                    self._active.remove(task)
+                self._finished(task)
+        if self._scheduler_busy():
             try:
                 self.scheduler.step()
             except Exception:  # a scheduler bug must not kill the worker; the step's requests got their errors
                 log.exception("scheduler step failed")
 
-    def _run_background(self, job: Job) -> None:
+    def _run_background(self, task: Task) -> None:
         self._in_background = True
         try:
-            while job._step():
+            while task.step():
                 pass
         finally:
             self._in_background = False
-        self._finished(job)
+        self._finished(task)
 
-    def _finished(self, job: Job) -> None:
+    def _finished(self, task: Task) -> None:
         if self._on_finished is not None:
             try:
-                self._on_finished(job)
+                self._on_finished(task)
             except Exception:
-                log.exception("job-finished hook failed")
+                log.exception("task-finished hook failed")
 
     def checkpoint(self) -> None:
-        """Serve interactive jobs now; called by a background job between its chunks, on
+        """Serve interactive work now; called by a background task between its chunks, on
         the worker thread. Returns when none is left or the time budget is spent."""
         if threading.current_thread() is not self._thread:
             return

@@ -86,6 +86,41 @@ class _Base:
         return self.context.rows_for(self.conversation_tokens) if self.context is not None else 0
 
 
+@dataclass
+class _Saved:
+    """A held context before a turn cut it to the reused prefix. The turn writes its own
+    rows after that prefix, in place, so the rows it cuts are copied here: a turn that
+    fails or is cancelled gives the context back whole."""
+
+    cache: KVCache
+    length: int
+    next_position: int
+    conversation_ids: list[int]
+    row_ids: list[int]
+    insertions: list[Insertion]
+    kept: int
+    """Rows the turn keeps (and never writes)."""
+    tail: tuple[torch.Tensor, torch.Tensor]
+    """Keys and values of rows [kept, length)."""
+
+    @classmethod
+    def of(cls, context: Context, kept: int) -> "_Saved":
+        cache = context.cache
+        tail = (cache.keys[:, :, kept : cache.length].clone(), cache.values[:, :, kept : cache.length].clone())
+        return cls(cache, cache.length, cache.next_position, list(context.conversation_ids), list(context.row_ids),
+                   list(context.insertions), kept, tail)
+
+    def restore(self, context: Context) -> None:
+        cache = self.cache  # the turn may have moved the context to a larger copy; this one holds the prefix
+        cache.reserve(self.length)
+        cache.keys[:, :, self.kept : self.length] = self.tail[0]
+        cache.values[:, :, self.kept : self.length] = self.tail[1]
+        cache.length, cache.next_position = self.length, self.next_position
+        context.cache = cache
+        context.conversation_ids, context.row_ids, context.insertions = (self.conversation_ids, self.row_ids,
+                                                                        self.insertions)
+
+
 class ChatTurns:
     """Builds chat-turn requests over one pipeline and one context cache."""
 
@@ -119,6 +154,8 @@ class _TurnState:
         self.conversation: Conversation | None = None
         self.row_ids: list[int] = []
         self.insertions: list[Insertion] = []
+        self.saved: _Saved | None = None
+        """The held base as it was before the turn cut it (given back if the turn fails)."""
         self._on_finished = on_finished
 
     # -- prepare --------------------------------------------------------------------
@@ -156,15 +193,15 @@ class _TurnState:
         if turn.session_id is not None:
             context = self.turns.contexts.checkout(turn.tenant, turn.session_id)
             self.base = _Base(context, 0, True)
-            if context.fingerprint != fingerprint:
-                context.cut(0)
+            # Another model's rows are not reused; the session keeps them until the turn succeeds.
+            held_ids = context.conversation_ids if context.fingerprint == fingerprint else []
             only_new_message = all(m["role"] != "assistant" for m in turn.messages)
-            if only_new_message and context.turns and context.conversation_ids:
-                conversation = continue_conversation(prompt, context.conversation_ids, turn.messages[-1]["content"])
+            if only_new_message and context.turns and held_ids:
+                conversation = continue_conversation(prompt, held_ids, turn.messages[-1]["content"])
                 self.number = context.turns + 1
             else:
                 conversation = render_conversation(prompt, turn.messages)
-            self.base.conversation_tokens = common_prefix(context.conversation_ids, conversation.token_ids)
+            self.base.conversation_tokens = common_prefix(held_ids, conversation.token_ids)
             return conversation
         conversation = render_conversation(prompt, turn.messages)
         match = self.turns.contexts.match(turn.tenant, fingerprint, conversation.token_ids)
@@ -187,6 +224,7 @@ class _TurnState:
         self.row_ids = context.row_ids[:rows]
         self.insertions = [i for i in context.insertions if i.at < reuse]
         if base.held:
+            self.saved = _Saved.of(context, rows)
             context.cut(reuse)
             return context.cache
         prefix = KVCache(context.cache.keys[:, :, :rows], context.cache.values[:, :, :rows], rows, rows)
@@ -279,12 +317,15 @@ class _TurnState:
             self._on_finished(request, completion)
 
     def dropped(self, request: Request) -> None:
-        """Failed or cancelled: a held base goes back as it was before the turn's rows."""
+        """Failed or cancelled: a held base goes back whole, as it was before the turn."""
         base = self.base
         if base.context is None or not base.held:
             return
         context = base.context
-        context.cache.truncate(min(context.cache.length, len(context.row_ids)))
+        if self.saved is not None:
+            self.saved.restore(context)
+        else:  # not cut: at most rows past its own were written
+            context.cache.truncate(min(context.cache.length, len(context.row_ids)))
         self.turns.contexts.release(context.tenant, context.id, context)
 
 

@@ -58,7 +58,8 @@ class FinishReason(enum.Enum):
 
 
 class RequestCancelled(Exception):
-    """The request's client went away (or the server is stopping); its work was dropped."""
+    """The client went away (or the server is stopping); the work was dropped. The one
+    cancellation of the server: scheduler requests and the worker's tasks raise it."""
 
 
 @dataclass

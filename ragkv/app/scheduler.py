@@ -10,12 +10,15 @@ One `step()`:
      one `CausalLM.decode_batch` for all that continue: each weight is read once for all
      rows; attention stays per request, over its own cache.
 
-Used by the API's model worker (one thread owns the engine) and by `ragkv ask` (one request).
+Used by the API's model worker (one thread owns the engine and steps the scheduler) and by
+`ragkv ask` (one request). The scheduler alone holds the waiting and running requests and
+bounds the waiting ones (`max_waiting`); `add` may be called from any thread.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections import deque
 from dataclasses import dataclass
 
@@ -30,7 +33,8 @@ class SchedulerConfig:
     max_running: int = 16
     """Requests decoding at once (rows of one batched decode step)."""
     max_waiting: int = 64
-    """Requests waiting to be prepared; beyond this `add` refuses (the API answers 503)."""
+    """Requests waiting to be prepared; beyond this `add` refuses (QueueFull: the API answers
+    503 with Retry-After)."""
     token_budget: int = 65536
     """KV rows the running requests may hold together (prompt + answer); a waiting request
     is admitted when its estimate fits (one request is always admitted when none runs)."""
@@ -55,22 +59,37 @@ class Scheduler:
         self.config = config
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self._lock = threading.Lock()
+        """Guards `waiting`: `add` may run on another thread than `step`."""
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def add(self, request: Request) -> None:
-        if len(self.waiting) >= self.config.max_waiting:
-            raise QueueFull(len(self.waiting))
-        self.waiting.append(request)
+    def add(self, *requests: Request) -> None:
+        """Queue the requests, all or none: QueueFull when they do not all fit in `max_waiting`."""
+        with self._lock:
+            if len(self.waiting) + len(requests) > self.config.max_waiting:
+                raise QueueFull(len(self.waiting))
+            self.waiting.extend(requests)
 
     def step(self) -> None:
         self._drop_cancelled()
-        if self.waiting and self._can_admit(self.waiting[0]):
-            self._prepare(self.waiting.popleft())
+        with self._lock:
+            admitted = self.waiting.popleft() if self.waiting and self._can_admit(self.waiting[0]) else None
+        if admitted is not None:
+            self._prepare(admitted)
         if self.running:
             self._decode()
+
+    def abort(self, reason: str) -> None:
+        """Drop every request (the server is stopping): each reports RequestCancelled."""
+        with self._lock:
+            dropped = list(self.waiting) + self.running
+            self.waiting.clear()
+        self.running = []
+        for request in dropped:
+            self._drop(request, RequestCancelled(f"{request.kind} request {request.id} was cancelled: {reason}"))
 
     def run_until_done(self) -> None:
         while self.has_work:
@@ -79,10 +98,15 @@ class Scheduler:
     # -- the parts of a step --------------------------------------------------------
 
     def _drop_cancelled(self) -> None:
-        for queue in (self.waiting, self.running):
-            for request in [r for r in queue if r.sink.cancelled]:
-                queue.remove(request)
-                self._drop(request, RequestCancelled(f"{request.kind} request {request.id} was cancelled"))
+        with self._lock:
+            gone = [r for r in self.waiting if r.sink.cancelled]
+            for request in gone:
+                self.waiting.remove(request)
+        for request in [r for r in self.running if r.sink.cancelled]:
+            self.running.remove(request)
+            gone.append(request)
+        for request in gone:
+            self._drop(request, RequestCancelled(f"{request.kind} request {request.id} was cancelled"))
 
     def _can_admit(self, request: Request) -> bool:
         if not self.running:

@@ -26,8 +26,8 @@ from ragkv.api.responses_schema import Completion, EmbeddingList
 from ragkv.api.routes.query import SSE_HEADERS
 from ragkv.api.schemas import generation_config, query_config
 from ragkv.api.state import app_state
-from ragkv.api.streaming import EventStream, run_job, run_requests, sse_events
-from ragkv.api.worker import Job
+from ragkv.api.streaming import EventStream, run_requests, run_task, sse_events
+from ragkv.api.task import Task
 from ragkv.app.request import Completion as AppCompletion
 
 router = APIRouter(tags=["openai"])
@@ -138,7 +138,7 @@ async def embeddings(request: Request, body: EmbeddingRequest):
         raise ApiError(400, "unsupported_parameter", f"dimensions must be {dimension} (or absent): this model's vectors "
                        "are not truncated", param="dimensions")
     texts = [body.input] if isinstance(body.input, str) else list(body.input)
-    vectors, tokens = await run_job(request, state.worker, Job("embedding", state.service.embeddings_body(texts)))
+    vectors, tokens = await run_task(request, state.worker, Task("embedding", state.service.embeddings_body(texts)))
 
     def encoded(vector):
         if body.encoding_format == "base64":

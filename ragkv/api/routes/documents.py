@@ -18,14 +18,15 @@ from starlette.datastructures import UploadFile
 
 from ragkv.api.auth import tenant_of
 from ragkv.api.errors import ApiError, as_api_error
-from ragkv.api.jobs import CANCELLED, FAILED, SUCCEEDED, JobRecord
+from ragkv.api.ingest_records import CANCELLED, FAILED, SUCCEEDED, IngestRecord
 from ragkv.api.openapi import errors
 from ragkv.api.responses_schema import (Deleted, DocumentCreated, DocumentDetail, DocumentList, JobAccepted, JobList,
                                         JobStatus)
 from ragkv.api.schemas import DOC_ID_PATTERN, DocumentCreate, check_metadata
 from ragkv.api.state import AppState, app_state
-from ragkv.api.streaming import run_job
-from ragkv.api.worker import Job, JobCancelled
+from ragkv.api.streaming import run_task
+from ragkv.api.task import Task
+from ragkv.app.request import RequestCancelled
 from ragkv.ingest.loaders import load_document
 from ragkv.ingest.pipeline import IngestResult
 from ragkv.ingest.validation import check_text
@@ -162,42 +163,41 @@ async def _ingest(request: Request, state: AppState, upload: Upload, name: str, 
     service = state.service
     options = {"pages": upload.pages, "replaces": replaces}
     if not background:
-        job = Job("ingest", service.ingest_body(upload.text, name, tenant, metadata, checkpoint=state.worker.checkpoint,
-                                                **options), interactive=False)
-        result: IngestResult = await run_job(request, state.worker, job)
+        task = Task("ingest", service.ingest_body(upload.text, name, tenant, metadata,
+                                                  checkpoint=state.worker.checkpoint, **options), interactive=False)
+        result: IngestResult = await run_task(request, state.worker, task)
         record = state.runtime.registry.get(tenant, result.doc_id)
         return JSONResponse(status_code=status,
                             content={"document": record.summary(), "ingest": ingest_summary(result)})
 
-    record = state.jobs.create(tenant, "ingest", name)
+    record = state.ingest_records.create(tenant, "ingest", name)
     body = service.ingest_body(upload.text, name, tenant, metadata,
-                               progress=lambda done, total: state.jobs.progress(record, done, total),
+                               progress=lambda done, total: state.ingest_records.progress(record, done, total),
                                checkpoint=state.worker.checkpoint, **options)
-    job = Job("ingest", _tracked(state, record, body), interactive=False)
-    state.worker.submit(job)
+    state.worker.submit(Task("ingest", _tracked(state, record, body), interactive=False))
     return JSONResponse(status_code=202, content={"job": record.to_dict(), "status_url": f"/v1/jobs/{record.id}"},
                         headers={"Location": f"/v1/jobs/{record.id}"})
 
 
-def _tracked(state: AppState, record: JobRecord, body):
-    """Wrap an ingestion body so the job record follows it (nobody awaits a background job)."""
+def _tracked(state: AppState, record: IngestRecord, body):
+    """Wrap an ingestion body so its record follows it (nobody awaits a background task)."""
 
-    def tracked(job: Job):
-        state.jobs.start(record)
+    def tracked(task: Task):
+        state.ingest_records.start(record)
         try:
-            result = yield from body(job)
-        except JobCancelled:
-            state.jobs.finish(record, CANCELLED, error={"code": "cancelled", "message": "the job was cancelled"})
+            result = yield from body(task)
+        except RequestCancelled:
+            state.ingest_records.finish(record, CANCELLED, error={"code": "cancelled", "message": "the job was cancelled"})
             raise
         except Exception as error:
             mapped = as_api_error(error)
             if mapped is None:
                 log.error("ingestion job %s failed", record.id, exc_info=error)
                 mapped = ApiError(500, "internal_error", f"ingestion failed; quote job id {record.id} to the operator")
-            state.jobs.finish(record, FAILED, error={"code": mapped.code, "message": mapped.message})
+            state.ingest_records.finish(record, FAILED, error={"code": mapped.code, "message": mapped.message})
             raise
         document = state.runtime.registry.get(record.tenant, result.doc_id).summary()
-        state.jobs.finish(record, SUCCEEDED, result={"document": document, "ingest": ingest_summary(result)})
+        state.ingest_records.finish(record, SUCCEEDED, result={"document": document, "ingest": ingest_summary(result)})
         return result
 
     return tracked
@@ -226,21 +226,21 @@ def get_document(request: Request, doc_id: DocumentId, include_text: bool = Fals
 @router.delete("/v1/documents/{doc_id}", responses={200: {"model": Deleted}, **errors(400, 401, 404, 503)})
 async def delete_document(request: Request, doc_id: DocumentId):
     state = app_state(request)
-    job = Job("delete", state.service.delete_body(doc_id, tenant_of(request)))
-    record = await run_job(request, state.worker, job)
+    task = Task("delete", state.service.delete_body(doc_id, tenant_of(request)))
+    record = await run_task(request, state.worker, task)
     return {"id": record.doc_id, "object": "document", "deleted": True}
 
 
 @router.get("/v1/jobs", responses={200: {"model": JobList}, **errors(401)})
 def list_jobs(request: Request):
     state = app_state(request)
-    return {"object": "list", "data": [job.to_dict() for job in state.jobs.list(tenant_of(request))]}
+    return {"object": "list", "data": [job.to_dict() for job in state.ingest_records.list(tenant_of(request))]}
 
 
 @router.get("/v1/jobs/{job_id}", responses={200: {"model": JobStatus}, **errors(401, 404)})
 def get_job(request: Request, job_id: str):
     state = app_state(request)
-    record = state.jobs.get(tenant_of(request), job_id)
+    record = state.ingest_records.get(tenant_of(request), job_id)
     if record is None:
         raise ApiError(404, "not_found", f"no job {job_id!r}")
     return record.to_dict()

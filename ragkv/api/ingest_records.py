@@ -1,6 +1,7 @@
-"""Background ingestion jobs and their progress (GET /v1/jobs/{id}).
+"""Records of background ingestion tasks and their progress: what GET /v1/jobs/{id}
+answers (the API calls them jobs).
 
-Job records are kept in the LMDB sub-database `jobs` of the data folder, with the id and
+Records are kept in the LMDB sub-database `jobs` of the data folder, with the id and
 start time of the process running them, so they outlive it: a job whose process died
 (kill -9, a crash, a restart) reads as failed ("interrupted") at the next start, not as
 an unknown id. Progress is written at most once a second. Finished jobs are kept for
@@ -27,7 +28,7 @@ INTERRUPTED = {"code": "interrupted", "message": "the process running this job s
 
 
 @dataclass
-class JobRecord:
+class IngestRecord:
     id: str
     tenant: str
     kind: str
@@ -61,38 +62,38 @@ class JobRecord:
         return self.status in (QUEUED, RUNNING)
 
 
-class JobRegistry:
+class IngestRecords:
     def __init__(self, env: LMDBEnvironment, keep_s: float = 3600.0, max_finished: int = 1000):
         self.env = env
         self.keep_s = keep_s
         self.max_finished = max_finished
         self._db = env.db(JOBS_DB)
-        self._jobs: dict[str, JobRecord] = {}
+        self._jobs: dict[str, IngestRecord] = {}
         self._written: dict[str, float] = {}  # when each job's progress was last saved
         self._lock = threading.Lock()
         self._settle_interrupted()
 
-    def create(self, tenant: str, kind: str, name: str) -> JobRecord:
-        record = JobRecord("job_" + uuid.uuid4().hex[:20], tenant, kind, name)
+    def create(self, tenant: str, kind: str, name: str) -> IngestRecord:
+        record = IngestRecord("job_" + uuid.uuid4().hex[:20], tenant, kind, name)
         with self._lock:
             self._prune()
             self._jobs[record.id] = record
             self._save(record)
         return record
 
-    def get(self, tenant: str, job_id: str) -> JobRecord | None:
+    def get(self, tenant: str, job_id: str) -> IngestRecord | None:
         with self._lock:
             record = self._jobs.get(job_id) or self._load(job_id)
         # Another tenant's job does not exist for this one.
         return record if record is not None and record.tenant == tenant else None
 
-    def list(self, tenant: str) -> list[JobRecord]:
+    def list(self, tenant: str) -> list[IngestRecord]:
         with self._lock:
             stored = {record.id: record for record in self._load_all() if record.tenant == tenant}
             stored.update({job_id: record for job_id, record in self._jobs.items() if record.tenant == tenant})
         return sorted(stored.values(), key=lambda record: record.created)
 
-    def progress(self, record: JobRecord, done: int, total: int) -> None:
+    def progress(self, record: IngestRecord, done: int, total: int) -> None:
         with self._lock:
             if record.status == QUEUED:
                 record.status, record.started = RUNNING, time.time()
@@ -102,12 +103,12 @@ class JobRegistry:
                 self._written[record.id] = now
                 self._save(record)
 
-    def start(self, record: JobRecord) -> None:
+    def start(self, record: IngestRecord) -> None:
         with self._lock:
             record.status, record.started = RUNNING, record.started or time.time()
             self._save(record)
 
-    def finish(self, record: JobRecord, status: str, result: dict | None = None, error: dict | None = None) -> None:
+    def finish(self, record: IngestRecord, status: str, result: dict | None = None, error: dict | None = None) -> None:
         with self._lock:
             record.status, record.result, record.error, record.finished = status, result, error, time.time()
             if status == SUCCEEDED and record.chunks_total is None:
@@ -123,18 +124,18 @@ class JobRegistry:
 
     # -- persistence (callers hold the lock) -------------------------------------------
 
-    def _save(self, record: JobRecord) -> None:
+    def _save(self, record: IngestRecord) -> None:
         raw = json.dumps(asdict(record)).encode()
         self.env.write(lambda txn: txn.put(record.id.encode(), raw, db=self._db))
 
-    def _load(self, job_id: str) -> JobRecord | None:
+    def _load(self, job_id: str) -> IngestRecord | None:
         with self.env.read() as txn:
             raw = txn.get(job_id.encode(), db=self._db)
-            return None if raw is None else JobRecord(**json.loads(bytes(raw)))
+            return None if raw is None else IngestRecord(**json.loads(bytes(raw)))
 
-    def _load_all(self) -> list[JobRecord]:
+    def _load_all(self) -> list[IngestRecord]:
         with self.env.read() as txn:
-            return [JobRecord(**json.loads(bytes(value))) for _, value in txn.cursor(db=self._db)]
+            return [IngestRecord(**json.loads(bytes(value))) for _, value in txn.cursor(db=self._db)]
 
     def _settle_interrupted(self) -> None:
         with self._lock:
