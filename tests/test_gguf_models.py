@@ -5,6 +5,7 @@ refusals that name what was found."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from ragkv.engine.fingerprint import model_fingerprint
 from ragkv.engine.gguf_file import SUPPORTED_ARCHITECTURES, UnsupportedModelError
 from ragkv.engine.linear import Int4Kernel
 from ragkv.engine.model import CausalLM
-from ragkv.engine.model_files import INT4_BLOCKS_FILE, resolve_model_dir
+from ragkv.engine.model_files import INT4_BLOCKS_FILE, SOURCE_FILE, resolve_model_dir
 from ragkv.engine.numerics import Numerics
 from tiny_gguf import VOCAB, write_tiny_gguf
 from tiny_models import make_tiny_model
@@ -24,7 +25,9 @@ from tiny_models import make_tiny_model
 CASES = [
     ("llama", "F32"), ("llama", "F16"), ("llama", "BF16"), ("llama", "Q8_0"), ("llama", "Q4_0"), ("llama", "Q4_1"),
     ("mistral", "Q4_0"), ("qwen2", "Q4_1"), ("qwen2", "F16"), ("qwen3", "Q8_0"), ("qwen3", "Q4_0"),
+    ("llama", "Q4_K"), ("qwen2", "Q6_K"), ("qwen3", "Q5_K"),
 ]
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -45,7 +48,8 @@ def _gguf(files: Path, family: str, kind: str) -> Path:
     # llama.cpp writes Mistral as architecture "llama"; transformers reads such a file as Llama
     # (same layers: Mistral's sliding window is absent from the file)
     name = "Mistral Tiny Instruct" if family == "mistral" else f"tiny-{family}"
-    return path if path.is_file() else write_tiny_gguf(family, path, kind, name=name)
+    hidden = 256 if kind in K_QUANTS else None  # K-quant rows are whole 256-weight super-blocks
+    return path if path.is_file() else write_tiny_gguf(family, path, kind, name=name, hidden_size=hidden)
 
 
 def _prompt(length: int, seed: int = 1) -> torch.Tensor:
@@ -56,6 +60,7 @@ def _prompt(length: int, seed: int = 1) -> torch.Tensor:
 def test_gguf_prefill_and_decode_match_transformers_on_the_same_file(files, family, kind):
     path = _gguf(files, family, kind)
     model_dir = resolve_model_dir(str(path))
+    assert kind in json.loads((model_dir / SOURCE_FILE).read_text())["tensor_types"]
     ours = CausalLM.load(model_dir)
     assert ours.spec.family == ("llama" if family == "mistral" else family)
     # the config as ragkv read it: transformers takes Qwen3's head dimension from its own

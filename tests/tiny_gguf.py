@@ -45,6 +45,23 @@ def smollm2_tokenizer() -> dict:
     }
 
 
+_K_QUANT_HALVES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+"""Byte offsets of the float16 super-block scales in each K-quant block (the rest is codes
+and 6-bit sub-scales, any bytes of which are a valid block)."""
+
+
+def random_k_quant_blocks(rows: int, columns: int, kind: gguf.GGMLQuantizationType, seed: int) -> np.ndarray:
+    """Random valid K-quant blocks [rows, bytes] (gguf-py can read K-quants but not write
+    them): random codes and sub-scales under small float16 super-block scales."""
+    block_bytes = gguf.GGML_QUANT_SIZES[kind][1]
+    generator = np.random.default_rng(seed)
+    blocks = generator.integers(0, 256, (rows, columns // 256, block_bytes), dtype=np.uint8)
+    for offset in _K_QUANT_HALVES[kind.name]:
+        blocks[..., offset:offset + 2] = np.full(blocks.shape[:2], 5e-4, np.float16).view(np.uint8).reshape(
+            *blocks.shape[:2], 2)
+    return blocks.reshape(rows, -1)
+
+
 def _llama_permute(weights: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's reordering of q/k rows (transformers' GGUF reader undoes it)."""
     return weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(
@@ -53,16 +70,19 @@ def _llama_permute(weights: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_tiny_gguf(family: str, path: Path, matrix_type: str = "F32", seed: int = 0, name: str | None = None,
-                    architecture: str | None = None, context_length: int | None = None) -> Path:
+                    architecture: str | None = None, context_length: int | None = None,
+                    hidden_size: int | None = None) -> Path:
     """A random tiny `family` model (tests/tiny_models.py's config, vocabulary VOCAB) at
     `path`, its matrices stored as `matrix_type` (F32, F16, BF16, Q8_0, Q4_0, Q4_1) and its
     norms and biases as F32. `architecture` overrides the file's declared architecture,
-    `context_length` the config's 512 positions."""
+    `context_length` the config's 512 positions. K-quant types (Q4_K, Q5_K, Q6_K) need rows
+    of 256 (`hidden_size` 256): those matrices get random valid blocks, the others F16."""
     torch.manual_seed(seed)
     config = CONFIGS[family]()
     config.vocab_size = VOCAB
     config.intermediate_size = 96  # every width whole blocks of 32
     config.max_position_embeddings = context_length or config.max_position_embeddings
+    config.hidden_size = hidden_size or config.hidden_size
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for parameter in model.parameters():  # spread logits out so greedy ties are unlikely
@@ -107,6 +127,12 @@ def write_tiny_gguf(family: str, path: Path, matrix_type: str = "F32", seed: int
             heads = config.num_attention_heads if "attn_q" in gguf_name else config.num_key_value_heads
             data = _llama_permute(data, heads)
         kind = gguf.GGMLQuantizationType[matrix_type if data.ndim == 2 else "F32"]
+        if kind.name in _K_QUANT_HALVES:
+            if data.shape[1] % 256 == 0:
+                blocks = random_k_quant_blocks(*data.shape, kind, seed=len(writer.tensors[0]))
+                writer.add_tensor(gguf_name, blocks, raw_dtype=kind)
+                continue
+            kind = gguf.GGMLQuantizationType.F16
         if kind == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(gguf_name, np.ascontiguousarray(data, dtype=np.float32))
         else:

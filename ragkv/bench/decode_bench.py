@@ -33,6 +33,7 @@ OPTIONS: dict[str, Numerics] = {
     "bf16-weights": Numerics("float32", "bfloat16", "bfloat16", "bfloat16"),
     "int8": Numerics("float32", "float32", "int8", "bfloat16"),
     "int8-f32kv": Numerics("float32", "float32", "int8", "float32"),
+    "int4-f32kv": Numerics("float32", "float32", "int4", "float32"),
     "int8-bf16kv": Numerics("float32", "bfloat16", "int8", "bfloat16"),
     "int4-bf16kv": Numerics("float32", "bfloat16", "int4", "bfloat16"),
 }

@@ -16,7 +16,8 @@ def _progress(message: str) -> None:
 def configure(decode: argparse.ArgumentParser) -> None:
     from ragkv.bench.decode_bench import PYTHON_LOOP, option_names
 
-    decode.add_argument("--model", default=None, help="local Hugging Face folder (default: packaged SmolLM2)")
+    decode.add_argument("--model", default=None,
+                        help="GGUF file, local Hugging Face folder or cached hub id (default: packaged SmolLM2)")
     decode.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     decode.add_argument("--options", nargs="+", default=["auto", "float32", "int8-f32kv", "int8-bf16kv"],
                         choices=option_names(),

@@ -1,8 +1,9 @@
 """Model fingerprints: what makes one model's chunk KV differ from another's.
 
-The chunk store keys every blob by this value, so KV computed by other weights, another
-storage dtype, another tokenizer, other numerics (weight formats, compute and cache dtypes), another
-architecture or another precompute prefix is never served.
+The chunk store keys every blob by this value, so KV computed by other weights (for a GGUF:
+its dequantised weights and its own int4 blocks), another tokenizer, another storage dtype,
+other numerics (weight formats, compute and cache dtypes), another architecture or another
+precompute prefix is never served.
 RoPE parameters are left out: keys are stored before rotation.
 """
 
