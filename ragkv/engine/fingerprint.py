@@ -1,7 +1,7 @@
 """Model fingerprints: what makes one model's chunk KV differ from another's.
 
 The chunk store keys every blob by this value, so KV computed by other weights, another
-storage dtype, other numerics (weight formats, compute and cache dtypes), another
+storage dtype, another tokenizer, other numerics (weight formats, compute and cache dtypes), another
 architecture or another precompute prefix is never served.
 RoPE parameters are left out: keys are stored before rotation.
 """
@@ -46,6 +46,13 @@ def _file_digest(path: Path) -> str:
     return memo[memo_key]
 
 
+def _tokenizer_field(model_dir: Path) -> dict[str, str]:
+    """Chunks are found by their text's hash, so another tokenizer over the same weights (a
+    GGUF carries its own) must not read them. Absent for a folder without tokenizer.json."""
+    path = model_dir / "tokenizer.json"
+    return {"tokenizer": _file_digest(path)} if path.is_file() else {}
+
+
 def model_fingerprint(
     model_dir: Path, spec: ModelSpec, storage_format: str, precompute_prefix: list[int], numerics: Numerics
 ) -> str:
@@ -55,6 +62,7 @@ def model_fingerprint(
     payload = {
         "numerics": numerics.fingerprint_fields(),
         "weights": [_file_digest(path) for path in weight_files(model_dir)],
+        **_tokenizer_field(model_dir),
         "spec": spec.fingerprint_fields(),
         "storage_dtype": storage_format,
         "precompute_prefix": precompute_prefix,

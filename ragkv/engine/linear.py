@@ -75,6 +75,13 @@ class Int4Kernel:
         self.rows = pack_int4_rows(codes, scale, low)
         self._torch_packed: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    @classmethod
+    def from_rows(cls, rows: torch.Tensor, in_features: int) -> Int4Kernel:
+        """A kernel over rows already packed (a GGUF's own Q4_0/Q4_1 blocks: no second rounding)."""
+        kernel = cls.__new__(cls)
+        kernel.in_features, kernel.rows, kernel._torch_packed = in_features, rows.contiguous(), None
+        return kernel
+
     def dequantized(self) -> torch.Tensor:
         """The weight [out, in] float32 the packed rows hold."""
         codes, scale, low = unpack_int4_rows(self.rows, self.in_features)
@@ -136,23 +143,26 @@ def unpack_int4_rows(rows: torch.Tensor, in_features: int) -> tuple[torch.Tensor
     return codes[:, :groups], halves[:, :groups], halves[:, slots : slots + groups]
 
 
-def _kernel(weight: torch.Tensor, weight_format: str):
+def _kernel(weight: torch.Tensor, weight_format: str, int4_rows: torch.Tensor | None = None):
     if weight_format == "int8":
         return Int8Kernel(weight)
     if weight_format == "int4":
-        return Int4Kernel(weight)
+        return Int4Kernel(weight) if int4_rows is None else Int4Kernel.from_rows(int4_rows, weight.shape[1])
     return DenseKernel(weight, DTYPES[weight_format])
 
 
 class Linear:
     """x [N, in] -> x @ W^T [N, out], with the kernel chosen by N and the numerics; the LM
-    head takes the numerics' `lm_head_weights` for few rows."""
+    head takes the numerics' `lm_head_weights` for few rows. `int4_rows`, packed rows of
+    `weight` exactly, serve the int4 format instead of requantising `weight`."""
 
-    def __init__(self, weight: torch.Tensor, numerics: Numerics, lm_head: bool = False):
+    def __init__(self, weight: torch.Tensor, numerics: Numerics, lm_head: bool = False,
+                 int4_rows: torch.Tensor | None = None):
         self.out_features = weight.shape[0]
         few_rows_format = numerics.lm_head_weights if lm_head else numerics.weights
         self.many_rows = _kernel(weight, numerics.prefill_weights)
-        self.few_rows = self.many_rows if few_rows_format == numerics.prefill_weights else _kernel(weight, few_rows_format)
+        self.few_rows = (self.many_rows if few_rows_format == numerics.prefill_weights
+                         else _kernel(weight, few_rows_format, int4_rows))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return (self.few_rows if x.shape[0] <= DECODE_ROWS else self.many_rows)(x)

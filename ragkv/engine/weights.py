@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from ragkv.engine.linear import Linear
+from ragkv.engine.linear import INT4_GROUP_SIZE, Int4Kernel, Linear
+from ragkv.engine.model_files import INT4_BLOCKS_FILE
 from ragkv.engine.model_spec import ModelSpec
 from ragkv.engine.numerics import Numerics
 
@@ -45,23 +46,29 @@ class ModelWeights:
 
 
 def weight_files(model_dir: Path) -> list[Path]:
-    """The safetensors files that hold a model's weights (the fingerprint hashes these)."""
+    """The safetensors files that hold a model's weights, a GGUF's int4 blocks included (the
+    fingerprint hashes these)."""
+    blocks = [model_dir / INT4_BLOCKS_FILE] if (model_dir / INT4_BLOCKS_FILE).is_file() else []
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [model_dir / name for name in names]
+        return [model_dir / name for name in names] + blocks
     single = model_dir / "model.safetensors"
     if single.is_file():
-        return [single]
+        return [single] + blocks
     raise FileNotFoundError(f"no safetensors weights in {model_dir}")
+
+
+def _read(path: Path) -> dict[str, torch.Tensor]:
+    with safe_open(str(path), framework="pt", device="cpu") as handle:
+        return {name: handle.get_tensor(name) for name in handle.keys()}
 
 
 def load_weights(model_dir: Path, spec: ModelSpec, numerics: Numerics, device: torch.device | str) -> ModelWeights:
     raw: dict[str, torch.Tensor] = {}
+    int4_rows: dict[str, torch.Tensor] = {}
     for path in weight_files(model_dir):
-        with safe_open(str(path), framework="pt", device="cpu") as handle:
-            for name in handle.keys():
-                raw[name] = handle.get_tensor(name)
+        (int4_rows if path.name == INT4_BLOCKS_FILE else raw).update(_read(path))
 
     def take(name: str) -> torch.Tensor:
         if name not in raw:
@@ -85,8 +92,15 @@ def load_weights(model_dir: Path, spec: ModelSpec, numerics: Numerics, device: t
         for name in names:
             if name not in raw:
                 raise KeyError(f"weight {name!r} missing from {model_dir}")
-        weight = torch.cat([raw[name].to(device=device, dtype=torch.float32) for name in names])
-        return Linear(weight, numerics, lm_head=lm_head)
+        parts = [raw[name].to(device=device, dtype=torch.float32) for name in names]
+        weight = torch.cat(parts)
+        rows = None
+        if numerics.weights == "int4" and any(name in int4_rows for name in names) \
+                and weight.shape[1] % INT4_GROUP_SIZE == 0:
+            # the file's own blocks where it has them, the rest rounded as Int4Kernel does
+            rows = torch.cat([int4_rows[name] if name in int4_rows else Int4Kernel(part).rows
+                              for name, part in zip(names, parts)])
+        return Linear(weight, numerics, lm_head=lm_head, int4_rows=rows)
 
     layers = []
     for i in range(spec.num_layers):
