@@ -60,7 +60,8 @@ def test_position_recovery_rotates_each_layer_with_its_own_base(model, case):
         expected = model.rotary_of(layer).rotate(stored[layer], positions)
         torch.testing.assert_close(result.cache.keys[layer, :, start:end], expected, atol=1e-5, rtol=1e-5)
     # the two bases differ at these positions, so the test would catch one base for all layers
-    assert not torch.allclose(model.rotary.rotate(stored[0], positions), model.rotary_of(0).rotate(stored[0], positions))
+    local, global_ = model.rotary_of(0), model.rotary
+    assert not torch.allclose(global_.rotate(stored[0], positions), local.rotate(stored[0], positions))
 
 
 def test_quantized_chunks_are_placed_per_run_of_layers(model, case):

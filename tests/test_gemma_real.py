@@ -27,7 +27,8 @@ def gemma():
 
 def test_spec_reads_gemma3_geometry(gemma):
     spec = gemma[0].spec
-    assert (spec.family, spec.num_layers, spec.head_dim, spec.num_heads, spec.num_kv_heads) == ("gemma3_text", 18, 256, 4, 1)
+    geometry = (spec.family, spec.num_layers, spec.head_dim, spec.num_heads, spec.num_kv_heads)
+    assert geometry == ("gemma3_text", 18, 256, 4, 1)
     assert len(spec.sliding_layers) == 15 and spec.sliding_window == 512
     assert (spec.rope.theta, spec.local_rope.theta) == (1_000_000.0, 10_000.0)
     assert spec.vocab_size == 262_144 and spec.tie_word_embeddings
@@ -53,7 +54,8 @@ def test_prefill_and_greedy_decode_match_transformers(gemma):
 def test_prefill_past_the_sliding_window_matches_transformers(gemma):
     """600 tokens: the last rows of the 15 local layers no longer see the first 88."""
     model, reference, _ = gemma
-    ids = torch.cat((torch.tensor([2]), torch.randint(1000, 200_000, (599,), generator=torch.Generator().manual_seed(0))))
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.cat((torch.tensor([2]), torch.randint(1000, 200_000, (599,), generator=generator)))
     logits = model.prefill(ids, model.new_cache(600))
     with torch.no_grad():
         expected = reference(ids[None]).logits[0, -1]

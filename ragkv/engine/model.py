@@ -77,7 +77,9 @@ class CausalLM:
         self.device = torch.device(device)
         self.rotary = Rotary(spec.rope, device=self.device, dtype=self.hidden_dtype)
         """The RoPE of the full-attention layers (every layer's but where `rotary_of` differs)."""
-        local = None if spec.local_rope is None else Rotary(spec.local_rope, device=self.device, dtype=self.hidden_dtype)
+        local = None
+        if spec.local_rope is not None:
+            local = Rotary(spec.local_rope, device=self.device, dtype=self.hidden_dtype)
         self.rotaries = [self.rotary if local is None or spec.layer_window(i) is None else local
                          for i in range(spec.num_layers)]
         self.scale = spec.softmax_scale
@@ -163,7 +165,8 @@ class CausalLM:
 
     def attend(self, layer: int, projection: Projection, positions: torch.Tensor, cache: KVCache, rows: int) -> torch.Tensor:
         keys, values = cache.layer(layer, rows)
-        return causal_attention(projection.q, keys, values, positions, self.scale, window=self.spec.layer_window(layer))
+        window = self.spec.layer_window(layer)
+        return causal_attention(projection.q, keys, values, positions, self.scale, window=window)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.weights.lm_head(rms_norm(hidden, self.weights.final_norm, self.spec.rms_norm_eps))
