@@ -14,7 +14,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="synthetic 384-dim chunks in the index, 50 per document (default: 100000)")
     parser.add_argument("--queries", type=int, default=200, help="timed single queries (default: 200)")
     parser.add_argument("--exact-below", type=int, default=None,
-                        help="live rows under which search scans instead of using the HNSW graph (default: the index's)")
+                        help="live rows under which search scans instead of the HNSW graph (default: the index's)")
     parser.add_argument("--expansion-search", type=int, default=None, help="HNSW ef at search (default: the index's)")
     parser.add_argument("--expansion-add", type=int, default=None, help="HNSW ef at insertion (default: the index's)")
     parser.add_argument("--dev", type=Path, default=None,
