@@ -362,3 +362,20 @@ def test_the_cli_refuses_a_bad_filter_before_loading_the_model(tmp_path, capsys)
     assert main(["ask", "q", "--filter", "no-equals-sign", "--data-dir", str(tmp_path)]) == 2
     assert "--filter expects key=value" in capsys.readouterr().err
     assert time.perf_counter() - started < 5
+
+
+def test_the_config_file_sets_the_retrieval_mode_of_ask_and_serve(tmp_path):
+    from ragkv.cli.config_file import load_config
+    from ragkv.cli.main import build_parser
+    from ragkv.cli.serve import serve_config
+
+    path = tmp_path / "ragkv.toml"
+    path.write_text('retrieval = "bm25"\n[serve]\nretrieval = "dense"\n')
+    ask = build_parser("ask", (path, load_config(path))).parse_args(["ask", "q"])
+    assert ask.retrieval == "bm25"
+    assert build_parser("ask", (path, load_config(path))).parse_args(["ask", "q", "--retrieval", "hybrid"]).retrieval \
+        == "hybrid"
+    assert serve_config(build_parser("serve", (path, load_config(path))).parse_args(["serve"])).retrieval == "dense"
+    path.write_text('[serve]\nretrieval = "sparse"\n')
+    with pytest.raises((ValueError, SystemExit)):
+        serve_config(build_parser("serve", (path, load_config(path))).parse_args(["serve"]))
