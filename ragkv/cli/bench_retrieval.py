@@ -40,6 +40,21 @@ def _dense_config(args: argparse.Namespace):
     return DenseConfig(exact_below=exact_below, oversample=config.oversample, graph=graph)
 
 
+def _machine() -> str:
+    """CPU model, cores and the load average while the figures were taken (a busy machine
+    inflates every time)."""
+    import os
+
+    model = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as handle:
+            model = next((line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")), model)
+    except OSError:
+        pass
+    load = ", ".join(f"{value:.1f}" for value in os.getloadavg())
+    return f"{model}, {os.cpu_count()} cores, load average {load}"
+
+
 def run(args: argparse.Namespace) -> dict:
     from ragkv.bench.retrieval_bench import SyntheticConfig, as_dict, run_dev, run_synthetic
 
@@ -54,6 +69,6 @@ def run(args: argparse.Namespace) -> dict:
     else:
         config = SyntheticConfig(chunks=args.chunks, queries=args.queries, dense=_dense_config(args))
         result = as_dict(run_synthetic(config))
-        result["machine"] = f"{platform.machine()} {platform.processor() or ''}".strip()
+        result["machine"] = _machine()
         print(json.dumps(result, indent=2))
     return result
