@@ -379,3 +379,21 @@ def test_the_config_file_sets_the_retrieval_mode_of_ask_and_serve(tmp_path):
     path.write_text('[serve]\nretrieval = "sparse"\n')
     with pytest.raises((ValueError, SystemExit)):
         serve_config(build_parser("serve", (path, load_config(path))).parse_args(["serve"]))
+
+
+def test_bench_retrieval_writes_the_figures_it_promises(tmp_path):
+    import json
+
+    from ragkv.cli.main import main
+
+    out = tmp_path / "r.json"
+    assert main(["bench", "retrieval", "--chunks", "1000", "--queries", "10", "--exact-below", "400",
+                 "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    for key in ("chunks", "search_p50_ms", "search_p99_ms", "recall_at_10", "add_ms", "first_query_after_add_ms",
+                "rss_mb", "delete_ms", "build_s"):
+        assert key in figures, key
+    assert figures["chunks"] == 1000 and figures["uses_graph"] and figures["recall_at_10"] >= 0.9
+    assert main(["bench", "retrieval", "--chunks", "1000", "--queries", "10", "--exact-below", "0",
+                 "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["recall_at_10"] == 1.0  # the scan is the reference itself
