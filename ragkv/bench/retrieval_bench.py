@@ -70,9 +70,14 @@ class SyntheticResult:
 
 
 def _rss_mb() -> float:
-    import psutil
+    """Resident memory now (Linux /proc), else the peak (getrusage)."""
+    try:
+        with open("/proc/self/status") as handle:
+            return next(int(line.split()[1]) for line in handle if line.startswith("VmRSS:")) / 1024
+    except (OSError, StopIteration):
+        import resource
 
-    return psutil.Process().memory_info().rss / 2**20
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _unit_rows(rng: np.random.Generator, centres: np.ndarray, rows: int, spread: float) -> np.ndarray:
