@@ -312,3 +312,88 @@ def test_redis_replicas_follow_the_change_stream_without_rereading_every_vector(
     replica_a.close()
     replica_b.close()
     client.close()
+
+
+# -- wiring: the pipeline with the real embedder, the API's 400, the CLI's exit code ------------
+
+def test_the_pipeline_retrieves_k_hits_inside_the_filter_and_the_tenant(lmdb_registry):
+    from ragkv.app.rag import RagPipeline
+    from ragkv.ingest.embedder import Embedder
+
+    embedder = Embedder()
+    topics = ["contract law and court rulings", "kernel scheduling and memory pages", "baking bread with sourdough"]
+    for tenant in ("t", "other"):
+        for d in range(12):
+            texts = [f"Note {d}.{c} about {topics[d % 3]}." for c in range(3)]
+            record, text = document(f"doc_{d:02d}", 3, tenant, {"team": ["legal", "eng", "food"][d % 3], "n": d}, texts)
+            assert lmdb_registry.add(record, text, embedder.embed_passages(texts))
+    rag = RagPipeline(None, None, lmdb_registry, embedder)
+    legal = MetadataFilter.parse({"team": "legal", "n": {"$lt": 9}})  # doc_00, doc_03, doc_06: 9 chunks
+    for mode in ("dense", "bm25", "hybrid"):  # (BM25 returns only chunks with a word of the question: "note")
+        found = rag.retrieve("a note: how does the kernel schedule memory pages?", "t", 8, None, mode, legal)
+        assert len(found) == 8, mode
+        assert all(record.tenant == "t" and record.metadata["team"] == "legal" and record.metadata["n"] < 9
+                   for record, _, _ in found), mode
+    unfiltered = rag.retrieve("how does the kernel schedule memory pages?", "t", 3, None, "dense")
+    assert {record.metadata["team"] for record, _, _ in unfiltered} == {"eng"}
+
+
+def test_the_api_refuses_a_bad_filter_with_a_400():
+    from ragkv.api.config import ServeConfig
+    from ragkv.api.errors import ApiError
+    from ragkv.api.schemas import QueryRequest, query_config
+    from ragkv.engine.generation import GenerationConfig
+
+    request = QueryRequest(question="q", filter={"year": {"$gte": "2020"}})
+    with pytest.raises(ApiError) as raised:
+        query_config(request, GenerationConfig(), ServeConfig())
+    assert (raised.value.status, raised.value.code, raised.value.param) == (400, "bad_filter", "filter")
+    config = query_config(QueryRequest(question="q", filter={"team": "legal"}, retrieval="bm25"), GenerationConfig(),
+                          ServeConfig(retrieval="dense"))
+    assert config.retrieval == "bm25" and config.filter == MetadataFilter.parse({"team": "legal"})
+    default = query_config(QueryRequest(question="q"), GenerationConfig(), ServeConfig(retrieval="dense"))
+    assert default.retrieval == "dense"
+
+
+def test_the_cli_refuses_a_bad_filter_before_loading_the_model(tmp_path, capsys):
+    from ragkv.cli.main import main
+
+    started = time.perf_counter()
+    assert main(["ask", "q", "--filter", "no-equals-sign", "--data-dir", str(tmp_path)]) == 2
+    assert "--filter expects key=value" in capsys.readouterr().err
+    assert time.perf_counter() - started < 5
+
+
+def test_the_config_file_sets_the_retrieval_mode_of_ask_and_serve(tmp_path):
+    from ragkv.cli.config_file import load_config
+    from ragkv.cli.main import build_parser
+    from ragkv.cli.serve import serve_config
+
+    path = tmp_path / "ragkv.toml"
+    path.write_text('retrieval = "bm25"\n[serve]\nretrieval = "dense"\n')
+    ask = build_parser("ask", (path, load_config(path))).parse_args(["ask", "q"])
+    assert ask.retrieval == "bm25"
+    assert build_parser("ask", (path, load_config(path))).parse_args(["ask", "q", "--retrieval", "hybrid"]).retrieval \
+        == "hybrid"
+    assert serve_config(build_parser("serve", (path, load_config(path))).parse_args(["serve"])).retrieval == "dense"
+    path.write_text('[serve]\nretrieval = "sparse"\n')
+    with pytest.raises((ValueError, SystemExit)):
+        serve_config(build_parser("serve", (path, load_config(path))).parse_args(["serve"]))
+
+
+def test_bench_retrieval_writes_the_figures_it_promises(tmp_path):
+    import json
+
+    from ragkv.cli.main import main
+
+    out = tmp_path / "r.json"
+    assert main(["bench", "retrieval", "--chunks", "1000", "--queries", "10", "--exact-below", "400",
+                 "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    for key in ("chunks", "search_p50_ms", "search_p99_ms", "recall_at_10", "add_ms", "first_query_after_add_ms",
+                "rss_mb", "delete_ms", "build_s"):
+        assert key in figures, key
+    assert figures["chunks"] == 1000 and figures["uses_graph"] and figures["recall_at_10"] >= 0.9
+    assert main(["bench", "retrieval", "--chunks", "1000", "--queries", "10", "--exact-below", "0",
+                 "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["recall_at_10"] == 1.0  # the scan is the reference itself

@@ -150,6 +150,9 @@ class RagPipeline:
         timings: dict[str, float] = {}
         started = time.perf_counter()
         retrieved = self.retrieve(question, tenant, config.top_k, config.doc_ids, config.retrieval, config.filter)
+        if not retrieved and (config.filter is not None or config.retrieval == "bm25"):
+            raise InputError("no_documents", "nothing to answer from: no document matches the filter, or (bm25 "
+                             "retrieval) none holds a word of the question")
         if not retrieved:
             raise InputError("no_documents", "no documents to answer from: ingest some first")
         timings["retrieve"] = time.perf_counter() - started

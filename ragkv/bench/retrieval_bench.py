@@ -1,9 +1,10 @@
 """`ragkv bench retrieval`: the dense index at scale, and dense / BM25 / hybrid recall on a
 question set with distractors.
 
-Synthetic: `chunks` unit vectors of 384 dimensions drawn around 2,000 random centres (real
-sentence embeddings cluster by topic; uniform random vectors at this dimension are all
-nearly orthogonal, a worst case no corpus has), in 50-chunk documents. Figures: search
+Synthetic: `chunks` unit vectors of 384 dimensions drawn around random centres, one per 50
+chunks by default (real sentence embeddings cluster by topic; uniform random vectors at
+this dimension are all nearly orthogonal, so their "nearest" neighbours are a tie no index
+can rank and no corpus has), in 50-chunk documents. Figures: search
 p50/p99 of single queries, recall@10 against an exact scan, the time to add one 50-chunk
 document and to delete it, the first query after the add, build time and resident memory.
 
@@ -31,11 +32,14 @@ class SyntheticConfig:
     chunks: int = 100_000
     dim: int = 384
     queries: int = 200
-    centres: int = 2000
+    centres: int | None = None
+    """Clusters the vectors are drawn around; None: one per 50 chunks."""
     spread: float = 0.08
     """Noise around a centre, per dimension (relative to a centre's norm of about 1)."""
     seed: int = 0
     top_k: int = 10
+    adds: int = 5
+    """50-chunk documents added one at a time, each followed by a query (medians reported)."""
     dense: DenseConfig = field(default_factory=DenseConfig)
 
     def __post_init__(self) -> None:
@@ -52,10 +56,11 @@ class SyntheticResult:
     search_p99_ms: float
     recall_at_10: float
     add_ms: float
-    """Adding one 50-chunk document."""
+    """Adding one 50-chunk document (median of `adds`)."""
     first_query_after_add_ms: float
+    """The query right after each add (median)."""
     delete_ms: float
-    """Removing that document again."""
+    """Removing one of those documents again (median)."""
     exact_p50_ms: float
     """An exact scan of every row, for comparison."""
     rss_mb: float
@@ -65,9 +70,14 @@ class SyntheticResult:
 
 
 def _rss_mb() -> float:
-    import psutil
+    """Resident memory now (Linux /proc), else the peak (getrusage)."""
+    try:
+        with open("/proc/self/status") as handle:
+            return next(int(line.split()[1]) for line in handle if line.startswith("VmRSS:")) / 1024
+    except (OSError, StopIteration):
+        import resource
 
-    return psutil.Process().memory_info().rss / 2**20
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _unit_rows(rng: np.random.Generator, centres: np.ndarray, rows: int, spread: float) -> np.ndarray:
@@ -83,13 +93,14 @@ def _percentiles(samples: list[float]) -> tuple[float, float]:
 
 def run_synthetic(config: SyntheticConfig) -> SyntheticResult:
     rng = np.random.default_rng(config.seed)
-    centres = rng.standard_normal((config.centres, config.dim), dtype=np.float32) / np.sqrt(config.dim)
+    count = config.centres or max(config.chunks // DOC_CHUNKS, 1)
+    centres = rng.standard_normal((count, config.dim), dtype=np.float32) / np.sqrt(config.dim)
     documents = config.chunks // DOC_CHUNKS
     vectors = np.empty((documents * DOC_CHUNKS, config.dim), dtype=np.float32)
     for start in range(0, len(vectors), 100_000):  # bounded temporaries
         vectors[start: start + 100_000] = _unit_rows(rng, centres, min(100_000, len(vectors) - start), config.spread)
     queries = _unit_rows(rng, centres, config.queries, config.spread)
-    extra = _unit_rows(rng, centres, DOC_CHUNKS, config.spread)
+    extra = [_unit_rows(rng, centres, DOC_CHUNKS, config.spread) for _ in range(config.adds)]
 
     started = time.perf_counter()
     index = DenseIndex.build(config.dim, ((f"doc_{d:07d}", {}, vectors[d * DOC_CHUNKS: (d + 1) * DOC_CHUNKS])
@@ -102,7 +113,7 @@ def run_synthetic(config: SyntheticConfig) -> SyntheticResult:
     recalls, exact_times = [], []
     for query in queries[: min(len(queries), 100)]:
         t0 = time.perf_counter()
-        scores = vectors @ query
+        scores = np.einsum("ij,j->i", vectors, query)  # as the index scans (see dense._scores)
         truth = {owner(int(row)) for row in np.argpartition(-scores, config.top_k)[: config.top_k]}
         exact_times.append((time.perf_counter() - t0) * 1e3)
         found = {(hit.doc_id, hit.chunk_index) for hit in index.search(query, config.top_k)}
@@ -114,17 +125,21 @@ def run_synthetic(config: SyntheticConfig) -> SyntheticResult:
         times.append((time.perf_counter() - t0) * 1e3)
     p50, p99 = _percentiles(times)
 
-    t0 = time.perf_counter()
-    index.add_document("doc_new", {}, extra)
-    add_ms = (time.perf_counter() - t0) * 1e3
-    t0 = time.perf_counter()
-    hits = index.search(extra[0], config.top_k)
-    first_ms = (time.perf_counter() - t0) * 1e3
-    if not hits or hits[0].doc_id != "doc_new":
-        raise RuntimeError("the document just added is not the nearest to its own first chunk")
-    t0 = time.perf_counter()
-    index.remove_document("doc_new")
-    delete_ms = (time.perf_counter() - t0) * 1e3
+    adds, firsts, deletes = [], [], []
+    for number, rows in enumerate(extra):
+        t0 = time.perf_counter()
+        index.add_document(f"new_{number}", {}, rows)
+        adds.append((time.perf_counter() - t0) * 1e3)
+        t0 = time.perf_counter()
+        hits = index.search(rows[0], config.top_k)
+        firsts.append((time.perf_counter() - t0) * 1e3)
+        if not hits or hits[0].doc_id != f"new_{number}":
+            raise RuntimeError("the document just added is not the nearest to its own first chunk")
+    for number in range(len(extra)):
+        t0 = time.perf_counter()
+        index.remove_document(f"new_{number}")
+        deletes.append((time.perf_counter() - t0) * 1e3)
+    add_ms, first_ms, delete_ms = (float(np.median(values)) for values in (adds, firsts, deletes))
     return SyntheticResult(len(vectors), config.dim, round(build_s, 2), round(p50, 3), round(p99, 3),
                            round(float(np.mean(recalls)), 4), round(add_ms, 2), round(first_ms, 3),
                            round(delete_ms, 3), round(float(np.median(exact_times)), 2), round(_rss_mb(), 1),

@@ -14,7 +14,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="synthetic 384-dim chunks in the index, 50 per document (default: 100000)")
     parser.add_argument("--queries", type=int, default=200, help="timed single queries (default: 200)")
     parser.add_argument("--exact-below", type=int, default=None,
-                        help="live rows under which search scans instead of using the HNSW graph (default: the index's)")
+                        help="live rows under which search scans instead of the HNSW graph (default: the index's)")
     parser.add_argument("--expansion-search", type=int, default=None, help="HNSW ef at search (default: the index's)")
     parser.add_argument("--expansion-add", type=int, default=None, help="HNSW ef at insertion (default: the index's)")
     parser.add_argument("--dev", type=Path, default=None,
@@ -40,6 +40,21 @@ def _dense_config(args: argparse.Namespace):
     return DenseConfig(exact_below=exact_below, oversample=config.oversample, graph=graph)
 
 
+def _machine() -> str:
+    """CPU model, cores and the load average while the figures were taken (a busy machine
+    inflates every time)."""
+    import os
+
+    model = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as handle:
+            model = next((line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")), model)
+    except OSError:
+        pass
+    load = ", ".join(f"{value:.1f}" for value in os.getloadavg())
+    return f"{model}, {os.cpu_count()} cores, load average {load}"
+
+
 def run(args: argparse.Namespace) -> dict:
     from ragkv.bench.retrieval_bench import SyntheticConfig, as_dict, run_dev, run_synthetic
 
@@ -54,6 +69,6 @@ def run(args: argparse.Namespace) -> dict:
     else:
         config = SyntheticConfig(chunks=args.chunks, queries=args.queries, dense=_dense_config(args))
         result = as_dict(run_synthetic(config))
-        result["machine"] = f"{platform.machine()} {platform.processor() or ''}".strip()
+        result["machine"] = _machine()
         print(json.dumps(result, indent=2))
     return result

@@ -7,10 +7,10 @@ documents they name, so an ingestion costs the index O(its chunks), not O(corpus
 that is missing, unreadable, another registry's, ahead of the registry (a registry that
 was reset) or further behind than the log keeps is rebuilt from the registry.
 
-On disk (`folder`, the data folder's index/): `{tenant}.dense.npz`, a snapshot rewritten
-once the changes since the last one reach `snapshot_every` of the tenant's rows (so its
-cost is amortised) and when the registry closes; `{tenant}.bm25.sqlite`, written as it
-changes. Without a folder both live in memory.
+On disk (`folder`, the data folder's index/): `{tenant}.dense.npz`, a snapshot written after
+a rebuild and, when changes were applied since, as the registry closes (never on the query
+path: a process that dies replays the log from its last snapshot next time);
+`{tenant}.bm25.sqlite`, written as it changes. Without a folder both live in memory.
 """
 
 from __future__ import annotations
@@ -39,10 +39,6 @@ log = logging.getLogger("ragkv.ingest.index")
 class IndexConfig:
     dense: DenseConfig = field(default_factory=DenseConfig)
     hybrid: HybridConfig = field(default_factory=HybridConfig)
-    snapshot_every: float = 0.1
-    """Share of a tenant's rows changed since its last snapshot that triggers a new one."""
-    snapshot_min_rows: int = 1000
-    """...but never for fewer changed rows than this."""
 
 
 @dataclass
@@ -99,7 +95,6 @@ class RetrievalIndex:
             if index is not None and index.generation == now:
                 return index
             if index is not None and index.generation < now and self._catch_up_dense(tenant, state, index):
-                self._maybe_snapshot(tenant, state)
                 return index
             state.dense = self._rebuild_dense(tenant)
             state.unsaved_rows = 0
@@ -146,11 +141,6 @@ class RetrievalIndex:
                 start = end
         dim = matrix.shape[1] if matrix.ndim == 2 and matrix.shape[1] else 0
         return DenseIndex.build(dim, documents, self.config.dense, generation)
-
-    def _maybe_snapshot(self, tenant: str, state: _Tenant) -> None:
-        threshold = max(self.config.snapshot_min_rows, self.config.snapshot_every * state.dense.live)
-        if state.unsaved_rows >= threshold:
-            self._snapshot(tenant, state)
 
     def _snapshot(self, tenant: str, state: _Tenant) -> None:
         path = self._path(tenant, "dense.npz")
