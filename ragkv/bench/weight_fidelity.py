@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from ragkv.bench.metrics import kl_divergence, token_f1
-from ragkv.bench.teacher_forced import TeacherForced, teacher_forced_logits
 from ragkv.engine import Engine, EngineConfig
 from ragkv.engine.generation import GenerationConfig
+from ragkv.fusion.fidelity import TeacherForced, teacher_forced_logits
 
 REFERENCE_NUMERICS = {"dtype": "float32", "weights": "float32", "prefill_weights": "float32", "kv_cache_dtype": "float32"}
 
