@@ -10,10 +10,10 @@ from test_fusion import fused_case
 from test_sparse_support import write_tiny_llama
 
 from ragkv.app.generate import decode, forced_answer_ids
-from ragkv.bench.teacher_forced import TeacherForced, teacher_forced_logits
 from ragkv.cli.main import main
 from ragkv.engine.generation import GenerationConfig
 from ragkv.fusion import Full, FullReuse
+from ragkv.fusion.fidelity import TeacherForced, teacher_forced_logits
 
 CORPUS = Path(__file__).resolve().parents[1] / "examples" / "corpus"
 

@@ -269,7 +269,8 @@ class _TurnState:
         self._room(len(prefix_ids) + chunk_rows + len(question_ids))
         started = time.perf_counter()
         computed_before = 0
-        if cache is None and prefix_ids == engine.chunk_prefix_ids:
+        shared_prefix = cache is None and prefix_ids == engine.chunk_prefix_ids
+        if shared_prefix:
             prefix_cache = engine.chunk_prefix_cache()
         else:
             prefix_cache = cache if cache is not None else model.new_cache(len(glue))
@@ -280,13 +281,15 @@ class _TurnState:
         chunks, recomputed = self.turns.rag.load_chunks(turn.tenant, new)
         request.timings.load = time.perf_counter() - load_started
         fuse_started = time.perf_counter()
-        strategy = turn.config.fusion.build()
+        strategy = turn.config.fusion.build(engine.fusion_ratios)
         fusion_input = FusionInput(prefix_ids, chunks, question_ids, len(engine.chunk_prefix_ids),
                                    (len(lead), len(lead) + conversation.question_end - conversation.question_start))
         self._room(Layout.of(fusion_input).length)
-        fusion = strategy.fuse(model, fusion_input, prefix_cache, max_new + NEXT_TURN_ROWS)
+        # a prefix this turn owns (the conversation's rows and the glue) is fused into in
+        # place: copying it would cost in proportion to the conversation
+        fusion = strategy.fuse(model, fusion_input, prefix_cache, max_new + NEXT_TURN_ROWS, in_place=not shared_prefix)
         request.timings.fuse = time.perf_counter() - fuse_started
-        if self.base.held:
+        if self.base.held and fusion.cache is not self.base.context.cache:
             self.base.context.cache.truncate(len(self.base.context.row_ids))  # the fusion copied what it needed
         self.row_ids = fusion.layout.token_ids.tolist()
         instruction = len(glue) - (conversation.question_start - reused)

@@ -166,7 +166,7 @@ class RagPipeline:
         )
         self.check_fits(Layout.of(fusion_input), config)
         fuse_started = time.perf_counter()
-        strategy = config.fusion.build()
+        strategy = config.fusion.build(self.engine.fusion_ratios)
         result = strategy.fuse(self.engine.model, fusion_input, self.engine.chunk_prefix_cache(), config.generation.max_new_tokens)
         timings["fuse"] = time.perf_counter() - fuse_started
         citations = self.cite(tenant, retrieved)

@@ -10,6 +10,7 @@ from ragkv.ingest.pipeline import IngestConfig, Ingestor
 from ragkv.engine import Engine, EngineConfig
 from ragkv.app.rag import RagPipeline
 from ragkv.app.codebooks import attach_codebook
+from ragkv.app.fusion_calibration import attach_calibration
 from ragkv.app.storage import Storage, StorageConfig
 
 
@@ -39,6 +40,7 @@ class Runtime:
     def _open_model(self, config: RuntimeConfig) -> None:
         self.engine = Engine(config.engine)
         attach_codebook(self.engine, self.env)  # a calibrated A2ATS codebook makes ingestion store codes
+        attach_calibration(self.engine, self.env)  # calibrated fusion ratios (ragkv calibrate fusion)
         self.embedder = Embedder()
         self.ingestor = Ingestor(self.engine, self.store, self.registry, self.embedder, self.storage.journal,
                                  config.ingest)

@@ -1,7 +1,7 @@
 """`ragkv bench fusion`: fusion strategies against the full prefill, per example.
 
-Passages are ingested as documents first (not timed), and every strategy runs once on a
-short prompt to warm up. Then for each example the full prefill runs once as the
+Each example's passages are ingested as documents just before it runs (not timed), and
+every strategy runs once on a short prompt to warm up. Then for each example the full prefill runs once as the
 reference, timed as the prefill alone (it needs only the token ids, no stored KV), and
 each strategy is timed from the store read to the first token (TTFT = load + fuse).
 
@@ -13,7 +13,7 @@ Figures per strategy, over the examples:
   answer_exact        share of examples whose normalised answer equals full's
   teacher_forced_agreement  share of answer positions whose argmax equals full's token,
                       with full's greedy answer fed through the strategy's cache
-                      (ragkv.bench.teacher_forced); mean over examples
+                      (ragkv.fusion.fidelity); mean over examples
   teacher_forced_kl   mean over examples of the mean KL(full || strategy) over those positions
   gold_f1             mean token-F1 against the dataset's gold answers
   speedup_total       sum of full's TTFTs / sum of the strategy's (same examples, same run)
@@ -36,11 +36,11 @@ from ragkv.app.generate import decode, forced_answer_ids
 from ragkv.app.runtime import Runtime
 from ragkv.bench.datasets import Example
 from ragkv.bench.metrics import kl_divergence, normalize_answer, token_f1
-from ragkv.bench.teacher_forced import TeacherForced, teacher_forced_logits
 from ragkv.bench.weight_fidelity import run_weight_fidelity
 from ragkv.engine.generation import GenerationConfig
 from ragkv.engine.spec_string import spec_of
 from ragkv.fusion import FusionInput, FusionResult, FusionStrategy, build_strategy
+from ragkv.fusion.fidelity import TeacherForced, teacher_forced_logits
 
 BENCH_TENANT = "bench"
 REFERENCE = "full"
@@ -67,16 +67,9 @@ def parse_variants(specs: list[str]) -> list[Variant]:
     return variants
 
 
-def _ingest_passages(runtime: Runtime, examples: list[Example], progress: Callable[[str], None]) -> list[list[str]]:
-    doc_ids = []
-    for number, example in enumerate(examples, start=1):
-        progress(f"ingesting passages of example {number}/{len(examples)}")
-        ids = []
-        for index, passage in enumerate(example.passages):
-            result = runtime.ingestor.ingest_text(passage, f"ex{number}-p{index}", tenant=BENCH_TENANT)
-            ids.append(result.doc_id)
-        doc_ids.append(ids)
-    return doc_ids
+def _ingest_passages(runtime: Runtime, example: Example, number: int) -> list[str]:
+    return [runtime.ingestor.ingest_text(passage, f"ex{number}-p{index}", tenant=BENCH_TENANT).doc_id
+            for index, passage in enumerate(example.passages)]
 
 
 def _decode(runtime: Runtime, result: FusionResult, max_new_tokens: int) -> tuple[str, list[int]]:
@@ -127,16 +120,19 @@ def run_fusion_bench(
     runs keep what they measured when stopped). `weight_formats` (int8, int4, served, ...)
     adds the full prefill's figures per decode-weight format against float32
     (ragkv.bench.weight_fidelity) on the same prompts."""
-    doc_ids = _ingest_passages(runtime, examples, progress)
     reference = build_strategy(REFERENCE)
-    progress("warming up")
-    warmup = _Runner(runtime, examples[0], doc_ids[0], max_new_tokens, chunk_limit=2)
+    progress("ingesting the passages of example 1 and warming up")
+    # each example's passages are ingested just before it runs, so a stopped run keeps
+    # the examples it finished (checkpoint)
+    doc_ids = {1: _ingest_passages(runtime, examples[0], 1)}
+    warmup = _Runner(runtime, examples[0], doc_ids[1], max_new_tokens, chunk_limit=2)
     for strategy in [reference, *(variant.strategy for variant in variants)]:
         warmup.fuse(strategy)
     rows: dict[str, list[dict]] = {REFERENCE: [], **{variant.label: [] for variant in variants}}
     prompts: list[list[int]] = []
-    for number, (example, ids) in enumerate(zip(examples, doc_ids), start=1):
+    for number, example in enumerate(examples, start=1):
         progress(f"example {number}/{len(examples)}")
+        ids = doc_ids.pop(number) if number in doc_ids else _ingest_passages(runtime, example, number)
         runner = _Runner(runtime, example, ids, max_new_tokens)
         full, full_ttft, _ = runner.fuse(reference)
         full_answer, answer_ids = _decode(runtime, full, max_new_tokens)

@@ -17,9 +17,9 @@ import torch
 
 from ragkv.app.generate import decode, forced_answer_ids
 from ragkv.bench.metrics import kl_divergence, token_f1
-from ragkv.bench.teacher_forced import TeacherForced, teacher_forced_logits
 from ragkv.engine import Engine, EngineConfig
 from ragkv.engine.generation import GenerationConfig
+from ragkv.fusion.fidelity import TeacherForced, teacher_forced_logits
 
 REFERENCE_NUMERICS = {"dtype": "float32", "weights": "float32", "prefill_weights": "float32", "kv_cache_dtype": "float32"}
 

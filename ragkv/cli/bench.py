@@ -52,6 +52,21 @@ def configure(bench: argparse.ArgumentParser) -> None:
     fusion.add_argument("--max-new-tokens", type=int, default=32)
     fusion.add_argument("--json", type=Path, default=None, help="write all figures to this file")
 
+    conversation = kinds.add_parser("conversation", help="a chat follow-up that fuses one new chunk into a long "
+                                                         "conversation: TTFT and its parts per context size")
+    add_common_options(conversation)
+    conversation.add_argument("--data", type=Path, default=None, help="CacheBlend-style JSON (MuSiQue): passages form "
+                                                                     "the conversation's document and new chunks")
+    conversation.add_argument("--sizes", type=int, nargs="+", default=[2000, 6000],
+                              help="turn 1's document size in tokens (default: 2000 6000)")
+    conversation.add_argument("--follow-ups", type=int, default=3, help="follow-ups per size, each one new chunk")
+    conversation.add_argument("--strategy", default="probe", help="fusion strategy spec (default: probe)")
+    conversation.add_argument("--max-new-tokens", type=int, default=8)
+    conversation.add_argument("--fuse-only", action="store_true",
+                              help="time only the fuse stage over a synthetic cached conversation, copying the "
+                                   "conversation's rows against fusing in place (no ingestion, no turn 1)")
+    conversation.add_argument("--json", type=Path, default=None, help="write all figures to this file")
+
     sparse = kinds.add_parser("sparse", help="sparse decode selectors vs dense: recall, answer F1, ms/token, memory")
     bench_sparse.configure(sparse)
 
@@ -72,8 +87,9 @@ def configure(bench: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    handlers = {"store": _run_store, "fusion": _run_fusion, "sparse": bench_sparse.run, "decode": bench_decode.run,
-                "kernels": bench_kernels.run, "retrieval": bench_retrieval.run, "soak": bench_soak.run}
+    handlers = {"store": _run_store, "fusion": _run_fusion, "conversation": _run_conversation, "sparse": bench_sparse.run,
+                "decode": bench_decode.run, "kernels": bench_kernels.run, "retrieval": bench_retrieval.run,
+                "soak": bench_soak.run}
     results = handlers[args.bench](args)
     if args.json:
         _write_json(args.json, results)
@@ -182,6 +198,34 @@ def _run_fusion(args: argparse.Namespace) -> dict:
     print("TTFT: median; speedup: total full TTFT / total strategy TTFT; TF: teacher-forced along full's greedy answer "
           "(agreement mean and worst example, mean KL); agree: free-running answer token-F1 vs full's answer; "
           "recomp: share of document tokens recomputed")
+    return results
+
+
+def _run_conversation(args: argparse.Namespace) -> dict:
+    from ragkv.app.runtime import Runtime
+    from ragkv.bench.conversation_bench import build_cases, run_conversation_bench
+    from ragkv.bench.datasets import load_examples
+    from ragkv.fusion import FusionConfig
+
+    fusion = FusionConfig(args.strategy)
+    if args.fuse_only:
+        from ragkv.bench.conversation_bench import run_fuse_stage_bench
+        from ragkv.cli.config_args import config_from_args
+        from ragkv.engine import Engine, EngineConfig
+
+        engine = Engine(config_from_args(EngineConfig, args))
+        return run_fuse_stage_bench(engine, args.sizes, strategy=args.strategy,
+                                    progress=lambda message: print(message, file=sys.stderr, flush=True))
+    if args.data is None:
+        raise ValueError("--data is required (or --fuse-only)")
+    examples = load_examples(args.data)
+    with Runtime(runtime_config(args, show_progress=False)) as runtime:
+        cases = build_cases(examples, args.sizes, args.follow_ups, runtime.engine.tokenize)
+        results = run_conversation_bench(runtime, cases, fusion=fusion, max_new_tokens=args.max_new_tokens,
+                                         progress=lambda message: print(message, file=sys.stderr, flush=True))
+    print(f"{'context tokens':>14} {'prompt':>7} {'TTFT s':>7} {'fuse s':>7}  (medians over follow-ups, {fusion.strategy})")
+    for size, row in results["sizes"].items():
+        print(f"{size:>14} {row['prompt_tokens']:>7.0f} {row['ttft_median_s']:>7.3f} {row['fuse_median_s']:>7.3f}")
     return results
 
 

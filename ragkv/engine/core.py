@@ -94,6 +94,9 @@ class Engine:
         self.model.compiled_decoder()
         self.load_seconds = time.perf_counter() - started
         self._chunk_prefix_cache: KVCache | None = None
+        self.fusion_ratios: dict[str, float] = {}
+        """Calibrated recompute ratio per fusion strategy (ragkv calibrate fusion), used by
+        requests that name no ratio."""
         self.codebook = None
         """A2ATS codebook (ragkv.sparse.A2ATSCodebook) of this model, when one is attached:
         encode_chunk then stores each chunk's codes with it."""

@@ -102,12 +102,25 @@ class FusionStrategy(ABC):
     # -- the shared procedure ------------------------------------------------------------
 
     @torch.inference_mode()
-    def fuse(self, model: CausalLM, fusion_input: FusionInput, prefix_cache: KVCache | None, extra_capacity: int = 0) -> FusionResult:
+    def fuse(self, model: CausalLM, fusion_input: FusionInput, prefix_cache: KVCache | None, extra_capacity: int = 0,
+             *, in_place: bool = False) -> FusionResult:
+        """`in_place`: build the fused cache inside `prefix_cache` (grown when needed) after
+        its rows instead of copying them into a new one, so a long prefix (a cached
+        conversation a follow-up fuses one new chunk into) costs nothing in proportion to
+        its length; its rows are only read. Strategies that recompute the prefix (full)
+        still copy."""
         timings: dict[str, float] = {}
         started = time.perf_counter()
         layout = Layout.of(fusion_input)
-        cache = model.new_cache(layout.length + extra_capacity)
-        self._place_reused_kv(model, cache, layout, fusion_input, prefix_cache)
+        if in_place and self.reuses_stored_kv and layout.prefix_len and prefix_cache is not None:
+            if prefix_cache.length != layout.prefix_len:
+                raise ValueError("the prefix KV must be given and match the prefix length")
+            cache = prefix_cache
+            cache.reserve(layout.length + extra_capacity)
+            self._place_chunks(model, cache, layout, fusion_input)
+        else:
+            cache = model.new_cache(layout.length + extra_capacity)
+            self._place_reused_kv(model, cache, layout, fusion_input, prefix_cache)
         cache.length = cache.next_position = layout.length
         timings["place_kv"] = time.perf_counter() - started
 
@@ -150,6 +163,9 @@ class FusionStrategy(ABC):
                 raise ValueError("the prefix KV must be given and match the prefix length")
             cache.keys[:, :, : layout.prefix_len] = prefix_cache.keys[:, :, : layout.prefix_len]
             cache.values[:, :, : layout.prefix_len] = prefix_cache.values[:, :, : layout.prefix_len]
+        self._place_chunks(model, cache, layout, fusion_input)
+
+    def _place_chunks(self, model, cache, layout, fusion_input) -> None:
         for index, chunk in enumerate(fusion_input.chunks):
             start, end = layout.chunk_spans[index]
             positions = self.chunk_key_positions(layout, fusion_input, index).to(model.device)

@@ -44,6 +44,7 @@ from ragkv.api.streaming import EventStream, run_requests, sse, sse_events
 from ragkv.app.chat import ChatInfo, ChatTurn
 from ragkv.app.contexts import new_context_id
 from ragkv.app.request import Completion
+from ragkv.fusion import FusionConfig
 
 router = APIRouter(tags=["chat"])
 
@@ -141,8 +142,17 @@ async def chat_completions(request: Request, body: ChatRequest):
 def list_models(request: Request):
     state = app_state(request)
     tenant_of(request)
-    return {"object": "list", "data": [{"id": model_id, "object": "model", "created": int(state.started), "owned_by": "ragkv"}
+    return {"object": "list", "data": [{"id": model_id, "object": "model", "created": int(state.started), "owned_by": "ragkv",
+                                        **(_fusion_entry(state) if model_id == state.model_id else {})}
                                        for model_id in (state.model_id, EMBEDDING_MODEL_ID)]}
+
+
+def _fusion_entry(state) -> dict:
+    """The default fusion strategy and the ratio requests that name none get (calibrated
+    for this model by `ragkv calibrate fusion`, or the strategy's default)."""
+    strategy = FusionConfig().build(state.runtime.engine.fusion_ratios)
+    return {"fusion": {"strategy": strategy.name, "ratio": strategy.ratio,
+                       "calibrated": strategy.name in state.runtime.engine.fusion_ratios}}
 
 
 @router.get("/v1/models/{model_id}", responses={200: {"model": Model}, **errors(401, 404)})
@@ -152,7 +162,8 @@ def get_model(request: Request, model_id: str):
     if model_id not in (state.model_id, "ragkv", EMBEDDING_MODEL_ID):
         raise ApiError(404, "model_not_found", f"the model {model_id!r} does not exist")
     served = EMBEDDING_MODEL_ID if model_id == EMBEDDING_MODEL_ID else state.model_id
-    return {"id": served, "object": "model", "created": int(state.started), "owned_by": "ragkv"}
+    return {"id": served, "object": "model", "created": int(state.started), "owned_by": "ragkv",
+            **(_fusion_entry(state) if served == state.model_id else {})}
 
 
 @router.get("/v1/sessions", responses={200: {"model": SessionList}, **errors(401)})

@@ -1,4 +1,5 @@
-"""Teacher-forced fidelity: a fused cache read along the full prefill's own answer.
+"""Teacher-forced fidelity: a fused cache read along the full prefill's own answer (the
+measure `ragkv bench fusion` reports and `ragkv calibrate fusion` chooses a ratio by).
 
 Free-running answers of a small model fork at near-ties even when the caches differ by
 almost nothing, so comparing answers measures that chaos more than the cache. Here the
@@ -15,9 +16,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ragkv.bench.metrics import kl_divergence
 from ragkv.engine.kv_cache import KVCache
 from ragkv.engine.model import CausalLM
+
+
+def next_token_kl(reference_logits: torch.Tensor, logits: torch.Tensor) -> float:
+    """KL(reference || other) of two next-token distributions, in nats (float64)."""
+    reference = reference_logits.double().log_softmax(-1)
+    other = logits.double().log_softmax(-1)
+    return float((reference.exp() * (reference - other)).sum())
 
 
 @torch.inference_mode()
@@ -52,6 +59,6 @@ class TeacherForced:
         """Both [positions, vocab] from `teacher_forced_logits` over the same answer."""
         if reference.shape != other.shape:
             raise ValueError(f"teacher-forced logits differ in shape: {tuple(reference.shape)} vs {tuple(other.shape)}")
-        kls = [kl_divergence(reference[i], other[i]) for i in range(reference.shape[0])]
+        kls = [next_token_kl(reference[i], other[i]) for i in range(reference.shape[0])]
         agree = (reference.argmax(-1) == other.argmax(-1)).double().mean()
         return cls(float(agree), float(sum(kls) / len(kls)), max(kls), len(kls))

@@ -1,0 +1,174 @@
+"""`ragkv calibrate fusion`: the smallest recompute ratio that keeps fusion within a KL
+target of the full prefill, for this model on the user's own documents.
+
+Samples: consecutive chunks of the documents as the retrieved context, with a question
+per sample (given, or a sentence of one of its chunks, so the question reads the context
+the way a user's would). For each ratio of the grid the strategy fuses every sample, and
+its first-token KL and teacher-forced KL along the full prefill's greedy answer are
+measured (ragkv.fusion.fidelity: the same decode step the server runs). The
+smallest ratio whose mean of both meets the target is stored under the model
+fingerprint (sub-database ``fusion_calibration`` of the LMDB environment, like the A2ATS
+codebook), and the server and `ragkv ask` use it when a request names no ratio.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import random
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ragkv.app.generate import decode, forced_answer_ids
+from ragkv.engine.generation import GenerationConfig
+from ragkv.fusion import FusionInput, LoadedChunk, build_strategy
+from ragkv.fusion.fidelity import TeacherForced, next_token_kl, teacher_forced_logits
+from ragkv.fusion.registry import DEFAULT_STRATEGY
+from ragkv.ingest.chunker import chunk_document
+from ragkv.store.lmdb_env import LMDBEnvironment
+
+log = logging.getLogger("ragkv.calibration")
+
+CALIBRATION_DB = "fusion_calibration"
+DEFAULT_RATIOS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.7, 1.0)
+_SENTENCE = re.compile(r"[^.!?\n]{24,200}[.!?]")
+
+
+@dataclass(frozen=True)
+class FusionCalibrationConfig:
+    strategy: str = DEFAULT_STRATEGY
+    """Strategy calibrated (one with a ratio): name or spec without a ratio."""
+    ratios: tuple[float, ...] = DEFAULT_RATIOS
+    """Ratios tried, smallest first."""
+    target_kl: float = 0.05
+    """Mean first-token KL and mean teacher-forced KL (nats) a ratio must both meet."""
+    samples: int = 8
+    """Questions measured."""
+    chunks_per_sample: int = 5
+    """Consecutive chunks fused per question (the retrieved context)."""
+    chunk_tokens: int = 128
+    max_new_tokens: int = 16
+    """Length of the full prefill's answer the teacher-forced KL runs along."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        strategy = build_strategy(self.strategy)
+        if not any(item.name == "ratio" for item in dataclasses.fields(strategy)):
+            raise ValueError(f"{strategy.name} has no recompute ratio to calibrate")
+        if not self.ratios or any(not 0.0 <= r <= 1.0 for r in self.ratios):
+            raise ValueError("ratios must be a non-empty list of values in [0, 1]")
+        if not self.target_kl > 0.0:
+            raise ValueError("target_kl must be > 0")
+        if self.samples < 1 or self.chunks_per_sample < 1 or self.chunk_tokens < 16 or self.max_new_tokens < 1:
+            raise ValueError("samples, chunks_per_sample and max_new_tokens must be >= 1, chunk_tokens >= 16")
+
+
+@dataclass(frozen=True)
+class FusionCalibration:
+    """What is stored: the ratio chosen and the figures it was chosen from."""
+
+    strategy: str
+    ratio: float | None
+    """None when no ratio of the grid met the target."""
+    target_kl: float
+    samples: int
+    figures: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Per ratio (as text): mean first_token_kl, teacher_forced_kl, teacher_forced_agreement."""
+
+    def to_json(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> FusionCalibration:
+        return cls(**json.loads(raw))
+
+
+def _key(fingerprint: str, strategy: str) -> bytes:
+    return f"{strategy}/{fingerprint}".encode()
+
+
+def save_calibration(env: LMDBEnvironment, fingerprint: str, calibration: FusionCalibration) -> None:
+    db = env.db(CALIBRATION_DB)
+    env.write(lambda txn: txn.put(_key(fingerprint, calibration.strategy), calibration.to_json(), db=db))
+
+
+def load_calibration(env: LMDBEnvironment, fingerprint: str, strategy: str) -> FusionCalibration | None:
+    db = env.db(CALIBRATION_DB)
+    with env.read() as txn:
+        raw = txn.get(_key(fingerprint, strategy), db=db)
+    return None if raw is None else FusionCalibration.from_json(bytes(raw))
+
+
+def attach_calibration(engine, env: LMDBEnvironment) -> dict[str, float]:
+    """Give `engine` the calibrated ratio of every strategy calibrated for its model
+    (engine.fusion_ratios: requests that name no ratio use it) and log each."""
+    from ragkv.fusion.registry import STRATEGY_NAMES
+
+    ratios = {}
+    for name in STRATEGY_NAMES:
+        calibration = load_calibration(env, engine.fingerprint, name)
+        if calibration is not None and calibration.ratio is not None:
+            ratios[name] = calibration.ratio
+            log.info("fusion: %s uses the calibrated ratio %.2f (first-token and teacher-forced KL <= %.3f on %d "
+                     "sampled questions)", name, calibration.ratio, calibration.target_kl, calibration.samples)
+    engine.fusion_ratios = ratios
+    return ratios
+
+
+def sample_questions(texts: list[str], count: int, rng: random.Random) -> list[str]:
+    """Questions made of the documents' own sentences."""
+    sentences = [match.group(0).strip() for text in texts for match in _SENTENCE.finditer(text)]
+    if not sentences:
+        raise ValueError("the documents hold no sentence to ask about: give --questions")
+    return [f"What does the text say about this: {rng.choice(sentences)}" for _ in range(count)]
+
+
+def calibrate_fusion(engine, texts: list[str], config: FusionCalibrationConfig, questions: list[str] | None = None,
+                     progress: Callable[[str], None] = lambda message: None) -> FusionCalibration:
+    rng = random.Random(config.seed)
+    pool = [chunk.token_ids for text in texts for chunk in chunk_document(engine.tokenizer, text, config.chunk_tokens)]
+    if not pool:
+        raise ValueError("the documents are empty")
+    questions = list(questions or sample_questions(texts, config.samples, rng))[: config.samples]
+    model, strategy = engine.model, build_strategy(config.strategy)
+    prefix_cache = engine.chunk_prefix_cache()
+    kv_cache: dict[int, LoadedChunk] = {}
+
+    def loaded(index: int) -> LoadedChunk:
+        if index not in kv_cache:
+            tensors = engine.encode_chunk(pool[index])
+            kv_cache[index] = LoadedChunk(pool[index], *engine.kv_format.unpack(tensors))
+        return kv_cache[index]
+
+    per_ratio: dict[float, list[tuple[float, TeacherForced]]] = {ratio: [] for ratio in config.ratios}
+    for number, question in enumerate(questions, start=1):
+        progress(f"question {number}/{len(questions)}")
+        start = rng.randrange(max(1, len(pool) - config.chunks_per_sample + 1))
+        chunks = [loaded(i) for i in range(start, min(len(pool), start + config.chunks_per_sample))]
+        segments = engine.prompt.rag_segments(question)
+        fusion_input = FusionInput(segments.prefix_ids, chunks, segments.question_ids, len(engine.chunk_prefix_ids),
+                                   segments.question_text_span)
+        full = build_strategy("full").fuse(model, fusion_input, prefix_cache, config.max_new_tokens)
+        answer = forced_answer_ids(decode(engine, full.cache, full.logits,
+                                          GenerationConfig(max_new_tokens=config.max_new_tokens)))
+        full.cache.truncate(full.layout.length)
+        reference = teacher_forced_logits(model, full.cache, full.logits, answer)
+        for ratio in config.ratios:
+            fused = dataclasses.replace(strategy, ratio=ratio).fuse(model, fusion_input, prefix_cache,
+                                                                    config.max_new_tokens)
+            forced = TeacherForced.compare(reference, teacher_forced_logits(model, fused.cache, fused.logits, answer))
+            per_ratio[ratio].append((next_token_kl(full.logits, fused.logits), forced))
+    figures, chosen = {}, None
+    for ratio in sorted(config.ratios):
+        rows = per_ratio[ratio]
+        figure = {"first_token_kl": float(torch.tensor([kl for kl, _ in rows]).mean()),
+                  "teacher_forced_kl": float(torch.tensor([f.kl for _, f in rows]).mean()),
+                  "teacher_forced_agreement": float(torch.tensor([f.agreement for _, f in rows]).mean())}
+        figures[f"{ratio:g}"] = figure
+        if chosen is None and max(figure["first_token_kl"], figure["teacher_forced_kl"]) <= config.target_kl:
+            chosen = ratio
+    return FusionCalibration(strategy.name, chosen, config.target_kl, len(questions), figures)

@@ -1,0 +1,87 @@
+"""`ragkv calibrate fusion` on a tiny model: the smallest ratio of the grid within the KL
+target is stored under the model fingerprint, requests that name no ratio use it, and the
+server reports it on /v1/models (a real `ragkv serve`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+from test_sparse_support import write_tiny_llama
+
+from ragkv.api.launcher import ServerProcess
+from ragkv.app.fusion_calibration import (
+    FusionCalibrationConfig,
+    calibrate_fusion,
+    load_calibration,
+)
+from ragkv.app.runtime import Runtime, RuntimeConfig
+from ragkv.cli.main import main
+from ragkv.engine import Engine, EngineConfig
+from ragkv.fusion import FusionConfig
+
+CORPUS = Path(__file__).resolve().parents[1] / "examples" / "corpus"
+FLOAT32 = ["--weights", "float32", "--prefill-weights", "float32", "--kv-cache-dtype", "float32"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = write_tiny_llama(tmp_path_factory.mktemp("tiny-llama-calibration"), with_tokenizer=True)
+    patch = pytest.MonkeyPatch()
+    patch.setenv("RAGKV_CACHE", str(tmp_path_factory.mktemp("ragkv-cache")))
+    yield folder
+    patch.undo()
+
+
+def _engine_config(folder: Path) -> EngineConfig:
+    return EngineConfig(model=str(folder), weights="float32", prefill_weights="float32", kv_cache_dtype="float32")
+
+
+def test_calibration_picks_the_smallest_ratio_within_the_target(tiny):
+    engine = Engine(_engine_config(tiny))
+    texts = [path.read_text() for path in sorted(CORPUS.iterdir())]
+    config = FusionCalibrationConfig(ratios=(0.0, 0.5, 1.0), samples=2, chunks_per_sample=3, chunk_tokens=64,
+                                     max_new_tokens=4, target_kl=1.0)
+    figures = calibrate_fusion(engine, texts, config).figures
+    # ratio 1 recomputes everything: the full prefill up to float rounding
+    assert figures["1"]["first_token_kl"] < 1e-6 and figures["1"]["teacher_forced_agreement"] == 1.0
+    worst = {ratio: max(f["first_token_kl"], f["teacher_forced_kl"]) for ratio, f in figures.items()}
+    assert worst["0"] > 1e-4
+    # the smallest ratio within the target: 0 when the target admits every ratio; 1 when
+    # only the full recompute is within it
+    between = (worst["1"] + min(worst["0"], worst["0.5"])) / 2
+    assert between > worst["1"]
+    for target, known in ((worst["0"] * 1.01 + max(worst.values()), 0.0), (between, 1.0)):
+        chosen = calibrate_fusion(engine, texts, FusionCalibrationConfig(**{**config.__dict__, "target_kl": target}))
+        assert chosen.ratio == known and chosen.figures == figures
+
+
+def test_calibrated_ratio_is_stored_used_and_reported(tiny, tmp_path, capsys):
+    home = tmp_path / "home"
+    common = ["--data-dir", str(home), "--model", str(tiny), *FLOAT32]
+    assert main(["calibrate", "fusion", str(CORPUS), "--ratios", "0", "1", "--target-kl", "1e-6", "--samples", "2",
+                 *common]) == 0
+    assert "ratio 1 meets" in capsys.readouterr().out
+    with Runtime(RuntimeConfig(data_dir=home, engine=_engine_config(tiny))) as runtime:
+        stored = load_calibration(runtime.env, runtime.engine.fingerprint, "probe")
+        assert stored is not None and stored.ratio == 1.0
+        assert runtime.engine.fusion_ratios == {"probe": 1.0}
+        assert FusionConfig().build(runtime.engine.fusion_ratios).ratio == 1.0
+        # a request's own ratio, or a spec naming one, wins over the calibrated one
+        assert FusionConfig(ratio=0.2).build(runtime.engine.fusion_ratios).ratio == 0.2
+        assert FusionConfig("probe:ratio=0.3").build(runtime.engine.fusion_ratios).ratio == 0.3
+    # a grid where no ratio meets the target stores nothing and says so
+    assert main(["calibrate", "fusion", str(CORPUS), "--ratios", "0", "--target-kl", "1e-9", "--samples", "1",
+                 "--data-dir", str(tmp_path / "other"), "--model", str(tiny), *FLOAT32]) == 1
+    assert "nothing stored" in capsys.readouterr().err
+
+    server = ServerProcess(["--data-dir", str(home), "--model", str(tiny), *FLOAT32], log_path=tmp_path / "serve.log")
+    server.start()
+    try:
+        models = httpx.get(server.url + "/v1/models", timeout=30).json()["data"]
+        fusion = models[0]["fusion"]
+        assert fusion == {"strategy": "probe", "ratio": 1.0, "calibrated": True}
+        assert "uses the calibrated ratio 1.00" in server.log()
+    finally:
+        server.stop()
