@@ -10,7 +10,7 @@ from ragkv.bench.sparse_bench import selector_config
 from ragkv.cli.config_args import add_config_options, config_from_args
 from ragkv.cli.main import build_parser
 from ragkv.engine.spec_string import spec_of
-from ragkv.sparse import SELECTORS, SparseConfig, selector_names
+from ragkv.sparse import SELECTORS, Selector, SparseConfig, selector_names
 from ragkv.sparse.a2ats import A2ATSOptions
 from ragkv.sparse.pqcache import PQCacheOptions
 
@@ -20,6 +20,12 @@ def test_registry_lists_each_selector_once():
     for name, options in SELECTORS.items():
         assert options.name == name and dataclasses.is_dataclass(options)
         assert spec_of(options()) == name  # defaults print as the bare name
+
+
+def test_each_options_class_names_the_selector_that_runs_it():
+    """`attach` is written once: it builds the class that declared `options=` these options."""
+    runners = [options.selector for options in SELECTORS.values()]
+    assert all(issubclass(runner, Selector) for runner in runners) and len(set(runners)) == len(runners)
 
 
 def test_spec_sets_the_selectors_own_options():

@@ -100,11 +100,8 @@ class A2ATSOptions(SelectorOptions):
         if self.rerank != 0 and not (self.rerank >= 1 and math.isfinite(self.rerank)):
             raise ValueError(f"a2ats rerank must be 0 (off) or a finite factor >= 1, got {self.rerank}")
 
-    def attach(self, config, prompt, codebook) -> "A2ATS":
-        return A2ATS(config, prompt, codebook)
 
-
-class A2ATS(Selector):
+class A2ATS(Selector, options=A2ATSOptions):
     options: A2ATSOptions
 
     def prepare(self, prompt: PromptState, codebook: A2ATSCodebook | None) -> None:
