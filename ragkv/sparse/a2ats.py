@@ -82,6 +82,7 @@ class KeptPlan:
 @dataclass(frozen=True)
 class A2ATSOptions(SelectorOptions):
     name: ClassVar[str] = "a2ats"
+    needs_codebook: ClassVar[bool] = True
     default_head_aggregation: ClassVar[str] = "logits"
     """On the project's 2-core CPU (compiled step, 6% budget, 8K tokens) the summed logits
     decode 1.33-1.45x faster than dense against 1.03-1.14x for 'probs', at recall 0.933

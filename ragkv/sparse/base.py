@@ -92,6 +92,9 @@ class SelectorOptions:
     name: ClassVar[str] = ""
     default_head_aggregation: ClassVar[str] = "probs"
     """SparseConfig.head_aggregation when a request leaves it unset."""
+    needs_codebook: ClassVar[bool] = False
+    """The selector scores rows through the engine's A2ATS codebook: a request is refused
+    without one, and the query path hands it every chunk's codes under it."""
     selector: ClassVar[type[Selector]]
     """The per-request class these options configure (set by its `options=` class keyword)."""
 
