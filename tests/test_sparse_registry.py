@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
+from typing import ClassVar
 
 import pytest
 
+from ragkv.app.query import check_sparse
+from ragkv.app.rag import QueryConfig
 from ragkv.bench.sparse_bench import selector_config
 from ragkv.cli.config_args import add_config_options, config_from_args
 from ragkv.cli.main import build_parser
 from ragkv.engine.spec_string import spec_of
-from ragkv.sparse import SELECTORS, SparseConfig, selector_names
+from ragkv.sparse import SELECTORS, Selector, SparseConfig, selector_names
 from ragkv.sparse.a2ats import A2ATSOptions
 from ragkv.sparse.pqcache import PQCacheOptions
+from ragkv.sparse.wiring import sparse_chunk_codes
 
 
 def test_registry_lists_each_selector_once():
@@ -20,6 +25,12 @@ def test_registry_lists_each_selector_once():
     for name, options in SELECTORS.items():
         assert options.name == name and dataclasses.is_dataclass(options)
         assert spec_of(options()) == name  # defaults print as the bare name
+
+
+def test_each_options_class_names_the_selector_that_runs_it():
+    """`attach` is written once: it builds the class that declared `options=` these options."""
+    runners = [options.selector for options in SELECTORS.values()]
+    assert all(issubclass(runner, Selector) for runner in runners) and len(set(runners)) == len(runners)
 
 
 def test_spec_sets_the_selectors_own_options():
@@ -71,3 +82,24 @@ def test_bench_variants_mix_selector_and_shared_options():
     config = selector_config("a2ats:head_aggregation=logits,mean_key=false", 0.06)
     assert config.head_aggregation == "logits" and config.options == A2ATSOptions(mean_key=False)
     assert config.selector == "a2ats:mean_key=false"
+
+
+@dataclasses.dataclass(frozen=True)
+class TwinOptions(A2ATSOptions):
+    """A selector no module names: it needs the codebook because its options say so."""
+
+    name: ClassVar[str] = "twin"
+
+
+def test_the_codebook_is_asked_for_by_the_selectors_hook_not_its_name():
+    assert {name for name, options in SELECTORS.items() if options.needs_codebook} == {"a2ats"}
+    no_codebook = SimpleNamespace(codebook=None)
+    assert sparse_chunk_codes(no_codebook, SparseConfig(selector="pqcache"), [], None) is None
+    twin = SparseConfig()
+    object.__setattr__(twin, "options", TwinOptions())
+    with pytest.raises(ValueError, match="the twin selector needs an A2ATS codebook"):
+        sparse_chunk_codes(no_codebook, twin, [], None)
+    with pytest.raises(ValueError, match="the twin selector needs an A2ATS codebook") as refused:
+        check_sparse(no_codebook, QueryConfig(sparse=twin))
+    assert refused.value.reason == "no_codebook"
+    check_sparse(no_codebook, QueryConfig(sparse=SparseConfig(selector="lrqk")))

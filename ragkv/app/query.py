@@ -37,9 +37,9 @@ def check_input_tokens(engine: Engine, text: str, limit: int | None, what: str) 
 
 
 def check_sparse(engine: Engine, config: QueryConfig) -> None:
-    if config.sparse is not None and config.sparse.name == "a2ats" and engine.codebook is None:
-        raise InputError("no_codebook", "the a2ats selector needs an A2ATS codebook for this model, and there is none "
-                         "(run `ragkv calibrate`); choose another selector")
+    if config.sparse is not None and config.sparse.options.needs_codebook and engine.codebook is None:
+        raise InputError("no_codebook", f"the {config.sparse.name} selector needs an A2ATS codebook for this model, "
+                         "and there is none (run `ragkv calibrate`); choose another selector")
 
 
 def query_request(rag: RagPipeline, question: str, tenant: str, config: QueryConfig, sink: RequestSink | None = None, *,

@@ -50,8 +50,7 @@ def run(args: argparse.Namespace) -> dict:
     from ragkv.sparse.calibrate import CalibrationConfig, calibrate
     from ragkv.store.lmdb_env import LMDBEnvironment
 
-    for spec in args.selectors:  # a bad spec fails before the model loads
-        selector_config(spec, args.budget)
+    configs = [selector_config(spec, args.budget) for spec in args.selectors]  # a bad spec fails before the model loads
     everything = load_examples(args.data, None, args.passages)
     examples = everything[: args.limit] if args.limit else []
     held_out = everything[args.limit :] or everything
@@ -60,7 +59,7 @@ def run(args: argparse.Namespace) -> dict:
     if lmdb_path.is_dir():
         with LMDBEnvironment(lmdb_path) as env:
             engine.codebook = load_codebook(env, engine.fingerprint)
-    if engine.codebook is None and any(name.startswith("a2ats") for name in args.selectors):
+    if engine.codebook is None and any(config.options.needs_codebook for config in configs):
         _progress("no stored A2ATS codebook for this model: calibrating on held-out passages (not stored)")
         texts = [passage for example in held_out[:40] for passage in example.passages]
         config = CalibrationConfig(codebook_size=args.codebook_size, tokens=args.calibration_tokens)

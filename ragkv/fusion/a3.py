@@ -14,22 +14,19 @@ from dataclasses import dataclass
 
 import torch
 
-from ragkv.fusion.base import FusionStrategy, SelectionContext, check_ratio, ratio_budget, top_k_rows
+from ragkv.fusion.base import SelectionContext, top_k_rows
 from ragkv.fusion.cacheblend import kv_deviation
 from ragkv.fusion.epic import boundary_rows
 from ragkv.fusion.layout import Layout
+from ragkv.fusion.ratio import RatioStrategy
 
 QUERY_TOKENS = ("segment", "text")
 HEAD_AGGREGATIONS = ("sum", "max", "normalized")
 
 
 @dataclass
-class A3(FusionStrategy):
+class A3(RatioStrategy):
     name = "a3"
-    ratio: float = 0.15
-    """r: fraction of document tokens recomputed past the check layer."""
-    check_layer: int = 1
-    """Layer where the tokens are chosen; layers below run for every token."""
     query_tokens: str = "segment"
     """Question rows that score document tokens: 'segment' (all) or 'text' (its words)."""
     head_aggregation: str = "sum"
@@ -47,9 +44,7 @@ class A3(FusionStrategy):
     `ratio` stays the cap. 0 = always spend the whole ratio."""
 
     def __post_init__(self) -> None:
-        check_ratio(self.ratio)
-        if self.check_layer < 0:
-            raise ValueError("check_layer must be >= 0")
+        super().__post_init__()
         if self.query_tokens not in QUERY_TOKENS:
             raise ValueError(f"query_tokens must be one of {QUERY_TOKENS}")
         if self.head_aggregation not in HEAD_AGGREGATIONS:
@@ -63,12 +58,9 @@ class A3(FusionStrategy):
         if self.attention_coverage and self.deviation_share == 1.0:
             raise ValueError("attention_coverage needs an attention share: deviation_share must be below 1")
 
-    def initial_rows(self, layout: Layout) -> torch.Tensor:
-        return torch.arange(layout.prefix_len, layout.length)
-
     def select(self, context: SelectionContext) -> torch.Tensor:
         layout, rows = context.layout, context.rows
-        budget = ratio_budget(self.ratio, layout)
+        budget = self.budget(layout)
         chosen = torch.zeros(rows.numel(), dtype=torch.bool, device=rows.device)
         if self.boundary_tokens:
             chosen[torch.isin(rows, boundary_rows(layout, self.boundary_tokens).to(rows.device))] = True

@@ -8,34 +8,26 @@ from dataclasses import dataclass
 
 import torch
 
-from ragkv.fusion.base import FusionStrategy, SelectionContext, check_ratio, ratio_budget, top_k_rows
-from ragkv.fusion.layout import Layout
+from ragkv.fusion.base import SelectionContext, top_k_rows
+from ragkv.fusion.ratio import RatioStrategy
 
 DEVIATION_TARGETS = ("k", "v", "kv")
 
 
 @dataclass
-class CacheBlend(FusionStrategy):
+class CacheBlend(RatioStrategy):
     name = "cacheblend"
-    ratio: float = 0.15
-    """r: fraction of document tokens recomputed past the check layer."""
-    check_layer: int = 1
     deviation_on: str = "v"
     """Which fresh-vs-reused difference ranks tokens: keys, values or both."""
 
     def __post_init__(self) -> None:
-        check_ratio(self.ratio)
-        if self.check_layer < 0:
-            raise ValueError("check_layer must be >= 0")
+        super().__post_init__()
         if self.deviation_on not in DEVIATION_TARGETS:
             raise ValueError(f"deviation_on must be one of {DEVIATION_TARGETS}")
 
-    def initial_rows(self, layout: Layout) -> torch.Tensor:
-        return torch.arange(layout.prefix_len, layout.length)
-
     def select(self, context: SelectionContext) -> torch.Tensor:
         scores = kv_deviation(context, self.deviation_on)
-        return top_k_rows(scores, ratio_budget(self.ratio, context.layout))
+        return top_k_rows(scores, self.budget(context.layout))
 
 
 def kv_deviation(context: SelectionContext, target: str) -> torch.Tensor:

@@ -82,6 +82,7 @@ class KeptPlan:
 @dataclass(frozen=True)
 class A2ATSOptions(SelectorOptions):
     name: ClassVar[str] = "a2ats"
+    needs_codebook: ClassVar[bool] = True
     default_head_aggregation: ClassVar[str] = "logits"
     """On the project's 2-core CPU (compiled step, 6% budget, 8K tokens) the summed logits
     decode 1.33-1.45x faster than dense against 1.03-1.14x for 'probs', at recall 0.933
@@ -100,11 +101,8 @@ class A2ATSOptions(SelectorOptions):
         if self.rerank != 0 and not (self.rerank >= 1 and math.isfinite(self.rerank)):
             raise ValueError(f"a2ats rerank must be 0 (off) or a finite factor >= 1, got {self.rerank}")
 
-    def attach(self, config, prompt, codebook) -> "A2ATS":
-        return A2ATS(config, prompt, codebook)
 
-
-class A2ATS(Selector):
+class A2ATS(Selector, options=A2ATSOptions):
     options: A2ATSOptions
 
     def prepare(self, prompt: PromptState, codebook: A2ATSCodebook | None) -> None:

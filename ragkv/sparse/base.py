@@ -86,15 +86,21 @@ class RowBuffer:
 @dataclass(frozen=True)
 class SelectorOptions:
     """A selector's own settings, the dataclass a spec string builds (ragkv.sparse.registry);
-    subclasses add fields, validate them in __post_init__ and define `attach`."""
+    subclasses add fields and validate them in __post_init__. The Selector class that runs
+    them names them once, `class X(Selector, options=XOptions)`, and `attach` builds it."""
 
     name: ClassVar[str] = ""
     default_head_aggregation: ClassVar[str] = "probs"
     """SparseConfig.head_aggregation when a request leaves it unset."""
+    needs_codebook: ClassVar[bool] = False
+    """The selector scores rows through the engine's A2ATS codebook: a request is refused
+    without one, and the query path hands it every chunk's codes under it."""
+    selector: ClassVar[type[Selector]]
+    """The per-request class these options configure (set by its `options=` class keyword)."""
 
     def attach(self, config: SparseConfig, prompt: PromptState, codebook) -> Selector:
         """The per-request Selector for `prompt` under `config` (whose options are these)."""
-        raise NotImplementedError
+        return self.selector(config, prompt, codebook)
 
 
 class Selector(ABC):
@@ -103,6 +109,11 @@ class Selector(ABC):
 
     extra_recent: int = 0
     """Rows beyond the common window this selector always keeps exact (LRQK's lite set)."""
+
+    def __init_subclass__(cls, options: type[SelectorOptions] | None = None, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if options is not None:
+            options.selector = cls
 
     def __init__(self, config: SparseConfig, prompt: PromptState, codebook=None):
         self.config = config

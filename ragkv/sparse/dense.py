@@ -19,11 +19,8 @@ class DenseOptions(SelectorOptions):
 
     name: ClassVar[str] = "dense"
 
-    def attach(self, config, prompt, codebook) -> "Dense":
-        return Dense(config, prompt, codebook)
 
-
-class Dense(Selector):
+class Dense(Selector, options=DenseOptions):
 
     def select(self, layer, q, cache, start, end, k):  # pragma: no cover - never reached
         raise AssertionError("dense attends to every row")

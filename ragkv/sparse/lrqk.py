@@ -58,11 +58,8 @@ class LRQKOptions(SelectorOptions):
         if self.lite < 0:
             raise ValueError("lrqk lite must be >= 0")
 
-    def attach(self, config, prompt, codebook) -> "LRQK":
-        return LRQK(config, prompt, codebook)
 
-
-class LRQK(Selector):
+class LRQK(Selector, options=LRQKOptions):
     options: LRQKOptions
 
     def prepare(self, prompt: PromptState, codebook) -> None:

@@ -27,11 +27,8 @@ class OracleOptions(SelectorOptions):
 
     name: ClassVar[str] = "oracle"
 
-    def attach(self, config, prompt, codebook) -> "Oracle":
-        return Oracle(config, prompt, codebook)
 
-
-class Oracle(Selector):
+class Oracle(Selector, options=OracleOptions):
 
     def select(self, layer: int, q: torch.Tensor, cache: KVCache, start: int, end: int, k: int) -> torch.Tensor:
         keys, _ = cache.layer(layer)

@@ -46,11 +46,8 @@ class PQCacheOptions(SelectorOptions):
         if self.iterations < 1 or self.train_rows < 2:
             raise ValueError("pqcache iterations must be >= 1 and train_rows >= 2")
 
-    def attach(self, config, prompt, codebook) -> "PQCache":
-        return PQCache(config, prompt, codebook)
 
-
-class PQCache(Selector):
+class PQCache(Selector, options=PQCacheOptions):
     options: PQCacheOptions
 
     def prepare(self, prompt: PromptState, codebook) -> None:
