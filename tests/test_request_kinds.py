@@ -121,3 +121,19 @@ def test_a_prompt_is_checked_before_it_is_queued(engine):
         with pytest.raises(InputError) as raised:
             prompt_ids(engine, prompt, generation)
         assert raised.value.reason == reason
+
+
+def test_every_kind_refuses_a_prompt_and_answer_past_the_context_the_same_way(engine, rag):
+    limit = engine.spec.rope.max_position_embeddings
+    generation = GenerationConfig(max_new_tokens=limit)
+    refusals = []
+    for kind in ("query", "chat"):
+        with pytest.raises(InputError) as raised:
+            run_alone(engine, _requests(engine, rag, generation, _chat_turns(engine))[kind])
+        refusals.append(raised.value)
+    with pytest.raises(InputError) as raised:
+        prompt_ids(engine, PROMPT, generation)
+    refusals.append(raised.value)
+    for error in refusals:
+        assert error.reason == "context_length_exceeded"
+        assert f"and max_tokens is {limit}:" in str(error) and f"above the model's context of {limit};" in str(error)

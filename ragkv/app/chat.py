@@ -30,6 +30,7 @@ import torch
 
 from ragkv.app.contexts import Context, ContextCache, Insertion, new_context_id
 from ragkv.app.conversation import Conversation, common_prefix, continue_conversation, render_conversation
+from ragkv.app.limits import check_context_length
 from ragkv.app.query import CHUNK_TOKENS_ESTIMATE, check_input_tokens
 from ragkv.app.rag import QueryConfig, RagPipeline
 from ragkv.app.request import Completion, Prepared, Request, RequestInfo
@@ -38,7 +39,6 @@ from ragkv.engine.kv_cache import KVCache
 from ragkv.engine.prompt import RAG_INSTRUCTION
 from ragkv.fusion import FusionInput
 from ragkv.fusion.layout import Layout
-from ragkv.ingest.errors import InputError
 from ragkv.ingest.registry import check_tenant
 
 QUESTION_LEAD = "\n\nQuestion: "
@@ -129,7 +129,6 @@ class ChatTurns:
         self.engine = rag.engine
         self.contexts = contexts
         self.max_input_tokens = max_input_tokens
-        self.max_positions = self.engine.spec.rope.max_position_embeddings
 
     def request(self, turn: ChatTurn, *, context_id: str | None = None, arrival: float | None = None,
                 on_finished: Callable[[Request, Completion], None] | None = None) -> Request:
@@ -231,12 +230,8 @@ class _TurnState:
         return prefix.clone(extra_capacity)
 
     def _room(self, rows: int) -> None:
-        needed = rows + self.turn.config.generation.max_new_tokens
-        if needed > self.turns.max_positions:
-            raise InputError("context_length_exceeded",
-                             f"the conversation needs {rows} prompt tokens and max_tokens "
-                             f"{self.turn.config.generation.max_new_tokens}: {needed} positions, above the model's "
-                             f"context of {self.turns.max_positions}; start a new conversation or lower max_tokens")
+        check_context_length(self.engine, rows, self.turn.config.generation.max_new_tokens, "the conversation",
+                             "start a new conversation or lower max_tokens")
 
     def _prefill(self, request: Request, conversation: Conversation, cache: KVCache | None):
         model, max_new = self.engine.model, self.turn.config.generation.max_new_tokens

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from ragkv.app.limits import check_context_length
 from ragkv.app.request import Completion, Prepared, Request, RequestSink
 from ragkv.app.usage import Usage
 from ragkv.engine import Engine
@@ -25,16 +26,13 @@ def prompt_ids(engine: Engine, prompt: str | list[int], generation: GenerationCo
     or leaves no room for its answer in the model's context."""
     ids = engine.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
     vocabulary = engine.spec.vocab_size
-    limit = engine.spec.rope.max_position_embeddings
     if not ids:
         raise InputError("empty_prompt", f"{where} has no tokens")
     if max(ids) >= vocabulary:
         raise InputError("bad_token_id", f"{where} holds token id {max(ids)}; the vocabulary has {vocabulary}")
     if max_input_tokens is not None and len(ids) > max_input_tokens:
         raise InputError("too_many_tokens", f"{where} is {len(ids)} tokens; the limit is {max_input_tokens}")
-    if len(ids) + generation.max_new_tokens > limit:
-        raise InputError("context_length_exceeded", f"{where} is {len(ids)} tokens and max_tokens is "
-                         f"{generation.max_new_tokens}: above the model's context of {limit}")
+    check_context_length(engine, len(ids), generation.max_new_tokens, where, "shorten it or lower max_tokens")
     return ids
 
 

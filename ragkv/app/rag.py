@@ -20,6 +20,7 @@ from ragkv.engine import Engine
 from ragkv.fusion import FusionConfig, FusionInput, FusionResult, LoadedChunk
 from ragkv.fusion.layout import Layout
 from ragkv.engine.generation import GenerationConfig
+from ragkv.app.limits import check_context_length
 from ragkv.sparse import SparseConfig
 from ragkv.sparse.wiring import sparse_chunk_codes
 from ragkv.store.base import ChunkStore
@@ -187,13 +188,8 @@ class RagPipeline:
     def check_fits(self, layout: Layout, config: QueryConfig) -> None:
         """InputError unless the prompt and its answer fit the model's context, and SnapKV
         (when asked for) can keep the prefix and question rows it must keep."""
-        limit = self.engine.spec.rope.max_position_embeddings
-        needed = layout.length + config.generation.max_new_tokens
-        if needed > limit:
-            raise InputError("context_length_exceeded",
-                             f"the prompt is {layout.length} tokens (top_k {config.top_k}) and max_tokens is "
-                             f"{config.generation.max_new_tokens}: {needed} positions, above the model's context of "
-                             f"{limit}; lower top_k or max_tokens")
+        check_context_length(self.engine, layout.length, config.generation.max_new_tokens,
+                             f"the prompt (top_k {config.top_k})", "lower top_k or max_tokens")
         capacity = config.sparse.snapkv_capacity if config.sparse is not None else None
         fixed = layout.prefix_len + (layout.length - layout.question_start)
         if capacity is not None and capacity < layout.length and capacity < fixed:
