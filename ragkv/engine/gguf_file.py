@@ -18,7 +18,7 @@ import torch
 
 from ragkv.engine.linear import INT4_GROUP_SIZE, pack_int4_rows, unpack_int4_rows
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 """GGUF `general.architecture` values the forward loop runs (llama.cpp writes Mistral models
 as "llama"; transformers tells them apart by name). A new family adds its name here."""
 
