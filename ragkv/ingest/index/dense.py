@@ -93,8 +93,7 @@ class DenseIndex:
         self.remove_document(doc_id)
         rows, vectors = self._append(doc_id, metadata, vectors)
         if self._graph is not None:
-            # A document's chunks go into the graph on every core: an ingestion waits on this.
-            self._graph.add(rows, vectors, threads=min(len(rows), os.cpu_count() or 1))
+            self._graph.add(rows, vectors)
         elif self._wants_graph():
             self._build_graph()
 
