@@ -244,14 +244,14 @@ class Ingestor:
         return stored_bytes, stored_tokens
 
     def _batches(self, unique: list) -> list[list]:
-        """`unique` cut into runs of at most `encode_batch_tokens` tokens; a chunk of half
-        the budget or more runs alone (see IngestConfig.encode_batch_tokens)."""
+        """`unique` cut into runs of at most `encode_batch_tokens` tokens; a chunk of a
+        quarter of the budget or more runs alone (see IngestConfig.encode_batch_tokens)."""
         budget = self.config.encode_batch_tokens
         batches: list[list] = []
         tokens, extendable = 0, False
         for item in unique:
             size = item[0].num_tokens
-            if 2 * size >= budget:
+            if 4 * size >= budget:
                 batches.append([item])
                 extendable = False
             elif extendable and tokens + size <= budget:
