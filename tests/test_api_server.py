@@ -130,6 +130,37 @@ def test_large_document_ingests_as_a_background_job(env):
         _error(http.get(f"/v1/documents/{doc_id}"), 404)
 
 
+
+def test_put_replaces_a_document_in_place_and_pdf_citations_name_the_page(env):
+    from tests.test_ingest_formats import PAGE_FACTS, pdf_bytes
+
+    # pages longer than a chunk (512 tokens), so the chunk holding a page's last line starts on that page
+    filler = "The annual report continues with routine figures about staffing and budgets. " * 42
+    pdf = pdf_bytes([filler + fact for fact in PAGE_FACTS])
+    with client(env, BETA) as http:
+        created = http.post("/v1/documents", json={"text": "A first draft. " * 20, "name": "draft.txt",
+                                                   "metadata": {"stage": "draft"}})
+        assert created.status_code == 201, created.text
+        doc_id = created.json()["document"]["id"]
+        _error(http.put("/v1/documents/doc_missing", json={"text": "x"}), 404)
+        with client(env, ALPHA) as other:
+            _error(other.put(f"/v1/documents/{doc_id}", json={"text": "taken over"}), 404)
+        replaced = http.put(f"/v1/documents/{doc_id}", files={"file": ("report.pdf", pdf, "application/pdf")},
+                            data={"background": "false"})
+        assert replaced.status_code == 200, replaced.text
+        body = replaced.json()
+        assert body["document"]["id"] == doc_id and body["ingest"]["replaced"] is True
+        assert body["document"]["name"] == "report.pdf" and body["document"]["metadata"] == {"stage": "draft"}
+        shown = http.get(f"/v1/documents/{doc_id}", params={"include_text": "true"}).json()
+        assert "first draft" not in shown["text"] and PAGE_FACTS[2] in " ".join(shown["text"].split())
+        assert [d["id"] for d in http.get("/v1/documents").json()["data"]].count(doc_id) == 1
+        answer = http.post("/v1/query", json={"question": "When does the ferry to Inish More leave?",
+                                              "document_ids": [doc_id], "top_k": 2, "max_tokens": 2})
+        assert answer.status_code == 200, answer.text
+        best = max(answer.json()["citations"], key=lambda c: c["score"])
+        assert best["page"] == 3 and best["document_id"] == doc_id
+        assert http.delete(f"/v1/documents/{doc_id}").status_code == 200
+
 # -- questions and chat -----------------------------------------------------------------------
 
 def test_query_answers_with_citations_usage_and_timings(env):

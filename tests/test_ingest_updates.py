@@ -88,7 +88,8 @@ def test_replace_keeps_the_id_reuses_unchanged_chunks_and_retires_the_old_ones(m
     assert retired and not retired & stored_keys(ingestor)
     assert {ingestor.chunk_key(c.chunk_hash).to_bytes() for c in new.chunks} <= stored_keys(ingestor)
     assert keys_before - retired <= stored_keys(ingestor)
-    assert all("hares moved north" in text or "Section 5" not in text for text in searched(ingestor, "hare", first.doc_id))
+    found = searched(ingestor, "hare", first.doc_id)
+    assert found and all("hares moved north" in text or "Section 5" not in text for text in found)
     for chunk in new.chunks:
         assert ingestor.registry.refcount(chunk.chunk_hash) == 1
 
@@ -282,9 +283,13 @@ def test_batched_chunk_encoding_matches_one_by_one(engine):
     for token_ids, stored in zip(chunks, engine.encode_chunks(chunks)):
         alone = engine.encode_chunk(token_ids)
         assert stored.keys() == alone.keys() and stored["tokens"].tolist() == token_ids
-        for batched, single in zip(engine.kv_format.unpack(stored), engine.kv_format.unpack(alone)):
-            # int4 codes: a last-bit difference may move a value across a rounding edge
-            assert (batched.float() - single.float()).abs().gt(1e-3).float().mean() < 1e-3
+        for name, single in alone.items():
+            assert stored[name].shape == single.shape and stored[name].dtype == single.dtype, name
+        # int4 codes of values within 1e-4 of each other may fall either side of a rounding
+        # edge: the dequantised keys agree to well under one quantisation step on average
+        keys_b = engine.kv_format.dense_keys(stored, torch.float32)
+        keys_a = engine.kv_format.dense_keys(alone, torch.float32)
+        assert (keys_b - keys_a).abs().mean() < 0.01 * keys_a.abs().mean()
 
 
 def test_ingestion_batches_chunks_by_tokens(make_ingestor):
@@ -293,13 +298,13 @@ def test_ingestion_batches_chunks_by_tokens(make_ingestor):
     encode_chunks = ingestor.engine.encode_chunks
     ingestor.engine.encode_chunks = lambda chunks: calls.append([len(c) for c in chunks]) or encode_chunks(chunks)
     try:
-        ingestor.config = IngestConfig(chunk_tokens=32, show_progress=False, encode_batch_tokens=96)
+        ingestor.config = IngestConfig(chunk_tokens=32, show_progress=False, encode_batch_tokens=160)
         result = ingestor.ingest_text(VERSION_1, "survey.txt")
     finally:
         del ingestor.engine.encode_chunks
     n = result.computed_chunks
-    assert sum(map(len, calls)) == n - (n % 3 == 1) and all(sum(sizes) <= 96 for sizes in calls)
-    assert max(map(len, calls)) == 3 and result.encode_tokens_per_second > 0
+    assert sum(map(len, calls)) == n - (n % 5 == 1) and all(sum(sizes) <= 160 for sizes in calls)
+    assert max(map(len, calls)) == 5 and result.encode_tokens_per_second > 0
     record = ingestor.registry.get("default", result.doc_id)
     for chunk in record.chunks:
         assert ingestor.store.get(ingestor.chunk_key(chunk.chunk_hash))["tokens"].numel() == chunk.token_end - chunk.token_start

@@ -244,18 +244,22 @@ class Ingestor:
         return stored_bytes, stored_tokens
 
     def _batches(self, unique: list) -> list[list]:
-        """`unique` cut into runs of at most `encode_batch_tokens` tokens (a chunk longer
-        than that runs alone)."""
+        """`unique` cut into runs of at most `encode_batch_tokens` tokens; a chunk of a
+        quarter of the budget or more runs alone (see IngestConfig.encode_batch_tokens)."""
+        budget = self.config.encode_batch_tokens
         batches: list[list] = []
-        tokens = 0
+        tokens, extendable = 0, False
         for item in unique:
             size = item[0].num_tokens
-            if batches and tokens + size <= self.config.encode_batch_tokens:
+            if 4 * size >= budget:
+                batches.append([item])
+                extendable = False
+            elif extendable and tokens + size <= budget:
                 batches[-1].append(item)
                 tokens += size
             else:
                 batches.append([item])
-                tokens = size
+                tokens, extendable = size, True
         return batches
 
     def _roll_back(self, added: list[ChunkKey]) -> None:
