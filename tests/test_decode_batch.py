@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import make_tiny_model
 
 from ragkv.engine.model import CausalLM
 from ragkv.engine.numerics import Numerics
 from ragkv.kernels import cpu_extension
-from tiny_models import make_tiny_model
 
 PROMPT_LENGTHS = (5, 17, 31, 9)
 STEPS = 12
