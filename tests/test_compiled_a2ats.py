@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from compiled_kernels import SKIP_REASON, run_compiled_tests  # tests/ is on sys.path
 from test_sparse_support import write_tiny_llama
 
 from ragkv.engine.model import CausalLM
@@ -15,7 +16,7 @@ from ragkv.sparse import PromptState, SparseConfig
 from ragkv.sparse.base import EXTEND_BATCH, probability_mass
 from ragkv.sparse.calibrate import CalibrationConfig, calibrate
 
-pytestmark = pytest.mark.skipif(not cpu_extension.buildable(), reason="no C++ compiler or ninja on this machine")
+pytestmark = pytest.mark.skipif(not run_compiled_tests(), reason=SKIP_REASON)
 
 ROWS = 700
 GEOMETRIES = {

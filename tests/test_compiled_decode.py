@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from compiled_kernels import SKIP_REASON, run_compiled_tests  # tests/ is on sys.path
 from tiny_models import make_tiny_model
 
 from ragkv.engine.compiled_decode import COMPILED_PREFILL_ROWS, unsupported_reason
 from ragkv.engine.model import CausalLM
 from ragkv.engine.numerics import Numerics
-from ragkv.kernels import cpu_extension
 
-pytestmark = pytest.mark.skipif(not cpu_extension.buildable(), reason="no C++ compiler or ninja on this machine")
+pytestmark = pytest.mark.skipif(not run_compiled_tests(), reason=SKIP_REASON)
 
 PROMPT_LENGTHS = (5, 300, 31, 9)
 STEPS = 10
