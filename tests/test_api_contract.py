@@ -58,16 +58,7 @@ def server(tmp_path_factory):
     keys = root / "keys.json"
     keys.write_text(json.dumps({KEY: "contract", ODD_KEY: "oddity"}))
     _seed_odd_document(root / "data" / "db")
-    args = [
-        "--data-dir",
-        str(root / "data"),
-        "--api-keys",
-        str(keys),
-        "--max-new-tokens",
-        "8192",
-        "--log-level",
-        "warning",
-    ]
+    args = ["--data-dir", str(root / "data"), "--api-keys", str(keys), "--max-new-tokens", "8192", "--log-level", "warning"]
     with ServerProcess(args, log_path=root / "serve.log") as process:
         with httpx.Client(base_url=process.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=300) as http:
             for path in sorted(CORPUS.iterdir()):
@@ -78,9 +69,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture
 def http(server):
-    with httpx.Client(
-        base_url=server["process"].url, headers={"Authorization": f"Bearer {KEY}"}, timeout=300
-    ) as client:
+    with httpx.Client(base_url=server["process"].url, headers={"Authorization": f"Bearer {KEY}"}, timeout=300) as client:
         yield client
 
 
@@ -116,16 +105,11 @@ def test_seed_outside_64_bits_is_400_and_greedy_decoding_ignores_the_seed(http):
 def test_unpaired_surrogate_in_a_chat_message_is_the_same_400_as_in_a_query(http):
     body = b'{"model": "ragkv", "max_tokens": 2, "messages": [{"role": "user", "content": "hi \\udc80"}]}'
     chat = _error(http.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"}), 400)
-    query = _error(
-        http.post("/v1/query", content=b'{"question": "hi \\udc80"}', headers={"content-type": "application/json"}), 400
-    )
+    query = _error(http.post("/v1/query", content=b'{"question": "hi \\udc80"}', headers={"content-type": "application/json"}), 400)
     assert chat["code"] == query["code"] == "invalid_parameters"
     assert "surrogate" in chat["message"] or "unicode" in chat["message"].lower()
     paired = b'{"model": "ragkv", "max_tokens": 2, "messages": [{"role": "user", "content": "hi \\ud83d\\ude00"}]}'
-    assert (
-        http.post("/v1/chat/completions", content=paired, headers={"content-type": "application/json"}).status_code
-        == 200
-    )
+    assert http.post("/v1/chat/completions", content=paired, headers={"content-type": "application/json"}).status_code == 200
 
 
 def test_unpaired_surrogate_in_metadata_is_refused_before_anything_is_committed(http):
@@ -221,10 +205,7 @@ def _corrupt_count(http: httpx.Client) -> float:
 
 def test_usage_counts_chunks_recomputed_for_a_corrupt_blob_as_computed(server, http):
     clean = http.post("/v1/query", json=QUESTION).json()["usage"]
-    assert (
-        clean["recomputed_tokens"] < clean["document_tokens"]
-        and clean["cached_tokens"] >= clean["document_tokens"] // 2
-    )
+    assert clean["recomputed_tokens"] < clean["document_tokens"] and clean["cached_tokens"] >= clean["document_tokens"] // 2
     assert _corrupt_count(http) == 0
     assert _corrupt_every_chunk(server["root"] / "data" / "db") >= 3
     after = http.post("/v1/query", json=QUESTION).json()["usage"]
@@ -286,10 +267,7 @@ def test_completions_continue_the_prompt_as_transformers_greedy_does(server):
     client = _openai(server)
     by_ids = client.completions.create(model="ragkv", prompt=ids, max_tokens=8)
     assert by_ids.object == "text_completion" and by_ids.choices[0].text == expected
-    assert (
-        by_ids.usage.prompt_tokens == len(ids)
-        and by_ids.usage.total_tokens == len(ids) + by_ids.usage.completion_tokens
-    )
+    assert by_ids.usage.prompt_tokens == len(ids) and by_ids.usage.total_tokens == len(ids) + by_ids.usage.completion_tokens
     by_text = client.completions.create(model="ragkv", prompt=text, max_tokens=8)
     assert by_text.choices[0].text == expected
 
@@ -318,16 +296,10 @@ def test_completions_with_rag_answer_like_query_with_citations(server, http):
 def test_completions_refuse_what_they_do_not_serve(server, http):
     with pytest.raises(openai.BadRequestError):
         _openai(server).completions.create(model="ragkv", prompt="x", max_tokens=2, echo=True)
-    error = _error(
-        http.post("/v1/completions", json={"model": "ragkv", "prompt": "x", "max_tokens": MODEL_CONTEXT}), 400
-    )
+    error = _error(http.post("/v1/completions", json={"model": "ragkv", "prompt": "x", "max_tokens": MODEL_CONTEXT}), 400)
     assert error["code"] == "context_length_exceeded"
-    assert (
-        _error(http.post("/v1/completions", json={"model": "gpt-3.5", "prompt": "x"}), 404)["code"] == "model_not_found"
-    )
-    assert (
-        _error(http.post("/v1/completions", json={"model": "ragkv", "prompt": [10**9]}), 400)["code"] == "bad_token_id"
-    )
+    assert _error(http.post("/v1/completions", json={"model": "gpt-3.5", "prompt": "x"}), 404)["code"] == "model_not_found"
+    assert _error(http.post("/v1/completions", json={"model": "ragkv", "prompt": [10**9]}), 400)["code"] == "bad_token_id"
 
 
 def test_embeddings_match_the_packaged_embedder(server, http):
@@ -356,15 +328,8 @@ def test_langchain_sees_numbered_sources_and_the_session(server, http):
     session = re.search(r"Session: (\S+)", message.content).group(1)
     follow = "".join(chunk.content for chunk in chat(session_id=session).stream("Who was its last keeper?"))
     assert follow.endswith(f"Session: {session}")
-    raw = http.post(
-        "/v1/chat/completions",
-        json={
-            **CHAT,
-            "sources": True,
-            "rag": {"top_k": 2},
-            "messages": [{"role": "user", "content": "Tell me about Linden Gold."}],
-        },
-    ).json()
+    raw = http.post("/v1/chat/completions", json={**CHAT, "sources": True, "rag": {"top_k": 2},
+                                                  "messages": [{"role": "user", "content": "Tell me about Linden Gold."}]}).json()
     content, citations = raw["choices"][0]["message"]["content"], raw["rag"]["citations"]
     for number, citation in enumerate(citations, 1):
         assert f"[{number}] {citation['name']}, chunk {citation['chunk_index']} ({citation['document_id']})" in content
@@ -377,10 +342,7 @@ def test_langchain_sees_numbered_sources_and_the_session(server, http):
 def test_openapi_declares_bodies_errors_and_bearer_auth(http):
     schema = http.get("/openapi.json").json()
     assert schema["components"]["securitySchemes"]["bearerAuth"] == {
-        "type": "http",
-        "scheme": "bearer",
-        "description": schema["components"]["securitySchemes"]["bearerAuth"]["description"],
-    }
+        "type": "http", "scheme": "bearer", "description": schema["components"]["securitySchemes"]["bearerAuth"]["description"]}
     for path, operations in schema["paths"].items():
         for method, operation in operations.items():
             responses = operation["responses"]

@@ -15,9 +15,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from redis_server import RedisServer
 
 from ragkv.api.launcher import ServerProcess
+from redis_server import RedisServer
 
 pytestmark = [pytest.mark.model, pytest.mark.redis]
 
@@ -93,11 +93,7 @@ def test_ingest_corpus_and_read_documents(env):
         listed = http.get("/v1/documents").json()["data"]
         assert sorted(doc["name"] for doc in listed) == sorted(ids)
         shown = http.get(f"/v1/documents/{ids['orchard.txt']}", params={"include_text": "true"}).json()
-        assert (
-            shown["metadata"] == {"source": "examples"}
-            and "Linden Hill" in shown["text"]
-            and shown["chunks"][0]["index"] == 0
-        )
+        assert shown["metadata"] == {"source": "examples"} and "Linden Hill" in shown["text"] and shown["chunks"][0]["index"] == 0
     with client(env, BETA) as http:  # a multipart upload, as another tenant
         with open(CORPUS / "orchard.txt", "rb") as handle:
             response = http.post("/v1/documents", files={"file": ("orchard.txt", handle, "text/plain")},
@@ -145,17 +141,10 @@ def test_query_answers_with_citations_usage_and_timings(env):
     assert body["answer"] and body["strategy"] == "a3" and body["finish_reason"] in ("length", "eos", "stop")
     top = body["citations"][0]
     assert top["document_id"] == env["docs"]["lighthouses.md"] and top["chunk_index"] == 0
-    assert (
-        "Gull Point" in top["text"]
-        and top["char_end"] > top["char_start"]
-        and top["score"] > body["citations"][1]["score"]
-    )
+    assert "Gull Point" in top["text"] and top["char_end"] > top["char_start"] and top["score"] > body["citations"][1]["score"]
     usage = body["usage"]
     assert usage["cached_tokens"] > usage["computed_tokens"] > 0 and usage["recomputed_tokens"] > 0
-    assert (
-        usage["cached_tokens"] + usage["computed_tokens"] == usage["prompt_tokens"]
-        and 1 <= usage["completion_tokens"] <= 8
-    )
+    assert usage["cached_tokens"] + usage["computed_tokens"] == usage["prompt_tokens"] and 1 <= usage["completion_tokens"] <= 8
     timings = body["timings"]
     assert {"retrieve", "load", "fuse", "ttft", "decode", "queue", "total"} <= set(timings)
     assert timings["ttft"] >= timings["queue"] + timings["retrieve"] + timings["load"] + timings["fuse"]
@@ -255,10 +244,7 @@ def test_later_turn_fuses_newly_retrieved_chunks(env):
         messages=[{"role": "user", "content": "How many apple varieties does Linden Hill Orchard grow?"}])
     assert second.rag["turn"] == 2 and second.rag["new_chunks"] == 1
     assert [c["name"] for c in second.rag["citations"]] == ["orchard.txt"]
-    assert (
-        second.usage.cached_tokens >= first.usage.prompt_tokens
-        and second.usage.prompt_tokens > first.usage.prompt_tokens + 300
-    )
+    assert second.usage.cached_tokens >= first.usage.prompt_tokens and second.usage.prompt_tokens > first.usage.prompt_tokens + 300
 
 
 def test_stream_disconnect_cancels_the_work(env):
@@ -294,12 +280,8 @@ def test_tenants_are_isolated(env):
         assert names == ["orchard.txt"]
         _error(http.get(f"/v1/documents/{alpha_doc}"), 404)
         _error(http.delete(f"/v1/documents/{alpha_doc}"), 404)
-        _error(
-            http.post("/v1/query", json={"question": "Gull Point?", "document_ids": [alpha_doc], "max_tokens": 2}), 404
-        )
-        answer = http.post(
-            "/v1/query", json={"question": "When was Gull Point Light first lit?", "max_tokens": 2}
-        ).json()
+        _error(http.post("/v1/query", json={"question": "Gull Point?", "document_ids": [alpha_doc], "max_tokens": 2}), 404)
+        answer = http.post("/v1/query", json={"question": "When was Gull Point Light first lit?", "max_tokens": 2}).json()
         assert {c["name"] for c in answer["citations"]} == {"orchard.txt"}
     session_id, _ = env["session"]
     with pytest.raises(openai.NotFoundError):  # alpha's session does not exist for beta
@@ -319,32 +301,15 @@ def test_tenants_are_isolated(env):
 
 def test_bad_inputs_get_clear_4xx(env):
     with client(env) as http:
-        assert (
-            _error(
-                http.post("/v1/query", content=b'{"question": "x",', headers={"content-type": "application/json"}), 400
-            )["code"]
-            == "malformed_json"
-        )
+        assert _error(http.post("/v1/query", content=b'{"question": "x",', headers={"content-type": "application/json"}),
+                      400)["code"] == "malformed_json"
         assert "top_k" in _error(http.post("/v1/query", json={"question": "x", "top_k": 0}), 400)["message"]
-        assert (
-            "unknown fusion strategy"
-            in _error(http.post("/v1/query", json={"question": "x", "strategy": "nope"}), 400)["message"]
-        )
+        assert "unknown fusion strategy" in _error(http.post("/v1/query", json={"question": "x", "strategy": "nope"}), 400)["message"]
         assert "ratio" in _error(http.post("/v1/query", json={"question": "x", "ratio": 2}), 400)["message"]
-        assert (
-            "max_tokens" in _error(http.post("/v1/query", json={"question": "x", "max_tokens": 10**6}), 400)["message"]
-        )
+        assert "max_tokens" in _error(http.post("/v1/query", json={"question": "x", "max_tokens": 10**6}), 400)["message"]
         assert "Extra inputs" in _error(http.post("/v1/query", json={"question": "x", "bogus": 1}), 400)["message"]
-        assert (
-            "unknown selector"
-            in _error(http.post("/v1/query", json={"question": "x", "selector": "magic"}), 400)["message"]
-        )
-        assert (
-            "budget"
-            in _error(http.post("/v1/query", json={"question": "x", "selector": "oracle", "budget": 2.5}), 400)[
-                "message"
-            ]
-        )
+        assert "unknown selector" in _error(http.post("/v1/query", json={"question": "x", "selector": "magic"}), 400)["message"]
+        assert "budget" in _error(http.post("/v1/query", json={"question": "x", "selector": "oracle", "budget": 2.5}), 400)["message"]
         _error(http.post("/v1/query", json={"question": "x", "document_ids": ["doc_missing"]}), 404)
         _error(http.get("/v1/documents/doc_missing"), 404)
         _error(http.get("/v1/documents/bad id"), 400)
@@ -352,28 +317,15 @@ def test_bad_inputs_get_clear_4xx(env):
         _error(http.get("/v1/no/such/route"), 404)
         assert _error(http.post("/v1/query", json={"question": "x" * 100_000}), 413)["code"] == "body_too_large"
         _error(http.post("/v1/documents", json={"text": "a" * (1 << 20) + "b"}), 413)
-        assert (
-            "text: Value error, must not be empty"
-            in _error(http.post("/v1/documents", json={"text": "   "}), 400)["message"]
-        )
-        assert (
-            _error(http.post("/v1/documents", files={"file": ("x.txt", b"\x00\x01binary", "text/plain")}), 400)["code"]
-            == "binary"
-        )
-        assert (
-            _error(http.post("/v1/documents", files={"file": ("x.pdf", b"%PDF", "application/pdf")}), 400)["code"]
-            == "unsupported_type"
-        )
+        assert "text: Value error, must not be empty" in _error(http.post("/v1/documents", json={"text": "   "}), 400)["message"]
+        assert _error(http.post("/v1/documents", files={"file": ("x.txt", b"\x00\x01binary", "text/plain")}), 400)["code"] == "binary"
+        assert _error(http.post("/v1/documents", files={"file": ("x.pdf", b"%PDF", "application/pdf")}), 400)["code"] == "unsupported_type"
         _error(http.post("/v1/documents", content=b"plain", headers={"content-type": "text/plain"}), 415)
         _error(http.post("/v1/documents", json={"text": "hello", "metadata": [1]}), 400)
         chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
-        assert (
-            _error(http.post("/v1/chat/completions", json={**chat, "model": "gpt-4"}), 404)["code"] == "model_not_found"
-        )
+        assert _error(http.post("/v1/chat/completions", json={**chat, "model": "gpt-4"}), 404)["code"] == "model_not_found"
         _error(http.post("/v1/chat/completions", json={**chat, "messages": []}), 400)
-        _error(
-            http.post("/v1/chat/completions", json={**chat, "messages": [{"role": "assistant", "content": "x"}]}), 400
-        )
+        _error(http.post("/v1/chat/completions", json={**chat, "messages": [{"role": "assistant", "content": "x"}]}), 400)
         _error(http.post("/v1/chat/completions", json={**chat, "n": 2}), 400)
         _error(http.post("/v1/chat/completions", json={**chat, "temperature": -1}), 400)
         _error(http.post("/v1/chat/completions", json={**chat, "session_id": "no spaces allowed"}), 400)
@@ -418,9 +370,7 @@ def test_redis_loss_degrades_but_keeps_answering(env):
         health = http.get("/health").json()
         assert health["status"] == "degraded" and health["store"]["redis_up"] is False
         assert health["sessions"]["redis_up"] is False and health["problems"]
-        answer = http.post(
-            "/v1/query", json={"question": "What colour is Kestrel Bay Light?", "top_k": 1, "max_tokens": 4}
-        )
+        answer = http.post("/v1/query", json={"question": "What colour is Kestrel Bay Light?", "top_k": 1, "max_tokens": 4})
         assert answer.status_code == 200 and answer.json()["answer"], answer.text
         metrics = http.get("/metrics").text
         assert "ragkv_degraded 1.0" in metrics and 'ragkv_redis_up{role="chunks"} 0.0' in metrics
@@ -436,10 +386,7 @@ def test_redis_loss_degrades_but_keeps_answering(env):
 def test_a_store_that_cannot_take_the_write_answers_503(tmp_path):
     args = ["--data-dir", str(tmp_path / "data"), "--store", "redis://127.0.0.1:1/0", "--log-level", "warning",
             "--background-ingest-bytes", "100000"]
-    with (
-        ServerProcess(args, log_path=tmp_path / "serve.log") as server,
-        httpx.Client(base_url=server.url, timeout=180) as http,
-    ):
+    with ServerProcess(args, log_path=tmp_path / "serve.log") as server, httpx.Client(base_url=server.url, timeout=180) as http:
         text = (CORPUS / "orchard.txt").read_text()
         error = _error(http.post("/v1/documents", json={"text": text, "name": "orchard.txt"}), 503)
         assert error["code"] == "store_unavailable" and "nothing was ingested" in error["message"]

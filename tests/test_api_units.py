@@ -20,6 +20,7 @@ from ragkv.api.schemas import ChatRequest, QueryRequest, generation_config, quer
 from ragkv.api.worker import Job, JobCancelled, ModelWorker
 from ragkv.store.lmdb_env import LMDBEnvironment
 
+
 # -- API keys and tenants ---------------------------------------------------------------------
 
 def test_api_keys_from_file_and_env(tmp_path):
@@ -30,11 +31,7 @@ def test_api_keys_from_file_and_env(tmp_path):
     auth = Authenticator(keys)
     assert auth.tenant_for("Bearer alpha-key-0001") == "alpha"
     assert auth.tenant_for("bearer beta-key-00002") == "beta"
-    for header, code in (
-        (None, "missing_api_key"),
-        ("Bearer nope-nope-nope", "invalid_api_key"),
-        ("Basic xyz", "bad_authorization"),
-    ):
+    for header, code in ((None, "missing_api_key"), ("Bearer nope-nope-nope", "invalid_api_key"), ("Basic xyz", "bad_authorization")):
         with pytest.raises(ApiError) as error:
             auth.tenant_for(header)
         assert error.value.status == 401 and error.value.code == code
@@ -51,9 +48,7 @@ def test_api_keys_from_file_and_env(tmp_path):
 def test_requests_convert_to_typed_configs_or_400():
     limits = ServeConfig(max_new_tokens=64, max_top_k=8)
     request = QueryRequest(question="q", top_k=3, strategy="cacheblend", ratio=0.3, max_tokens=8, stop=["\n\n"])
-    generation = generation_config(
-        request.max_tokens, request.temperature, request.top_p, request.seed, request.stop, limits
-    )
+    generation = generation_config(request.max_tokens, request.temperature, request.top_p, request.seed, request.stop, limits)
     config = query_config(request, generation, limits)
     assert config.top_k == 3 and config.fusion.strategy == "cacheblend" and config.fusion.ratio == 0.3
     assert config.generation.max_new_tokens == 8 and config.generation.stop == ("\n\n",)

@@ -31,15 +31,11 @@ def home(tmp_path_factory):
 def test_docs_list_shows_the_corpus(home):
     result = ragkv(home, "docs", "list")
     assert result.returncode == 0
-    assert {"lighthouses.md", "orchard.txt", "observatory.md"} <= {
-        Path(line.split()[-1]).name for line in result.stdout.splitlines()
-    }
+    assert {"lighthouses.md", "orchard.txt", "observatory.md"} <= {Path(line.split()[-1]).name for line in result.stdout.splitlines()}
 
 
 def test_ask_answers_with_citations_and_timings(home):
-    result = ragkv(
-        home, "ask", "When was Gull Point Light automated?", "--json", "--max-new-tokens", "24", "--top-k", "2"
-    )
+    result = ragkv(home, "ask", "When was Gull Point Light automated?", "--json", "--max-new-tokens", "24", "--top-k", "2")
     assert result.returncode == 0, result.stderr
     answer = json.loads(result.stdout)
     assert answer["strategy"] == "probe"
@@ -106,9 +102,7 @@ def test_unknown_flag_prints_the_subcommands_usage(tmp_path):
 def test_ask_help_groups_its_options(tmp_path):
     result = ragkv(tmp_path, "ask", "--help")
     assert result.returncode == 0
-    sections = [
-        line.rstrip(":") for line in result.stdout.splitlines() if line.endswith(":") and not line.startswith(" ")
-    ]
+    sections = [line.rstrip(":") for line in result.stdout.splitlines() if line.endswith(":") and not line.startswith(" ")]
     assert {"retrieval", "fusion", "generation", "sparse decode", "engine/model", "store"} <= set(sections)
     sparse_section = result.stdout.split("sparse decode:")[1].split("engine/model:")[0]
     assert "--sparse-budget" in sparse_section and "--top-k" not in sparse_section
@@ -187,16 +181,10 @@ def _stored_blobs(db: Path) -> int:
 def test_killed_ingestion_leaves_no_unreferenced_blob_after_the_next_start(tmp_path):
     home = tmp_path / "home"
     big = tmp_path / "big.txt"
-    big.write_text(
-        " ".join(f"Entry {n}: the keeper logged {n * 7 % 101} ships and {n % 13} storms." for n in range(2500))
-    )
+    big.write_text(" ".join(f"Entry {n}: the keeper logged {n * 7 % 101} ships and {n % 13} storms." for n in range(2500)))
     env = {**os.environ, "RAGKV_HOME": str(home), "HF_HUB_OFFLINE": "1"}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "ragkv", "ingest", str(big), "--chunk-tokens", "32", "--no-progress"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
+    process = subprocess.Popen([sys.executable, "-m", "ragkv", "ingest", str(big), "--chunk-tokens", "32", "--no-progress"],
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     db = home / "db"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and process.poll() is None:

@@ -155,9 +155,8 @@ def test_json_formatter_writes_one_object_with_the_exception():
     try:
         raise ValueError("bad thing")
     except ValueError:
-        record = logging.getLogger("ragkv.test").makeRecord(
-            "ragkv.test", logging.ERROR, __file__, 1, "failed %s", ("x",), sys.exc_info(), extra={"tenant": "alice"}
-        )
+        record = logging.getLogger("ragkv.test").makeRecord("ragkv.test", logging.ERROR, __file__, 1, "failed %s", ("x",),
+                                                             sys.exc_info(), extra={"tenant": "alice"})
     line = JsonFormatter().format(record)
     entry = json.loads(line)
     assert "\n" not in line and entry["message"] == "failed x" and entry["tenant"] == "alice"

@@ -13,15 +13,8 @@ import redis
 import torch
 
 from ragkv.api.sessions import RedisSessions, decode_context, encode_context
-from ragkv.app.contexts import (
-    BLOCK_TOKENS,
-    Context,
-    ContextCache,
-    Insertion,
-    SessionBusyError,
-    SessionNotFoundError,
-    block_hashes,
-)
+from ragkv.app.contexts import (BLOCK_TOKENS, Context, ContextCache, Insertion, SessionBusyError,
+                                SessionNotFoundError, block_hashes)
 from ragkv.engine.kv_cache import KVCache
 from ragkv.store.errors import CorruptBlobError
 

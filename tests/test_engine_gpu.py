@@ -126,16 +126,12 @@ def check_on_gpu() -> list[str]:
                         PromptState.from_prefill(gpu, cache, ids, 2, ROWS - 8), codebook)
                     seen = {}
                     attention.observer = lambda layer, q, c, indices, start, end: seen.update(indices=indices)
-                    q = torch.randn(
-                        gpu.spec.num_heads, 1, gpu.spec.head_dim, generator=torch.Generator().manual_seed(0)
-                    )
+                    q = torch.randn(gpu.spec.num_heads, 1, gpu.spec.head_dim, generator=torch.Generator().manual_seed(0))
                     q = q.to("cuda", dtype)
                     out = attention(1, q, cache, gpu.scale)
                     assert out.is_cuda and out.dtype == dtype and torch.isfinite(out.float()).all()
                     keys, values = cache.layer(1)
-                    expected, _ = reference.sparse_decode_attention(
-                        q[:, 0], keys, values, seen["indices"], gpu.scale, None
-                    )
+                    expected, _ = reference.sparse_decode_attention(q[:, 0], keys, values, seen["indices"], gpu.scale, None)
                     error = relative_error(out[:, 0], expected)
                     assert error < OUT_TOLERANCE[dtype], f"differs from exact attention over its rows by {error}"
                     print(f"{dtype} {selector} {backend}: {error:.1e}")

@@ -9,19 +9,7 @@ import torch
 
 from ragkv.bench.metrics import kl_divergence
 from ragkv.engine import Engine
-from ragkv.fusion import (
-    A3,
-    CacheBlend,
-    Epic,
-    Full,
-    FullReuse,
-    FusionConfig,
-    FusionInput,
-    LoadedChunk,
-    Pie,
-    Probe,
-    build_strategy,
-)
+from ragkv.fusion import A3, CacheBlend, Epic, Full, FullReuse, FusionConfig, FusionInput, LoadedChunk, Pie, Probe, build_strategy
 
 TEXTS = [
     "Gull Point Light was first lit on 3 March 1851 and burned whale oil until 1890. " * 3,

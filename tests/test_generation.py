@@ -21,9 +21,7 @@ def test_greedy_matches_transformers_generate_token_for_token(engine):
     prompt = engine.prompt.encode_messages(MESSAGES)
     reference = AutoModelForCausalLM.from_pretrained(engine.model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
-        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[
-            0, len(prompt) :
-        ].tolist()
+        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):].tolist()
     events = _generate(engine, GenerationConfig(max_new_tokens=24))
     got = [event.token_id for event in events]
     # transformers keeps the EOS token in its output; so does the stream's last event.
@@ -67,13 +65,8 @@ def test_seeded_sampling_is_reproducible_and_differs_from_greedy(engine):
     first = [e.token_id for e in _generate(engine, GenerationConfig(max_new_tokens=12, sampling=sampled))]
     second = [e.token_id for e in _generate(engine, GenerationConfig(max_new_tokens=12, sampling=sampled))]
     assert first == second
-    others = [
-        [
-            e.token_id
-            for e in _generate(engine, GenerationConfig(max_new_tokens=12, sampling=SamplingConfig(1.2, 0.95, seed)))
-        ]
-        for seed in (8, 9, 10)
-    ]
+    others = [[e.token_id for e in _generate(engine, GenerationConfig(max_new_tokens=12, sampling=SamplingConfig(1.2, 0.95, seed)))]
+              for seed in (8, 9, 10)]
     assert any(other != first for other in others)
 
 

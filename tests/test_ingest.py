@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from ragkv.engine.fingerprint import KV_FORMAT_VERSION
 from ragkv.ingest.chunker import chunk_document
-from ragkv.ingest.cleanup import collect_garbage
 from ragkv.ingest.embedder import Embedder
 from ragkv.ingest.errors import InputError, NotFoundError
-from ragkv.ingest.journal import IngestJournal
 from ragkv.ingest.loaders import document_text
 from ragkv.ingest.pipeline import IngestConfig, Ingestor
+from ragkv.engine.fingerprint import KV_FORMAT_VERSION
+from ragkv.ingest.cleanup import collect_garbage
+from ragkv.ingest.journal import IngestJournal
 from ragkv.ingest.registry_lmdb import LMDBRegistry
 from ragkv.store.errors import StoreUnavailableError
 from ragkv.store.keys import ChunkKey
@@ -118,9 +118,7 @@ def test_unsupported_file_type_is_named():
 
 
 def test_html_markup_is_removed():
-    text = document_text(
-        b"<html><head><style>p{}</style></head><body><p>Hello <b>world</b></p></body></html>", "a.html"
-    )
+    text = document_text(b"<html><head><style>p{}</style></head><body><p>Hello <b>world</b></p></body></html>", "a.html")
     assert text == "Hello world"
 
 

@@ -43,19 +43,16 @@ for dt in ("fp32", "fp16", "bf16"):
     for has_indices in (True, False):
         use_dot = dt != "fp32"
         compile_for_h100(decode_split_kernel,
-                         {**attn, "idx_ptr": "*i64", "len_ptr": "*i32",
-                          "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"},
+                         {**attn, "idx_ptr": "*i64", "len_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"},
                          {"HAS_INDICES": has_indices, "HAS_LENGTHS": dt == "fp16", "USE_DOT": use_dot,
                           "GROUP_PAD": 16 if use_dot else 4, "BLOCK_N": 64 if use_dot else 8, "BLOCK_D": 128})
     compile_for_h100(merge_splits_kernel,
                      {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": f"*{dt}", "lse_ptr": "*fp32"},
                      {"GROUP_PAD": 16 if dt != "fp32" else 4, "BLOCK_D": 128})
     compile_for_h100(selective_attention_kernel, {**attn, "pos_ptr": "*i32"},
-                     {"DOT_PRECISION": "ieee" if dt == "fp32" else "tf32",
-                      "BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_D": 128})
+                     {"DOT_PRECISION": "ieee" if dt == "fp32" else "tf32", "BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_D": 128})
 for codes in ("i16", "i32"):
-    compile_for_h100(code_scores_kernel,
-                     {"table_ptr": "*fp32", "codes_ptr": f"*{codes}", "valid_ptr": "*u8", "out_ptr": "*fp32"},
+    compile_for_h100(code_scores_kernel, {"table_ptr": "*fp32", "codes_ptr": f"*{codes}", "valid_ptr": "*u8", "out_ptr": "*fp32"},
                      {"HAS_MASK": codes == "i16", "BLOCK_T": 256})
 print("ok")
 """

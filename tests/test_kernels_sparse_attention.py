@@ -85,9 +85,7 @@ def test_lengths_ignore_padding(backend):
     out = sparse_decode_attention(q, k, v, indices, 0.125, lengths, backend=backend)
     for h, n in enumerate(lengths.tolist()):
         heads = slice(h * group, (h + 1) * group)
-        alone = sparse_decode_attention(
-            q[heads], k[h : h + 1], v[h : h + 1], indices[h : h + 1, :n], 0.125, backend=backend
-        )
+        alone = sparse_decode_attention(q[heads], k[h : h + 1], v[h : h + 1], indices[h : h + 1, :n], 0.125, backend=backend)
         torch.testing.assert_close(out[heads], alone, atol=1e-5, rtol=1e-5)
     assert out.abs().max() < 10
 
@@ -114,11 +112,7 @@ class FakeDecodeWrapper:
     def __init__(self, workspace, layout, *, use_cuda_graph, paged_kv_indptr_buffer, paged_kv_indices_buffer,
                  paged_kv_last_page_len_buffer):
         assert layout == "NHD" and use_cuda_graph
-        self.indptr, self.indices, self.last = (
-            paged_kv_indptr_buffer,
-            paged_kv_indices_buffer,
-            paged_kv_last_page_len_buffer,
-        )
+        self.indptr, self.indices, self.last = paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer
         self.plans, self.run_pages = [], []
         FakeDecodeWrapper.instances.append(self)
 
@@ -174,9 +168,7 @@ def test_flashinfer_page_table_addresses_selected_rows(ragged):
     lengths = torch.tensor([7, 2, 5]) if ragged else None
     pages, rows_per_head = paged_view(k)
     assert rows_per_head == capacity and pages.shape == ((hkv - 1) * capacity + t, 1, 1, d)
-    assert (
-        pages.data_ptr() == k.data_ptr() and pages.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
-    )
+    assert pages.data_ptr() == k.data_ptr() and pages.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
     kv_indices = page_indices(indices, rows_per_head, lengths)
     assert kv_indices.dtype == torch.int32
     offset = 0

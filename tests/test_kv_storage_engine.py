@@ -11,13 +11,13 @@ from ragkv.app.rag import RagPipeline
 from ragkv.bench.metrics import kl_divergence
 from ragkv.engine.fingerprint import model_fingerprint
 from ragkv.engine.kv_storage import KV_STORAGE_FORMATS
-from ragkv.fusion import FullReuse, FusionInput, LoadedChunk
+from ragkv.fusion import FusionInput, FullReuse, LoadedChunk
 from ragkv.ingest.embedder import Embedder
 from ragkv.ingest.journal import IngestJournal
 from ragkv.ingest.pipeline import IngestConfig, Ingestor
 from ragkv.ingest.registry_lmdb import LMDBRegistry
-from ragkv.store.keys import ChunkKey, hash_tokens
 from ragkv.store.lmdb_env import LMDBEnvironment
+from ragkv.store.keys import ChunkKey, hash_tokens
 from ragkv.store.lmdb_store import LMDBStore
 
 TEXTS = [

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import CONFIGS, make_tiny_model
 from transformers import AutoModelForCausalLM
 
 from ragkv.engine.model import CausalLM
+from tiny_models import CONFIGS, make_tiny_model
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))

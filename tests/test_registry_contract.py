@@ -141,9 +141,7 @@ def test_search_ranks_by_cosine_against_a_numpy_reference(registry):
     scores = np.concatenate([vectors[doc] for doc in sorted(vectors)]) @ query
     expected = [(owners[i], float(scores[i])) for i in np.argsort(-scores, kind="stable")[:4]]
     hits = registry.search("t", query, 4)
-    assert [((h.doc_id, h.chunk_index), h.score) for h in hits] == [
-        (o, pytest.approx(s, abs=1e-6)) for o, s in expected
-    ]
+    assert [((h.doc_id, h.chunk_index), h.score) for h in hits] == [(o, pytest.approx(s, abs=1e-6)) for o, s in expected]
     restricted = registry.search("t", query, 10, doc_ids={"doc_1", "doc_3"})
     assert {h.doc_id for h in restricted} == {"doc_1", "doc_3"} and len(restricted) == 6
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from redis_server import RedisServer
 
 from ragkv.api.launcher import ServerProcess
+from redis_server import RedisServer
 
 pytestmark = [pytest.mark.model, pytest.mark.redis]
 

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_sparse_support import write_tiny_llama
 
-from ragkv.app.codebooks import load_codebook
-from ragkv.app.runtime import Runtime, RuntimeConfig
 from ragkv.cli.main import build_parser, main
+from ragkv.app.runtime import Runtime, RuntimeConfig
 from ragkv.engine import EngineConfig
+from ragkv.app.codebooks import load_codebook
+from test_sparse_support import write_tiny_llama
 
 CORPUS = Path(__file__).resolve().parents[1] / "examples" / "corpus"
 
@@ -63,38 +63,11 @@ def test_bench_sparse_writes_figures(setup, tmp_path, capsys):
     data = tmp_path / "qa.json"
     passages = [{"title": f"P{i}", "text": CORPUS.joinpath(name).read_text()[:600]}
                 for i, name in enumerate(sorted(p.name for p in CORPUS.iterdir()))]
-    data.write_text(
-        json.dumps([{"ctxs": passages, "question": "When was the light automated?", "answers": ["1987"]}] * 2)
-    )
+    data.write_text(json.dumps([{"ctxs": passages, "question": "When was the light automated?", "answers": ["1987"]}] * 2))
     out_json = tmp_path / "sparse.json"
-    code = main(
-        [
-            "bench",
-            "sparse",
-            "--data",
-            str(data),
-            "--limit",
-            "1",
-            "--budget",
-            "0.3",
-            "--selectors",
-            "dense",
-            "oracle",
-            "a2ats",
-            "--context-lengths",
-            "256",
-            "--timing-steps",
-            "2",
-            "--max-new-tokens",
-            "4",
-            "--json",
-            str(out_json),
-            "--data-dir",
-            str(home),
-            "--model",
-            str(folder),
-        ]
-    )
+    code = main(["bench", "sparse", "--data", str(data), "--limit", "1", "--budget", "0.3", "--selectors", "dense", "oracle", "a2ats",
+                 "--context-lengths", "256", "--timing-steps", "2", "--max-new-tokens", "4", "--json", str(out_json),
+                 "--data-dir", str(home), "--model", str(folder)])
     assert code == 0
     table = capsys.readouterr().out
     assert "a2ats" in table and "ms@256" in table

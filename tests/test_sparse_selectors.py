@@ -8,7 +8,6 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from test_sparse_support import structured_case, tiny_model
 
 from ragkv.bench.sparse_bench import RecallMeter
 from ragkv.sparse import A2ATSCodebook, PromptState, SparseConfig, selector_names
@@ -16,6 +15,7 @@ from ragkv.sparse.base import EXTEND_BATCH
 from ragkv.sparse.calibrate import CalibrationConfig, calibrate, fit_codebook
 from ragkv.sparse.oracle import attention_mass
 from ragkv.sparse.prompt import unrotate_keys
+from test_sparse_support import structured_case, tiny_model
 
 SELECTORS = selector_names()
 ROWS = 320
@@ -123,9 +123,7 @@ def test_budget_below_the_fixed_rows_keeps_only_sinks_and_window(model, prompt_i
 
 def test_oracle_takes_the_mass_optimal_rows(model, prompt_ids, codebook):
     cache, logits = prefilled(model, prompt_ids, extra=16)
-    attention = SparseConfig(selector="oracle", budget=0.2, window=8).build(
-        PromptState.from_prefill(model, cache, prompt_ids)
-    )
+    attention = SparseConfig(selector="oracle", budget=0.2, window=8).build(PromptState.from_prefill(model, cache, prompt_ids))
     meter = RecallMeter(model.scale)
     attention.observer = meter
     greedy(model, cache, logits, attention, 4)
@@ -206,9 +204,7 @@ def test_logit_aggregation_uses_the_code_kernel_consistently(model, codebook, pr
     """With plain WRoPE and summed logits, a2ats's kernel top-k equals scoring the
     group-summed rotated query against each row's centroid by hand."""
     cache, _ = prefilled(model, prompt_ids)
-    config = SparseConfig(
-        selector="a2ats:mean_key=false,rerank=0", budget=60, window=8, sinks=4, head_aggregation="logits"
-    )
+    config = SparseConfig(selector="a2ats:mean_key=false,rerank=0", budget=60, window=8, sinks=4, head_aggregation="logits")
     attention = config.build(PromptState.from_prefill(model, cache, prompt_ids), codebook)
     q = torch.randn(model.spec.num_heads, 1, model.spec.head_dim, generator=torch.Generator().manual_seed(5))
     layer, start, end, k = 1, 4, ROWS - 8, 60 - 12

@@ -31,20 +31,9 @@ def write_tiny_llama(folder: Path, layers: int = 2, vocab: int = 512, with_token
 
         vocab = len(AutoTokenizer.from_pretrained(folder))
     config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        max_position_embeddings=8192,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        rope_scaling=rope_scaling,
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=8192, rope_theta=10000.0, rms_norm_eps=1e-5,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, rope_scaling=rope_scaling,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
@@ -106,9 +95,7 @@ def test_kmeans_recovers_separated_clusters():
     g = torch.Generator().manual_seed(0)
     centers = torch.randn(2, 8, 4, generator=g) * 10
     labels = torch.randint(8, (2, 400), generator=g)
-    points = (
-        torch.gather(centers, 1, labels.unsqueeze(-1).expand(2, 400, 4)) + torch.randn(2, 400, 4, generator=g) * 0.1
-    )
+    points = torch.gather(centers, 1, labels.unsqueeze(-1).expand(2, 400, 4)) + torch.randn(2, 400, 4, generator=g) * 0.1
     fitted, assignment = kmeans(points, 8, 20, torch.Generator().manual_seed(1))
     # every fitted centroid sits on a true centre, and points of one true cluster share a code
     distance = torch.cdist(fitted, centers).min(-1).values

@@ -9,9 +9,9 @@ import time
 import pytest
 import redis
 import torch
-from redis_server import RedisServer  # pytest puts tests/ on sys.path (no tests/__init__.py)
 
 from ragkv.store import ChunkKey, LMDBStore, RedisStore, TieredStore, hash_tokens, open_store
+from redis_server import RedisServer  # pytest puts tests/ on sys.path (no tests/__init__.py)
 
 pytestmark = pytest.mark.redis
 

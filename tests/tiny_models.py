@@ -33,27 +33,15 @@ CONFIGS = {
     "llama-int4": lambda: LlamaConfig(**{**_COMMON, "intermediate_size": 96}),
     "llama3-rope": lambda: LlamaConfig(
         **_COMMON,
-        rope_parameters={
-            "rope_type": "llama3",
-            "rope_theta": 500000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64,
-        },
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
     ),
     "mistral": lambda: MistralConfig(**_COMMON, sliding_window=None),
     "qwen2": lambda: Qwen2Config(**_COMMON),
     "qwen3": lambda: Qwen3Config(**_COMMON, head_dim=16),
     "qwen3-yarn": lambda: Qwen3Config(
-        **_COMMON,
-        head_dim=16,
-        rope_parameters={
-            "rope_type": "yarn",
-            "rope_theta": 10000.0,
-            "factor": 4.0,
-            "original_max_position_embeddings": 128,
-        },
+        **_COMMON, head_dim=16,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128},
     ),
 }
 

@@ -31,8 +31,8 @@ from ragkv.api.service import Service
 from ragkv.api.sessions import RedisSessions, open_sessions
 from ragkv.api.state import AppState, redis_tiers
 from ragkv.api.worker import ModelWorker
-from ragkv.app.runtime import Runtime
 from ragkv.app.scheduler import Scheduler, SchedulerConfig
+from ragkv.app.runtime import Runtime
 
 log = logging.getLogger("ragkv.api")
 
@@ -61,34 +61,10 @@ def _readings(state: AppState) -> Iterator[Reading]:
         yield "gauge", "ragkv_store_bytes", "Bytes held by each store tier", labels, tier.bytes
         yield "counter", "ragkv_store_hits", "Chunk lookups each tier answered", labels, tier.hits
         yield "counter", "ragkv_store_misses", "Chunk lookups each tier missed", labels, tier.misses
-        yield (
-            "counter",
-            "ragkv_store_corrupt",
-            "Blobs each tier found corrupt (dropped, recomputed)",
-            labels,
-            tier.corrupt,
-        )
-        yield (
-            "counter",
-            "ragkv_store_errors",
-            "Backend operations that failed and were absorbed (Redis down)",
-            labels,
-            tier.errors,
-        )
-        yield (
-            "counter",
-            "ragkv_store_evictions",
-            "Chunks evicted to stay within --store-capacity (each recomputed on its next use)",
-            labels,
-            tier.evictions,
-        )
-        yield (
-            "gauge",
-            "ragkv_store_capacity_bytes",
-            "The --store-capacity bound of each tier",
-            labels,
-            tier.capacity_bytes,
-        )
+        yield "counter", "ragkv_store_corrupt", "Blobs each tier found corrupt (dropped, recomputed)", labels, tier.corrupt
+        yield "counter", "ragkv_store_errors", "Backend operations that failed and were absorbed (Redis down)", labels, tier.errors
+        yield "counter", "ragkv_store_evictions", "Chunks evicted to stay within --store-capacity (each recomputed on its next use)", labels, tier.evictions
+        yield "gauge", "ragkv_store_capacity_bytes", "The --store-capacity bound of each tier", labels, tier.capacity_bytes
     if stats.lru is not None:
         yield "gauge", "ragkv_store_lru_bytes", "Bytes in the in-process chunk LRU", {}, stats.lru.bytes
     redis_up = [tier.healthy() for tier in redis_tiers(state.runtime.store)]
@@ -100,13 +76,7 @@ def _readings(state: AppState) -> Iterator[Reading]:
     yield "gauge", "ragkv_sessions", "Chat sessions in this process's memory", {}, sessions["sessions"]
     yield "gauge", "ragkv_session_bytes", "Bytes of session KV in this process's memory", {}, sessions["bytes"]
     yield "counter", "ragkv_sessions_evicted", "Sessions dropped from memory for space", {}, sessions["evicted"]
-    yield (
-        "gauge",
-        "ragkv_anonymous_contexts",
-        "Cached contexts of turns without a session id",
-        {},
-        sessions["anonymous"],
-    )
+    yield "gauge", "ragkv_anonymous_contexts", "Cached contexts of turns without a session id", {}, sessions["anonymous"]
     yield "gauge", "ragkv_anonymous_context_bytes", "Bytes of anonymous context KV in this process's memory", {}, \
         sessions["anonymous_bytes"]
     registry_up = state.runtime.registry.healthy()
@@ -170,10 +140,8 @@ def create_app(config: ServeConfig = ServeConfig()) -> FastAPI:
         metrics.add_scrape_time(lambda: _readings(state))
         app.state.ragkv = state
         tenants = ", ".join(sorted(authenticator.tenants)) if authenticator.enabled else "default (no API keys)"
-        log.info(
-            f"serving {state.model_id} on http://{config.host}:{config.port}; store {state.runtime.store.backend}, "
-            f"registry {state.runtime.registry.backend}, sessions {state.sessions.backend}, tenants {tenants}"
-        )
+        log.info(f"serving {state.model_id} on http://{config.host}:{config.port}; store {state.runtime.store.backend}, "
+                 f"registry {state.runtime.registry.backend}, sessions {state.sessions.backend}, tenants {tenants}")
         try:
             yield
         finally:
@@ -182,15 +150,9 @@ def create_app(config: ServeConfig = ServeConfig()) -> FastAPI:
                 state.sessions.close()
             state.runtime.close()
 
-    app = FastAPI(
-        title="ragkv",
-        version="0.1.0",
-        lifespan=lifespan,
-        default_response_class=SafeJSONResponse,
-        docs_url=None,
-        redoc_url=None,
-        description="RAG serving over precomputed chunk KV caches: documents, questions, OpenAI-compatible chat.",
-    )
+    app = FastAPI(title="ragkv", version="0.1.0", lifespan=lifespan, default_response_class=SafeJSONResponse,
+                  docs_url=None, redoc_url=None,
+                  description="RAG serving over precomputed chunk KV caches: documents, questions, OpenAI-compatible chat.")
     app.state.authenticator = authenticator
     install_error_handlers(app)
     install_docs(app, config)

@@ -60,12 +60,8 @@ class QueueFullError(ApiError):
 
 def error_body(status: int, code: str, message: str, request_id: str | None, param: str | None = None) -> dict:
     return {
-        "error": {
-            "message": message,
-            "type": _TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error"),
-            "code": code,
-            "param": param,
-        },
+        "error": {"message": message, "type": _TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error"),
+                  "code": code, "param": param},
         "request_id": request_id,
     }
 
@@ -89,12 +85,8 @@ def as_api_error(error: BaseException) -> ApiError | None:
         return ApiError(503, "registry_unavailable", f"the document registry is unreachable; retry shortly: {error}",
                         headers={"Retry-After": "5"})
     if isinstance(error, StoreUnavailableError):
-        return ApiError(
-            503,
-            "store_unavailable",
-            f"the chunk store cannot take writes now; nothing was ingested: {error}",
-            headers={"Retry-After": "5"},
-        )
+        return ApiError(503, "store_unavailable", f"the chunk store cannot take writes now; nothing was ingested: {error}",
+                        headers={"Retry-After": "5"})
     return None
 
 
@@ -133,11 +125,8 @@ def _allowed_methods(request: Request) -> list[str]:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, error: ApiError) -> SafeJSONResponse:
-        return SafeJSONResponse(
-            error_body(error.status, error.code, error.message, request_id_of(request), error.param),
-            status_code=error.status,
-            headers=error.headers,
-        )
+        return SafeJSONResponse(error_body(error.status, error.code, error.message, request_id_of(request), error.param),
+                                status_code=error.status, headers=error.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, error: RequestValidationError) -> SafeJSONResponse:

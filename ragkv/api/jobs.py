@@ -98,11 +98,7 @@ class JobRegistry:
                 record.status, record.started = RUNNING, time.time()
             record.chunks_done, record.chunks_total = done, total
             now = time.monotonic()
-            if (
-                record.id not in self._written
-                or now - self._written[record.id] >= PROGRESS_WRITE_INTERVAL_S
-                or done == total
-            ):
+            if record.id not in self._written or now - self._written[record.id] >= PROGRESS_WRITE_INTERVAL_S or done == total:
                 self._written[record.id] = now
                 self._save(record)
 

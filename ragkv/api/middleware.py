@@ -82,9 +82,7 @@ class ServingMiddleware:
                 message = (f"the request body is {declared} bytes; the limit is {limit} bytes" if declared.isdigit()
                            else "the Content-Length header is not a number")
                 code = 413 if declared.isdigit() else 400
-                await self._reject(
-                    send_with_id, code, "body_too_large" if code == 413 else "bad_content_length", message, request_id
-                )
+                await self._reject(send_with_id, code, "body_too_large" if code == 413 else "bad_content_length", message, request_id)
                 return
             received = {"bytes": 0}
 

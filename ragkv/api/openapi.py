@@ -93,7 +93,7 @@ def build_openapi(app: FastAPI, limits: ServeConfig) -> dict:
         "type": "http", "scheme": "bearer",
         "description": "An API key from --api-keys / $RAGKV_API_KEYS; not needed when the server has none"}}
     for path, operations in schema.get("paths", {}).items():
-        for _method, operation in operations.items():
+        for method, operation in operations.items():
             responses = operation.setdefault("responses", {})
             responses.pop("422", None)
             if path.startswith(PROTECTED_PREFIX):

@@ -16,10 +16,10 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, f
 
 from ragkv.api.config import ServeConfig
 from ragkv.api.errors import ApiError
-from ragkv.app.rag import QueryConfig
-from ragkv.engine.generation import GenerationConfig
-from ragkv.engine.sampling import SamplingConfig
 from ragkv.fusion import DEFAULT_STRATEGY, STRATEGY_NAMES, FusionConfig
+from ragkv.engine.generation import GenerationConfig
+from ragkv.app.rag import QueryConfig
+from ragkv.engine.sampling import SamplingConfig
 
 try:  # sparse decode (ragkv.sparse) is optional in this layer: without it only dense decode is served
     from ragkv.sparse import SELECTOR_NAMES, SparseConfig
@@ -90,11 +90,7 @@ def not_blank(value: str) -> str:
 
 NotBlank = Annotated[str, AfterValidator(not_blank)]
 
-Stop = (
-    Annotated[str, Field(min_length=1)]
-    | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=4)]
-    | None
-)
+Stop = Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=4)] | None
 STOP_DESCRIPTION = "up to 4 non-empty strings that end the answer (not included)"
 
 
@@ -147,31 +143,16 @@ class SparseOptions(_Strict):
 
     @property
     def wants_sparse(self) -> bool:
-        return (
-            self.selector.split(":", 1)[0] != "dense"
-            or self.budget is not None
-            or self.head_aggregation is not None
-            or self.snapkv_capacity is not None
-        )
+        return (self.selector.split(":", 1)[0] != "dense" or self.budget is not None or self.head_aggregation is not None
+                or self.snapkv_capacity is not None)
 
 
 class QueryRequest(RetrievalOptions, SparseOptions):
-    question: NotBlank = Field(
-        min_length=1,
-        max_length=100_000,
-        json_schema_extra=NOT_BLANK_SCHEMA,
-        description="the question, answered from the tenant's documents",
-    )
+    question: NotBlank = Field(min_length=1, max_length=100_000, json_schema_extra=NOT_BLANK_SCHEMA, description="the question, answered from the tenant's documents")
     max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=1, description="tokens to generate at most (the server caps it)")
     temperature: float = Field(0.0, ge=0, le=10, description="0: greedy decoding; above 0: sampling")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass (with temperature > 0)")
-    seed: int | None = Field(
-        None,
-        ge=SEED_MIN,
-        le=SEED_MAX,
-        json_schema_extra=SEED_SCHEMA,
-        description="seed of the sampler (64 bits); greedy ignores it",
-    )
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX, json_schema_extra=SEED_SCHEMA, description="seed of the sampler (64 bits); greedy ignores it")
     stop: Stop = Field(None, description=STOP_DESCRIPTION)
     stream: StrictBool = Field(False, description="answer as server-sent events: retrieval, token..., done, [DONE]")
 
@@ -179,12 +160,8 @@ class QueryRequest(RetrievalOptions, SparseOptions):
 class DocumentCreate(_Strict):
     text: NotBlank = Field(json_schema_extra=NOT_BLANK_SCHEMA, description="the document's text")
     name: str = Field("document.txt", min_length=1, max_length=256, description="a name shown in citations")
-    metadata: dict[str, Any] | None = Field(
-        None, description=f"a JSON object kept with the document (at most {MAX_METADATA_BYTES} bytes)"
-    )
-    background: StrictBool | None = Field(
-        None, description="force (true) or refuse (false) a background job; default by size"
-    )
+    metadata: dict[str, Any] | None = Field(None, description=f"a JSON object kept with the document (at most {MAX_METADATA_BYTES} bytes)")
+    background: StrictBool | None = Field(None, description="force (true) or refuse (false) a background job; default by size")
 
 
 class ContentPart(BaseModel):
@@ -206,12 +183,8 @@ class ChatMessage(BaseModel):
         parts = []
         for part in self.content:
             if part.type != "text" or part.text is None:
-                raise ApiError(
-                    400,
-                    "unsupported_content",
-                    f"message content parts of type {part.type!r} are not supported; send text",
-                    param="messages",
-                )
+                raise ApiError(400, "unsupported_content", f"message content parts of type {part.type!r} are not supported; send text",
+                               param="messages")
             parts.append(part.text)
         return "".join(parts)
 
@@ -237,9 +210,7 @@ class ChatRequest(UnicodeText):
     # OpenAI clients send fields this server does not use (user, metadata, ...): ignored,
     # except those whose meaning cannot be honoured, refused below.
     model_config = ConfigDict(extra="allow")
-    model: str = Field(
-        min_length=1, examples=["ragkv"], description="the served model's id (GET /v1/models) or the alias 'ragkv'"
-    )
+    model: str = Field(min_length=1, examples=["ragkv"], description="the served model's id (GET /v1/models) or the alias 'ragkv'")
     messages: list[ChatMessage] = Field(min_length=1, description="the conversation; the last message must be the "
                                         "user's. With a session only the last message is new: earlier ones are "
                                         "already in the session's KV")
@@ -249,32 +220,18 @@ class ChatRequest(UnicodeText):
                                               "wins when both are given")
     temperature: float | None = Field(None, ge=0, le=10, description="0 or absent: greedy decoding; above 0: sampling")
     top_p: float | None = Field(None, gt=0, le=1, description="nucleus sampling mass (with temperature > 0)")
-    seed: int | None = Field(
-        None,
-        ge=SEED_MIN,
-        le=SEED_MAX,
-        json_schema_extra=SEED_SCHEMA,
-        description="seed of the sampler (64 bits); greedy decoding ignores it",
-    )
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX, json_schema_extra=SEED_SCHEMA, description="seed of the sampler (64 bits); "
+                             "greedy decoding ignores it")
     stop: Stop = Field(None, description=STOP_DESCRIPTION)
-    stream: StrictBool = Field(
-        False, description="answer as server-sent events (chat.completion.chunk objects, then [DONE])"
-    )
+    stream: StrictBool = Field(False, description="answer as server-sent events (chat.completion.chunk objects, then [DONE])")
     stream_options: StreamOptions | None = Field(None, description="streaming options: include_usage")
     n: int = Field(1, ge=1, le=1, description="choices per request: only 1 is served")
     response_format: ResponseFormat | None = Field(None, description="only {'type': 'text'} is served")
     rag: ChatRag | None = Field(None, description="ragkv extension: retrieval, fusion and session options")
-    sources: StrictBool = Field(
-        False,
-        description="ragkv extension: end the message content with numbered source markers, "
-        "a 'Sources:' block and the session id (for clients that read only the text)",
-    )
-    session_id: str | None = Field(
-        None,
-        pattern=SESSION_ID_PATTERN,
-        description="ragkv extension: continue this chat session (its KV is kept "
-        "server-side); a new id is made when absent and returned as session_id",
-    )
+    sources: StrictBool = Field(False, description="ragkv extension: end the message content with numbered source markers, "
+                          "a 'Sources:' block and the session id (for clients that read only the text)")
+    session_id: str | None = Field(None, pattern=SESSION_ID_PATTERN, description="ragkv extension: continue this chat session (its KV is kept "
+                                   "server-side); a new id is made when absent and returned as session_id")
 
     def refuse_unsupported(self) -> None:
         extra = self.model_extra or {}
@@ -307,12 +264,8 @@ def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
 def generation_config(max_tokens: int, temperature: float | None, top_p: float | None, seed: int | None,
                       stop: str | list[str] | None, limits: ServeConfig) -> GenerationConfig:
     if max_tokens > limits.max_new_tokens:
-        raise ApiError(
-            400,
-            "invalid_parameters",
-            f"max_tokens is {max_tokens}; this server allows at most {limits.max_new_tokens}",
-            param="max_tokens",
-        )
+        raise ApiError(400, "invalid_parameters", f"max_tokens is {max_tokens}; this server allows at most {limits.max_new_tokens}",
+                       param="max_tokens")
     try:
         sampling = SamplingConfig(temperature=0.0 if temperature is None else temperature,
                                   top_p=1.0 if top_p is None else top_p, seed=seed)
@@ -323,12 +276,8 @@ def generation_config(max_tokens: int, temperature: float | None, top_p: float |
 
 def query_config(options: RetrievalOptions, generation: GenerationConfig, limits: ServeConfig) -> QueryConfig:
     if options.top_k > limits.max_top_k:
-        raise ApiError(
-            400,
-            "invalid_parameters",
-            f"top_k is {options.top_k}; this server allows at most {limits.max_top_k}",
-            param="top_k",
-        )
+        raise ApiError(400, "invalid_parameters", f"top_k is {options.top_k}; this server allows at most {limits.max_top_k}",
+                       param="top_k")
     try:
         fusion = FusionConfig(strategy=options.strategy, ratio=options.ratio)
         extra = {}
@@ -369,7 +318,5 @@ def check_metadata(metadata: Any) -> dict | None:
         raise ApiError(400, "bad_metadata", f"{where} holds an unpaired UTF-16 surrogate: text must be valid Unicode",
                        param="metadata")
     if len(json.dumps(metadata)) > MAX_METADATA_BYTES:
-        raise ApiError(
-            413, "metadata_too_large", f"metadata must be at most {MAX_METADATA_BYTES} bytes of JSON", param="metadata"
-        )
+        raise ApiError(413, "metadata_too_large", f"metadata must be at most {MAX_METADATA_BYTES} bytes of JSON", param="metadata")
     return metadata

@@ -79,9 +79,7 @@ class Service:
                     checkpoint()
                 job.check_cancelled()
 
-            result = self.runtime.ingestor.ingest_text(
-                text, name, tenant=tenant, metadata=metadata, progress=on_progress
-            )
+            result = self.runtime.ingestor.ingest_text(text, name, tenant=tenant, metadata=metadata, progress=on_progress)
             return result
             yield  # a generator: the whole ingestion is one step (it yields to queries via checkpoint)
 

@@ -43,9 +43,7 @@ _RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpi
 
 def check_session_id(session_id: str) -> str:
     if not isinstance(session_id, str) or not _SESSION_ID.match(session_id):
-        raise ApiError(
-            400, "bad_session_id", "session_id must be 1-128 characters of [A-Za-z0-9_.:-]", param="session_id"
-        )
+        raise ApiError(400, "bad_session_id", "session_id must be 1-128 characters of [A-Za-z0-9_.:-]", param="session_id")
     return session_id
 
 
@@ -61,17 +59,9 @@ def encode_context(context: Context) -> bytes:
 
 
 def context_meta(context: Context) -> dict:
-    return {
-        "id": context.id,
-        "tenant": context.tenant,
-        "fingerprint": context.fingerprint,
-        "insertions": [[i.at, i.rows, list(i.chunk_hashes)] for i in context.insertions],
-        "turns": context.turns,
-        "created": context.created,
-        "updated": context.updated,
-        "version": context.version,
-        "length": context.length,
-    }
+    return {"id": context.id, "tenant": context.tenant, "fingerprint": context.fingerprint,
+            "insertions": [[i.at, i.rows, list(i.chunk_hashes)] for i in context.insertions], "turns": context.turns,
+            "created": context.created, "updated": context.updated, "version": context.version, "length": context.length}
 
 
 def decode_context(blob: bytes | bytearray | memoryview) -> Context:
@@ -135,9 +125,7 @@ class RedisSessions:
             self._link.mark_down()
             if not self._logged_down:
                 self._logged_down = True
-                log.warning(
-                    "session store: redis %s failed (%s); sessions fall back to process memory", operation, error
-                )
+                log.warning("session store: redis %s failed (%s); sessions fall back to process memory", operation, error)
 
     def _succeeded(self) -> None:
         if self._logged_down:

@@ -13,8 +13,8 @@ from ragkv.api.jobs import JobRegistry
 from ragkv.api.metrics import Metrics
 from ragkv.api.service import Service
 from ragkv.api.sessions import RedisSessions
-from ragkv.api.worker import ModelWorker
 from ragkv.app.contexts import ContextCache
+from ragkv.api.worker import ModelWorker
 from ragkv.app.runtime import Runtime
 from ragkv.store.base import ChunkStore
 from ragkv.store.redis_store import RedisStore

@@ -79,7 +79,7 @@ class JobStream:
         self.first = first
 
     @classmethod
-    async def start(cls, request: Request, worker: ModelWorker, job: Job) -> JobStream:
+    async def start(cls, request: Request, worker: ModelWorker, job: Job) -> "JobStream":
         worker.submit(job)
         iterator = job.items().__aiter__()
         try:
@@ -127,10 +127,6 @@ async def sse_events(request: Request, stream: JobStream, render: Callable[[str,
             yield sse(error_body(mapped.status, mapped.code, mapped.message, request_id))
         else:
             log.error("stream %s failed", request_id, exc_info=error)
-            yield sse(
-                error_body(
-                    500, "internal_error", f"internal error; quote request id {request_id} to the operator", request_id
-                )
-            )
+            yield sse(error_body(500, "internal_error", f"internal error; quote request id {request_id} to the operator", request_id))
     finally:
         stream.job.cancel()  # no-op when it finished; frees the worker when the client left

@@ -46,7 +46,7 @@ class JobCancelled(Exception):
 class Job:
     """One unit of work for the worker, created on the event loop thread."""
 
-    def __init__(self, kind: str, body: Callable[[Job], Generator[Any, None, Any]] | None = None, *,
+    def __init__(self, kind: str, body: Callable[["Job"], Generator[Any, None, Any]] | None = None, *,
                  interactive: bool = True, request: Request | None = None):
         if (body is None) == (request is None):
             raise ValueError("a job runs either a body or a model request")
@@ -65,7 +65,7 @@ class Job:
         self.started_at: float | None = None
         self.done = False
         self.outcome: str | None = None
-        self._on_end: Callable[[Job], None] | None = None
+        self._on_end: Callable[["Job"], None] | None = None
 
     # -- event loop side -----------------------------------------------------------
 

@@ -116,13 +116,9 @@ class _TurnState:
         retrieved = []
         if turn.rag:
             started = time.perf_counter()
-            retrieved = self.turns.rag.retrieve(
-                conversation_text(turn), turn.tenant, turn.config.top_k, turn.config.doc_ids
-            )
+            retrieved = self.turns.rag.retrieve(conversation_text(turn), turn.tenant, turn.config.top_k, turn.config.doc_ids)
             request.timings.retrieve = time.perf_counter() - started
-        held = (
-            self.base.context.chunks_before(self.base.conversation_tokens) if self.base.context is not None else set()
-        )
+        held = self.base.context.chunks_before(self.base.conversation_tokens) if self.base.context is not None else set()
         new = list({chunk.chunk_hash: (record, chunk, score) for record, chunk, score in retrieved
                     if chunk.chunk_hash not in held}.values())
         reuse = self.base.conversation_tokens

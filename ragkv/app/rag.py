@@ -11,14 +11,14 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from ragkv.engine import Engine
-from ragkv.engine.generation import GenerationConfig, TokenEvent
-from ragkv.fusion import FusionConfig, FusionInput, FusionResult, LoadedChunk
-from ragkv.fusion.layout import Layout
 from ragkv.ingest.embedder import Embedder
 from ragkv.ingest.errors import InputError
 from ragkv.ingest.pipeline import chunk_key
 from ragkv.ingest.registry import ChunkRecord, DocumentRecord, Registry, check_tenant
+from ragkv.engine import Engine
+from ragkv.fusion import FusionConfig, FusionInput, FusionResult, LoadedChunk
+from ragkv.fusion.layout import Layout
+from ragkv.engine.generation import GenerationConfig, TokenEvent
 from ragkv.sparse import SparseConfig
 from ragkv.sparse.wiring import sparse_attention, sparse_chunk_codes
 from ragkv.store.base import ChunkStore
@@ -89,9 +89,7 @@ class RagPipeline:
     def chunk_key(self, chunk_hash: str) -> ChunkKey:
         return chunk_key(self.engine, chunk_hash)
 
-    def retrieve(
-        self, question: str, tenant: str, top_k: int, doc_ids: tuple[str, ...] | None
-    ) -> list[tuple[DocumentRecord, ChunkRecord, float]]:
+    def retrieve(self, question: str, tenant: str, top_k: int, doc_ids: tuple[str, ...] | None) -> list[tuple[DocumentRecord, ChunkRecord, float]]:
         if doc_ids is not None:
             for doc_id in doc_ids:
                 self.registry.get(tenant, doc_id)  # NotFoundError for unknown ids
@@ -146,18 +144,12 @@ class RagPipeline:
         timings["load"] = time.perf_counter() - load_started
         segments = self.engine.prompt.rag_segments(question)
         fusion_input = FusionInput(
-            segments.prefix_ids,
-            chunks,
-            segments.question_ids,
-            len(self.engine.chunk_prefix_ids),
-            segments.question_text_span,
+            segments.prefix_ids, chunks, segments.question_ids, len(self.engine.chunk_prefix_ids), segments.question_text_span
         )
         self.check_fits(Layout.of(fusion_input), config)
         fuse_started = time.perf_counter()
         strategy = config.fusion.build()
-        result = strategy.fuse(
-            self.engine.model, fusion_input, self.engine.chunk_prefix_cache(), config.generation.max_new_tokens
-        )
+        result = strategy.fuse(self.engine.model, fusion_input, self.engine.chunk_prefix_cache(), config.generation.max_new_tokens)
         timings["fuse"] = time.perf_counter() - fuse_started
         citations = self.cite(tenant, retrieved)
         chunk_codes = sparse_chunk_codes(self.engine, config.sparse, chunks, stored)
@@ -169,20 +161,9 @@ class RagPipeline:
         texts: dict[str, str] = {}
         citations = []
         for record, chunk, score in reversed(retrieved):
-            text = texts.get(record.doc_id) or texts.setdefault(
-                record.doc_id, self.registry.text(tenant, record.doc_id)
-            )
-            citations.append(
-                Citation(
-                    record.doc_id,
-                    record.name,
-                    chunk.index,
-                    chunk.char_start,
-                    chunk.char_end,
-                    round(score, 4),
-                    text[chunk.char_start : chunk.char_end],
-                )
-            )
+            text = texts.get(record.doc_id) or texts.setdefault(record.doc_id, self.registry.text(tenant, record.doc_id))
+            citations.append(Citation(record.doc_id, record.name, chunk.index, chunk.char_start, chunk.char_end, round(score, 4),
+                                      text[chunk.char_start : chunk.char_end]))
         return citations
 
     def check_fits(self, layout: Layout, config: QueryConfig) -> None:

@@ -49,7 +49,7 @@ class RequestSink(Protocol):
 
     def token(self, text: str) -> None: ...
 
-    def finished(self, completion: Completion) -> None: ...
+    def finished(self, completion: "Completion") -> None: ...
 
     def failed(self, error: BaseException) -> None: ...
 
@@ -83,10 +83,10 @@ class Completion:
 
 
 class Request:
-    def __init__(self, kind: str, prepare: Callable[[Request], Prepared], generation: GenerationConfig,
+    def __init__(self, kind: str, prepare: Callable[["Request"], Prepared], generation: GenerationConfig,
                  sink: RequestSink | None = None, *, estimated_tokens: int = 0, arrival: float | None = None,
-                 on_finished: Callable[[Request, Completion], None] | None = None,
-                 on_dropped: Callable[[Request], None] | None = None):
+                 on_finished: Callable[["Request", Completion], None] | None = None,
+                 on_dropped: Callable[["Request"], None] | None = None):
         self.id = next(_ids)
         self.kind = kind
         self.phase = Phase.WAITING

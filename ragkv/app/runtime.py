@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ragkv.app.codebooks import attach_codebook
-from ragkv.app.rag import RagPipeline
-from ragkv.app.storage import Storage, StorageConfig
-from ragkv.engine import Engine, EngineConfig
 from ragkv.ingest.embedder import Embedder
 from ragkv.ingest.pipeline import IngestConfig, Ingestor
+from ragkv.engine import Engine, EngineConfig
+from ragkv.app.rag import RagPipeline
+from ragkv.app.codebooks import attach_codebook
+from ragkv.app.storage import Storage, StorageConfig
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class Runtime:
     def close(self) -> None:
         self.storage.close()
 
-    def __enter__(self) -> Runtime:
+    def __enter__(self) -> "Runtime":
         return self
 
     def __exit__(self, *exc_info) -> None:

@@ -48,9 +48,7 @@ class QueueFull(Exception):
 
 
 class Scheduler:
-    def __init__(
-        self, model: CausalLM, tokenizer, eos_token_ids: set[int], config: SchedulerConfig = SchedulerConfig()
-    ):
+    def __init__(self, model: CausalLM, tokenizer, eos_token_ids: set[int], config: SchedulerConfig = SchedulerConfig()):
         self.model = model
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids

@@ -30,7 +30,7 @@ class Usage:
     completion_tokens: int = 0
 
     @classmethod
-    def of_fusion(cls, fusion: FusionResult, computed_before: int = 0, recomputed_chunks: Sequence[int] = ()) -> Usage:
+    def of_fusion(cls, fusion: FusionResult, computed_before: int = 0, recomputed_chunks: Sequence[int] = ()) -> "Usage":
         """Usage of a fused prompt. `computed_before`: rows of the fusion's prefix that were
         computed for this request (a prefilled glue before newly fused chunks);
         `recomputed_chunks`: chunks the store could not give, computed for this request."""

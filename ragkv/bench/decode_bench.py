@@ -222,9 +222,7 @@ def run_decode_bench(
     return result
 
 
-def rag_prompts(
-    tokenize: Callable[[str], list[int]], segments: Callable, examples: Sequence[Example]
-) -> list[list[int]]:
+def rag_prompts(tokenize: Callable[[str], list[int]], segments: Callable, examples: Sequence[Example]) -> list[list[int]]:
     """[prefix | passages | question] token ids of each example (the plain-prefill prompt)."""
     prompts = []
     for example in examples:
@@ -240,9 +238,7 @@ def format_table(result: DecodeBenchResult) -> str:
     lines.append("option              " + "".join(f"{f'ms@{c}':>10}{'GB/s':>7}" for c in contexts))
     for name in dict.fromkeys(row.option for row in result.speed):
         cells = {row.context: row for row in result.speed if row.option == name}
-        lines.append(
-            f"{name:<20}" + "".join(f"{cells[c].ms_per_token:>10.1f}{cells[c].gb_per_s:>7.1f}" for c in contexts)
-        )
+        lines.append(f"{name:<20}" + "".join(f"{cells[c].ms_per_token:>10.1f}{cells[c].gb_per_s:>7.1f}" for c in contexts))
     if result.batch:
         lines += ["", "batched decode, tokens/s (context " + str(result.batch[0].context) + " each)"]
         batches = sorted({row.batch for row in result.batch})

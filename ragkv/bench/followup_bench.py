@@ -110,17 +110,9 @@ def run_followup_bench(args: argparse.Namespace, progress: Callable[[str], None]
                  f"TTFT {second['client_ttft_s']} s, {second['cached_tokens']} of {second['prompt_tokens']} cached")
 
         (doc_id, chunks), (_, question) = documents[1], samples[1]
-        chat = ChatOpenAI(
-            model="ragkv",
-            base_url=base_url + "/v1",
-            api_key=key,
-            max_tokens=args.max_tokens,
-            temperature=0,
-            max_retries=0,
-            timeout=600,
-            stream_usage=True,
-            extra_body={"rag": {"document_ids": [doc_id], "top_k": chunks}},
-        )
+        chat = ChatOpenAI(model="ragkv", base_url=base_url + "/v1", api_key=key, max_tokens=args.max_tokens, temperature=0,
+                          max_retries=0, timeout=600, stream_usage=True,
+                          extra_body={"rag": {"document_ids": [doc_id], "top_k": chunks}})
         first = _langchain_turn(chat, [HumanMessage(question)], args.max_tokens)
         second = _langchain_turn(chat, [HumanMessage(question), AIMessage(first["answer"]), HumanMessage(FOLLOW_UP)],
                                  args.max_tokens)
@@ -132,7 +124,7 @@ def run_followup_bench(args: argparse.Namespace, progress: Callable[[str], None]
             server.stop()
         if scratch is not None:
             scratch.cleanup()
-    for _name, turns in results["clients"].items():
+    for name, turns in results["clients"].items():
         second = turns["turn_2"]
         second["cached_fraction"] = round(second["cached_tokens"] / second["prompt_tokens"], 4)
     return results

@@ -79,9 +79,7 @@ def _decode(runtime: Runtime, result: FusionResult, max_new_tokens: int) -> str:
 class _Runner:
     """Loads one example's chunks and fuses them with a strategy, timing both."""
 
-    def __init__(
-        self, runtime: Runtime, example: Example, ids: list[str], max_new_tokens: int, chunk_limit: int | None = None
-    ):
+    def __init__(self, runtime: Runtime, example: Example, ids: list[str], max_new_tokens: int, chunk_limit: int | None = None):
         self.runtime, self.max_new_tokens = runtime, max_new_tokens
         records = (runtime.registry.get(BENCH_TENANT, doc_id) for doc_id in ids)
         self.retrieved = [(record, chunk, 0.0) for record in records for chunk in record.chunks][:chunk_limit]

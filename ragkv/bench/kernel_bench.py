@@ -15,8 +15,8 @@ import functools
 import math
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F

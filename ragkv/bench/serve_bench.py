@@ -86,9 +86,7 @@ def bench_chat(http: httpx.Client, sessions: int, max_tokens: int, progress: Cal
         second = _chat_turn(http, FOLLOW_UPS[index % len(FOLLOW_UPS)], first["session_id"], max_tokens)
         turns["turn_1"].append(first)
         turns["turn_2"].append(second)
-        progress(
-            f"session {index + 1}: TTFT turn 1 {first['server_ttft_s']:.3f} s, turn 2 {second['server_ttft_s']:.3f} s"
-        )
+        progress(f"session {index + 1}: TTFT turn 1 {first['server_ttft_s']:.3f} s, turn 2 {second['server_ttft_s']:.3f} s")
     out = {}
     for name, rows in turns.items():
         out[name] = {

@@ -49,18 +49,18 @@ from dataclasses import dataclass, field
 import torch
 
 from ragkv.bench.datasets import Example
+from ragkv.engine.spec_string import split_spec
 from ragkv.bench.metrics import token_f1
 from ragkv.engine import Engine
 from ragkv.engine.generation import GenerationConfig
 from ragkv.engine.kv_cache import KVCache
-from ragkv.engine.spec_string import split_spec
 from ragkv.fusion import DEFAULT_STRATEGY, FusionConfig, FusionInput, FusionResult
 from ragkv.fusion.layout import LoadedChunk
 from ragkv.sparse import PromptState, SparseConfig
-from ragkv.sparse.base import Selector
-from ragkv.sparse.oracle import attention_mass
 from ragkv.sparse.wiring import sparse_attention, sparse_chunk_codes
 from ragkv.store.blob import decode_blob, encode_blob
+from ragkv.sparse.base import Selector
+from ragkv.sparse.oracle import attention_mass
 
 QUESTION_WINDOW = 32
 
@@ -74,9 +74,7 @@ class RecallMeter:
     mass_recalls: list[float] = field(default_factory=list)
     kept: list[float] = field(default_factory=list)
 
-    def __call__(
-        self, layer: int, q: torch.Tensor, cache: KVCache, indices: torch.Tensor, start: int, end: int
-    ) -> None:
+    def __call__(self, layer: int, q: torch.Tensor, cache: KVCache, indices: torch.Tensor, start: int, end: int) -> None:
         keys, _ = cache.layer(layer)
         mass = attention_mass(q, keys, self.scale)  # [Hkv, T], rows sum to the group size
         group = q.shape[0] // keys.shape[0]
@@ -106,9 +104,7 @@ def rag_prompt(engine: Engine, example: Example) -> tuple[list[int], int, int]:
     return ids, len(segments.prefix_ids), len(segments.prefix_ids) + len(document)
 
 
-def build(
-    config: SparseConfig | None, engine: Engine, cache: KVCache, ids, prefix_len: int, question_start: int
-) -> Selector | None:
+def build(config: SparseConfig | None, engine: Engine, cache: KVCache, ids, prefix_len: int, question_start: int) -> Selector | None:
     if config is None:
         return None
     prompt = PromptState.from_prefill(engine.model, cache, ids, prefix_len, question_start)
@@ -152,13 +148,8 @@ class UserPrompt:
         self.engine, self.extra = engine, extra
         segments = engine.prompt.rag_segments(example.question)
         self.chunks, self.stored = ingested_chunks(engine, example)
-        fusion_input = FusionInput(
-            segments.prefix_ids,
-            self.chunks,
-            segments.question_ids,
-            len(engine.chunk_prefix_ids),
-            segments.question_text_span,
-        )
+        fusion_input = FusionInput(segments.prefix_ids, self.chunks, segments.question_ids, len(engine.chunk_prefix_ids),
+                                   segments.question_text_span)
         self.result: FusionResult = FusionConfig(strategy=fusion).build().fuse(
             engine.model, fusion_input, engine.chunk_prefix_cache(), extra)
         self.cache, self.logits = self.result.cache, self.result.logits
@@ -188,23 +179,16 @@ def run_quality(engine: Engine, examples: Sequence[Example], configs: dict[str, 
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     model = engine.model
-    rows: dict[str, dict[str, list[float]]] = {
-        name: {"recall": [], "mass_recall": [], "kept_mass": [], "f1_dense": [], "f1_gold": []} for name in configs
-    }
+    rows: dict[str, dict[str, list[float]]] = {name: {"recall": [], "mass_recall": [], "kept_mass": [], "f1_dense": [], "f1_gold": []}
+                                               for name in configs}
     prompt_tokens = []
     for number, example in enumerate(examples, start=1):
         progress(f"quality: example {number}/{len(examples)}: {'fusion ' + fusion if path == 'user' else 'prefill'}")
-        prompt = (
-            UserPrompt(engine, example, fusion, max_new_tokens + 1)
-            if path == "user"
-            else PrefillPrompt(engine, example, max_new_tokens + 1)
-        )
+        prompt = UserPrompt(engine, example, fusion, max_new_tokens + 1) if path == "user" else PrefillPrompt(engine, example, max_new_tokens + 1)
         cache, logits = prompt.cache, prompt.logits
         prompt_tokens.append(cache.length)
         reference = cache.clone(max_new_tokens + 1)
-        dense_answer = decode_answer(
-            engine, reference, logits, prompt.attention(DENSE_REFERENCE, reference), max_new_tokens
-        )
+        dense_answer = decode_answer(engine, reference, logits, prompt.attention(DENSE_REFERENCE, reference), max_new_tokens)
         for name, config in configs.items():
             progress(f"quality: example {number}/{len(examples)}: {name}")
             work = cache.clone(max_new_tokens + 1)
@@ -326,38 +310,22 @@ def aux_memory(engine: Engine, configs: dict[str, SparseConfig], examples: Seque
     return {"kv_bytes_per_token_fp16": kv, "selectors": out}
 
 
-def run_sparse_bench(
-    engine: Engine,
-    examples: Sequence[Example],
-    speed_examples: Sequence[Example],
-    *,
-    selectors: Sequence[str],
-    budget: float,
-    base: SparseConfig = SparseConfig(),
-    context_lengths: Sequence[int] = (2048, 4096, 8192),
-    max_new_tokens: int = 32,
-    timing_steps: int = 16,
-    warmup_steps: int = 2,
-    path: str = "user",
-    fusion: str = DEFAULT_STRATEGY,
-    progress: Callable[[str], None] = lambda message: None,
-) -> dict:
+def run_sparse_bench(engine: Engine, examples: Sequence[Example], speed_examples: Sequence[Example], *, selectors: Sequence[str],
+                     budget: float, base: SparseConfig = SparseConfig(), context_lengths: Sequence[int] = (2048, 4096, 8192),
+                     max_new_tokens: int = 32, timing_steps: int = 16, warmup_steps: int = 2, path: str = "user",
+                     fusion: str = DEFAULT_STRATEGY, progress: Callable[[str], None] = lambda message: None) -> dict:
     configs = {name: selector_config(name, budget, base) for name in selectors}
     results = {
         "budget": budget,
         "sinks": base.sinks,
         "window": base.window,
-        "codebook": {"id": engine.codebook.id, "size": engine.codebook.size, **engine.codebook.info}
-        if engine.codebook
-        else None,
+        "codebook": {"id": engine.codebook.id, "size": engine.codebook.size, **engine.codebook.info} if engine.codebook else None,
         "memory": aux_memory(engine, configs, examples or speed_examples),
     }
     if examples:
         results["quality"] = run_quality(engine, examples, configs, max_new_tokens, progress, path, fusion)
     if context_lengths:
-        results["speed"] = run_speed(
-            engine, speed_examples, configs, context_lengths, timing_steps, warmup_steps, progress
-        )
+        results["speed"] = run_speed(engine, speed_examples, configs, context_lengths, timing_steps, warmup_steps, progress)
     return results
 
 
@@ -371,18 +339,13 @@ def format_table(results: dict) -> str:
     if speed:
         names = ["engine_dense", *names]
     width = max(12, *(len(name) for name in names))
-    header = (
-        f"{'selector':<{width}} {'recall':>6} {'mass_r':>6} {'kept':>6} {'F1 dense':>8} {'F1 gold':>7} {'aux %KV':>7}"
-    )
+    header = f"{'selector':<{width}} {'recall':>6} {'mass_r':>6} {'kept':>6} {'F1 dense':>8} {'F1 gold':>7} {'aux %KV':>7}"
     for length in lengths:
         header += f" {'ms@' + length:>8} {'x':>5}"
     if "quality" in results:
         q = results["quality"]
-        lines.append(
-            f"budget {results['budget']} (sinks {results['sinks']} + window {results['window']} included); "
-            f"path {q.get('path')} {q.get('fusion') or ''}; {q['examples']} examples, "
-            f"{q['prompt_tokens']:.0f} prompt tokens on average; dense F1 gold {q['dense_f1_gold']:.3f}"
-        )
+        lines.append(f"budget {results['budget']} (sinks {results['sinks']} + window {results['window']} included); "
+                     f"path {q.get('path')} {q.get('fusion') or ''}; {q['examples']} examples, {q['prompt_tokens']:.0f} prompt tokens on average; dense F1 gold {q['dense_f1_gold']:.3f}")
     lines.append(header)
     for name in names:
         row = quality.get(name, {})

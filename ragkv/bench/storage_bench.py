@@ -104,13 +104,8 @@ def run_format_fidelity_bench(engine: Engine, examples: list[Example], formats: 
             strategy = config.build()
             outcomes = {}
             for name in {REFERENCE_FORMAT, *formats}:
-                fusion_input = FusionInput(
-                    segments.prefix_ids,
-                    [chunk for chunk, _ in stored[name]],
-                    segments.question_ids,
-                    len(engine.chunk_prefix_ids),
-                    segments.question_text_span,
-                )
+                fusion_input = FusionInput(segments.prefix_ids, [chunk for chunk, _ in stored[name]],
+                                           segments.question_ids, len(engine.chunk_prefix_ids), segments.question_text_span)
                 result = strategy.fuse(engine.model, fusion_input, engine.chunk_prefix_cache(), max_new_tokens)
                 answer = "".join(event.text for event in engine.stream(
                     result.cache, result.logits, GenerationConfig(max_new_tokens=max_new_tokens))).strip()
@@ -131,15 +126,12 @@ def run_format_fidelity_bench(engine: Engine, examples: list[Example], formats: 
         "passages_per_example": statistics.fmean(len(e.passages) for e in examples),
         "reference_format": REFERENCE_FORMAT,
         "strategies": {
-            label: {name: _summary(tally) for name, tally in per_format.items()}
-            for label, per_format in tallies.items()
+            label: {name: _summary(tally) for name, tally in per_format.items()} for label, per_format in tallies.items()
         },
     }
 
 
-def _stored_chunk(
-    fmt: KVStorageFormat, ids: list[int], keys: torch.Tensor, values: torch.Tensor
-) -> tuple[LoadedChunk, int]:
+def _stored_chunk(fmt: KVStorageFormat, ids: list[int], keys: torch.Tensor, values: torch.Tensor) -> tuple[LoadedChunk, int]:
     """The chunk as a query reads it back from a blob in `fmt`, and the blob's bytes."""
     blob = encode_blob({**fmt.pack(keys, values), "tokens": torch.tensor(ids, dtype=torch.int32)})
     tensors = decode_blob(blob).tensors

@@ -64,8 +64,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"[{number}] {citation.name} chunk {citation.chunk_index} (score {citation.score:.3f}): {snippet}...")
     t = answer.timings
     print(
-        f"\nstrategy {answer.strategy}: TTFT {t['ttft']:.2f} s "
-        f"(retrieve {t['retrieve']:.2f} s, load {t['load']:.2f} s, "
+        f"\nstrategy {answer.strategy}: TTFT {t['ttft']:.2f} s (retrieve {t['retrieve']:.2f} s, load {t['load']:.2f} s, "
         f"fuse {t['fuse']:.2f} s), decode {t['decode']:.2f} s; {answer.usage.cached_tokens} of "
         f"{answer.usage.prompt_tokens} prompt tokens cached, {answer.usage.recomputed_tokens} recomputed"
     )

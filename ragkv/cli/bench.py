@@ -51,11 +51,8 @@ def configure(bench: argparse.ArgumentParser) -> None:
     decode = kinds.add_parser("decode", help="dense decode ms/token, batched tokens/s and quality per weight/KV format")
     bench_decode.configure(decode)
 
-    kernels = kinds.add_parser(
-        "kernels",
-        help="attention kernels (Triton, FlashInfer, torch) at a real model's geometry "
-        "vs the torch reference, and a random-weight decode step",
-    )
+    kernels = kinds.add_parser("kernels", help="attention kernels (Triton, FlashInfer, torch) at a real model's geometry "
+                                               "vs the torch reference, and a random-weight decode step")
     bench_kernels.configure(kernels)
 
 
@@ -71,14 +68,14 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_store(args: argparse.Namespace) -> dict:
     import torch
-    from transformers import AutoConfig
-
-    from ragkv.bench.storage_bench import run_format_load_bench
-    from ragkv.engine.kv_storage import KV_STORAGE_FORMATS
     from ragkv.engine.model_files import resolve_model_dir
     from ragkv.engine.model_spec import ModelSpec
     from ragkv.store.bench import run_store_bench
     from ragkv.store.url import open_store
+    from transformers import AutoConfig
+
+    from ragkv.bench.storage_bench import run_format_load_bench
+    from ragkv.engine.kv_storage import KV_STORAGE_FORMATS
 
     args.formats = args.formats or list(KV_STORAGE_FORMATS)
     unknown = sorted(set(args.formats) - set(KV_STORAGE_FORMATS))
@@ -102,15 +99,10 @@ def _run_store(args: argparse.Namespace) -> dict:
         results["formats"] = run_format_load_bench(spec, args.formats, chunks=min(args.chunks, 16),
                                                    tokens_per_chunk=args.tokens_per_chunk, tmp_dir=scratch)
     print(json.dumps(results, indent=2))
-    print(
-        f"{'format':<10} {'bytes/token':>11} {'read ms':>8} {'place ms':>8} {'load ms':>8} "
-        f"{'best load ms':>12}  (per chunk)"
-    )
+    print(f"{'format':<10} {'bytes/token':>11} {'read ms':>8} {'place ms':>8} {'load ms':>8} {'best load ms':>12}  (per chunk)")
     for name, row in results["formats"].items():
-        print(
-            f"{name:<10} {row['bytes_per_token']:>11,.0f} {row['read_ms_per_chunk']:>8.2f} "
-            f"{row['place_ms_per_chunk']:>8.2f} {row['load_ms_per_chunk']:>8.2f} {row['best_load_ms_per_chunk']:>12.2f}"
-        )
+        print(f"{name:<10} {row['bytes_per_token']:>11,.0f} {row['read_ms_per_chunk']:>8.2f} "
+              f"{row['place_ms_per_chunk']:>8.2f} {row['load_ms_per_chunk']:>8.2f} {row['best_load_ms_per_chunk']:>12.2f}")
     if args.data is not None:
         results["fidelity"] = _run_format_fidelity(args)
     return results
@@ -120,8 +112,8 @@ def _run_format_fidelity(args: argparse.Namespace) -> dict:
     from ragkv.bench.datasets import load_examples
     from ragkv.bench.fusion_bench import parse_strategy
     from ragkv.bench.storage_bench import REFERENCE_FORMAT, run_format_fidelity_bench
-    from ragkv.cli.config_args import config_from_args
     from ragkv.engine import Engine, EngineConfig
+    from ragkv.cli.config_args import config_from_args
 
     examples = load_examples(args.data, args.limit, args.passages)
     strategies = [parse_strategy(spec, args.ratio) for spec in args.strategies]
@@ -129,17 +121,12 @@ def _run_format_fidelity(args: argparse.Namespace) -> dict:
     engine = Engine(config_from_args(EngineConfig, args))
     fidelity = run_format_fidelity_bench(engine, examples, formats, strategies, max_new_tokens=args.max_new_tokens,
                                          progress=lambda message: print(message, file=sys.stderr, flush=True))
-    print(
-        f"{fidelity['examples']} examples x {fidelity['passages_per_example']:.0f} passages, "
-        f"against {REFERENCE_FORMAT} chunks"
-    )
+    print(f"{fidelity['examples']} examples x {fidelity['passages_per_example']:.0f} passages, against {REFERENCE_FORMAT} chunks")
     print(f"{'strategy':<24} {'format':<10} {'bytes/token':>11} {'KL':>8} {'KL max':>8} {'top1':>5} {'F1 vs f16':>9}")
     for label, per_format in fidelity["strategies"].items():
         for name, row in per_format.items():
-            print(
-                f"{label:<24} {name:<10} {row['bytes_per_token']:>11,.0f} {row['first_token_kl']:>8.4f} "
-                f"{row['first_token_kl_max']:>8.4f} {row['top1_agreement']:>5.2f} {row['answer_f1_vs_float16']:>9.2f}"
-            )
+            print(f"{label:<24} {name:<10} {row['bytes_per_token']:>11,.0f} {row['first_token_kl']:>8.4f} "
+                  f"{row['first_token_kl_max']:>8.4f} {row['top1_agreement']:>5.2f} {row['answer_f1_vs_float16']:>9.2f}")
     return fidelity
 
 
@@ -156,10 +143,7 @@ def _run_fusion(args: argparse.Namespace) -> dict:
                                    checkpoint=lambda partial: _write_json(args.json, partial))
     print(f"{results['examples']} examples, {results['passages_per_example']:.0f} passages, "
           f"{results['strategies']['full']['prompt_tokens']:.0f} prompt tokens on average, {results['dtype']}")
-    print(
-        f"{'strategy':<48} {'TTFT s':>7} {'speedup':>7} {'KL':>6} {'top1':>5} "
-        f"{'agree':>5} {'exact':>5} {'gold':>5} {'recomp':>6}"
-    )
+    print(f"{'strategy':<48} {'TTFT s':>7} {'speedup':>7} {'KL':>6} {'top1':>5} {'agree':>5} {'exact':>5} {'gold':>5} {'recomp':>6}")
     for label, row in results["strategies"].items():
         print(f"{label:<48} {row['ttft_median_s']:>7.2f} {row['speedup_total']:>7.2f} {row['first_token_kl']:>6.3f} "
               f"{row['top1_agreement']:>5.2f} {row['answer_agreement']:>5.2f} {row['answer_exact']:>5.2f} "

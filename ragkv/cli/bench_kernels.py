@@ -23,9 +23,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     parser.add_argument("--contexts", nargs="+", type=int, default=[8192, 16384, 32768],
                         help="cached rows (default: 8192 16384 32768)")
-    parser.add_argument(
-        "--budget", type=float, default=0.06, help="sparse decode: fraction of rows read (default: 0.06)"
-    )
+    parser.add_argument("--budget", type=float, default=0.06, help="sparse decode: fraction of rows read (default: 0.06)")
     parser.add_argument("--codebook-size", type=int, default=1024, help="centroids per KV head (default: 1024)")
     parser.add_argument("--recompute-ratio", type=float, default=0.15,
                         help="selective attention: fraction of rows recomputed (default: 0.15)")

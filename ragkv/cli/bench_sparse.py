@@ -36,11 +36,8 @@ def configure(sparse: argparse.ArgumentParser) -> None:
     sparse.add_argument("--path", choices=("user", "prefill"), default="user",
                         help="quality prompts: 'user' = passages encoded as ingestion stores them (codes included) "
                              "and fused by --fusion; 'prefill' = a plain prefill (default: user)")
-    sparse.add_argument(
-        "--fusion",
-        default=DEFAULT_STRATEGY,
-        help="fusion strategy spec for --path user (default: %(default)s, the product default, as `ragkv ask`)",
-    )
+    sparse.add_argument("--fusion", default=DEFAULT_STRATEGY,
+                        help="fusion strategy spec for --path user (default: %(default)s, the product default, as `ragkv ask`)")
     sparse.add_argument("--json", type=Path, default=None, help="write all figures to this file")
     add_common_options(sparse)
 

@@ -19,11 +19,8 @@ def configure(calibrate: argparse.ArgumentParser) -> None:
     from ragkv.sparse.calibrate import CalibrationConfig
 
     calibrate.add_argument("paths", nargs="*", type=Path, help="calibration files or folders")
-    calibrate.add_argument(
-        "--from-store",
-        action="store_true",
-        help="also calibrate on the tenant's ingested documents (the default when no paths are given)",
-    )
+    calibrate.add_argument("--from-store", action="store_true",
+                           help="also calibrate on the tenant's ingested documents (the default when no paths are given)")
     calibrate.add_argument("--no-backfill", action="store_true",
                            help="do not add codes to the tenant's chunks already in the store")
     add_config_options(calibrate.add_argument_group("calibration"), CalibrationConfig)
@@ -42,9 +39,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("no supported files found in the given paths")
     with Runtime(runtime_config(args, show_progress=False)) as runtime:
         if args.from_store or not args.paths:
-            texts += [
-                runtime.registry.text(args.tenant, record.doc_id) for record in runtime.registry.list(args.tenant)
-            ]
+            texts += [runtime.registry.text(args.tenant, record.doc_id) for record in runtime.registry.list(args.tenant)]
         if not texts:
             raise ValueError("nothing to calibrate on: give files, or ingest documents first")
         engine = runtime.engine
@@ -52,12 +47,9 @@ def run(args: argparse.Namespace) -> int:
         save_codebook(runtime.env, engine.fingerprint, codebook)
         engine.codebook = codebook
         updated = 0 if args.no_backfill else backfill_codes(runtime, args.tenant)
-    print(
-        f"codebook {codebook.id}: {codebook.size} centroids x {codebook.shape[0]} layers "
-        f"x {codebook.shape[1]} KV heads, "
-        f"b={codebook.offset}, {codebook.info['tokens']} tokens in {codebook.info['seconds']} s; "
-        f"stored for model {engine.fingerprint}; codes added to {updated} stored chunk(s)"
-    )
+    print(f"codebook {codebook.id}: {codebook.size} centroids x {codebook.shape[0]} layers x {codebook.shape[1]} KV heads, "
+          f"b={codebook.offset}, {codebook.info['tokens']} tokens in {codebook.info['seconds']} s; "
+          f"stored for model {engine.fingerprint}; codes added to {updated} stored chunk(s)")
     return 0
 
 

@@ -83,9 +83,7 @@ def option_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action
     return actions
 
 
-def apply_config(
-    parser: argparse.ArgumentParser, values: dict, path: Path, where: str, *, strict: bool = True
-) -> list[str]:
+def apply_config(parser: argparse.ArgumentParser, values: dict, path: Path, where: str, *, strict: bool = True) -> list[str]:
     """Set `parser`'s defaults from `values`; return the keys it has no option for (an error
     when `strict`)."""
     actions = option_actions(parser)

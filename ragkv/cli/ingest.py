@@ -44,20 +44,13 @@ class Summary:
     def totals(self) -> dict:
         total = self._sum
         return {
-            "files": len(self.documents) + len(self.failures),
-            "ingested": len(self.documents),
+            "files": len(self.documents) + len(self.failures), "ingested": len(self.documents),
             "already_present": sum(document["duplicate_of_existing"] for document in self.documents),
-            "failed": len(self.failures),
-            "unsupported": len(self.unsupported),
-            "tokens": total("tokens"),
-            "chunks": total("chunks"),
-            "computed_chunks": total("computed_chunks"),
-            "reused_chunks": total("reused_chunks"),
-            "stored_bytes": total("stored_bytes"),
+            "failed": len(self.failures), "unsupported": len(self.unsupported), "tokens": total("tokens"),
+            "chunks": total("chunks"), "computed_chunks": total("computed_chunks"),
+            "reused_chunks": total("reused_chunks"), "stored_bytes": total("stored_bytes"),
             "stored_tokens": total("stored_tokens"),
-            "bytes_per_token": round(total("stored_bytes") / total("stored_tokens"), 1)
-            if total("stored_tokens")
-            else 0.0,
+            "bytes_per_token": round(total("stored_bytes") / total("stored_tokens"), 1) if total("stored_tokens") else 0.0,
             "seconds": round(time.perf_counter() - self.started, 3),
         }
 
@@ -68,13 +61,10 @@ class Summary:
     def total_line(self) -> str:
         t = self.totals()
         present = f" ({t['already_present']} already present)" if t["already_present"] else ""
-        return (
-            f"total: {t['ingested']} of {t['files']} files ingested{present}, {t['failed']} failed, "
-            f"{t['unsupported']} unsupported skipped; {t['tokens']} tokens, {t['chunks']} chunks "
-            f"({t['computed_chunks']} computed, {t['reused_chunks']} reused), "
-            f"{t['stored_bytes'] / 2**20:.1f} MiB stored ({t['bytes_per_token']:,.0f} bytes/token), "
-            f"{t['seconds']:.1f} s"
-        )
+        return (f"total: {t['ingested']} of {t['files']} files ingested{present}, {t['failed']} failed, "
+                f"{t['unsupported']} unsupported skipped; {t['tokens']} tokens, {t['chunks']} chunks "
+                f"({t['computed_chunks']} computed, {t['reused_chunks']} reused), "
+                f"{t['stored_bytes'] / 2**20:.1f} MiB stored ({t['bytes_per_token']:,.0f} bytes/token), {t['seconds']:.1f} s")
 
 
 class Progress:

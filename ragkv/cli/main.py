@@ -58,9 +58,7 @@ def _apply_config_file(parser: argparse.ArgumentParser, command: str, path: Path
         known = set().union(*(option_actions(sub) for sub in subcommands.values()))
         strays = [key for key in unknown if key not in known]
         if strays:
-            raise ConfigFileError(
-                f"{path}: unknown option(s) {', '.join(map(repr, strays))} (no ragkv command has them)"
-            )
+            raise ConfigFileError(f"{path}: unknown option(s) {', '.join(map(repr, strays))} (no ragkv command has them)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,9 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ragkv: error: {error}", file=sys.stderr)
         return EXIT_INPUT_ERROR
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
-    )
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from ragkv.store.errors import StoreError
 
     try:

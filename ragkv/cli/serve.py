@@ -29,13 +29,8 @@ def configure(serve: argparse.ArgumentParser) -> None:
     add_common_options(serve)
     add_config_options(serve.add_argument_group("server"), ServeConfig)
     add_config_options(serve.add_argument_group("ingestion"), IngestConfig, skip=("show_progress",))
-    serve.add_argument(
-        "--api-keys",
-        type=Path,
-        default=None,
-        dest="api_keys_file",
-        help='JSON file {"key": "tenant", ...}; also $RAGKV_API_KEYS="key:tenant,..." (default: no keys)',
-    )
+    serve.add_argument("--api-keys", type=Path, default=None, dest="api_keys_file",
+                       help='JSON file {"key": "tenant", ...}; also $RAGKV_API_KEYS="key:tenant,..." (default: no keys)')
     serve.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                        help="level of the server's own logs (default: info); the access log has its own switch")
     bench = serve.add_argument_group("bench (ragkv serve bench)")
@@ -43,21 +38,15 @@ def configure(serve: argparse.ArgumentParser) -> None:
     bench.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8], help="concurrency levels (default: 1 4 8)")
     bench.add_argument("--requests", type=int, default=None, help="requests per level (default: max(16, 2 x clients))")
     bench.add_argument("--max-tokens", type=int, default=16, help="max_tokens of each request (default: 16)")
-    bench.add_argument(
-        "--sessions", type=int, default=3, help="chat sessions for the turn-1 vs turn-2 TTFT (default: 3)"
-    )
+    bench.add_argument("--sessions", type=int, default=3, help="chat sessions for the turn-1 vs turn-2 TTFT (default: 3)")
     bench.add_argument("--corpus", type=Path, default=None, help="documents to ingest first (default: examples/corpus)")
     bench.add_argument("--bench-key", default=None, help="API key the benchmark client sends")
     bench.add_argument("--decode-batches", type=int, nargs="+", default=[1, 8],
                        help="requests decoding together in the decode measurement (default: 1 8)")
     bench.add_argument("--decode-prompt-tokens", type=int, default=2048,
                        help="prompt length of each request in the decode measurement (default: 2048)")
-    bench.add_argument(
-        "--dataset",
-        type=Path,
-        default=None,
-        help="followup (required): MuSiQue-style JSON (ctxs, question); a sample's passages form a document",
-    )
+    bench.add_argument("--dataset", type=Path, default=None,
+                       help="followup (required): MuSiQue-style JSON (ctxs, question); a sample's passages form a document")
     bench.add_argument("--json", type=Path, default=None, help="write the figures to this file")
 
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ragkv.engine.numerics import attention_compute_dtype
 from ragkv.kernels.decode_attention import decode_attention as batched_decode_attention
 from ragkv.kernels.selective_attention import reads_cache_in_place, selective_attention
+
+from ragkv.engine.numerics import attention_compute_dtype
 
 
 def causal_attention(

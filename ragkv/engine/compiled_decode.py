@@ -33,7 +33,7 @@ through the compiled step too, on the decode weights: for a few rows the step's 
 kernels beat the Python loop, while past a few dozen rows the loop's GEMMs catch up."""
 
 
-def unsupported_reason(model: CausalLM) -> str | None:
+def unsupported_reason(model: "CausalLM") -> str | None:
     """Why the compiled step cannot run `model`, or None when it can."""
     weights, spec = model.weights, model.spec
     if model.device.type != "cpu":
@@ -66,7 +66,7 @@ def _packed(linear) -> tuple[torch.Tensor, torch.Tensor]:
 class CompiledDecoder:
     """The compiled step bound to one model's weights (shared, not copied)."""
 
-    def __init__(self, model: CausalLM):
+    def __init__(self, model: "CausalLM"):
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the compiled decode step cannot run this model: {reason}")
@@ -84,9 +84,7 @@ class CompiledDecoder:
             spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size, spec.rms_norm_eps, model.scale,
         )
 
-    def step(
-        self, token_ids: Sequence[int], caches: Sequence[KVCache], rows: Sequence[int], plans: Sequence = ()
-    ) -> torch.Tensor:
+    def step(self, token_ids: Sequence[int], caches: Sequence[KVCache], rows: Sequence[int], plans: Sequence = ()) -> torch.Tensor:
         """Write each token's K/V at row rows[b] of caches[b] (room reserved, lengths set by
         the caller), attend over rows [0, rows[b]] and return logits [B, vocab]. plans: none,
         or one per request, None (dense) or a sparse selector's `compiled_plan`."""

@@ -98,9 +98,7 @@ class Engine:
         self.codebook = None
         """A2ATS codebook (ragkv.sparse.A2ATSCodebook) of this model, when one is attached:
         encode_chunk then stores each chunk's codes with it."""
-        log.info(
-            "engine ready in %.1f s (%s; fingerprint %s)", self.load_seconds, self.model.numerics, self.fingerprint
-        )
+        log.info("engine ready in %.1f s (%s; fingerprint %s)", self.load_seconds, self.model.numerics, self.fingerprint)
 
     @property
     def spec(self):
@@ -146,9 +144,7 @@ class Engine:
         logits = self.model.prefill(torch.tensor(token_ids), cache)
         return cache, logits
 
-    def chat(
-        self, messages: list[dict[str, str]], config: GenerationConfig = GenerationConfig()
-    ) -> Iterator[TokenEvent]:
+    def chat(self, messages: list[dict[str, str]], config: GenerationConfig = GenerationConfig()) -> Iterator[TokenEvent]:
         """Stream an answer to chat messages with a plain prefill (no retrieval)."""
         cache, logits = self.prefill(self.prompt.encode_messages(messages), config.max_new_tokens)
         return self.stream(cache, logits, config)

@@ -67,9 +67,7 @@ class KVStorageFormat:
                 raise ValueError(f"chunk blob is not in the {self.name} format")
             return keys, values
         try:
-            keys = QuantizedKV(
-                *(tensors[f"keys.{part}"] for part in _QUANTIZED_PARTS), self.bits, "tokens", self.key_group
-            )
+            keys = QuantizedKV(*(tensors[f"keys.{part}"] for part in _QUANTIZED_PARTS), self.bits, "tokens", self.key_group)
             values = QuantizedKV(*(tensors[f"values.{part}"] for part in _QUANTIZED_PARTS), self.bits, "channels",
                                  self._value_group(keys.shape))
         except KeyError as exc:

@@ -151,9 +151,7 @@ class Linear:
         self.out_features = weight.shape[0]
         few_rows_format = numerics.lm_head_weights if lm_head else numerics.weights
         self.many_rows = _kernel(weight, numerics.prefill_weights)
-        self.few_rows = (
-            self.many_rows if few_rows_format == numerics.prefill_weights else _kernel(weight, few_rows_format)
-        )
+        self.few_rows = self.many_rows if few_rows_format == numerics.prefill_weights else _kernel(weight, few_rows_format)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return (self.few_rows if x.shape[0] <= DECODE_ROWS else self.many_rows)(x)

@@ -18,6 +18,10 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig
 
+from ragkv.kernels.rope import apply_rope
+
+from ragkv.kernels.decode_attention import decode_attention as batched_decode_attention
+
 from ragkv.engine.attention import causal_attention
 from ragkv.engine.compiled_decode import COMPILED_PREFILL_ROWS, CompiledDecoder, unsupported_reason
 from ragkv.engine.kv_cache import KVCache
@@ -25,8 +29,6 @@ from ragkv.engine.model_spec import ModelSpec
 from ragkv.engine.numerics import Numerics
 from ragkv.engine.rope import Rotary
 from ragkv.engine.weights import ModelWeights, load_weights
-from ragkv.kernels.decode_attention import decode_attention as batched_decode_attention
-from ragkv.kernels.rope import apply_rope
 
 log = logging.getLogger("ragkv.engine")
 
@@ -82,7 +84,7 @@ class CausalLM:
     @classmethod
     def load(
         cls, model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu", numerics: Numerics | None = None
-    ) -> CausalLM:
+    ) -> "CausalLM":
         """`numerics` overrides `dtype`, which alone means everything in that dtype."""
         numerics = numerics or Numerics.uniform(dtype)
         spec = ModelSpec.from_hf_config(AutoConfig.from_pretrained(model_dir))
@@ -128,9 +130,7 @@ class CausalLM:
         gate, up = w.gate_up(x).chunk(2, dim=-1)
         return hidden + w.down(F.silu(gate) * up)
 
-    def attend(
-        self, layer: int, projection: Projection, positions: torch.Tensor, cache: KVCache, rows: int
-    ) -> torch.Tensor:
+    def attend(self, layer: int, projection: Projection, positions: torch.Tensor, cache: KVCache, rows: int) -> torch.Tensor:
         keys, values = cache.layer(layer, rows)
         return causal_attention(projection.q, keys, values, positions, self.scale)
 
@@ -142,9 +142,7 @@ class CausalLM:
 
     # -- whole passes ----------------------------------------------------------------
 
-    def layer_forward(
-        self, layer: int, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache, rows: int
-    ) -> torch.Tensor:
+    def layer_forward(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache, rows: int) -> torch.Tensor:
         """Run one layer for `hidden` rows at `positions`, writing their K/V into cache rows
         `positions` and attending to the first `rows` cache rows."""
         projection = self.project(layer, hidden, positions)
@@ -220,12 +218,8 @@ class CausalLM:
             cache.reserve(row + 1)
             cache.length = row + 1
         decoder = self.compiled_decoder()
-        plans = (
-            [] if decoder is None else [compiled_plan(attention, cache) for attention, cache in zip(attentions, caches)]
-        )
-        if decoder is not None and all(
-            plan is not None or attention is None for plan, attention in zip(plans, attentions)
-        ):
+        plans = [] if decoder is None else [compiled_plan(attention, cache) for attention, cache in zip(attentions, caches)]
+        if decoder is not None and all(plan is not None or attention is None for plan, attention in zip(plans, attentions)):
             logits = decoder.step(token_ids, caches, rows, plans)
             for cache in caches:
                 cache.next_position += 1
@@ -269,14 +263,8 @@ class CausalLM:
                 log.info("decode runs the Python loop: the compiled step does not apply (%s)", reason)
         return self._compiled_decoder
 
-    def _dense_decode(
-        self, layer: int, queries: torch.Tensor, caches: Sequence[KVCache], lengths: list[int]
-    ) -> torch.Tensor:
+    def _dense_decode(self, layer: int, queries: torch.Tensor, caches: Sequence[KVCache], lengths: list[int]) -> torch.Tensor:
         """One attention call for every dense request of a step, each over its own cache."""
         return batched_decode_attention(
-            queries,
-            [cache.keys[layer] for cache in caches],
-            [cache.values[layer] for cache in caches],
-            lengths,
-            self.scale,
+            queries, [cache.keys[layer] for cache in caches], [cache.values[layer] for cache in caches], lengths, self.scale
         )

@@ -78,7 +78,7 @@ class ModelSpec:
         }
 
     @classmethod
-    def from_hf_config(cls, config: Any) -> ModelSpec:
+    def from_hf_config(cls, config: Any) -> "ModelSpec":
         family = config.model_type
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         rope_parameters = dict(getattr(config, "rope_parameters", None) or {})

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ragkv.engine.kv_cache import KVCache
-from ragkv.engine.model import CausalLM, Projection
 from ragkv.fusion.layout import FusionInput, Layout
 from ragkv.kernels.place_kv import place_keys, place_values
+from ragkv.engine.kv_cache import KVCache
+from ragkv.engine.model import CausalLM, Projection
 
 
 @dataclass
@@ -102,9 +102,7 @@ class FusionStrategy(ABC):
     # -- the shared procedure ------------------------------------------------------------
 
     @torch.inference_mode()
-    def fuse(
-        self, model: CausalLM, fusion_input: FusionInput, prefix_cache: KVCache | None, extra_capacity: int = 0
-    ) -> FusionResult:
+    def fuse(self, model: CausalLM, fusion_input: FusionInput, prefix_cache: KVCache | None, extra_capacity: int = 0) -> FusionResult:
         timings: dict[str, float] = {}
         started = time.perf_counter()
         layout = Layout.of(fusion_input)
@@ -127,9 +125,7 @@ class FusionStrategy(ABC):
                 cache.keys[layer, :, rows] = projection.k
                 cache.values[layer, :, rows] = projection.v
                 rows, hidden = rows[keep], hidden[keep]
-                projection = Projection(
-                    projection.q[:, keep], projection.k[:, keep], projection.k_pre_rope[:, keep], projection.v[:, keep]
-                )
+                projection = Projection(projection.q[:, keep], projection.k[:, keep], projection.k_pre_rope[:, keep], projection.v[:, keep])
                 recomputed_after_check = rows
             else:
                 cache.keys[layer, :, rows] = projection.k

@@ -13,9 +13,7 @@ from ragkv.fusion.full_reuse import FullReuse
 from ragkv.fusion.pie import Pie
 from ragkv.fusion.probe import Probe
 
-STRATEGIES: dict[str, type[FusionStrategy]] = {
-    cls.name: cls for cls in (Full, FullReuse, Pie, Epic, CacheBlend, A3, Probe)
-}
+STRATEGIES: dict[str, type[FusionStrategy]] = {cls.name: cls for cls in (Full, FullReuse, Pie, Epic, CacheBlend, A3, Probe)}
 STRATEGY_NAMES = tuple(STRATEGIES)
 DEFAULT_STRATEGY = Probe.name
 

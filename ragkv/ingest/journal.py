@@ -46,7 +46,7 @@ class JournalEntry:
                            "keys": [key.to_bytes().decode("ascii") for key in self.keys]}).encode()
 
     @classmethod
-    def from_json(cls, entry_id: str, raw: bytes) -> JournalEntry:
+    def from_json(cls, entry_id: str, raw: bytes) -> "JournalEntry":
         data = json.loads(raw)
         keys = [ChunkKey.from_bytes(key.encode("ascii")) for key in data["keys"]]
         return cls(entry_id, data["pid"], data["pid_start"], data["host"], data["created"], keys)

@@ -20,15 +20,15 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from ragkv.engine import Engine
-from ragkv.engine.fingerprint import KV_FORMAT_VERSION
-from ragkv.ingest.chunker import DEFAULT_CHUNK_TOKENS, chunk_document
 from ragkv.ingest.cleanup import delete_document
+from ragkv.ingest.chunker import DEFAULT_CHUNK_TOKENS, chunk_document
 from ragkv.ingest.embedder import Embedder
 from ragkv.ingest.errors import InputError
 from ragkv.ingest.journal import IngestJournal
 from ragkv.ingest.registry import ChunkRecord, DocumentRecord, Registry, check_tenant
 from ragkv.ingest.validation import DEFAULT_MAX_DOCUMENT_BYTES, check_text
+from ragkv.engine import Engine
+from ragkv.engine.fingerprint import KV_FORMAT_VERSION
 from ragkv.store.base import ChunkStore
 from ragkv.store.keys import ChunkKey, hash_tokens
 
@@ -98,15 +98,8 @@ def _text_hash(text: str, namespace: str) -> str:
 
 
 class Ingestor:
-    def __init__(
-        self,
-        engine: Engine,
-        store: ChunkStore,
-        registry: Registry,
-        embedder: Embedder,
-        journal: IngestJournal,
-        config: IngestConfig = IngestConfig(),
-    ):
+    def __init__(self, engine: Engine, store: ChunkStore, registry: Registry, embedder: Embedder, journal: IngestJournal,
+                 config: IngestConfig = IngestConfig()):
         self.engine = engine
         self.journal = journal
         self.store = store
@@ -115,11 +108,8 @@ class Ingestor:
         self.config = config
         context = engine.spec.rope.max_position_embeddings
         if len(engine.chunk_prefix_ids) + config.chunk_tokens > context:
-            raise InputError(
-                "bad_chunk_tokens",
-                f"chunk_tokens {config.chunk_tokens} does not fit the model's context of "
-                f"{context} positions (with its {len(engine.chunk_prefix_ids)}-token chunk prefix)",
-            )
+            raise InputError("bad_chunk_tokens", f"chunk_tokens {config.chunk_tokens} does not fit the model's context of "
+                             f"{context} positions (with its {len(engine.chunk_prefix_ids)}-token chunk prefix)")
 
     def chunk_key(self, chunk_hash: str) -> ChunkKey:
         return chunk_key(self.engine, chunk_hash)
@@ -143,16 +133,8 @@ class Ingestor:
         existing = self.registry.find_by_text(tenant, text_hash)
         if existing is not None:
             record = self.registry.get(tenant, existing)
-            return IngestResult(
-                record.doc_id,
-                record.name,
-                len(record.chunks),
-                record.num_tokens,
-                0,
-                len(record.chunks),
-                time.perf_counter() - started,
-                duplicate_of_existing=True,
-            )
+            return IngestResult(record.doc_id, record.name, len(record.chunks), record.num_tokens, 0, len(record.chunks),
+                                time.perf_counter() - started, duplicate_of_existing=True)
 
         chunks = chunk_document(self.engine.tokenizer, text, self.config.chunk_tokens)
         hashes = [hash_tokens(chunk.token_ids, namespace) for chunk in chunks]
@@ -200,12 +182,7 @@ class Ingestor:
 
     def _precompute(self, name, unique, added, timings, progress) -> tuple[int, int]:
         """Encode and store each chunk of `unique`; returns the blob bytes and tokens written."""
-        bar = tqdm(
-            total=len(unique),
-            desc=f"precompute {name}",
-            unit="chunk",
-            disable=not self.config.show_progress or not unique,
-        )
+        bar = tqdm(total=len(unique), desc=f"precompute {name}", unit="chunk", disable=not self.config.show_progress or not unique)
         stored_bytes = stored_tokens = 0
         for done, (chunk, chunk_hash) in enumerate(unique, start=1):
             t0 = time.perf_counter()

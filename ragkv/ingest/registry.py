@@ -61,7 +61,7 @@ class DocumentRecord:
         return json.dumps(asdict(self)).encode()
 
     @classmethod
-    def from_json(cls, raw: bytes | memoryview) -> DocumentRecord:
+    def from_json(cls, raw: bytes | memoryview) -> "DocumentRecord":
         data = json.loads(bytes(raw))
         data["chunks"] = [ChunkRecord(**chunk) for chunk in data["chunks"]]
         return cls(**data)
@@ -168,9 +168,7 @@ class Registry(ABC):
             self._matrix_cache[tenant] = (generation, owners, matrix)
         return owners, matrix
 
-    def search(
-        self, tenant: str, query_vector: np.ndarray, top_k: int, doc_ids: set[str] | None = None
-    ) -> list[SearchHit]:
+    def search(self, tenant: str, query_vector: np.ndarray, top_k: int, doc_ids: set[str] | None = None) -> list[SearchHit]:
         """Cosine top-k over the tenant's chunks (optionally only within `doc_ids`); equal
         scores keep (doc_id, chunk index) order, so every backend ranks alike."""
         owners, matrix = self._matrix(tenant)

@@ -47,9 +47,7 @@ def open_registry(url: str | None, env: LMDBEnvironment) -> Registry:
         options = {}
         for name, value in parse_qsl(parts.query, keep_blank_values=True):
             if name not in _REDIS_OPTIONS:
-                raise ValueError(
-                    f"unknown parameter {name!r} in registry URL {shown!r}; allowed: {', '.join(_REDIS_OPTIONS)}"
-                )
+                raise ValueError(f"unknown parameter {name!r} in registry URL {shown!r}; allowed: {', '.join(_REDIS_OPTIONS)}")
             key, kind = _REDIS_OPTIONS[name]
             try:
                 options[key] = kind(value)

@@ -48,10 +48,7 @@ class QuantizedKV:
         require(self.grouping in ("tokens", "channels"), f"unknown grouping {self.grouping!r}")
         require(self.codes.dtype == torch.uint8 and self.codes.dim() == 4, "codes must be a 4-D uint8 tensor")
         require(self.scale.shape == self.minimum.shape, "scale and minimum must have one shape")
-        require(
-            self.scale.shape == self._group_shape(),
-            f"scale must have shape {self._group_shape()}, got {tuple(self.scale.shape)}",
-        )
+        require(self.scale.shape == self._group_shape(), f"scale must have shape {self._group_shape()}, got {tuple(self.scale.shape)}")
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -116,9 +113,7 @@ def quantize(x: torch.Tensor, bits: int, grouping: Grouping, group: int) -> Quan
     if bits == 4:
         half = dim // 2
         codes = codes[..., :half] | (codes[..., half:] << 4)
-    return QuantizedKV(
-        codes.contiguous(), scale.half().contiguous(), minimum.half().contiguous(), bits, grouping, group
-    )
+    return QuantizedKV(codes.contiguous(), scale.half().contiguous(), minimum.half().contiguous(), bits, grouping, group)
 
 
 def code_halves(codes: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -94,9 +94,6 @@ def _dequantize_into(target: torch.Tensor, stored: QuantizedKV, tokens_of: slice
 def _check(out: torch.Tensor, stored: Stored) -> None:
     check_dtype("out", out, FLOAT_DTYPES)
     require(out.dim() == 4 and out.shape[3] % 2 == 0, f"out must be [L, H, T, D] with D even, got {tuple(out.shape)}")
-    require(
-        tuple(stored.shape) == tuple(out.shape),
-        f"stored K/V {tuple(stored.shape)} does not match its cache rows {tuple(out.shape)}",
-    )
+    require(tuple(stored.shape) == tuple(out.shape), f"stored K/V {tuple(stored.shape)} does not match its cache rows {tuple(out.shape)}")
     if not isinstance(stored, QuantizedKV):
         check_dtype("stored", stored, FLOAT_DTYPES)

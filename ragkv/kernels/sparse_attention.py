@@ -13,7 +13,6 @@ from ragkv.kernels import torch_cpu
 from ragkv.kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check_dtype, check_shape, common_device, require
 from ragkv.kernels.dispatch import Backend, select_backend
 
-
 def sparse_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,

@@ -1,8 +1,7 @@
 """Retrieval-based sparse decode attention (one selector per file) and SnapKV eviction.
 
     from ragkv.sparse import SparseConfig, PromptState
-    config = SparseConfig(selector="a2ats", budget=0.06)
-    attention = config.build(PromptState.from_fusion(model, result, codes), codebook)
+    attention = SparseConfig(selector="a2ats", budget=0.06).build(PromptState.from_fusion(model, result, codes), codebook)
     model.decode_step(token, result.cache, attention)
 
 See config.py for the budget's definition, base.py for the shared procedure and
@@ -12,13 +11,11 @@ registry.py for how selectors are chosen ('name:option=value,...').
 from __future__ import annotations
 
 # Importing each selector module registers it (ragkv.sparse.registry), in this order.
-# isort: off
-from ragkv.sparse import dense  # noqa: F401
+from ragkv.sparse import dense  # noqa: F401, I001
 from ragkv.sparse import oracle  # noqa: F401
 from ragkv.sparse import a2ats  # noqa: F401
 from ragkv.sparse import pqcache  # noqa: F401
 from ragkv.sparse import lrqk  # noqa: F401
-# isort: on
 from ragkv.sparse.base import Selector
 from ragkv.sparse.codebook import A2ATSCodebook
 from ragkv.sparse.config import SparseConfig

@@ -39,12 +39,13 @@ from typing import ClassVar
 
 import torch
 
-from ragkv.engine.kv_cache import KVCache
 from ragkv.kernels import code_score_topk, cpu_extension
+from ragkv.engine.kv_cache import KVCache
 from ragkv.sparse.base import RowBuffer, Selector
 from ragkv.sparse.codebook import A2ATSCodebook
-from ragkv.sparse.prompt import PromptState, unrotate_keys
 from ragkv.sparse.registry import SelectorOptions, register
+from ragkv.sparse.prompt import PromptState, unrotate_keys
+
 
 TILE_CENTROIDS = 16
 """Centroids per tile of the compiled step's layout (kTileCentroids in a2ats.h)."""
@@ -101,7 +102,7 @@ class A2ATSOptions(SelectorOptions):
         if self.rerank != 0 and not (self.rerank >= 1 and math.isfinite(self.rerank)):
             raise ValueError(f"a2ats rerank must be 0 (off) or a finite factor >= 1, got {self.rerank}")
 
-    def attach(self, config, prompt, codebook) -> A2ATS:
+    def attach(self, config, prompt, codebook) -> "A2ATS":
         return A2ATS(config, prompt, codebook)
 
 
@@ -142,10 +143,8 @@ class A2ATS(Selector):
         """[L, Hkv, D, C] float32 (the Python scores' table is one bmm against it), built once
         per codebook and shared by its requests."""
         mean_key = self.options.mean_key
-        return self.codebook.derived(
-            ("scoring centroids transposed", mean_key),
-            lambda: self.codebook.scoring_centroids(mean_key).values().transpose(2, 3).contiguous(),
-        )
+        return self.codebook.derived(("scoring centroids transposed", mean_key), lambda: self.codebook.scoring_centroids(
+            mean_key).values().transpose(2, 3).contiguous())
 
     def extend(self, layer: int, cache: KVCache, start: int, end: int) -> None:
         heads = self.spec.num_kv_heads
@@ -201,9 +200,7 @@ class A2ATS(Selector):
         first = None if self._rotation is None else self._rotation[0]
         if first is None or not 0 <= position - first < ROTATIONS_AHEAD:
             # the next ROTATIONS_AHEAD steps' rotations in one call: a call's fixed cost is a visible share of a step
-            relative = self.codebook.offset - torch.arange(
-                position, position + ROTATIONS_AHEAD, device=self.model.device
-            )
+            relative = self.codebook.offset - torch.arange(position, position + ROTATIONS_AHEAD, device=self.model.device)
             cos, sin = self.model.rotary.cos_sin(relative)
             self._rotation = (position, cos.float().contiguous(), sin.float().contiguous())
         first, cos, sin = self._rotation
@@ -225,9 +222,7 @@ class A2ATS(Selector):
         """How many rows of [start, end) the codes pick for the rerank to keep k of."""
         return min(end - start, math.ceil(self.options.rerank * k))
 
-    def approximate_rows(
-        self, layer: int, q: torch.Tensor, cache: KVCache, start: int, end: int, k: int
-    ) -> torch.Tensor:
+    def approximate_rows(self, layer: int, q: torch.Tensor, cache: KVCache, start: int, end: int, k: int) -> torch.Tensor:
         """The k rows [Hkv, k] the codes score highest."""
         if self.config.aggregation == "probs" or self.options.mean_key:
             return super().select(layer, q, cache, start, end, k)

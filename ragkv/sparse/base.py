@@ -31,9 +31,9 @@ from collections.abc import Callable
 
 import torch
 
-from ragkv.engine.kv_cache import KVCache
 from ragkv.kernels import sparse_decode_attention
 from ragkv.kernels.torch_cpu import gather_rows
+from ragkv.engine.kv_cache import KVCache
 from ragkv.sparse.config import SparseConfig
 from ragkv.sparse.prompt import PromptState, RowPositions
 

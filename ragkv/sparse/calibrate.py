@@ -62,9 +62,7 @@ def uuid_text(count: int, seed: int) -> str:
     return "\n".join(str(uuid.UUID(int=rng.getrandbits(128), version=4)) for _ in range(count))
 
 
-def calibration_sequences(
-    encode: Callable[[str], list[int]], texts: Sequence[str], config: CalibrationConfig
-) -> list[list[int]]:
+def calibration_sequences(encode: Callable[[str], list[int]], texts: Sequence[str], config: CalibrationConfig) -> list[list[int]]:
     """Token sequences of at most `sequence_tokens`: the texts' tokens (cycled if short)
     up to (1 - uuid_share) of the total, then UUID strings for the rest."""
     text_budget = int(round(config.tokens * (1 - config.uuid_share)))

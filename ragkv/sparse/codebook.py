@@ -46,7 +46,7 @@ class ScoringCentroids:
     """[layers, kv_heads, C] float32."""
 
     @classmethod
-    def rounded(cls, centroids: torch.Tensor) -> ScoringCentroids:
+    def rounded(cls, centroids: torch.Tensor) -> "ScoringCentroids":
         scales = centroids.abs().amax(-1).float() / 127
         safe = torch.where(scales > 0, scales, torch.ones_like(scales))
         codes = torch.round(centroids.float() / safe.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
@@ -137,21 +137,13 @@ class A2ATSCodebook:
             raise ValueError(f"the A2ATS codebook was built for (layers, kv_heads, head_dim) = {self.shape}, "
                              f"the model has {(spec.num_layers, spec.num_kv_heads, spec.head_dim)}")
 
-    def on(self, device: torch.device | str) -> A2ATSCodebook:
+    def on(self, device: torch.device | str) -> "A2ATSCodebook":
         """This codebook with its tensors on `device` (the copy is made once and kept)."""
         device = torch.device(device)
         if self.centroids.device == device:
             return self
-        return self.derived(
-            ("device copy", device),
-            lambda: A2ATSCodebook(
-                self.centroids.to(device),
-                self.transform.to(device),
-                self.offset,
-                self.key_mean.to(device),
-                dict(self.info),
-            ),
-        )
+        return self.derived(("device copy", device), lambda: A2ATSCodebook(
+            self.centroids.to(device), self.transform.to(device), self.offset, self.key_mean.to(device), dict(self.info)))
 
     # -- encoding ------------------------------------------------------------------------
 
@@ -191,15 +183,11 @@ class A2ATSCodebook:
 
     def to_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         metadata = {"offset": str(self.offset), "id": self.id, "info": json.dumps(self.info, sort_keys=True)}
-        tensors = {
-            "centroids": self.centroids.cpu(),
-            "transform": self.transform.cpu(),
-            "key_mean": self.key_mean.cpu(),
-        }
+        tensors = {"centroids": self.centroids.cpu(), "transform": self.transform.cpu(), "key_mean": self.key_mean.cpu()}
         return tensors, metadata
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> A2ATSCodebook:
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> "A2ATSCodebook":
         codebook = cls(tensors["centroids"].clone(), tensors["transform"].clone(), int(metadata["offset"]),
                        tensors["key_mean"].clone() if "key_mean" in tensors else None,
                        json.loads(metadata.get("info", "{}")))

@@ -21,7 +21,7 @@ class DenseOptions(SelectorOptions):
 
     name: ClassVar[str] = "dense"
 
-    def attach(self, config, prompt, codebook) -> Dense:
+    def attach(self, config, prompt, codebook) -> "Dense":
         return Dense(config, prompt, codebook)
 
 

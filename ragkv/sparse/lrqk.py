@@ -60,7 +60,7 @@ class LRQKOptions(SelectorOptions):
         if self.lite < 0:
             raise ValueError("lrqk lite must be >= 0")
 
-    def attach(self, config, prompt, codebook) -> LRQK:
+    def attach(self, config, prompt, codebook) -> "LRQK":
         return LRQK(config, prompt, codebook)
 
 

@@ -29,7 +29,7 @@ class OracleOptions(SelectorOptions):
 
     name: ClassVar[str] = "oracle"
 
-    def attach(self, config, prompt, codebook) -> Oracle:
+    def attach(self, config, prompt, codebook) -> "Oracle":
         return Oracle(config, prompt, codebook)
 
 

@@ -17,8 +17,8 @@ from typing import ClassVar
 
 import torch
 
-from ragkv.engine.kv_cache import KVCache
 from ragkv.kernels import code_score_topk
+from ragkv.engine.kv_cache import KVCache
 from ragkv.sparse.base import RowBuffer, Selector
 from ragkv.sparse.kmeans import kmeans, nearest
 from ragkv.sparse.prompt import PromptState
@@ -48,7 +48,7 @@ class PQCacheOptions(SelectorOptions):
         if self.iterations < 1 or self.train_rows < 2:
             raise ValueError("pqcache iterations must be >= 1 and train_rows >= 2")
 
-    def attach(self, config, prompt, codebook) -> PQCache:
+    def attach(self, config, prompt, codebook) -> "PQCache":
         return PQCache(config, prompt, codebook)
 
 

@@ -9,9 +9,7 @@ from ragkv.sparse.config import SparseConfig
 from ragkv.sparse.prompt import PromptState
 
 
-def sparse_chunk_codes(
-    engine, config: SparseConfig | None, chunks, stored: list[dict] | None
-) -> list[torch.Tensor] | None:
+def sparse_chunk_codes(engine, config: SparseConfig | None, chunks, stored: list[dict] | None) -> list[torch.Tensor] | None:
     """Per retrieved chunk, its A2ATS codes under the engine's codebook: the stored codes
     when their codebook id matches the active codebook, else computed now from the
     chunk's stored pre-RoPE keys (never stale). None unless the selector is a2ats."""

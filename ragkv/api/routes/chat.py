@@ -35,14 +35,8 @@ from ragkv.api.openapi import errors, sse_or
 from ragkv.api.responses_schema import ChatCompletion, Deleted, Model, ModelList, SessionList
 from ragkv.api.routes.completions import EMBEDDING_MODEL_ID
 from ragkv.api.routes.query import SSE_HEADERS
-from ragkv.api.schemas import (
-    DEFAULT_MAX_TOKENS,
-    SESSION_ID_PATTERN,
-    ChatRag,
-    ChatRequest,
-    generation_config,
-    query_config,
-)
+from ragkv.api.schemas import (DEFAULT_MAX_TOKENS, SESSION_ID_PATTERN, ChatRag, ChatRequest, generation_config,
+                               query_config)
 from ragkv.api.sessions import check_session_id
 from ragkv.api.sources import sources_block
 from ragkv.api.state import app_state
@@ -84,12 +78,8 @@ async def chat_completions(request: Request, body: ChatRequest):
     tenant = tenant_of(request)
     body.refuse_unsupported()
     if body.model not in (state.model_id, "ragkv"):
-        raise ApiError(
-            404,
-            "model_not_found",
-            f"the model {body.model!r} does not exist; this server serves {state.model_id!r}",
-            param="model",
-        )
+        raise ApiError(404, "model_not_found", f"the model {body.model!r} does not exist; this server serves {state.model_id!r}",
+                       param="model")
     messages = _messages(body)
     rag = body.rag or ChatRag()
     if body.session_id and rag.session_id and body.session_id != rag.session_id:
@@ -152,13 +142,8 @@ async def chat_completions(request: Request, body: ChatRequest):
 def list_models(request: Request):
     state = app_state(request)
     tenant_of(request)
-    return {
-        "object": "list",
-        "data": [
-            {"id": model_id, "object": "model", "created": int(state.started), "owned_by": "ragkv"}
-            for model_id in (state.model_id, EMBEDDING_MODEL_ID)
-        ],
-    }
+    return {"object": "list", "data": [{"id": model_id, "object": "model", "created": int(state.started), "owned_by": "ragkv"}
+                                       for model_id in (state.model_id, EMBEDDING_MODEL_ID)]}
 
 
 @router.get("/v1/models/{model_id}", responses={200: {"model": Model}, **errors(401, 404)})

@@ -58,15 +58,8 @@ def _outcomes(result: list[CompletionOutcome] | QueryCompletion) -> list[Complet
     """A plain job's outcomes, or the one of a /v1/query request (rag.enabled)."""
     if isinstance(result, list):
         return result
-    return [
-        CompletionOutcome(
-            result.text,
-            result.finish_reason,
-            result.usage.prompt_tokens,
-            result.usage.completion_tokens,
-            [citation.to_dict() for citation in result.citations],
-        )
-    ]
+    return [CompletionOutcome(result.text, result.finish_reason, result.usage.prompt_tokens, result.usage.completion_tokens,
+                              [citation.to_dict() for citation in result.citations])]
 
 
 def _usage(outcomes: list[CompletionOutcome]) -> dict:
@@ -85,12 +78,8 @@ async def completions(request: Request, body: CompletionRequest):
     tenant = tenant_of(request)
     _refuse_unsupported(body)
     if body.model not in (state.model_id, "ragkv"):
-        raise ApiError(
-            404,
-            "model_not_found",
-            f"the model {body.model!r} does not exist; this server serves {state.model_id!r}",
-            param="model",
-        )
+        raise ApiError(404, "model_not_found", f"the model {body.model!r} does not exist; this server serves {state.model_id!r}",
+                       param="model")
     prompts = _prompts(body.prompt)
     generation = generation_config(body.max_tokens, body.temperature, body.top_p, body.seed, body.stop, state.config)
     rag = body.rag
@@ -102,9 +91,7 @@ async def completions(request: Request, body: CompletionRequest):
                            param="prompt")
         job = state.service.query_job(prompts[0], tenant, config)
     else:
-        job = Job(
-            "completion", plain_completions_body(state.runtime, prompts, generation, state.config.max_input_tokens)
-        )
+        job = Job("completion", plain_completions_body(state.runtime, prompts, generation, state.config.max_input_tokens))
     completion_id = "cmpl-" + uuid.uuid4().hex[:24]
     created = int(time.time())
 
@@ -120,13 +107,8 @@ async def completions(request: Request, body: CompletionRequest):
 
     if not body.stream:
         outcomes = _outcomes(await run_job(request, state.worker, job))
-        return envelope(
-            [
-                choice(i, o.text, _FINISH.get(o.finish_reason, "stop"), o.citations if with_citations else None)
-                for i, o in enumerate(outcomes)
-            ],
-            usage=_usage(outcomes),
-        )
+        return envelope([choice(i, o.text, _FINISH.get(o.finish_reason, "stop"), o.citations if with_citations else None)
+                         for i, o in enumerate(outcomes)], usage=_usage(outcomes))
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     stream = await JobStream.start(request, state.worker, job)
@@ -137,10 +119,8 @@ async def completions(request: Request, body: CompletionRequest):
 
     def finish(result):
         outcomes = _outcomes(result)
-        events = [
-            envelope([choice(i, "", _FINISH.get(o.finish_reason, "stop"), o.citations if with_citations else None)])
-            for i, o in enumerate(outcomes)
-        ]
+        events = [envelope([choice(i, "", _FINISH.get(o.finish_reason, "stop"), o.citations if with_citations else None)])
+                  for i, o in enumerate(outcomes)]
         if include_usage:
             events.append(envelope([], usage=_usage(outcomes)))
         return events
@@ -165,12 +145,8 @@ async def embeddings(request: Request, body: EmbeddingRequest):
                        f"{EMBEDDING_MODEL_ID!r}", param="model")
     dimension = state.runtime.embedder.dimension
     if body.dimensions is not None and body.dimensions != dimension:
-        raise ApiError(
-            400,
-            "unsupported_parameter",
-            f"dimensions must be {dimension} (or absent): this model's vectors are not truncated",
-            param="dimensions",
-        )
+        raise ApiError(400, "unsupported_parameter", f"dimensions must be {dimension} (or absent): this model's vectors "
+                       "are not truncated", param="dimensions")
     texts = [body.input] if isinstance(body.input, str) else list(body.input)
     vectors, tokens = await run_job(request, state.worker, Job("embedding", embeddings_body(state.runtime, texts)))
 

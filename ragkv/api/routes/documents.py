@@ -15,15 +15,8 @@ from ragkv.api.auth import tenant_of
 from ragkv.api.errors import ApiError, as_api_error
 from ragkv.api.jobs import CANCELLED, FAILED, SUCCEEDED, JobRecord
 from ragkv.api.openapi import errors
-from ragkv.api.responses_schema import (
-    Deleted,
-    DocumentCreated,
-    DocumentDetail,
-    DocumentList,
-    JobAccepted,
-    JobList,
-    JobStatus,
-)
+from ragkv.api.responses_schema import (Deleted, DocumentCreated, DocumentDetail, DocumentList, JobAccepted, JobList,
+                                        JobStatus)
 from ragkv.api.schemas import DOC_ID_PATTERN, DocumentCreate, check_metadata
 from ragkv.api.state import AppState, app_state
 from ragkv.api.streaming import run_job
@@ -70,19 +63,14 @@ async def _read_document(request: Request, state: AppState) -> tuple[str, str, d
         form = await request.form(max_files=1, max_fields=16)
         upload = form.get("file")
         if not isinstance(upload, UploadFile):
-            raise ApiError(
-                400, "missing_file", "multipart uploads need a 'file' field holding the document", param="file"
-            )
+            raise ApiError(400, "missing_file", "multipart uploads need a 'file' field holding the document", param="file")
         name = str(form.get("name") or upload.filename or "upload.txt")
         data = await upload.read()
         text = document_text(data, name, limit)
         return text, name, check_metadata(form.get("metadata")), _form_flag(form.get("background"), "background")
     if content_type not in ("application/json", ""):
-        raise ApiError(
-            415,
-            "unsupported_media_type",
-            'send the document as JSON {"text": ..., "name": ...} or as multipart/form-data with a \'file\' field',
-        )
+        raise ApiError(415, "unsupported_media_type",
+                       "send the document as JSON {\"text\": ..., \"name\": ...} or as multipart/form-data with a 'file' field")
     raw = await request.body()
     if not raw:
         raise ApiError(400, "empty_body", "the request body is empty; send {\"text\": ..., \"name\": ...}")
@@ -94,34 +82,21 @@ async def _read_document(request: Request, state: AppState) -> tuple[str, str, d
         document = DocumentCreate.model_validate(payload)
     except ValidationError as error:
         raise ApiError(400, "invalid_parameters", _pydantic_message(error)) from None
-    return (
-        check_text(document.text, document.name, limit),
-        document.name,
-        check_metadata(document.metadata),
-        document.background,
-    )
+    return check_text(document.text, document.name, limit), document.name, check_metadata(document.metadata), document.background
 
 
 _DOCUMENT_BODY = {
     "required": True,
     "content": {
         "application/json": {"schema": {"$ref": "#/components/schemas/DocumentCreate"}},
-        "multipart/form-data": {
-            "schema": {
-                "type": "object",
-                "required": ["file"],
-                "properties": {
-                    "file": {
-                        "type": "string",
-                        "format": "binary",
-                        "description": "the document: .txt, .md, .html, .json, ...",
-                    },
-                    "name": {"type": "string", "description": "its name (default: the file name)"},
-                    "metadata": {"type": "string", "description": "a JSON object, as text"},
-                    "background": {"type": "boolean", "description": "force (true) or refuse (false) a background job"},
-                },
-            }
-        },
+        "multipart/form-data": {"schema": {
+            "type": "object", "required": ["file"],
+            "properties": {
+                "file": {"type": "string", "format": "binary", "description": "the document: .txt, .md, .html, .json, ..."},
+                "name": {"type": "string", "description": "its name (default: the file name)"},
+                "metadata": {"type": "string", "description": "a JSON object, as text"},
+                "background": {"type": "boolean", "description": "force (true) or refuse (false) a background job"},
+            }}},
     },
 }
 

@@ -12,9 +12,9 @@ from ragkv.api.auth import tenant_of
 from ragkv.api.openapi import errors, sse_or
 from ragkv.api.responses_schema import QueryResponse
 from ragkv.api.schemas import QueryRequest, generation_config, query_config
+from ragkv.app.request import Completion
 from ragkv.api.state import app_state
 from ragkv.api.streaming import JobStream, run_job, sse, sse_events
-from ragkv.app.request import Completion
 
 router = APIRouter(tags=["query"])
 
