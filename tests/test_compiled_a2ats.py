@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from compiled_kernels import SKIP_REASON, run_compiled_tests  # tests/ is on sys.path
+from test_sparse_support import write_tiny_llama
 
 from ragkv.engine.model import CausalLM
 from ragkv.engine.numerics import Numerics
@@ -13,12 +15,14 @@ from ragkv.kernels import cpu_extension, sparse_decode_attention
 from ragkv.sparse import PromptState, SparseConfig
 from ragkv.sparse.base import EXTEND_BATCH, probability_mass
 from ragkv.sparse.calibrate import CalibrationConfig, calibrate
-from test_sparse_support import write_tiny_llama
 
-pytestmark = pytest.mark.skipif(not cpu_extension.buildable(), reason="no C++ compiler or ninja on this machine")
+pytestmark = pytest.mark.skipif(not run_compiled_tests(), reason=SKIP_REASON)
 
 ROWS = 700
-GEOMETRIES = {"group2-d16": dict(heads=4, kv_heads=2, head_dim=16), "group3-d64": dict(heads=9, kv_heads=3, head_dim=64, hidden=576)}
+GEOMETRIES = {
+    "group2-d16": dict(heads=4, kv_heads=2, head_dim=16),
+    "group3-d64": dict(heads=9, kv_heads=3, head_dim=64, hidden=576),
+}
 
 
 def _numerics(kv: str) -> Numerics:
@@ -256,7 +260,9 @@ def test_compiled_sparse_decode_follows_the_python_loop(small_folder, small_code
 def test_states_the_compiled_step_does_not_cover_run_the_python_loop(folder, codebook):
     model = CausalLM.load(folder, numerics=_numerics("float32"))
     ids, cache, _ = _prompt(model, 2)
-    other = SparseConfig(selector="pqcache", budget=0.1).build(PromptState.from_prefill(model, cache, ids, 3, ROWS - 12))
+    other = SparseConfig(selector="pqcache", budget=0.1).build(
+        PromptState.from_prefill(model, cache, ids, 3, ROWS - 12)
+    )
     observed = _selector(model, cache, ids, codebook, True)
     observed.observer = lambda *args: None
     _decoding_row(cache)

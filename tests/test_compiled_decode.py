@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from compiled_kernels import SKIP_REASON, run_compiled_tests  # tests/ is on sys.path
+from tiny_models import make_tiny_model
 
 from ragkv.engine.compiled_decode import COMPILED_PREFILL_ROWS, unsupported_reason
 from ragkv.engine.model import CausalLM
 from ragkv.engine.numerics import Numerics
-from ragkv.kernels import cpu_extension
-from tiny_models import make_tiny_model
 
-pytestmark = pytest.mark.skipif(not cpu_extension.buildable(), reason="no C++ compiler or ninja on this machine")
+pytestmark = pytest.mark.skipif(not run_compiled_tests(), reason=SKIP_REASON)
 
 PROMPT_LENGTHS = (5, 300, 31, 9)
 STEPS = 10
@@ -59,7 +59,9 @@ within this of its best are a tie that either loop may break its own way."""
 def assert_same_greedy_choice(compiled_logits: torch.Tensor, python_logits: torch.Tensor) -> None:
     chosen = compiled_logits.argmax(-1, keepdim=True)
     shortfall = python_logits.max(-1).values - python_logits.gather(-1, chosen).squeeze(-1)
-    assert (shortfall <= TIE).all(), f"the compiled step chose tokens the Python loop ranks {shortfall.tolist()} below its best"
+    assert (shortfall <= TIE).all(), (
+        f"the compiled step chose tokens the Python loop ranks {shortfall.tolist()} below its best"
+    )
 
 
 @pytest.mark.parametrize("kv", ["float32", "bfloat16"])
@@ -97,7 +99,14 @@ def test_compiled_step_is_closer_to_float32_than_the_python_int8_loop(folder):
         model = _load(folder, "float32", compiled)
         caches, _ = _prefilled(model)
         tokens = reference_logits.argmax(-1).tolist()
-        errors[compiled] = (model.decode_batch(tokens, caches) - reference.decode_batch(tokens, [c.clone(2) for c in reference_caches])).abs().max()
+        errors[compiled] = (
+            (
+                model.decode_batch(tokens, caches)
+                - reference.decode_batch(tokens, [c.clone(2) for c in reference_caches])
+            )
+            .abs()
+            .max()
+        )
     assert errors[True] <= errors[False] * 1.05
 
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from compiled_kernels import SKIP_REASON, run_compiled_tests  # tests/ is on sys.path
+from tiny_models import make_tiny_model
 
 from ragkv.engine.model import CausalLM
 from ragkv.engine.numerics import Numerics
-from ragkv.kernels import cpu_extension
-from tiny_models import make_tiny_model
 
 PROMPT_LENGTHS = (5, 17, 31, 9)
 STEPS = 12
@@ -21,8 +21,8 @@ def model(request, tmp_path_factory) -> CausalLM:
     folder = make_tiny_model("llama", tmp_path_factory.mktemp("llama"))
     if request.param == "python-loop":
         return CausalLM.load(folder)
-    if not cpu_extension.buildable():
-        pytest.skip("no C++ compiler or ninja on this machine")
+    if not run_compiled_tests():
+        pytest.skip(SKIP_REASON)
     model = CausalLM.load(folder, numerics=Numerics("float32", "bfloat16", "int8", "float32"))
     assert model.compiled_decoder() is not None
     return model

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from compiled_kernels import SKIP_REASON, run_compiled_tests  # tests/ is on sys.path
 
 from ragkv.engine.linear import INT4_GROUP_SIZE, Int4Kernel, pack_int4_rows, unpack_int4_rows
 from ragkv.engine.numerics import Numerics
 from ragkv.kernels import cpu_extension
 
-needs_compiled = pytest.mark.skipif(not cpu_extension.buildable(), reason="no C++ compiler or ninja on this machine")
+needs_compiled = pytest.mark.skipif(not run_compiled_tests(), reason=SKIP_REASON)
 
 
 def q4_1_weight(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:

@@ -5,8 +5,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from compiled_kernels import SKIP_REASON, run_compiled_tests  # tests/ is on sys.path
 
-from ragkv.kernels import cpu_extension, reference, selective_attention
+from ragkv.kernels import reference, selective_attention
 from ragkv.kernels.dispatch import BackendUnavailableError
 from ragkv.kernels.selective_attention import reads_cache_in_place
 
@@ -100,7 +101,7 @@ def test_grouped_torch_path_matches_reference_on_many_unsorted_rows(dtype):
     torch.testing.assert_close(out, reference.selective_attention(q, k, v, positions, 0.125), **TOL[dtype])
 
 
-needs_cpp = pytest.mark.skipif(not cpu_extension.buildable(), reason="no C++ compiler or ninja on this machine")
+needs_cpp = pytest.mark.skipif(not run_compiled_tests(), reason=SKIP_REASON)
 
 
 @needs_cpp

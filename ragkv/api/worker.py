@@ -65,7 +65,7 @@ class ModelWorker:
         """Run the worker loop on the calling thread until `stop`. The server calls it on
         the thread that built the engine: OpenMP keeps a thread pool per thread that runs
         parallel work, and with a second pool on a 2-core machine libgomp stops spinning
-        between parallel regions, which made each decode step 2-3x slower."""
+        between parallel regions, which makes each decode step several times slower."""
         self._thread = threading.current_thread()
         self._run()
 

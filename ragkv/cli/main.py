@@ -31,7 +31,7 @@ def _add_config_option(parser: argparse.ArgumentParser) -> None:
 
 def build_parser(only: str | None = None, config: tuple[Path, dict] | None = None) -> argparse.ArgumentParser:
     """The `ragkv` parser; with `only`, just that command gets its options (the others stay
-    listed in the help), with defaults from `config` (path, loaded TOML) when given."""
+    listed in the help; "" = none does), with defaults from `config` (path, loaded TOML) when given."""
     parser = argparse.ArgumentParser(prog="ragkv", description="RAG serving over precomputed chunk KV caches")
     _add_config_option(parser)
     commands = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
@@ -69,7 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     name = next((token for token in argv if token in names), None)
     path = config_path(argv)
     try:
-        parser = build_parser(name, (path, load_config(path)) if path is not None and name else None)
+        # no command named (`ragkv --help`): no command's options are built, so nothing heavy
+        # (torch, transformers, fastapi) is imported before the help is printed
+        parser = build_parser(name or "", (path, load_config(path)) if path is not None and name else None)
     except ConfigFileError as error:
         print(f"ragkv: error: {error}", file=sys.stderr)
         return EXIT_INPUT_ERROR

@@ -29,8 +29,8 @@ if TYPE_CHECKING:
 
 COMPILED_PREFILL_ROWS = 32
 """Prefills of up to this many rows after a cached prefix (a chat turn's new tokens) run
-through the compiled step too, on the int8 decode weights: 21 rows over a 6.2K-token cache
-took 234 ms against 337 ms in the Python loop, 64 rows about the same in both (AVX2 CPU)."""
+through the compiled step too, on the decode weights: for a few rows the step's few-row
+kernels beat the Python loop, while past a few dozen rows the loop's GEMMs catch up."""
 
 
 def unsupported_reason(model: "CausalLM") -> str | None:
@@ -102,9 +102,8 @@ class CompiledDecoder:
         return self._run(token_ids, rows, [cache] * len(rows), rows, [len(rows) - 1])[0]
 
     def _run(self, token_ids, positions, caches, rows, logit_rows, plans=()) -> torch.Tensor:
-        # embedding and RoPE angles are computed inside the step: as a dozen torch ops they
-        # took 0.17 ms of Python per step (0.015 ms left), with warm caches; a step leaves
-        # them cold, which costs more
+        # embedding and RoPE angles are computed inside the step: as a dozen torch ops their
+        # Python dispatch was a visible share of a step, and a step leaves its caches cold
         return self._compiled.step(
             list(token_ids), list(positions),
             [cache.keys for cache in caches], [cache.values for cache in caches], list(rows), logit_rows, list(plans),

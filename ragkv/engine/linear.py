@@ -25,9 +25,8 @@ INT4_INNER_K_TILES = 2
 
 PACKED_ACTIVATION_DTYPE = torch.bfloat16
 """Activations of torch's packed int8/int4 CPU kernels: they are vectorised for bf16 and
-not for float32. SmolLM2's 30 layers for one decode row: int8 8 ms on bf16 activations
-against 102 ms on float32 ones (AVX2 CPU without bf16 units, where float32 MKL took 15 ms;
-BENCHMARKS.md); CPUs with AVX512-BF16 gain more."""
+not for float32, where they are many times slower even on CPUs without bf16 units
+(BENCHMARKS.md); CPUs with AVX512-BF16 gain more."""
 
 
 class DenseKernel:

@@ -9,12 +9,12 @@ Four choices, each a plain dtype or weight format name:
 "auto" picks by measurement on two CPU kinds (BENCHMARKS.md):
 - decode weights: int4 where the compiled CPU kernels build (integer dot products on int8
   activations; a Q4_1 GGUF's layers exactly, so its first-token KL against float32 weights
-  was below int8's: 0.0021 against 0.0029, and a step 7% faster at 8K), else int8 (torch's
-  packed kernel reads a quarter of float32's bytes; torch's int4 kernel rounds its scales
-  to bf16 and was measured at KL 0.028);
+  is below int8's, and a step reads fewer bytes), else int8 (torch's packed kernel reads a
+  quarter of float32's bytes; torch's int4 kernel rounds its scales to bf16, which costs
+  too much accuracy);
 - prefill weights: bfloat16 where the CPU has bf16 matrix units (AVX512-BF16 / AMX: a
-  bf16 GEMM 4.4x float32), else the residual dtype (without them torch emulates bf16 and
-  a GEMM is ~12x slower than float32);
+  bf16 GEMM is several times faster than float32), else the residual dtype (without them
+  torch emulates bf16 and a GEMM is an order of magnitude slower than float32);
 - KV cache: bfloat16 (half the bytes a long-context decode step reads) where the CPU has
   bf16 units or the compiled CPU kernels can be built (they read bf16 rows and compute in
   float32); else the residual dtype.
@@ -48,8 +48,8 @@ def cpu_has_fp16_units() -> bool:
 
 def attention_compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype attention over a `dtype` cache computes in: the cache's own where the
-    device multiplies it natively, float32 on CPUs that would emulate it (a bf16 matmul
-    ran 6.7x slower than float32 on an AVX2 CPU)."""
+    device multiplies it natively, float32 on CPUs that would emulate it (an emulated bf16
+    matmul is several times slower than float32)."""
     if device.type != "cpu" or dtype == torch.float32:
         return dtype
     native = cpu_has_bf16_units() if dtype == torch.bfloat16 else cpu_has_fp16_units()
@@ -85,8 +85,8 @@ class Numerics:
     def lm_head_weights(self) -> str:
         """The LM head's decode format: int8 where the layers are int4. A GGUF keeps the
         (tied) embedding in 8 bits (SmolLM2's Q4_1 file: Q8_0), which int4 groups round
-        coarser: the head alone measured first-token KL 0.031 in int4 against 0.00045 in
-        int8 (BENCHMARKS.md), for 10 MB less read per step."""
+        coarser: on the head alone int4 moved the first token's distribution far more than
+        int8 (BENCHMARKS.md), for only a small share of the bytes a step reads."""
         return "int8" if self.weights == "int4" else self.weights
 
     @property

@@ -36,8 +36,11 @@ class Embedder:
         self.model = SentenceTransformer(str(model_path or packaged_embedder_path()), device=device)
         self.dimension = self.model.get_embedding_dimension()
 
+    # show_progress_bar=False: sentence-transformers shows a "Batches" bar whenever its logger
+    # is at INFO, which would put one in the server log for every retrieval.
     def embed_queries(self, texts: list[str]) -> np.ndarray:
-        return self.model.encode(texts, normalize_embeddings=True, convert_to_numpy=True).astype(np.float32)
+        vectors = self.model.encode(texts, normalize_embeddings=True, convert_to_numpy=True, show_progress_bar=False)
+        return vectors.astype(np.float32)
 
     def embed_passages(self, texts: list[str]) -> np.ndarray:
         """One unit vector per passage: the mean of its windows' embeddings."""
@@ -46,7 +49,9 @@ class Embedder:
             for window in _windows(text):
                 windows.append(window)
                 owners.append(owner)
-        vectors = self.model.encode(windows, normalize_embeddings=True, convert_to_numpy=True, batch_size=32)
+        vectors = self.model.encode(
+            windows, normalize_embeddings=True, convert_to_numpy=True, batch_size=32, show_progress_bar=False
+        )
         sums = np.zeros((len(texts), vectors.shape[1]), dtype=np.float32)
         np.add.at(sums, np.asarray(owners), vectors)
         return sums / np.maximum(np.linalg.norm(sums, axis=1, keepdims=True), 1e-12)

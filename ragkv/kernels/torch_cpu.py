@@ -84,7 +84,7 @@ def decode_attention(
     q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], lengths: list[int], scale: float
 ) -> torch.Tensor:
     """The reference's decode attention as two matmuls per request and KV head: torch's CPU
-    SDPA runs one bf16 query row 5-8x slower, and copies a cache slice that is not
+    SDPA runs one bf16 query row several times slower, and copies a cache slice that is not
     contiguous across heads (each head's rows are)."""
     dim = q.shape[2]
     out = torch.empty_like(q)

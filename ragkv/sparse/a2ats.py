@@ -12,15 +12,15 @@ pre-RoPE key of the layer/head), q . R(p) k = q . R(p) m + q . R(p) r. The first
 is computed EXACTLY for every row from its true position (it needs no per-row state:
 one [rows, D] x [D, G] product against a [cos | sin] table of positions); only the
 residual goes through WRoPE and the codes. On SmolLM2-135M plain WRoPE loses most
-of the positional signal (strict recall ~0.5 at a 6% budget); the exact mean-key term
+of the positional signal (strict recall collapses at a 6% budget); the exact mean-key term
 is what brings it back (measured by `ragkv bench sparse`). With
 mean key off and head_aggregation='logits' the score is a pure table lookup and runs
 in kernels.code_score_topk.
 
 Rerank (option rerank, default 2): the codes pick rerank x k candidates and the k kept
 are those with the most exact attention mass among them, which reads the candidates' keys
-but not their values; it lifts recall of the oracle's mass from 0.873 to 0.963 on the dev
-set (BENCHMARKS.md).
+but not their values; it lifts recall of the oracle's mass well above what the codes alone
+reach (BENCHMARKS.md).
 
 On the CPU the whole selection runs inside the compiled decode step
 (`compiled_plan` hands it this request's state; ragkv/kernels/cpu/a2ats.h), with this
@@ -84,18 +84,18 @@ class A2ATSOptions(SelectorOptions):
     name: ClassVar[str] = "a2ats"
     needs_codebook: ClassVar[bool] = True
     default_head_aggregation: ClassVar[str] = "logits"
-    """On the project's 2-core CPU (compiled step, 6% budget, 8K tokens) the summed logits
-    decode 1.33-1.45x faster than dense against 1.03-1.14x for 'probs', at recall 0.933
-    against 0.963 of the oracle's mass and the same answers within noise (BENCHMARKS.md)."""
+    """On the CPU the summed logits make the compiled step much faster than 'probs' (no
+    exponentials per row), at a recall that still clears the goal and the same answers
+    within noise (BENCHMARKS.md)."""
     mean_key: bool = True
     """Score the calibration mean key with its exact RoPE and only the residual (k - mean)
     with WRoPE; False = plain WRoPE on the whole key (the paper's form)."""
     rerank: float = 2.0
     """0 = off. Otherwise the codes pick rerank x k candidates and the k kept are the ones
     with the most exact attention mass among them: a step then also reads the keys
-    (not the values) of (rerank - 1) x k rows beyond the budget. Default 2: recall of the
-    oracle's mass 0.963 against 0.873 with the codes alone (`ragkv bench sparse`, 5 dev
-    examples of ~6.1K tokens, BENCHMARKS.md)."""
+    (not the values) of (rerank - 1) x k rows beyond the budget. Default 2: the smallest
+    factor whose recall of the oracle's mass clears the goal with a margin (`ragkv bench
+    sparse`, BENCHMARKS.md)."""
 
     def __post_init__(self) -> None:
         if self.rerank != 0 and not (self.rerank >= 1 and math.isfinite(self.rerank)):
@@ -176,8 +176,8 @@ class A2ATS(Selector, options=A2ATSOptions):
     def compiled_spans(self, cache: KVCache) -> set[tuple[int, int, int]]:
         """The distinct step spans of every layer. A layer's span depends only on the cache
         length and its `ready` rows, so while every layer is as ready as layer 0 after its
-        span (no extension this step) they share it: one call instead of one per layer
-        (30 calls took 36 us with warm caches; a step leaves them cold)."""
+        span (no extension this step) they share it: one call instead of one per layer, whose
+        Python overhead a step pays with cold caches."""
         before = self.ready[0]
         first = self.step_span(0, cache)
         if self.ready[0] == before and all(ready == before for ready in self.ready):
@@ -195,7 +195,7 @@ class A2ATS(Selector, options=A2ATSOptions):
         position = self.current_position(cache)
         first = None if self._rotation is None else self._rotation[0]
         if first is None or not 0 <= position - first < ROTATIONS_AHEAD:
-            # the next ROTATIONS_AHEAD steps' rotations in one call: a call costs ~0.1 ms, a step ~15
+            # the next ROTATIONS_AHEAD steps' rotations in one call: a call's fixed cost is a visible share of a step
             relative = self.codebook.offset - torch.arange(position, position + ROTATIONS_AHEAD, device=self.model.device)
             cos, sin = self.model.rotary.cos_sin(relative)
             self._rotation = (position, cos.float().contiguous(), sin.float().contiguous())

@@ -37,8 +37,8 @@ _BLOCK = 2048
 @dataclass(frozen=True, eq=False)
 class ScoringCentroids:
     """Centroids rounded to int8 with one float32 scale each (symmetric, the largest
-    coordinate at +-127). The step's A2ATS tables were bound by streaming the centroids
-    from DRAM: in float16 a head's 1024 took 6.5-7 us, in int8 2.8 us (BENCHMARKS.md)."""
+    coordinate at +-127). The step's A2ATS tables are bound by streaming the centroids
+    from DRAM, so half the bytes of float16 makes them faster (BENCHMARKS.md)."""
 
     codes: torch.Tensor
     """[layers, kv_heads, C, D] int8."""

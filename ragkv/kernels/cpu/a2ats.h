@@ -48,17 +48,16 @@
 namespace ragkv {
 
 // Most rows per scoring item (a multiple of kWarmEvery). Each item pays a claim and restarts
-// the stream of its codes: at 8K rows 2048 made the step 1.8% faster than 512 in a quiet
-// spell, up to 5% in a slow one; fewer items per head gave the candidate warming less to hide in.
+// the stream of its codes, which waits on DRAM latency, so items are large; larger still
+// would leave too few later items for the candidate warming to hide in.
 constexpr int64_t kScoreRows = 2048;
 constexpr int64_t kWarmEvery = 128;  // rows scored between two batches of warmed candidate rows (two 64-row tiles)
 constexpr int64_t kWarmRows = 16;    // candidate rows (key and value) warmed per batch
 // Centroids per table item (a multiple of kTileCentroids): an item restarts the stream of
-// its tiles, and one item per head of a 1024-centroid codebook took 0.63 -> 0.33 thread-ms
-// of an 8K step's tables against 256 (slow spell).
+// its tiles, so a 1024-centroid codebook is one item per head, one uninterrupted stream.
 constexpr int64_t kTableColumns = 1024;
 constexpr int64_t kTileCentroids = 16;
-constexpr int64_t kRerankRows = 512;  // a multiple of the 4-row score tiles; a chunk restarts its reads ahead (128: 1-1.5% slower steps)
+constexpr int64_t kRerankRows = 512;  // a multiple of the 4-row score tiles; each chunk restarts its reads ahead, so chunks are large
 constexpr int kRadixBits = 11;
 constexpr int kNarrowRadixBits = 8;
 constexpr int64_t kWideRadixKeys = 4096;  // keys from which a radix level takes kRadixBits
@@ -462,7 +461,7 @@ inline void copy_row(const T* row, int64_t dim, T* out) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(reinterpret_cast<char*>(out) + offset),
                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(reinterpret_cast<const char*>(row) + offset)));
 #endif
-  if (offset < bytes)  // the call alone costs ~7 ns a row, a quarter of a scattered row's read
+  if (offset < bytes)  // only for a tail: a memcpy call per row costs a visible share of a scattered row's read
     std::memcpy(reinterpret_cast<char*>(out) + offset, reinterpret_cast<const char*>(row) + offset, bytes - offset);
 }
 
@@ -473,7 +472,7 @@ inline void copy_row(const T* row, int64_t dim, T* out) {
 template <typename T, typename RowOf>
 void gather_rows(const T* keys, const T* values, int64_t row_stride, int64_t count, int64_t dim, RowOf row_of,
                  T* keys_out, T* values_out) {
-  constexpr int64_t ahead = 32;  // rows in flight: scattered rows wait on DRAM latency (32 measured faster than 16)
+  constexpr int64_t ahead = 32;  // rows in flight: scattered rows wait on DRAM latency, so keep many misses outstanding
   auto prefetch = [&](int64_t i) {
     prefetch_rows(keys, row_of(i), 1, row_stride, dim);
     if (values_out != nullptr) prefetch_rows(values, row_of(i), 1, row_stride, dim);
@@ -628,8 +627,8 @@ void a2ats_attention(const float* q, const CacheView<T>& view, const A2atsLayer&
   // The rerank reads its candidates' keys at DRAM latency, and the kept rows' values after
   // it, while the scores are bound by arithmetic: scoring a later head fetches an earlier
   // head's candidate keys and values into L2 a few rows at a time, so that most of those
-  // reads hit cache (the values of the candidates not kept are fetched for nothing: the
-  // kept rows' value reads took 0.3 thread-ms less per 8K step, the scores ~0.1 more).
+  // reads hit cache (the values of the candidates not kept are fetched for nothing, but
+  // the kept rows' value reads save more than the scores lose).
   std::unique_ptr<std::atomic<int64_t>[]> warmed(new std::atomic<int64_t>[kv_heads]);
   for (int64_t h = 0; h < kv_heads; ++h) warmed[h].store(0, std::memory_order_relaxed);
   auto warm_candidates = [&](int64_t scoring) {

@@ -31,9 +31,9 @@ namespace ragkv {
 
 
 constexpr int64_t kBlockRows = 256;
-// Rows ahead of a cache stretch read in order fetched into L2: with the 32-64-row fetches
-// into L1 alone, dense decode attention at 8K read 19-20 GB/s of a 28 GB/s machine, with
-// these 22-23 (an op microbenchmark; BENCHMARKS.md).
+// Rows ahead of a cache stretch read in order fetched into L2: the short fetches into L1
+// alone leave DRAM idle between blocks, and these keep the next block's reads in flight
+// while this one's arithmetic runs, closer to the machine's streaming bandwidth.
 constexpr int64_t kStreamAheadRows = 256;
 
 // exp for x <= 0 (softmax arguments), vectorisable: 2^(x log2 e) split into integer and

@@ -1,7 +1,7 @@
 // Items [0, count) spread over torch's intra-op threads from one shared counter: each
 // thread claims the next unclaimed item when it is free, in index order. With a fixed share
-// per thread, the thread whose rows streamed slower kept the other waiting (~15% of a
-// decode step's linear calls, measured); claiming also lets an item wait on the stage of
+// per thread, the thread whose rows streamed slower kept the other waiting at the end of
+// every decode-step linear; claiming also lets an item wait on the stage of
 // an earlier item (A2ATS), which is always claimed first.
 #pragma once
 

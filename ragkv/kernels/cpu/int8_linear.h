@@ -67,8 +67,8 @@ inline void int8_rows(const float* x, int64_t x_stride, const int8_t* w, int64_t
 inline void int8_linear(const float* x, int64_t rows, int64_t in, const int8_t* w, const at::BFloat16* scales,
                         int64_t out, float* y) {
   // Blocks of out / 32 channels, 32 to 256: the L2 fetches run kInt8FarTiles tiles ahead,
-  // and past a block's end they warm channels the other thread may claim (32-channel blocks
-  // made the LM head 1.16x slower than 256).
+  // and past a block's end they warm channels the other thread may claim (small blocks
+  // restart those fetches too often on a wide LM head).
   const int64_t block_channels = std::clamp<int64_t>(out / 32 / 8 * 8, 32, 256);
   const int64_t blocks = (out + block_channels - 1) / block_channels;
   for_each_claimed(blocks, [&](int64_t index) {

@@ -105,8 +105,8 @@ at::Tensor selective_attention_op(const at::Tensor& q, const at::Tensor& keys, c
 // float32, key mean [layers, Hkv, D] float32 (empty: no mean-key term), rotary
 // [positions, D] float32 ([cos | sin] of every rotation pair at each position), ranking by
 // the group's summed probabilities, or its summed logits when `logits`. Built once and kept
-// while those tensors are; each decode step then sets its own part (`step`). A cold build
-// cost ~40 us of Python and C++ a step.
+// while those tensors are; each decode step then sets its own part (`step`), since a build
+// with the step's cold caches is a visible share of a step.
 class A2atsPlan {
  public:
   A2atsPlan(at::Tensor codes, at::Tensor centroid_tiles, at::Tensor centroid_scales, at::Tensor key_mean,
@@ -492,8 +492,8 @@ class DecodeModel {
                            plans[b]->layer(layer), heads_, kv_heads_, head_dim_, attended + b * width, nullptr);
   }
 
-  // out = silu(gate) * up, silu(g) = g * sigmoid(g) from e = exp(-|g|) (no overflow): a
-  // scalar libm exp per element was 0.25 ms of a ~17 ms SmolLM2 step.
+  // out = silu(gate) * up, silu(g) = g * sigmoid(g) from e = exp(-|g|) (no overflow),
+  // vectorised: a scalar libm exp per element is a visible share of a decode step.
   static void silu_gate(const float* gate, const float* up, int64_t n, float* out) {
     int64_t i = 0;
 #if defined(__AVX2__) && defined(__FMA__)
