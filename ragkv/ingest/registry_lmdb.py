@@ -107,15 +107,7 @@ class LMDBRegistry(Registry):
             txn.delete(f"{tenant}/{record.text_hash}".encode(), db=self._by_text)
             for chunk in record.chunks:
                 txn.delete(f"{tenant}/{doc_id}/{chunk.index:06d}".encode(), db=self._vectors)
-            orphans = []
-            for chunk_hash in {chunk.chunk_hash for chunk in record.chunks}:
-                raw_count = txn.get(chunk_hash.encode(), db=self._refs)
-                count = int(bytes(raw_count)) - 1 if raw_count is not None else 0
-                if count > 0:
-                    txn.put(chunk_hash.encode(), str(count).encode(), db=self._refs)
-                else:
-                    txn.delete(chunk_hash.encode(), db=self._refs)
-                    orphans.append(chunk_hash)
+            orphans = self._count_refs(txn, [(h, -1) for h in {chunk.chunk_hash for chunk in record.chunks}])
             self._bump_generation(txn, tenant, doc_id)
             return record, orphans
 
@@ -138,20 +130,26 @@ class LMDBRegistry(Registry):
             for chunk, vector in zip(record.chunks, embeddings):
                 txn.put(f"{tenant}/{doc_id}/{chunk.index:06d}".encode(), vector.tobytes(), db=self._vectors)
             old_hashes, new_hashes = {c.chunk_hash for c in old.chunks}, {c.chunk_hash for c in record.chunks}
-            orphans = []
             changes = [(h, 1) for h in new_hashes - old_hashes] + [(h, -1) for h in old_hashes - new_hashes]
-            for chunk_hash, change in changes:
-                raw_count = txn.get(chunk_hash.encode(), db=self._refs)
-                count = (int(bytes(raw_count)) if raw_count is not None else 0) + change
-                if count > 0:
-                    txn.put(chunk_hash.encode(), str(count).encode(), db=self._refs)
-                else:
-                    txn.delete(chunk_hash.encode(), db=self._refs)
-                    orphans.append(chunk_hash)
+            orphans = self._count_refs(txn, changes)
             self._bump_generation(txn, tenant, doc_id)
             return old, sorted(orphans)
 
         return self.env.write(write)
+
+    def _count_refs(self, txn, changes: list[tuple[str, int]]) -> list[str]:
+        """Apply (chunk_hash, +1/-1) reference changes in the caller's transaction; return the
+        hashes no document uses any more."""
+        orphans = []
+        for chunk_hash, change in changes:
+            raw_count = txn.get(chunk_hash.encode(), db=self._refs)
+            count = (int(bytes(raw_count)) if raw_count is not None else 0) + change
+            if count > 0:
+                txn.put(chunk_hash.encode(), str(count).encode(), db=self._refs)
+            else:
+                txn.delete(chunk_hash.encode(), db=self._refs)
+                orphans.append(chunk_hash)
+        return orphans
 
     def identity(self) -> str:
         return f"lmdb:{self.env.path}"
