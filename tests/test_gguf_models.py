@@ -17,7 +17,7 @@ from ragkv.engine.fingerprint import model_fingerprint
 from ragkv.engine.gguf_file import SUPPORTED_ARCHITECTURES, UnsupportedModelError
 from ragkv.engine.linear import Int4Kernel
 from ragkv.engine.model import CausalLM
-from ragkv.engine.model_files import INT4_BLOCKS_FILE, SOURCE_FILE, resolve_model_dir
+from ragkv.engine.model_files import INT4_BLOCKS_FILE, SOURCE_FILE, resolve_model_dir, served_name
 from ragkv.engine.numerics import Numerics
 from tiny_gguf import VOCAB, write_tiny_gguf
 from tiny_models import make_tiny_model
@@ -167,6 +167,7 @@ def _hub_snapshot(org: str, name: str, revision: str = "0123abcd") -> Path:
 def test_hub_ids_resolve_from_the_local_cache_only(files):
     folder = make_tiny_model("qwen3", _hub_snapshot("tiny-org", "tiny-qwen3"))
     assert resolve_model_dir("tiny-org/tiny-qwen3") == folder
+    assert served_name(folder) == "tiny-org/tiny-qwen3"  # not the snapshot's revision hash
     snapshot = _hub_snapshot("tiny-org", "tiny-llama-gguf")
     (snapshot / "tiny.Q4_1.gguf").write_bytes(_gguf(files, "llama", "Q4_1").read_bytes())
     model_dir = resolve_model_dir("tiny-org/tiny-llama-gguf")

@@ -104,7 +104,7 @@ def _build_state(config: ServeConfig, metrics: Metrics) -> AppState:
         worker = ModelWorker(scheduler, max_active=config.max_active, max_queued=config.max_queued,
                              on_finished=lambda task: metrics.jobs.labels(task.kind, task.outcome or "unknown").inc())
         service = Service(runtime, config, metrics, sessions)
-        model_id = config.model_id or runtime.engine.model_dir.name
+        model_id = config.model_id or runtime.engine.model_name
         state = AppState(config, runtime, worker, sessions, IngestRecords(runtime.env), metrics, service, model_id)
     except BaseException:
         runtime.close()

@@ -16,7 +16,7 @@ from ragkv.engine.fingerprint import model_fingerprint
 from ragkv.engine.kv_cache import KVCache
 from ragkv.engine.kv_storage import KV_STORAGE_FORMATS
 from ragkv.engine.model import CausalLM
-from ragkv.engine.model_files import resolve_model_dir
+from ragkv.engine.model_files import resolve_model_dir, served_name
 from ragkv.engine.numerics import DTYPES, WEIGHT_FORMATS, Numerics, resolve_numerics
 from ragkv.engine.prompt import DEFAULT_SYSTEM_PROMPT, ChatPrompt
 
@@ -78,6 +78,8 @@ class Engine:
             torch.set_num_threads(config.threads)
         started = time.perf_counter()
         self.model_dir = resolve_model_dir(config.model)
+        self.model_name = served_name(self.model_dir)
+        """What the API serves the model as: the folder's name, or `org/name` for a hub id."""
         self.model = CausalLM.load(self.model_dir, device=config.device, numerics=config.numerics())
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.prompt = ChatPrompt(self.tokenizer, config.system_prompt)

@@ -81,6 +81,15 @@ def resolve_model_dir(model: str | None) -> Path:
     )
 
 
+def served_name(model_dir: Path) -> str:
+    """The name a resolved model folder is served under: `org/name` for a hub-cache snapshot
+    (its folder is named for a revision hash), else the folder's own name."""
+    repo = model_dir.parent.parent
+    if model_dir.parent.name == "snapshots" and repo.name.startswith("models--"):
+        return "/".join(repo.name[len("models--"):].split("--", 1))
+    return model_dir.name
+
+
 def _model_folder(path: Path, shown: str) -> Path:
     """A folder with config.json of a supported family, or one holding exactly one GGUF file."""
     if (path / "config.json").is_file():
