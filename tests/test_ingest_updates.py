@@ -241,7 +241,7 @@ def test_pdf_and_docx_round_trip_with_page_numbered_citations(tmp_path):
     filler = "The annual report continues with routine figures about staffing and budgets. " * 5
     (folder / "report.pdf").write_bytes(pdf_bytes([filler + PAGE_FACTS[0], filler + PAGE_FACTS[1],
                                                    filler + PAGE_FACTS[2]]))
-    (folder / "notes.docx").write_bytes(docx_bytes(["Meeting notes. The ferry timetable changes in May."]))
+    (folder / "notes.docx").write_bytes(docx_bytes(["Meeting notes. The library roof repair was approved in May."]))
     home = tmp_path / "home"
     ingested = _ragkv(home, "ingest", str(folder / "report.pdf"), str(folder / "notes.docx"), "--json",
                       "--no-progress", "--chunk-tokens", "48")
@@ -263,7 +263,7 @@ def test_pdf_and_docx_round_trip_with_page_numbered_citations(tmp_path):
         else:
             assert citation["page"] is None
     # the same name again, edited: replaced in place (same id), not added
-    (folder / "notes.docx").write_bytes(docx_bytes(["Meeting notes. The ferry timetable changes in June."]))
+    (folder / "notes.docx").write_bytes(docx_bytes(["Meeting notes. The library roof repair was postponed to June."]))
     again = _ragkv(home, "ingest", str(folder / "notes.docx"), "--json", "--no-progress", "--chunk-tokens", "48")
     document = json.loads(again.stdout)["documents"][0]
     assert document["replaced"] and len(json.loads(_ragkv(home, "docs", "list", "--json").stdout)["data"]) == 2
