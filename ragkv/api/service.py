@@ -14,6 +14,7 @@ from ragkv.api.config import ServeConfig
 from ragkv.api.errors import as_api_error
 from ragkv.api.metrics import Metrics
 from ragkv.api.sessions import RedisSessions
+from ragkv.api.vllm_metrics import RequestRecord
 from ragkv.api.worker import Job
 from ragkv.app.chat import ChatTurn, ChatTurns
 from ragkv.app.contexts import ContextCache
@@ -64,6 +65,7 @@ class Service:
             self.metrics.record_usage(completion.usage, max(fused - missing, 0), missing)
             if endpoint == "chat":
                 self.metrics.sessions_turns.labels(phase).inc()
+            self.metrics.vllm.record_request(self.metrics.model_name, RequestRecord.of(request, completion))
 
         return record
 

@@ -11,6 +11,9 @@ from ragkv.engine.kv_cache import KVCache
 from ragkv.engine.model import CausalLM, DecodeAttention
 from ragkv.engine.sampling import Sampler, SamplingConfig
 
+MAX_LOGPROBS = 20
+"""OpenAI's limit on top_logprobs."""
+
 
 @dataclass(frozen=True)
 class GenerationConfig:
@@ -19,10 +22,15 @@ class GenerationConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     stop: tuple[str, ...] = ()
     """Strings that end generation; the stop string itself is not returned."""
+    logprobs: int | None = None
+    """Report each generated token's log-probability and the `logprobs` most likely
+    alternatives (0: the chosen token's only); None = not computed."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_new_tokens <= 32768:
             raise ValueError(f"max_new_tokens must be in [1, 32768], got {self.max_new_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
 
@@ -36,6 +44,8 @@ class TokenEvent:
     token_id: int | None
     text: str
     finish_reason: str | None = None
+    logits: torch.Tensor | None = None
+    """The logits the token was sampled from (for its log-probability)."""
 
 
 class _TextTracker:
@@ -92,14 +102,14 @@ def stream_tokens(
     for step in range(config.max_new_tokens):
         token = sampler(logits)
         if token in eos:
-            yield TokenEvent(token, tracker.rest(), "eos")
+            yield TokenEvent(token, tracker.rest(), "eos", logits)
             return
         delta, stopped = tracker.push(token)
         if stopped:
-            yield TokenEvent(token, delta, "stop")
+            yield TokenEvent(token, delta, "stop", logits)
             return
         if step + 1 == config.max_new_tokens:
-            yield TokenEvent(token, delta + tracker.rest(), "length")
+            yield TokenEvent(token, delta + tracker.rest(), "length", logits)
             return
-        yield TokenEvent(token, delta)
+        yield TokenEvent(token, delta, None, logits)
         logits = model.decode_step(token, cache, attention)
