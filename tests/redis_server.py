@@ -17,7 +17,7 @@ import time
 class RedisServer:
     """``redis-server`` subprocess; :meth:`stop` kills it, :meth:`start` (re)starts it on the same port."""
 
-    def __init__(self, binary: str | None = None) -> None:
+    def __init__(self, binary: str | None = None, *, port: int | None = None, extra_args: tuple[str, ...] = ()) -> None:
         found = binary or shutil.which("redis-server")
         if found is None:
             raise FileNotFoundError(
@@ -25,7 +25,8 @@ class RedisServer:
                 "(Debian/Ubuntu: apt-get install redis-server)"
             )
         self.binary = found
-        self.port = _free_port()
+        self.port = port or _free_port()
+        self.extra_args = list(extra_args)
         self._dir = tempfile.mkdtemp(prefix="ragkv-redis-")
         self._process: subprocess.Popen[bytes] | None = None
 
@@ -38,7 +39,7 @@ class RedisServer:
             raise RuntimeError("redis-server is already running")
         self._process = subprocess.Popen(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", self._dir, "--loglevel", "warning"],
+             "--appendonly", "no", "--dir", self._dir, "--loglevel", "warning", *self.extra_args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
         )
