@@ -26,7 +26,7 @@ from ragkv.api.metrics import Metrics, Reading
 from ragkv.api.middleware import ServingMiddleware
 from ragkv.api.openapi import install_docs
 from ragkv.api.responses import SafeJSONResponse
-from ragkv.api.routes import chat, completions, documents, query, system
+from ragkv.api.routes import chat, completions, documents, query, responses, system
 from ragkv.api.service import Service
 from ragkv.api.sessions import RedisSessions, open_sessions
 from ragkv.api.state import AppState, redis_tiers
@@ -162,7 +162,7 @@ def create_app(config: ServeConfig = ServeConfig()) -> FastAPI:
     app.state.authenticator = authenticator
     install_error_handlers(app)
     install_docs(app, config)
-    for module in (system, documents, query, chat, completions):
+    for module in (system, documents, query, chat, completions, responses):
         app.include_router(module.router)
     app.add_middleware(ServingMiddleware, metrics=metrics, authenticator=authenticator,
                        max_body_bytes=int(config.max_body_kb * 1024),

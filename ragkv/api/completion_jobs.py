@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ragkv.app.logprobs import TokenLogprob, token_logprob
 from ragkv.app.runtime import Runtime
 from ragkv.engine.generation import GenerationConfig
 from ragkv.ingest.errors import InputError
@@ -28,6 +29,7 @@ class CompletionOutcome:
     prompt_tokens: int
     completion_tokens: int
     citations: list[dict] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
 
 
 def _tagged(index: int, generator: Generator) -> Generator:
@@ -68,13 +70,18 @@ def plain_completions_body(runtime: Runtime, prompts: Sequence[str | list[int]],
         cache, logits = engine.prefill(ids, generation.max_new_tokens)
         yield "prepared", {"ttft": round(time.perf_counter() - started, 4)}
         pieces, finish, generated = [], "length", 0
+        logprobs = [] if generation.logprobs is not None else None
         for event in engine.stream(cache, logits, generation):
             generated += 1
             finish = event.finish_reason or finish
+            if logprobs is not None and event.finish_reason != "eos":  # the end of sequence is no answer token
+                entry = token_logprob(event.logits, event.token_id, generation.logprobs, engine.tokenizer)
+                logprobs.append(entry)
+                yield "logprob", entry
             if event.text:
                 pieces.append(event.text)
                 yield "token", event.text
-        return CompletionOutcome("".join(pieces), finish, len(ids), generated)
+        return CompletionOutcome("".join(pieces), finish, len(ids), generated, logprobs=logprobs)
 
     def body(job) -> Generator:
         all_ids = [token_ids(prompt, index) for index, prompt in enumerate(prompts)]  # refuse before any work

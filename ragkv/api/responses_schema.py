@@ -190,7 +190,8 @@ class ChatChoice(_Open):
     index: int
     message: ChatMessageOut
     finish_reason: str = Field(description="stop or length")
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = Field(None, description="with logprobs: true, {content: [{token, logprob, bytes, "
+                                            "top_logprobs}]}")
 
 
 class ChatCompletion(_Open):
@@ -208,7 +209,8 @@ class CompletionChoice(_Open):
     index: int
     text: str
     finish_reason: str = Field(description="stop or length")
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = Field(None, description="with logprobs: N, {tokens, token_logprobs, top_logprobs, "
+                                            "text_offset}")
 
 
 class CompletionUsage(_Open):

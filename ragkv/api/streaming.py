@@ -108,16 +108,19 @@ def sse(data: Any) -> str:
 
 
 async def sse_events(request: Request, stream: JobStream, render: Callable[[str, Any], list[Any]],
-                     finish: Callable[[Any], list[Any]]) -> AsyncIterator[str]:
+                     finish: Callable[[Any], list[Any]], encode: Callable[[Any], str] = sse,
+                     done: bool = True) -> AsyncIterator[str]:
     """SSE body: `render(kind, value)` for each item, `finish(result)` at the end, then
-    [DONE]. An error mid-stream becomes one error event (the status line is already sent)."""
+    [DONE] (unless `done` is false). An error mid-stream becomes one error event (the status
+    line is already sent). `encode` writes one event (the Responses API names its events)."""
     try:
         async for kind, value in stream.rest():
             for event in render(kind, value):
-                yield sse(event)
+                yield encode(event)
         for event in finish(stream.result):
-            yield sse(event)
-        yield sse("[DONE]")
+            yield encode(event)
+        if done:
+            yield sse("[DONE]")
     except asyncio.CancelledError:
         raise
     except Exception as error:

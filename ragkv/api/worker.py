@@ -149,6 +149,9 @@ class Job:
     def token(self, text: str) -> None:
         self._emit(_ITEM, ("token", text))
 
+    def logprob(self, entry) -> None:
+        self._emit(_ITEM, ("logprob", entry))
+
     def finished(self, completion: Completion) -> None:
         self._end("ok", _DONE, completion)
 

@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ragkv.api.auth import tenant_of
 from ragkv.api.errors import ApiError
+from ragkv.api.logprobs import chat_logprobs
 from ragkv.api.openapi import errors, sse_or
 from ragkv.api.responses_schema import ChatCompletion, Deleted, Model, ModelList, SessionList
 from ragkv.api.routes.completions import EMBEDDING_MODEL_ID
@@ -87,7 +88,8 @@ async def chat_completions(request: Request, body: ChatRequest):
     named = body.session_id or rag.session_id
     session_id = check_session_id(named) if named else new_context_id()
     max_tokens = body.max_completion_tokens or body.max_tokens or DEFAULT_MAX_TOKENS
-    generation = generation_config(max_tokens, body.temperature, body.top_p, body.seed, body.stop, state.config)
+    generation = generation_config(max_tokens, body.temperature, body.top_p, body.seed, body.stop, state.config,
+                                   logprobs=body.logprobs_count)
     config = query_config(rag, generation, state.config)
     job = state.service.chat_job(ChatTurn(tenant, messages, session_id if named else None, rag.enabled, config),
                                  session_id)
@@ -104,22 +106,33 @@ async def chat_completions(request: Request, body: ChatRequest):
         return JSONResponse(
             {"id": completion_id, "object": "chat.completion", "created": created, "model": state.model_id,
              "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
-                          "finish_reason": _FINISH.get(outcome.finish_reason, "stop"), "logprobs": None}],
+                          "finish_reason": _FINISH.get(outcome.finish_reason, "stop"),
+                          "logprobs": chat_logprobs(outcome.logprobs) if body.logprobs else None}],
              "usage": outcome.usage.to_openai(), "session_id": session_id, "rag": _rag_extension(outcome, session_id)},
             headers=headers)
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     stream = await JobStream.start(request, state.worker, job)
 
+    pending_logprobs: list = []  # entries of tokens whose text has not been sent yet
+
     def chunk(delta: dict, finish_reason: str | None = None, **extra) -> dict:
+        logprobs = None
+        if pending_logprobs and "content" in delta:
+            logprobs = chat_logprobs(pending_logprobs)
+            pending_logprobs.clear()
         return {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": state.model_id,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}], **extra}
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}], **extra}
 
     def render(kind: str, value):
+        if kind == "logprob":
+            pending_logprobs.append(value)
         return [chunk({"content": value})] if kind == "token" else []
 
     def finish(outcome: Completion):
         events = [chunk({"content": sources(outcome)})] if body.sources else []
+        if pending_logprobs:  # tokens of a stop string: never sent as text
+            events.append(chunk({"content": ""}))
         events += [chunk({}, _FINISH.get(outcome.finish_reason, "stop"), session_id=session_id,
                         rag=_rag_extension(outcome, session_id))]
         if include_usage:

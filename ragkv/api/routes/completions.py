@@ -22,6 +22,7 @@ from ragkv.api.auth import tenant_of
 from ragkv.api.completion_jobs import CompletionOutcome, embeddings_body, plain_completions_body
 from ragkv.api.completion_schemas import CompletionRequest, EmbeddingRequest
 from ragkv.api.errors import ApiError
+from ragkv.api.logprobs import completion_logprobs
 from ragkv.api.openapi import errors, sse_or
 from ragkv.api.responses_schema import Completion, EmbeddingList
 from ragkv.api.routes.query import SSE_HEADERS
@@ -49,7 +50,7 @@ def _refuse_unsupported(body: CompletionRequest) -> None:
     if body.echo:
         raise ApiError(400, "unsupported_parameter", "echo is not supported: the answer holds only the completion",
                        param="echo")
-    for name in ("logprobs", "suffix"):
+    for name in ("suffix",):
         if getattr(body, name) is not None:
             raise ApiError(400, "unsupported_parameter", f"{name} is not supported by this server", param=name)
 
@@ -59,7 +60,7 @@ def _outcomes(result: list[CompletionOutcome] | QueryCompletion) -> list[Complet
     if isinstance(result, list):
         return result
     return [CompletionOutcome(result.text, result.finish_reason, result.usage.prompt_tokens, result.usage.completion_tokens,
-                              [citation.to_dict() for citation in result.citations])]
+                              [citation.to_dict() for citation in result.citations], result.logprobs)]
 
 
 def _usage(outcomes: list[CompletionOutcome]) -> dict:
@@ -81,7 +82,8 @@ async def completions(request: Request, body: CompletionRequest):
         raise ApiError(404, "model_not_found", f"the model {body.model!r} does not exist; this server serves {state.model_id!r}",
                        param="model")
     prompts = _prompts(body.prompt)
-    generation = generation_config(body.max_tokens, body.temperature, body.top_p, body.seed, body.stop, state.config)
+    generation = generation_config(body.max_tokens, body.temperature, body.top_p, body.seed, body.stop, state.config,
+                                   logprobs=body.logprobs)
     rag = body.rag
     config = query_config(rag, generation, state.config) if rag is not None else None  # validated even when disabled
     with_citations = rag is not None and rag.enabled
@@ -95,8 +97,9 @@ async def completions(request: Request, body: CompletionRequest):
     completion_id = "cmpl-" + uuid.uuid4().hex[:24]
     created = int(time.time())
 
-    def choice(index: int, text: str, finish_reason: str | None, citations: list | None = None) -> dict:
-        out = {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": None}
+    def choice(index: int, text: str, finish_reason: str | None, citations: list | None = None,
+               logprobs: dict | None = None) -> dict:
+        out = {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
         if citations is not None:
             out["rag"] = {"citations": citations}
         return out
@@ -107,19 +110,34 @@ async def completions(request: Request, body: CompletionRequest):
 
     if not body.stream:
         outcomes = _outcomes(await run_job(request, state.worker, job))
-        return envelope([choice(i, o.text, _FINISH.get(o.finish_reason, "stop"), o.citations if with_citations else None)
+        return envelope([choice(i, o.text, _FINISH.get(o.finish_reason, "stop"), o.citations if with_citations else None,
+                                completion_logprobs(o.logprobs) if body.logprobs is not None else None)
                          for i, o in enumerate(outcomes)], usage=_usage(outcomes))
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     stream = await JobStream.start(request, state.worker, job)
 
+    pending: dict[int, list] = {}  # per prompt: logprob entries of tokens whose text is not sent yet
+    offsets: dict[int, int] = {}  # per prompt: characters of the entries sent so far
+
+    def logprobs_of(index: int) -> dict | None:
+        entries = pending.pop(index, [])
+        if body.logprobs is None or not entries:
+            return None
+        out = completion_logprobs(entries, offsets.get(index, 0))
+        offsets[index] = offsets.get(index, 0) + sum(len(e.text) for e in entries)
+        return out
+
     def render(kind: str, value):
-        index, text = value if isinstance(value, tuple) else (0, value)  # a query request yields bare text
-        return [envelope([choice(index, text, None)])] if kind == "token" else []
+        index, value = value if isinstance(value, tuple) else (0, value)  # a query request yields bare values
+        if kind == "logprob":
+            pending.setdefault(index, []).append(value)
+        return [envelope([choice(index, value, None, logprobs=logprobs_of(index))])] if kind == "token" else []
 
     def finish(result):
         outcomes = _outcomes(result)
-        events = [envelope([choice(i, "", _FINISH.get(o.finish_reason, "stop"), o.citations if with_citations else None)])
+        events = [envelope([choice(i, "", _FINISH.get(o.finish_reason, "stop"), o.citations if with_citations else None,
+                                   logprobs=logprobs_of(i))])  # tokens of a stop string: never sent as text
                   for i, o in enumerate(outcomes)]
         if include_usage:
             events.append(envelope([], usage=_usage(outcomes)))
