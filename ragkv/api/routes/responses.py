@@ -26,8 +26,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ragkv.api.auth import tenant_of
 from ragkv.api.errors import ApiError
-from ragkv.api.openapi import errors
+from ragkv.api.openapi import errors, sse_or
 from ragkv.api.response_schemas import ResponseRequest
+from ragkv.api.responses_schema import ResponseObject
 from ragkv.api.routes.chat import _rag_extension
 from ragkv.api.routes.query import SSE_HEADERS
 from ragkv.api.schemas import DEFAULT_MAX_TOKENS, ChatRag, generation_config, query_config
@@ -56,8 +57,9 @@ def _named_sse(event: dict) -> str:
     return f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n"
 
 
-@router.post("/v1/responses", responses={200: {"description": "the response object, or with stream: true its events"},
-                                         **errors(400, 401, 404, 409, 413, 503)})
+@router.post("/v1/responses", responses={
+    **sse_or(ResponseObject, "the response, or with stream: true its events (response.created ... response.completed)"),
+    **errors(400, 401, 404, 409, 413, 503)})
 async def create_response(request: Request, body: ResponseRequest):
     state = app_state(request)
     tenant = tenant_of(request)
