@@ -226,7 +226,8 @@ class ChatRequest(UnicodeText):
     stream: StrictBool = Field(False, description="answer as server-sent events (chat.completion.chunk objects, then [DONE])")
     stream_options: StreamOptions | None = Field(None, description="streaming options: include_usage")
     n: int = Field(1, ge=1, le=1, description="choices per request: only 1 is served")
-    logprobs: StrictBool = Field(False, description="return each answer token's log-probability (choices[].logprobs)")
+    logprobs: StrictBool | None = Field(None, description="true: return each answer token's log-probability "
+                                        "(choices[].logprobs)")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="with logprobs: also the N most likely "
                                      "tokens at each position")
     response_format: ResponseFormat | None = Field(None, description="only {'type': 'text'} is served")
