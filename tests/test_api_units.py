@@ -98,7 +98,8 @@ def test_job_registry_is_per_tenant(tmp_path):
 
 def test_a_job_whose_process_died_reads_as_failed(tmp_path):
     killed = subprocess.run([sys.executable, "-c", (
-        "import os, sys; from ragkv.api.ingest_records import IngestRecords; from ragkv.store.lmdb_env import LMDBEnvironment\n"
+        "import os, sys; from ragkv.api.ingest_records import IngestRecords\n"
+        "from ragkv.store.lmdb_env import LMDBEnvironment\n"
         "jobs = IngestRecords(LMDBEnvironment(sys.argv[1])); record = jobs.create('alpha', 'ingest', 'big.txt')\n"
         "jobs.start(record); jobs.progress(record, 3, 10); print(record.id, flush=True); os.kill(os.getpid(), 9)"),
         str(tmp_path / "db")], capture_output=True, text=True, timeout=120)

@@ -76,7 +76,8 @@ class Answer:
 
     def to_dict(self) -> dict:
         """The fields and names of the API's /v1/query answer."""
-        return {"object": "query", "answer": self.text, "finish_reason": self.finish_reason.value, "strategy": self.strategy,
+        return {"object": "query", "answer": self.text, "finish_reason": self.finish_reason.value,
+                "strategy": self.strategy,
                 "citations": [citation.to_dict() for citation in self.citations], "usage": self.usage.to_dict(),
                 "timings": self.timings}
 

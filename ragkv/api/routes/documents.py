@@ -187,7 +187,8 @@ def _tracked(state: AppState, record: IngestRecord, body):
         try:
             result = yield from body(task)
         except RequestCancelled:
-            state.ingest_records.finish(record, CANCELLED, error={"code": "cancelled", "message": "the job was cancelled"})
+            state.ingest_records.finish(record, CANCELLED,
+                                        error={"code": "cancelled", "message": "the job was cancelled"})
             raise
         except Exception as error:
             mapped = as_api_error(error)

@@ -22,7 +22,8 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def outcome_body(query_id: str, completion: Completion) -> dict:
-    return {"id": query_id, "object": "query", "answer": completion.text, "finish_reason": completion.finish_reason.value,
+    return {"id": query_id, "object": "query", "answer": completion.text,
+            "finish_reason": completion.finish_reason.value,
             "strategy": completion.strategy, "citations": [c.to_dict() for c in completion.citations],
             "usage": completion.usage.to_dict(), "timings": completion.timings.to_dict()}
 
