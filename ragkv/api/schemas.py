@@ -280,7 +280,8 @@ def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
 
 
 def generation_config(max_tokens: int, temperature: float | None, top_p: float | None, seed: int | None,
-                      stop: str | list[str] | None, limits: ServeConfig, logprobs: int | None = None) -> GenerationConfig:
+                      stop: str | list[str] | None, limits: ServeConfig,
+                      logprobs: int | None = None) -> GenerationConfig:
     if max_tokens > limits.max_new_tokens:
         raise ApiError(400, "invalid_parameters", f"max_tokens is {max_tokens}; this server allows at most {limits.max_new_tokens}",
                        param="max_tokens")

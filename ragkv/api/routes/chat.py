@@ -121,7 +121,8 @@ async def chat_completions(request: Request, body: ChatRequest):
             logprobs = chat_logprobs(pending_logprobs)
             pending_logprobs.clear()
         return {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": state.model_id,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}], **extra}
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}],
+                **extra}
 
     def render(event):
         if event.kind == "logprob":
