@@ -37,6 +37,21 @@ def redis_url() -> Iterator[str]:
     server.cleanup()
 
 
+@pytest.fixture(scope="session")
+def redis_cluster_url() -> Iterator[str]:
+    """redis+cluster:// URL of a three-master Redis Cluster shared by the whole session (never
+    kill it; tests flush it themselves). Tests that kill a master start their own."""
+    from redis_cluster import RedisClusterServers
+
+    try:
+        cluster = RedisClusterServers()
+    except FileNotFoundError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    cluster.start()
+    yield cluster.url
+    cluster.cleanup()
+
+
 @pytest.fixture
 def killable_redis() -> Iterator[RedisServer]:
     """A private redis-server for this test, which it may ``stop()`` and ``start()`` again."""

@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 import redis
+from redis.cluster import RedisCluster
 
 from ragkv.ingest.errors import NotFoundError, RegistryUnavailableError
 from ragkv.ingest.registry import ChunkRecord, DocumentRecord, Registry
@@ -17,18 +18,20 @@ from ragkv.ingest.registry_lmdb import LMDBRegistry
 from ragkv.ingest.registry_url import open_registry
 from ragkv.store.errors import StoreError
 from ragkv.store.lmdb_env import LMDBEnvironment
+from ragkv.store.redis_client import redis_client
 
 
-@pytest.fixture(params=["lmdb", pytest.param("redis", marks=pytest.mark.redis)])
+@pytest.fixture(params=["lmdb", pytest.param("redis", marks=pytest.mark.redis),
+                        pytest.param("cluster", marks=pytest.mark.redis)])
 def replicas(request: pytest.FixtureRequest, tmp_path):
     """Two registries over one backend, as two replicas would open it."""
     if request.param == "lmdb":
         env = LMDBEnvironment(tmp_path / "db")
         opened: list[Registry] = [LMDBRegistry(env), LMDBRegistry(env)]
     else:
-        url = request.getfixturevalue("redis_url")
-        client = redis.Redis.from_url(url)
-        client.flushdb()
+        url = request.getfixturevalue("redis_url" if request.param == "redis" else "redis_cluster_url")
+        client = redis_client(url, connect_timeout_s=2, op_timeout_s=5)
+        client.flushdb(**({"target_nodes": RedisCluster.PRIMARIES} if request.param == "cluster" else {}))
         client.close()
         opened = [open_registry(url, env=None), open_registry(url, env=None)]
     yield opened

@@ -26,10 +26,11 @@ from ragkv.api.metrics import Metrics, Reading
 from ragkv.api.middleware import ServingMiddleware
 from ragkv.api.openapi import install_docs
 from ragkv.api.responses import SafeJSONResponse
-from ragkv.api.routes import chat, completions, documents, query, system
+from ragkv.api.routes import chat, completions, documents, query, responses, system
 from ragkv.api.service import Service
 from ragkv.api.sessions import RedisSessions, open_sessions
 from ragkv.api.state import AppState, redis_tiers
+from ragkv.api.vllm_metrics import scheduler_reading
 from ragkv.api.worker import ModelWorker
 from ragkv.app.scheduler import Scheduler, SchedulerConfig
 from ragkv.app.runtime import Runtime
@@ -38,14 +39,15 @@ log = logging.getLogger("ragkv.api")
 
 
 def redis_url_of_store(store_url: str | None) -> str | None:
-    """The Redis server a chunk store URL names (redis://... or tiered+lmdb://...?redis=...)."""
+    """The Redis server (or cluster) a chunk store URL names (redis://..., redis+cluster://...
+    or tiered+lmdb://...?redis=...)."""
     if not store_url:
         return None
     parts = urlsplit(store_url)
-    if parts.scheme in ("redis", "rediss"):
+    if parts.scheme in ("redis", "rediss", "redis+cluster", "rediss+cluster"):
         return f"{parts.scheme}://{parts.netloc}{parts.path}"
     if parts.scheme == "tiered+lmdb":
-        nested = dict(parse_qsl(parts.query)).get("redis")
+        nested = dict(parse_qsl(parts.query.replace("+", "%2B"))).get("redis")  # '+' of redis+cluster:// kept
         if nested:
             inner = urlsplit(nested)
             return f"{inner.scheme}://{inner.netloc}{inner.path}"
@@ -88,6 +90,8 @@ def _readings(state: AppState) -> Iterator[Reading]:
         yield "gauge", "ragkv_ingest_jobs", "Ingestion jobs by status", {"status": status}, count
     state.metrics.queue_depth.set(state.worker.queued)
     state.metrics.active_jobs.set(state.worker.active)
+    if state.worker.scheduler is not None:
+        state.metrics.vllm.set_scheduler(state.model_id, scheduler_reading(state.worker))
 
 
 def _build_state(config: ServeConfig, metrics: Metrics) -> AppState:
@@ -105,6 +109,8 @@ def _build_state(config: ServeConfig, metrics: Metrics) -> AppState:
                              on_finished=lambda task: metrics.jobs.labels(task.kind, task.outcome or "unknown").inc())
         service = Service(runtime, config, metrics, sessions)
         model_id = config.model_id or runtime.engine.model_name
+        metrics.model_name = model_id
+        metrics.vllm.declare(model_id)
         state = AppState(config, runtime, worker, sessions, IngestRecords(runtime.env), metrics, service, model_id)
     except BaseException:
         runtime.close()
@@ -156,7 +162,7 @@ def create_app(config: ServeConfig = ServeConfig()) -> FastAPI:
     app.state.authenticator = authenticator
     install_error_handlers(app)
     install_docs(app, config)
-    for module in (system, documents, query, chat, completions):
+    for module in (system, documents, query, chat, completions, responses):
         app.include_router(module.router)
     app.add_middleware(ServingMiddleware, metrics=metrics, authenticator=authenticator,
                        max_body_bytes=int(config.max_body_kb * 1024),

@@ -6,8 +6,17 @@ from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field, StrictBool
 
-from ragkv.api.schemas import (SEED_MAX, SEED_MIN, SEED_SCHEMA, STOP_DESCRIPTION, RetrievalOptions, Stop, StreamOptions,
-                               UnicodeText)
+from ragkv.api.schemas import (
+    SEED_MAX,
+    SEED_MIN,
+    SEED_SCHEMA,
+    STOP_DESCRIPTION,
+    RetrievalOptions,
+    Stop,
+    StreamOptions,
+    UnicodeText,
+)
+from ragkv.engine.generation import MAX_LOGPROBS
 
 MAX_PROMPTS = 16
 MAX_EMBEDDING_INPUTS = 256  # OpenAI takes 2048; one request must not hold the CPU worker long
@@ -41,7 +50,8 @@ class CompletionRequest(UnicodeText):
     n: int = Field(1, ge=1, le=1, description="choices per prompt: only 1 is served")
     best_of: int | None = Field(None, ge=1, le=1, description="only 1 is served")
     echo: StrictBool = Field(False, json_schema_extra={"enum": [False]}, description="echoing the prompt is not served")
-    logprobs: int | None = Field(None, json_schema_extra={"type": "null"}, description="log probabilities are not served")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="return each token's log-probability "
+                                 "and those of the N most likely tokens at each position (choices[].logprobs)")
     suffix: str | None = Field(None, json_schema_extra={"type": "null"}, description="insertion (a suffix) is not served")
     rag: CompletionRag | None = Field(None, description="ragkv extension: answer from the tenant's documents")
 

@@ -83,5 +83,6 @@ class ServeConfig:
             raise ValueError(f"retrieval must be one of {', '.join(RETRIEVAL_MODES)}, got {self.retrieval!r}")
         if self.log_format not in ("text", "json"):
             raise ValueError(f"log_format must be 'text' or 'json', got {self.log_format!r}")
-        if self.session_store not in (None, "memory") and not self.session_store.startswith(("redis://", "rediss://")):
-            raise ValueError("session_store must be 'memory' or a redis:// URL")
+        if self.session_store not in (None, "memory") and not self.session_store.startswith(
+                ("redis://", "rediss://", "redis+cluster://", "rediss+cluster://")):
+            raise ValueError("session_store must be 'memory', a redis:// or a redis+cluster:// URL")

@@ -1,5 +1,8 @@
 """Prometheus metrics, in a registry of the app's own (several apps may share a process).
 
+Two sets side by side: vLLM's request and scheduler families under their `vllm:` names
+(api.vllm_metrics; what existing dashboards read), and ragkv's own `ragkv_` families for
+what vLLM has no name for (chunk hits, token reuse by kind, fusion, store tiers, sessions).
 Request counts and latencies come from the middleware; TTFT, chunk hits and token reuse
 from the query and chat paths; store and session figures are read at scrape time.
 """
@@ -12,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from ragkv.api.vllm_metrics import VllmMetrics
 from ragkv.app.usage import Usage
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
@@ -42,9 +46,12 @@ class _ScrapeTime(Collector):
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "ragkv") -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        self.model_name = model_name
+        """The `model_name` label of the vLLM families: the served model id (set at startup)."""
+        self.vllm = VllmMetrics(r)
         self.requests = Counter("ragkv_http_requests", "HTTP requests by route, method and status", ["route", "method", "status"], registry=r)
         self.latency = Histogram("ragkv_http_request_seconds", "HTTP request latency (to the last byte for streams)",
                                  ["route", "method"], buckets=_LATENCY_BUCKETS, registry=r)

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from ragkv.app.logprobs import TokenLogprob
 from ragkv.app.request import Completion, Request, RequestCancelled, Started
 
 OK, ERROR, CANCELLED = "ok", "error", "cancelled"
@@ -23,11 +24,13 @@ OK, ERROR, CANCELLED = "ok", "error", "cancelled"
 
 @dataclass(frozen=True)
 class StreamEvent:
-    kind: Literal["started", "token"]
+    kind: Literal["started", "logprob", "token"]
     index: int
     """Which of the stream's requests (the prompt's index)."""
-    value: Started | str
-    """`Started` for "started", a piece of text for "token"."""
+    value: Started | TokenLogprob | str
+    """`Started` for "started", a token's log-probabilities for "logprob" (before the
+    "token" that carries its text; only when the generation asks for logprobs), a piece
+    of text for "token"."""
 
 
 class RequestStream:
@@ -62,7 +65,7 @@ class RequestStream:
         return self._cancelled.is_set()
 
     async def events(self) -> AsyncIterator[StreamEvent]:
-        """Each request's "started" and "token" events as they come; returns when every
+        """Each request's "started", "logprob" and "token" events as they come; returns when every
         request finished (their completions in `completions`), raises the first failure
         (and cancels the other requests)."""
         remaining = len(self.requests)
@@ -114,6 +117,9 @@ class _Sink:
 
     def started(self, started: Started) -> None:
         self.stream._emit("started", self.index, started)
+
+    def logprob(self, entry: TokenLogprob) -> None:
+        self.stream._emit("logprob", self.index, entry)
 
     def token(self, text: str) -> None:
         self.stream._emit("token", self.index, text)

@@ -193,7 +193,8 @@ class ChatChoice(_Open):
     index: int
     message: ChatMessageOut
     finish_reason: str = Field(description="stop or length")
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = Field(None, description="with logprobs: true, {content: [{token, logprob, bytes, "
+                                            "top_logprobs}]}")
 
 
 class ChatCompletion(_Open):
@@ -211,7 +212,8 @@ class CompletionChoice(_Open):
     index: int
     text: str
     finish_reason: str = Field(description="stop or length")
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = Field(None, description="with logprobs: N, {tokens, token_logprobs, "
+                                            "top_logprobs, text_offset}")
 
 
 class CompletionUsage(_Open):
@@ -259,3 +261,37 @@ class SessionSummary(_Open):
 class SessionList(_Open):
     object: str = "list"
     data: list[SessionSummary]
+
+
+class ResponseOutputText(_Open):
+    type: str = "output_text"
+    text: str
+    annotations: list[Any] = []
+
+
+class ResponseOutputMessage(_Open):
+    type: str = "message"
+    id: str
+    status: str
+    role: str = "assistant"
+    content: list[ResponseOutputText]
+
+
+class ResponseUsage(_Open):
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+    input_tokens_details: dict[str, int] = Field(description="cached_tokens: prompt tokens whose KV was reused")
+
+
+class ResponseObject(_Open):
+    id: str
+    object: str = "response"
+    created_at: int
+    status: str = Field(description="completed, or incomplete when max_output_tokens cut the answer")
+    model: str
+    output: list[ResponseOutputMessage]
+    incomplete_details: dict[str, str] | None = None
+    usage: ResponseUsage | None = None
+    session_id: str = Field(description="ragkv: the session to continue (also the X-Session-Id header)")
+    rag: dict[str, Any] | None = Field(None, description="ragkv: citations, timings, turn, strategy, session")

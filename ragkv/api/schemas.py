@@ -17,7 +17,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, f
 from ragkv.api.config import ServeConfig
 from ragkv.api.errors import ApiError
 from ragkv.fusion import DEFAULT_STRATEGY, STRATEGY_NAMES, FusionConfig
-from ragkv.engine.generation import GenerationConfig
+from ragkv.engine.generation import MAX_LOGPROBS, GenerationConfig
 from ragkv.app.rag import QueryConfig
 from ragkv.ingest.errors import InputError
 from ragkv.ingest.index.filters import MetadataFilter
@@ -235,6 +235,10 @@ class ChatRequest(UnicodeText):
     stream: StrictBool = Field(False, description="answer as server-sent events (chat.completion.chunk objects, then [DONE])")
     stream_options: StreamOptions | None = Field(None, description="streaming options: include_usage")
     n: int = Field(1, ge=1, le=1, description="choices per request: only 1 is served")
+    logprobs: StrictBool | None = Field(None, description="true: return each answer token's log-probability "
+                                        "(choices[].logprobs)")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="with logprobs: also the N most likely "
+                                     "tokens at each position")
     response_format: ResponseFormat | None = Field(None, description="only {'type': 'text'} is served")
     rag: ChatRag | None = Field(None, description="ragkv extension: retrieval, fusion and session options")
     sources: StrictBool = Field(False, description="ragkv extension: end the message content with numbered source markers, "
@@ -247,9 +251,14 @@ class ChatRequest(UnicodeText):
         for name in ("tools", "functions", "tool_choice", "function_call"):
             if extra.get(name):
                 raise ApiError(400, "unsupported_parameter", f"{name} are not supported by this server", param=name)
-        if extra.get("logprobs"):
-            raise ApiError(400, "unsupported_parameter", "logprobs are not supported by this server", param="logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "invalid_parameters", "top_logprobs needs logprobs: true", param="top_logprobs")
         refuse_response_format(self.response_format)
+
+    @property
+    def logprobs_count(self) -> int | None:
+        """GenerationConfig.logprobs: None = off, else the alternatives per token."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def refuse_response_format(response_format: ResponseFormat | None) -> None:
@@ -271,14 +280,15 @@ def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
 
 
 def generation_config(max_tokens: int, temperature: float | None, top_p: float | None, seed: int | None,
-                      stop: str | list[str] | None, limits: ServeConfig) -> GenerationConfig:
+                      stop: str | list[str] | None, limits: ServeConfig,
+                      logprobs: int | None = None) -> GenerationConfig:
     if max_tokens > limits.max_new_tokens:
         raise ApiError(400, "invalid_parameters", f"max_tokens is {max_tokens}; this server allows at most {limits.max_new_tokens}",
                        param="max_tokens")
     try:
         sampling = SamplingConfig(temperature=0.0 if temperature is None else temperature,
                                   top_p=1.0 if top_p is None else top_p, seed=seed)
-        return GenerationConfig(max_new_tokens=max_tokens, sampling=sampling, stop=_stops(stop))
+        return GenerationConfig(max_new_tokens=max_tokens, sampling=sampling, stop=_stops(stop), logprobs=logprobs)
     except ValueError as error:
         raise ApiError(400, "invalid_parameters", str(error)) from None
 

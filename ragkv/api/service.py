@@ -19,6 +19,7 @@ from ragkv.api.metrics import Metrics
 from ragkv.api.request_stream import RequestStream
 from ragkv.api.sessions import RedisSessions
 from ragkv.api.task import Task
+from ragkv.api.vllm_metrics import RequestRecord
 from ragkv.app.chat import ChatInfo, ChatTurn, ChatTurns
 from ragkv.app.completion import completion_request, prompt_ids
 from ragkv.app.contexts import ContextCache
@@ -72,7 +73,8 @@ class Service:
         except InputError as error:
             raise as_api_error(error) from None
         arrival = time.perf_counter()
-        return RequestStream("completion", [completion_request(engine, ids, generation, arrival=arrival)
+        return RequestStream("completion", [completion_request(engine, ids, generation, arrival=arrival,
+                                                               on_finished=self._record_completion)
                                             for ids in all_ids], self._count)
 
     # -- metrics --------------------------------------------------------------------
@@ -82,20 +84,29 @@ class Service:
 
     def _record_query(self, request: Request, completion: Completion) -> None:
         info: QueryInfo = completion.info
-        self._record("query", "fused", completion)
+        self._record("query", "fused", request, completion)
         self.metrics.record_usage(completion.usage, max(len(completion.citations) - info.missing_chunks, 0),
                                   info.missing_chunks)
 
     def _record_chat(self, request: Request, completion: Completion) -> None:
         info: ChatInfo = completion.info
         phase = "next_turn" if info.turn > 1 else "first_turn"
-        self._record("chat", phase, completion)
+        self._record("chat", phase, request, completion)
         self.metrics.record_usage(completion.usage, info.new_chunks, 0)
         self.metrics.sessions_turns.labels(phase).inc()
 
-    def _record(self, endpoint: str, phase: str, completion: Completion) -> None:
+    def _record_completion(self, request: Request, completion: Completion) -> None:
+        """A plain completion: vLLM's request metrics only (ragkv's own families describe
+        retrieval and sessions, which a plain completion has none of)."""
+        self._record_vllm(request, completion)
+
+    def _record(self, endpoint: str, phase: str, request: Request, completion: Completion) -> None:
         self.metrics.ttft.labels(endpoint, phase).observe(completion.timings.ttft)
         self.metrics.queue_wait.labels(endpoint).observe(completion.timings.queue)
+        self._record_vllm(request, completion)
+
+    def _record_vllm(self, request: Request, completion: Completion) -> None:
+        self.metrics.vllm.record_request(self.metrics.model_name, RequestRecord.of(request, completion))
 
     # -- ingestion and deletion -----------------------------------------------------
 

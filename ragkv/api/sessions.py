@@ -14,6 +14,10 @@ heartbeat thread renews the locks this process holds, so a process killed mid-tu
 leaves the session locked for at most `lock_ttl_s`; DELETE /v1/sessions/ID removes the
 lock with the session. If Redis fails, sessions fall back to memory (/health says
 degraded).
+
+With a Redis Cluster URL (redis+cluster://...) a session's three keys carry the hash tag
+{tenant:session_id}, so they share a slot and the lock script may name them together;
+sessions spread over the masters, and a dead master fails only the sessions it held.
 """
 
 from __future__ import annotations
@@ -24,7 +28,6 @@ import re
 import threading
 import uuid
 
-import redis
 import torch
 
 from ragkv.api.errors import ApiError
@@ -32,6 +35,7 @@ from ragkv.app.contexts import Context, ContextCache, Insertion, Match, SessionB
 from ragkv.engine.kv_cache import KVCache
 from ragkv.store.blob import decode_blob, encode_blob
 from ragkv.store.errors import CorruptBlobError
+from ragkv.store.redis_client import ERRORS, hash_tag
 from ragkv.store.redis_link import RedisLink
 
 log = logging.getLogger("ragkv.api.sessions")
@@ -109,9 +113,20 @@ class RedisSessions:
     def ttl_s(self) -> float:
         return self.ttl_ms / 1000
 
-    @staticmethod
-    def _key(tenant: str, session_id: str, part: str) -> str:
+    def _key(self, tenant: str, session_id: str, part: str) -> str:
+        if self._link.cluster:
+            return f"ragkv:session:{hash_tag(f'{tenant}:{session_id}')}:{part}"
         return f"ragkv:session:{tenant}:{session_id}:{part}"
+
+    def _release_lock(self, pipe, lock_key: str) -> None:
+        """Free the lock if this process holds it: in the pipeline on one server; a cluster
+        pipeline runs no scripts, so there it is its own call after the pipeline."""
+        if self._link.cluster:
+            pipe.execute()
+            self._client.eval(_RELEASE, 1, lock_key, self._owner)
+        else:
+            pipe.eval(_RELEASE, 1, lock_key, self._owner)
+            pipe.execute()
 
     def healthy(self) -> bool:
         return self._link.healthy()
@@ -168,7 +183,7 @@ class RedisSessions:
             self._succeeded()
         except SessionBusyError:
             raise
-        except (redis.RedisError, ValueError) as error:
+        except (*ERRORS, ValueError) as error:
             self._failed("read", error)
             return self._found(tenant, session_id, context)
         if blob is None:
@@ -200,10 +215,9 @@ class RedisSessions:
             if kept and context is not None and context.explicit:
                 pipe.set(self._key(tenant, session_id, "kv"), encode_context(context), px=self.ttl_ms)
                 pipe.set(self._key(tenant, session_id, "meta"), json.dumps(context_meta(context)), px=self.ttl_ms)
-            pipe.eval(_RELEASE, 1, lock_key, self._owner)
-            pipe.execute()
+            self._release_lock(pipe, lock_key)
             self._succeeded()
-        except redis.RedisError as error:
+        except ERRORS as error:
             self._failed("write", error)
 
     def _renew_locks(self) -> None:
@@ -213,11 +227,15 @@ class RedisSessions:
             if not held or not self._available():
                 continue
             try:
+                if self._link.cluster:  # no scripts in a cluster pipeline
+                    for key in held:
+                        self._client.eval(_RENEW, 1, key, self._owner, self.lock_ms)
+                    continue
                 pipe = self._client.pipeline(transaction=False)
                 for key in held:
                     pipe.eval(_RENEW, 1, key, self._owner, self.lock_ms)
                 pipe.execute()
-            except redis.RedisError as error:
+            except ERRORS as error:
                 self._failed("lock renewal", error)
 
     # -- the session routes -----------------------------------------------------------
@@ -231,7 +249,7 @@ class RedisSessions:
                 keys = [self._key(tenant, session_id, part) for part in ("kv", "meta", "lock")]
                 found = bool(self._client.delete(*keys[:2])) or found
                 self._client.delete(keys[2])
-            except redis.RedisError as error:
+            except ERRORS as error:
                 self._failed("delete", error)
         return found
 

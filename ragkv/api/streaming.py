@@ -123,17 +123,20 @@ def sse(data: Any) -> str:
 
 
 async def sse_events(request: Request, stream: EventStream, render: Callable[[StreamEvent], list[Any]],
-                     finish: Callable[[list[Completion]], list[Any]]) -> AsyncIterator[str]:
+                     finish: Callable[[list[Completion]], list[Any]], encode: Callable[[Any], str] = sse,
+                     done: bool = True) -> AsyncIterator[str]:
     """SSE body: `render(event)` for each event after the first, `finish(completions)` at
-    the end, then [DONE]. An error mid-stream becomes one error event (the status line is
-    already sent)."""
+    the end, then [DONE] (unless `done` is false). An error mid-stream becomes one error
+    event (the status line is already sent). `encode` writes one event (the Responses API
+    names its events)."""
     try:
         async for item in stream.rest():
             for event in render(item):
-                yield sse(event)
+                yield encode(event)
         for event in finish(stream.completions):
-            yield sse(event)
-        yield sse("[DONE]")
+            yield encode(event)
+        if done:
+            yield sse("[DONE]")
     except asyncio.CancelledError:
         raise
     except Exception as error:

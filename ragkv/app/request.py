@@ -25,6 +25,7 @@ from typing import Protocol
 import torch
 
 from ragkv.app.detokenizer import Detokenizer
+from ragkv.app.logprobs import TokenLogprob, token_logprob
 from ragkv.app.usage import Timings, Usage
 from ragkv.engine.generation import GenerationConfig
 from ragkv.engine.kv_cache import KVCache
@@ -87,6 +88,9 @@ class RequestSink(Protocol):
 
     def token(self, text: str) -> None: ...
 
+    # Optional: `logprob(entry)` with each accepted token's TokenLogprob, before its text
+    # reaches `token` (only when the generation asks for logprobs).
+
     def finished(self, completion: "Completion") -> None: ...
 
     def failed(self, error: BaseException) -> None: ...
@@ -119,6 +123,8 @@ class Completion:
     token_ids: list[int] = field(default_factory=list)
     eos_token: int | None = None
     """The end-of-sequence token that ended the answer (not in token_ids), if one did."""
+    logprobs: list[TokenLogprob] | None = None
+    """One per token of token_ids when the generation asked for logprobs."""
 
 
 class Request:
@@ -143,6 +149,11 @@ class Request:
         self.detokenizer: Detokenizer | None = None
         self.output_ids: list[int] = []
         self.pending_logits: torch.Tensor | None = None
+        self.token_times: list[float] = []
+        """perf_counter() when each token was sampled (inter-token latency)."""
+        self.logprobs: list[TokenLogprob] | None = [] if generation.logprobs is not None else None
+        self._sampled: TokenLogprob | None = None
+        self._tokenizer = None
         self._prepare = prepare
         self._on_finished = on_finished
         self._on_dropped = on_dropped
@@ -166,8 +177,26 @@ class Request:
         self.prepared = self._prepare(self)
         self.pending_logits = self.prepared.logits
         self.detokenizer = Detokenizer(tokenizer, self.generation.stop)
+        self._tokenizer = tokenizer
         self.phase = Phase.DECODING
         self._decode_started = time.perf_counter()
+
+    def sample(self) -> int:
+        """The next token, chosen from the pending logits."""
+        token = self.sampler(self.pending_logits)
+        self.token_times.append(time.perf_counter())
+        if self.logprobs is not None:  # from the logits that chose the token, before they are replaced
+            self._sampled = token_logprob(self.pending_logits, token, self.generation.logprobs, self._tokenizer)
+        return token
+
+    def accept(self, token: int) -> None:
+        """`token` (sampled, not end-of-sequence) is part of the answer."""
+        self.output_ids.append(token)
+        if self.logprobs is not None and self._sampled is not None:
+            self.logprobs.append(self._sampled)
+            report = getattr(self.sink, "logprob", None)
+            if report is not None:
+                report(self._sampled)
 
     def first_token_sent(self) -> None:
         self.timings.ttft = time.perf_counter() - self.arrival
@@ -183,7 +212,8 @@ class Request:
         prepared.usage.completion_tokens = len(self.output_ids)
         text = self.detokenizer.text.strip() if self._strip_text else self.detokenizer.text
         completion = Completion(text, finish_reason, prepared.citations, prepared.usage,
-                                self.timings, prepared.strategy, prepared.info, list(self.output_ids), self.eos_token)
+                                self.timings, prepared.strategy, prepared.info, list(self.output_ids), self.eos_token,
+                                list(self.logprobs) if self.logprobs is not None else None)
         if self._on_finished is not None:
             self._on_finished(self, completion)
         self.release()

@@ -151,12 +151,12 @@ class Scheduler:
 
     def _advance(self, request: Request) -> bool:
         """Sample and report one token of `request`; False when it finished."""
-        token = request.sampler(request.pending_logits)
+        token = request.sample()
         first = not request.output_ids and request.timings.ttft is None
         if token in self.eos_token_ids:
             request.eos_token = token
             return self._finish(request, FinishReason.EOS, request.detokenizer.rest(), first)
-        request.output_ids.append(token)
+        request.accept(token)
         delta, stopped = request.detokenizer.push(token)
         if stopped:
             return self._finish(request, FinishReason.STOP, delta, first)

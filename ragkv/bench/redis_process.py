@@ -19,7 +19,8 @@ from ragkv.api.launcher import free_port
 class RedisServer:
     """`redis-server` subprocess; `stop` kills it (SIGKILL), `start` (re)starts it on the same port."""
 
-    def __init__(self, binary: str | None = None, *, appendonly: bool = False) -> None:
+    def __init__(self, binary: str | None = None, *, appendonly: bool = False, port: int | None = None,
+                 extra_args: tuple[str, ...] = ()) -> None:
         found = binary or shutil.which("redis-server")
         if found is None:
             raise FileNotFoundError(
@@ -28,7 +29,8 @@ class RedisServer:
             )
         self.binary = found
         self.appendonly = appendonly
-        self.port = free_port()
+        self.port = port or free_port()
+        self.extra_args = list(extra_args)
         self._dir = tempfile.mkdtemp(prefix="ragkv-redis-")
         self._process: subprocess.Popen[bytes] | None = None
 
@@ -42,7 +44,7 @@ class RedisServer:
         persistence = ["--appendonly", "yes", "--appendfsync", "always"] if self.appendonly else ["--appendonly", "no"]
         self._process = subprocess.Popen(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             *persistence, "--dir", self._dir, "--loglevel", "warning"],
+             *persistence, "--dir", self._dir, "--loglevel", "warning", *self.extra_args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
         )

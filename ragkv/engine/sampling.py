@@ -47,3 +47,16 @@ class Sampler:
             sorted_probs[drop] = 0.0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         return int(torch.multinomial(probs.cpu(), 1, generator=self.generator))
+
+
+def log_probabilities(logits: torch.Tensor, token: int, top_n: int) -> tuple[float, list[tuple[int, float]]]:
+    """The model's log-probability of `token` and its `top_n` most likely tokens (id, log-prob),
+    from the logits the token was sampled from: log-softmax of the raw logits, before
+    temperature and top-p (what OpenAI and vLLM report), in float64 so that a greedy
+    token's value is exactly the top alternative's."""
+    logprobs = torch.log_softmax(logits.double(), dim=-1)
+    chosen = float(logprobs[token])
+    if top_n == 0:
+        return chosen, []
+    values, ids = logprobs.topk(top_n)
+    return chosen, [(int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist())]

@@ -16,8 +16,13 @@ Add, remove and replace are Lua scripts, so each is atomic on the server, the ch
 included. A replica's vector index follows the stream from the last generation it applied
 (XRANGE, then one HGET per changed document); only a missing index, or one further behind
 than the stream keeps, reads the whole vectors hash (with its generation, in one MULTI).
-Each search costs one GET of the generation. The keys of one call span several hash slots:
-a single server (or a primary with replicas / Sentinel), not Redis Cluster.
+Each search costs one GET of the generation.
+
+On a Redis Cluster (redis+cluster://...) the per-tenant keys carry the tenant as a hash
+tag, `{prefix}docs:{{tenant}}` and so on, so each script and transaction stays in one slot
+and tenants spread over the masters. The chunk reference counts are per tenant there too
+(`{prefix}refs:{{tenant}}`, which the scripts update beside the tenant's documents), and
+`refcount` sums them over the tenants listed in `{prefix}tenants`.
 """
 
 from __future__ import annotations
@@ -26,12 +31,17 @@ import struct
 from urllib.parse import urlsplit
 
 import numpy as np
-import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from ragkv.ingest.errors import NotFoundError, RegistryUnavailableError
 from ragkv.ingest.registry import CHANGE_LOG_KEEP, DocumentRecord, Registry
+from ragkv.store.redis_client import (
+    ERRORS,
+    SCHEMES,
+    hash_tag,
+    is_cluster_url,
+    redis_client,
+    where,
+)
 
 DEFAULT_PREFIX = "ragkv:registry:"
 
@@ -117,13 +127,16 @@ class RedisRegistry(Registry):
                  op_timeout_s: float = 10.0):
         super().__init__()
         parts = urlsplit(url)
-        if parts.scheme not in ("redis", "rediss", "unix"):
-            raise ValueError(f"RedisRegistry needs a redis://, rediss:// or unix:// URL; got {parts.scheme}://...")
-        self.where = parts.path if parts.scheme == "unix" else f"{parts.hostname}:{parts.port or 6379}{parts.path}"
+        if parts.scheme not in SCHEMES:
+            raise ValueError(f"RedisRegistry needs a redis://, rediss://, unix:// or redis+cluster:// URL; "
+                             f"got {parts.scheme}://...")
+        self.cluster = is_cluster_url(url)
+        if self.cluster and ("{" in prefix or "}" in prefix):
+            raise ValueError("on a Redis Cluster the registry's key prefix must not contain braces (hash tags)")
+        self.where = where(url)
         self.prefix = prefix
         # One retry on a dropped connection: a server restart costs one reconnect, not an error.
-        self._client = redis.Redis.from_url(url, socket_connect_timeout=connect_timeout_s, socket_timeout=op_timeout_s,
-                                            retry=Retry(NoBackoff(), 1))
+        self._client = redis_client(url, connect_timeout_s=connect_timeout_s, op_timeout_s=op_timeout_s, retries=1)
         self._add_script = self._client.register_script(_ADD % CHANGE_LOG_KEEP)
         self._remove_script = self._client.register_script(_REMOVE % CHANGE_LOG_KEEP)
         self._replace_script = self._client.register_script(_REPLACE % CHANGE_LOG_KEEP)
@@ -131,13 +144,17 @@ class RedisRegistry(Registry):
 
     def _keys(self, tenant: str) -> list[str]:
         p = self.prefix
+        if self.cluster:  # one slot per tenant: the scripts and the MULTI below touch these keys together
+            t = hash_tag(tenant)
+            return [f"{p}docs:{t}", f"{p}texts:{t}", f"{p}bytext:{t}", f"{p}vectors:{t}", f"{p}refs:{t}",
+                    f"{p}gen:{t}", f"{p}changes:{t}"]
         return [f"{p}docs:{tenant}", f"{p}texts:{tenant}", f"{p}bytext:{tenant}", f"{p}vectors:{tenant}",
                 f"{p}refs", f"{p}gen:{tenant}", f"{p}changes:{tenant}"]
 
     def _call(self, fn, *args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except redis.RedisError as error:
+        except ERRORS as error:
             raise RegistryUnavailableError(f"the document registry at redis {self.where} failed: {error}") from error
 
     # -- reads -----------------------------------------------------------------------
@@ -163,6 +180,9 @@ class RedisRegistry(Registry):
         return sorted(records, key=lambda record: record.created)
 
     def refcount(self, chunk_hash: str) -> int:
+        if self.cluster:
+            tenants = self._call(self._client.smembers, f"{self.prefix}tenants")
+            return sum(int(self._call(self._client.hget, self._keys(t.decode())[4], chunk_hash) or 0) for t in tenants)
         raw = self._call(self._client.hget, f"{self.prefix}refs", chunk_hash)
         return int(raw) if raw is not None else 0
 
@@ -176,6 +196,8 @@ class RedisRegistry(Registry):
         vectors = _pack([chunk.index for chunk in record.chunks], embeddings)
         hashes = sorted({chunk.chunk_hash for chunk in record.chunks})
         args = [record.doc_id, record.to_json(), text.encode(), record.text_hash, vectors, *hashes]
+        if self.cluster:  # listed before its first reference exists, so refcount never misses it
+            self._call(self._client.sadd, f"{self.prefix}tenants", record.tenant)
         return bool(self._call(self._add_script, keys=self._keys(record.tenant), args=args))
 
     def remove(self, tenant: str, doc_id: str) -> tuple[DocumentRecord, list[str]]:
@@ -188,7 +210,10 @@ class RedisRegistry(Registry):
             hashes = sorted({chunk.chunk_hash for chunk in record.chunks})
             orphans = self._call(self._remove_script, keys=keys, args=[doc_id, raw, record.text_hash, *hashes])
             if orphans is not None:  # None: removed by someone else since it was read
-                return record, sorted(hash_.decode() for hash_ in orphans)
+                released = sorted(hash_.decode() for hash_ in orphans)
+                if self.cluster:  # the script saw this tenant's counts only: another may still use a chunk
+                    released = [hash_ for hash_ in released if self.refcount(hash_) == 0]
+                return record, released
 
     def _replace(self, record: DocumentRecord, text: str, embeddings: np.ndarray) -> tuple[DocumentRecord, list[str]]:
         keys = self._keys(record.tenant)
@@ -204,7 +229,10 @@ class RedisRegistry(Registry):
                     len(old_hashes), *old_hashes, *new_hashes]
             orphans = self._call(self._replace_script, keys=keys, args=args)
             if orphans is not None:  # None: changed by someone else since it was read
-                return old, sorted(hash_.decode() for hash_ in orphans)
+                released = sorted(hash_.decode() for hash_ in orphans)
+                if self.cluster:  # the script saw this tenant's counts only: another may still use a chunk
+                    released = [hash_ for hash_ in released if self.refcount(hash_) == 0]
+                return old, released
 
     def identity(self) -> str:
         return f"redis:{self.where}#{self.prefix}"
@@ -215,8 +243,10 @@ class RedisRegistry(Registry):
 
     def healthy(self) -> bool:
         try:
+            if self.cluster:  # every master: each holds some tenants' corpus
+                return bool(self._client.ping(target_nodes=self._client.PRIMARIES))
             return bool(self._client.ping())
-        except redis.RedisError:
+        except ERRORS:
             return False
 
     # -- retrieval -------------------------------------------------------------------

@@ -3,6 +3,7 @@
     (none)                        the data folder's LMDB environment (embedded default)
     lmdb:///abs/path/to/dir       an LMDB environment of its own
     redis://host:6379/0           a Redis server (rediss:// for TLS, unix:///path.sock)
+    redis+cluster://h1:6379,h2:6379/  a Redis Cluster (tenants spread over its masters)
         ?prefix=ragkv:registry:   key prefix (several deployments may share one database)
         &timeout=SECONDS          per-operation socket timeout, default 10
         &connect_timeout=SECONDS  default 2
@@ -54,7 +55,7 @@ def _open(url: str | None, env: LMDBEnvironment) -> Registry:
         if not location or location == "/" or parts.query:
             raise ValueError(f"registry URL {shown!r}: expected lmdb:///abs/path or lmdb://relative/path, no options")
         return LMDBRegistry(LMDBEnvironment(os.path.expanduser(location)), owns_env=True)
-    if parts.scheme in ("redis", "rediss", "unix"):
+    if parts.scheme in ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster"):
         options = {}
         for name, value in parse_qsl(parts.query, keep_blank_values=True):
             if name not in _REDIS_OPTIONS:
@@ -71,4 +72,4 @@ def _open(url: str | None, env: LMDBEnvironment) -> Registry:
         # Our parameters are stripped: redis-py would read the query as its own.
         return RedisRegistry(urlunsplit((parts.scheme, parts.netloc, parts.path, "", "")), **options)
     raise ValueError(f"unknown registry URL scheme {parts.scheme!r} in {shown!r}; expected lmdb:///abs/path or "
-                     "redis://host:port/db")
+                     "redis://host:port/db or redis+cluster://host:port,host:port/")

@@ -8,6 +8,12 @@ store stops calling Redis for ``retry_after_s``, so a dead or unreachable
 server costs a request at most one short timeout, not one per lookup.
 
 Use a dedicated Redis database: ``stats().entries`` is its ``DBSIZE``.
+
+With a Redis Cluster URL (``redis+cluster://host:port,host:port/``) the blobs spread over
+the masters by key slot; a read of many chunks is one MGET per slot, and a master that
+dies fails the reads and writes that touch it like a single server that dies (misses and
+dropped writes, then the back-off). Use a dedicated cluster: ``entries`` sums every
+master's ``DBSIZE``.
 """
 
 from __future__ import annotations
@@ -17,12 +23,17 @@ from contextlib import contextmanager
 from urllib.parse import urlsplit
 
 import redis
+from redis.cluster import RedisCluster
+from redis.exceptions import ClusterDownError, RedisClusterException
 
 from ragkv.store.base import BlobStore, RawBlob, Usage
 from ragkv.store.errors import StoreUnavailableError
+from ragkv.store.redis_client import SCHEMES, where
 from ragkv.store.redis_link import RedisLink
 
-_SCHEMES = ("redis", "rediss", "unix")
+_SCHEMES = SCHEMES
+_DOWN = (redis.ConnectionError, redis.TimeoutError, ClusterDownError, RedisClusterException)
+"""Errors that mean the server (or a cluster master) is unreachable: start backing off."""
 _SCAN_BATCH = 1000
 
 
@@ -40,14 +51,15 @@ def _glob_escape(prefix: bytes) -> bytes:
 
 
 class RedisStore(BlobStore):
-    """Chunk store in the Redis server at ``url`` (``redis://host:port/db``).
+    """Chunk store in the Redis server at ``url`` (``redis://host:port/db``), or in a Redis
+    Cluster (``redis+cluster://host:port[,host:port...]/``).
 
     ``ttl_s`` expires entries that long after they were written (``None``:
     never; rely on Redis' ``maxmemory-policy`` instead).
     """
 
     backend = "redis"
-    _transient_errors = (redis.RedisError, StoreUnavailableError)
+    _transient_errors = (redis.RedisError, RedisClusterException, StoreUnavailableError)
 
     def __init__(
         self,
@@ -61,14 +73,13 @@ class RedisStore(BlobStore):
     ) -> None:
         if not isinstance(url, str) or urlsplit(url).scheme not in _SCHEMES:
             shown = urlsplit(url).scheme + "://..." if isinstance(url, str) else repr(url)  # URLs may hold passwords
-            raise ValueError(f"RedisStore needs a redis://, rediss:// or unix:// URL; got {shown}")
+            raise ValueError(f"RedisStore needs a redis://, rediss://, unix:// or redis+cluster:// URL; got {shown}")
         _check_positive("ttl_s", ttl_s, optional=True)
         _check_positive("connect_timeout_s", connect_timeout_s)
         _check_positive("op_timeout_s", op_timeout_s)
         _check_positive("retry_after_s", retry_after_s)
         self._ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
-        parts = urlsplit(url)
-        self._where = parts.path if parts.scheme == "unix" else f"{parts.hostname}:{parts.port or 6379}{parts.path}"
+        self._where = where(url)
         self._link = RedisLink(url, connect_timeout_s=connect_timeout_s, op_timeout_s=op_timeout_s,
                                retry_after_s=retry_after_s)
         self._client = self._link.client
@@ -88,12 +99,14 @@ class RedisStore(BlobStore):
             raise StoreUnavailableError(f"redis at {self._where} is down; not retried yet")
         try:
             yield
-        except (redis.ConnectionError, redis.TimeoutError):
+        except _DOWN:
             self._link.mark_down()
             raise
 
     def _get_raw_many(self, keys: list[bytes]) -> list[RawBlob | None]:
         with self._call():
+            if self._link.cluster:  # one MGET per slot: a cluster refuses keys of several slots in one
+                return self._client.mget_nonatomic(keys)
             return self._client.mget(keys)
 
     def _put_raw_many(self, pairs: list[tuple[bytes, RawBlob]]) -> None:
@@ -118,6 +131,11 @@ class RedisStore(BlobStore):
 
     def _usage(self) -> Usage:
         with self._call():
+            if self._link.cluster:
+                masters = RedisCluster.PRIMARIES
+                memory = self._client.info("memory", target_nodes=masters)
+                return Usage(entries=self._client.dbsize(target_nodes=masters),
+                             bytes=sum(info["used_memory"] for info in memory.values()))
             return Usage(entries=self._client.dbsize(), bytes=self._client.info("memory")["used_memory"])
 
     def _iter_raw_keys(self, prefix: bytes) -> Iterator[bytes]:

@@ -12,10 +12,12 @@ URL forms (query parameters are optional; keyword ``options`` to
         ?ttl=SECONDS                 expire entries after SECONDS
         &connect_timeout=SECONDS     default 0.5
         &timeout=SECONDS             per-operation socket timeout, default 1
+    redis+cluster://h1:6379,h2:6379/ a Redis Cluster: any of its nodes (rediss+cluster:// for TLS);
+                                     the same parameters as redis://
 
     tiered+lmdb:///abs/path          in-process LRU over LMDB [over Redis]
         ?lru_mb=256                  LRU size in MiB (0 disables it)
-        &redis=redis://host:6379/0   optional Redis tier below LMDB
+        &redis=redis://host:6379/0   optional Redis tier below LMDB (or redis+cluster://...)
         &redis_ttl=SECONDS           TTL for that Redis tier
         &map_size=BYTES              as for lmdb://
         &capacity=BYTES              as for lmdb:// (bounds the LMDB tier)
@@ -35,6 +37,7 @@ from ragkv.store.base import ChunkStore
 from ragkv.store.blob import mac_key_of
 from ragkv.store.lmdb_env import DEFAULT_MAP_SIZE
 from ragkv.store.lmdb_store import LMDBStore
+from ragkv.store.redis_client import CLUSTER_SCHEMES
 from ragkv.store.redis_store import RedisStore
 from ragkv.store.tiered import DEFAULT_LRU_BYTES, TieredStore
 
@@ -60,8 +63,8 @@ def _int(value: object) -> int:
 
 
 def _redis_url(value: object) -> str:
-    if not isinstance(value, str) or urlsplit(value).scheme not in ("redis", "rediss"):
-        raise ValueError("expected a redis:// or rediss:// URL")
+    if not isinstance(value, str) or urlsplit(value).scheme not in ("redis", "rediss", *CLUSTER_SCHEMES):
+        raise ValueError("expected a redis://, rediss:// or redis+cluster:// URL")
     return value
 
 
@@ -104,7 +107,7 @@ def open_store(url: str, *, create: bool = True, secret: str | None = None, **op
     if parts.scheme == "lmdb":
         params = _params(url, parts.query, options, _LMDB_PARAMS)
         return _open_lmdb(url, parts.netloc, parts.path, params, create, mac_key)
-    if parts.scheme in ("redis", "rediss"):
+    if parts.scheme in ("redis", "rediss", *CLUSTER_SCHEMES):
         return _open_redis(url, options, mac_key)
     if parts.scheme == "tiered+lmdb":
         params = _params(url, parts.query, options, _TIERED_PARAMS)
@@ -125,7 +128,8 @@ def open_store(url: str, *, create: bool = True, secret: str | None = None, **op
             raise
     raise ValueError(
         f"unknown store URL scheme {parts.scheme!r} in {_redact(url)}; expected lmdb:///abs/path, "
-        "lmdb://relative/path, redis://host:port/db or tiered+lmdb:///path?redis=redis://host:port/db&lru_mb=N"
+        "lmdb://relative/path, redis://host:port/db, redis+cluster://host:port,host:port/ or "
+        "tiered+lmdb:///path?redis=redis://host:port/db&lru_mb=N"
     )
 
 
@@ -133,7 +137,8 @@ def _params(
     url: str, query: str, options: dict[str, object], allowed: dict[str, Callable[[object], object]]
 ) -> _Params:
     raw: dict[str, object] = {}
-    for name, value in parse_qsl(query, keep_blank_values=True):
+    # A literal '+' stays a '+' (parse_qsl would read a space): redis=redis+cluster://... works unencoded.
+    for name, value in parse_qsl(query.replace("+", "%2B"), keep_blank_values=True):
         if name in raw:
             raise ValueError(f"store URL {_redact(url)} repeats the parameter {name!r}")
         raw[name] = value

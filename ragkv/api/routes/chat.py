@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ragkv.api.auth import tenant_of
 from ragkv.api.errors import ApiError
+from ragkv.api.logprobs import chat_logprobs
 from ragkv.api.openapi import errors, sse_or
 from ragkv.api.responses_schema import ChatCompletion, Deleted, Model, ModelList, SessionList
 from ragkv.api.routes.completions import EMBEDDING_MODEL_ID
@@ -86,10 +87,11 @@ async def chat_completions(request: Request, body: ChatRequest):
     named = body.session_id or rag.session_id
     session_id = check_session_id(named) if named else new_context_id()
     max_tokens = body.max_completion_tokens or body.max_tokens or DEFAULT_MAX_TOKENS
-    generation = generation_config(max_tokens, body.temperature, body.top_p, body.seed, body.stop, state.config)
+    generation = generation_config(max_tokens, body.temperature, body.top_p, body.seed, body.stop, state.config,
+                                   logprobs=body.logprobs_count)
     config = query_config(rag, generation, state.config)
     work = state.service.chat_stream(ChatTurn(tenant, messages, session_id if named else None, rag.enabled, config),
-                                 session_id)
+                                     session_id)
     completion_id = "chatcmpl-" + uuid.uuid4().hex[:24]
     created = int(time.time())
     headers = {"X-Session-Id": session_id}
@@ -103,23 +105,35 @@ async def chat_completions(request: Request, body: ChatRequest):
         return JSONResponse(
             {"id": completion_id, "object": "chat.completion", "created": created, "model": state.model_id,
              "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
-                          "finish_reason": outcome.finish_reason.openai, "logprobs": None}],
+                          "finish_reason": outcome.finish_reason.openai,
+                          "logprobs": chat_logprobs(outcome.logprobs) if body.logprobs else None}],
              "usage": outcome.usage.to_openai(), "session_id": session_id, "rag": _rag_extension(outcome, session_id)},
             headers=headers)
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     stream = await EventStream.start(request, state.worker, work)
 
+    pending_logprobs: list = []  # entries of tokens whose text has not been sent yet
+
     def chunk(delta: dict, finish_reason: str | None = None, **extra) -> dict:
+        logprobs = None
+        if pending_logprobs and "content" in delta:
+            logprobs = chat_logprobs(pending_logprobs)
+            pending_logprobs.clear()
         return {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": state.model_id,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}], **extra}
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}],
+                **extra}
 
     def render(event):
+        if event.kind == "logprob":
+            pending_logprobs.append(event.value)
         return [chunk({"content": event.value})] if event.kind == "token" else []
 
     def finish(completions: list[Completion]):
         [outcome] = completions
         events = [chunk({"content": sources(outcome)})] if body.sources else []
+        if pending_logprobs:  # tokens of a stop string: never sent as text
+            events.append(chunk({"content": ""}))
         events += [chunk({}, outcome.finish_reason.openai, session_id=session_id,
                         rag=_rag_extension(outcome, session_id))]
         if include_usage:

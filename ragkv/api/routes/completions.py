@@ -21,6 +21,7 @@ from fastapi.responses import StreamingResponse
 from ragkv.api.auth import tenant_of
 from ragkv.api.completion_schemas import CompletionRequest, EmbeddingRequest
 from ragkv.api.errors import ApiError
+from ragkv.api.logprobs import completion_logprobs
 from ragkv.api.openapi import errors, sse_or
 from ragkv.api.responses_schema import Completion, EmbeddingList
 from ragkv.api.routes.query import SSE_HEADERS
@@ -47,7 +48,7 @@ def _refuse_unsupported(body: CompletionRequest) -> None:
     if body.echo:
         raise ApiError(400, "unsupported_parameter", "echo is not supported: the answer holds only the completion",
                        param="echo")
-    for name in ("logprobs", "suffix"):
+    for name in ("suffix",):
         if getattr(body, name) is not None:
             raise ApiError(400, "unsupported_parameter", f"{name} is not supported by this server", param=name)
 
@@ -71,7 +72,8 @@ async def completions(request: Request, body: CompletionRequest):
         raise ApiError(404, "model_not_found", f"the model {body.model!r} does not exist; this server serves {state.model_id!r}",
                        param="model")
     prompts = _prompts(body.prompt)
-    generation = generation_config(body.max_tokens, body.temperature, body.top_p, body.seed, body.stop, state.config)
+    generation = generation_config(body.max_tokens, body.temperature, body.top_p, body.seed, body.stop, state.config,
+                                   logprobs=body.logprobs)
     rag = body.rag
     config = query_config(rag, generation, state.config) if rag is not None else None  # validated even when disabled
     with_citations = rag is not None and rag.enabled
@@ -85,8 +87,9 @@ async def completions(request: Request, body: CompletionRequest):
     completion_id = "cmpl-" + uuid.uuid4().hex[:24]
     created = int(time.time())
 
-    def choice(index: int, text: str, finish_reason: str | None, citations: list | None = None) -> dict:
-        out = {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": None}
+    def choice(index: int, text: str, finish_reason: str | None, citations: list | None = None,
+               logprobs: dict | None = None) -> dict:
+        out = {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
         if citations is not None:
             out["rag"] = {"citations": citations}
         return out
@@ -100,17 +103,34 @@ async def completions(request: Request, body: CompletionRequest):
 
     if not body.stream:
         completions = await run_requests(request, state.worker, work)
-        return envelope([choice(i, c.text, c.finish_reason.openai, citations(c)) for i, c in enumerate(completions)],
-                        usage=_usage(completions))
+        return envelope([choice(i, c.text, c.finish_reason.openai, citations(c),
+                                completion_logprobs(c.logprobs) if c.logprobs is not None else None)
+                         for i, c in enumerate(completions)], usage=_usage(completions))
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     stream = await EventStream.start(request, state.worker, work)
 
+    pending: dict[int, list] = {}  # per prompt: logprob entries of tokens whose text is not sent yet
+    offsets: dict[int, int] = {}  # per prompt: characters of the entries sent so far
+
+    def logprobs_of(index: int) -> dict | None:
+        entries = pending.pop(index, [])
+        if body.logprobs is None or not entries:
+            return None
+        out = completion_logprobs(entries, offsets.get(index, 0))
+        offsets[index] = offsets.get(index, 0) + sum(len(e.text) for e in entries)
+        return out
+
     def render(event):
-        return [envelope([choice(event.index, event.value, None)])] if event.kind == "token" else []
+        if event.kind == "logprob":
+            pending.setdefault(event.index, []).append(event.value)
+        if event.kind != "token":
+            return []
+        return [envelope([choice(event.index, event.value, None, logprobs=logprobs_of(event.index))])]
 
     def finish(completions: list[AppCompletion]):
-        events = [envelope([choice(i, "", c.finish_reason.openai, citations(c))]) for i, c in enumerate(completions)]
+        events = [envelope([choice(i, "", c.finish_reason.openai, citations(c),  # a stop string's tokens: never sent
+                                   logprobs=logprobs_of(i))]) for i, c in enumerate(completions)]
         if include_usage:
             events.append(envelope([], usage=_usage(completions)))
         return events
