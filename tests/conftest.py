@@ -15,7 +15,6 @@ os.environ["TRITON_INTERPRET"] = "1"
 from collections.abc import Iterator  # noqa: E402
 
 import pytest  # noqa: E402
-
 from redis_server import RedisServer  # noqa: E402  pytest puts tests/ on sys.path (no tests/__init__.py)
 
 

@@ -18,8 +18,16 @@ import time
 from redis.cluster import RedisCluster
 from redis_server import RedisServer
 
-_CLUSTER_ARGS = ("--cluster-enabled", "yes", "--cluster-node-timeout", "1000",
-                 "--cluster-require-full-coverage", "no", "--cluster-config-file", "nodes.conf")
+_CLUSTER_ARGS = (
+    "--cluster-enabled",
+    "yes",
+    "--cluster-node-timeout",
+    "1000",
+    "--cluster-require-full-coverage",
+    "no",
+    "--cluster-config-file",
+    "nodes.conf",
+)
 
 
 def _bindable(port: int) -> bool:
@@ -43,8 +51,9 @@ def _cluster_port() -> int:
 class RedisClusterServers:
     def __init__(self, masters: int = 3) -> None:
         if shutil.which("redis-cli") is None:
-            raise FileNotFoundError("redis-cli not found on PATH; the cluster tests need it "
-                                    "(apt-get install redis-tools)")
+            raise FileNotFoundError(
+                "redis-cli not found on PATH; the cluster tests need it (apt-get install redis-tools)"
+            )
         self.nodes = [RedisServer(port=_cluster_port(), extra_args=_CLUSTER_ARGS) for _ in range(masters)]
 
     @property
@@ -55,8 +64,12 @@ class RedisClusterServers:
         for node in self.nodes:
             node.start()
         addresses = [f"127.0.0.1:{node.port}" for node in self.nodes]
-        subprocess.run(["redis-cli", "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
-                       check=True, capture_output=True, timeout=timeout_s)
+        subprocess.run(
+            ["redis-cli", "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
+            check=True,
+            capture_output=True,
+            timeout=timeout_s,
+        )
         deadline = time.monotonic() + timeout_s
         while not all(self.state(node) == "ok" for node in self.nodes):
             if time.monotonic() > deadline:
@@ -65,8 +78,9 @@ class RedisClusterServers:
 
     @staticmethod
     def state(node: RedisServer) -> str | None:
-        result = subprocess.run(["redis-cli", "-p", str(node.port), "cluster", "info"], capture_output=True, text=True,
-                                timeout=5)
+        result = subprocess.run(
+            ["redis-cli", "-p", str(node.port), "cluster", "info"], capture_output=True, text=True, timeout=5
+        )
         for line in result.stdout.splitlines():
             if line.startswith("cluster_state:"):
                 return line.split(":", 1)[1].strip()

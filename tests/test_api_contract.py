@@ -45,8 +45,18 @@ def _seed_odd_document(db_path: Path) -> None:
     """A document whose stored metadata holds a lone surrogate, as an older server let in."""
     env = LMDBEnvironment(db_path)
     try:
-        record = DocumentRecord("doc_odd", "oddity", "odd.txt", "hash_odd", 3, 512, "fp", time.time(),
-                                [ChunkRecord(0, "chunk_odd", 0, 3, 0, 11)], {"k": "\udfff"})
+        record = DocumentRecord(
+            "doc_odd",
+            "oddity",
+            "odd.txt",
+            "hash_odd",
+            3,
+            512,
+            "fp",
+            time.time(),
+            [ChunkRecord(0, "chunk_odd", 0, 3, 0, 11)],
+            {"k": "\udfff"},
+        )
         LMDBRegistry(env).add(record, "odd content", np.zeros((1, 384), dtype=np.float32))
     finally:
         env.close()
@@ -58,7 +68,16 @@ def server(tmp_path_factory):
     keys = root / "keys.json"
     keys.write_text(json.dumps({KEY: "contract", ODD_KEY: "oddity"}))
     _seed_odd_document(root / "data" / "db")
-    args = ["--data-dir", str(root / "data"), "--api-keys", str(keys), "--max-new-tokens", "8192", "--log-level", "warning"]
+    args = [
+        "--data-dir",
+        str(root / "data"),
+        "--api-keys",
+        str(keys),
+        "--max-new-tokens",
+        "8192",
+        "--log-level",
+        "warning",
+    ]
     with ServerProcess(args, log_path=root / "serve.log") as process:
         with httpx.Client(base_url=process.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=300) as http:
             for path in sorted(CORPUS.iterdir()):
@@ -69,7 +88,9 @@ def server(tmp_path_factory):
 
 @pytest.fixture
 def http(server):
-    with httpx.Client(base_url=server["process"].url, headers={"Authorization": f"Bearer {KEY}"}, timeout=300) as client:
+    with httpx.Client(
+        base_url=server["process"].url, headers={"Authorization": f"Bearer {KEY}"}, timeout=300
+    ) as client:
         yield client
 
 
@@ -85,6 +106,7 @@ CHAT = {"model": "ragkv", "max_tokens": 2, "messages": [{"role": "user", "conten
 
 
 # -- what used to be a 500 ----------------------------------------------------------------------
+
 
 def test_snapkv_capacity_below_the_rows_it_must_keep_is_400(http):
     error = _error(http.post("/v1/query", json={**QUESTION, "snapkv_capacity": 1}), 400)
@@ -105,11 +127,16 @@ def test_seed_outside_64_bits_is_400_and_greedy_decoding_ignores_the_seed(http):
 def test_unpaired_surrogate_in_a_chat_message_is_the_same_400_as_in_a_query(http):
     body = b'{"model": "ragkv", "max_tokens": 2, "messages": [{"role": "user", "content": "hi \\udc80"}]}'
     chat = _error(http.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"}), 400)
-    query = _error(http.post("/v1/query", content=b'{"question": "hi \\udc80"}', headers={"content-type": "application/json"}), 400)
+    query = _error(
+        http.post("/v1/query", content=b'{"question": "hi \\udc80"}', headers={"content-type": "application/json"}), 400
+    )
     assert chat["code"] == query["code"] == "invalid_parameters"
     assert "surrogate" in chat["message"] or "unicode" in chat["message"].lower()
     paired = b'{"model": "ragkv", "max_tokens": 2, "messages": [{"role": "user", "content": "hi \\ud83d\\ude00"}]}'
-    assert http.post("/v1/chat/completions", content=paired, headers={"content-type": "application/json"}).status_code == 200
+    assert (
+        http.post("/v1/chat/completions", content=paired, headers={"content-type": "application/json"}).status_code
+        == 200
+    )
 
 
 def test_unpaired_surrogate_in_metadata_is_refused_before_anything_is_committed(http):
@@ -117,8 +144,11 @@ def test_unpaired_surrogate_in_metadata_is_refused_before_anything_is_committed(
     body = b'{"text": "A note about the harbour.", "name": "note.txt", "metadata": {"k": "\\udfff"}}'
     error = _error(http.post("/v1/documents", content=body, headers={"content-type": "application/json"}), 400)
     assert "surrogate" in error["message"]
-    upload = http.post("/v1/documents", files={"file": ("note.txt", b"A note about the harbour.", "text/plain")},
-                       data={"metadata": '{"k": "\\udfff"}'})
+    upload = http.post(
+        "/v1/documents",
+        files={"file": ("note.txt", b"A note about the harbour.", "text/plain")},
+        data={"metadata": '{"k": "\\udfff"}'},
+    )
     assert "surrogate" in _error(upload, 400)["message"]
     assert http.get("/v1/documents").json()["data"] == before
 
@@ -145,8 +175,13 @@ def _crashing_app() -> FastAPI:
     def port(request: Request):
         return {"port": request.client.port}
 
-    app.add_middleware(ServingMiddleware, metrics=Metrics(), authenticator=Authenticator({}),
-                       max_body_bytes=1024, max_document_body_bytes=1024)
+    app.add_middleware(
+        ServingMiddleware,
+        metrics=Metrics(),
+        authenticator=Authenticator({}),
+        max_body_bytes=1024,
+        max_document_body_bytes=1024,
+    )
     return app
 
 
@@ -177,6 +212,7 @@ def test_query_refuses_a_prompt_and_answer_past_the_model_context(http):
 
 # -- usage and metrics ----------------------------------------------------------------------------
 
+
 def _corrupt_every_chunk(db_path: Path) -> int:
     env = LMDBEnvironment(db_path)
     try:
@@ -205,7 +241,10 @@ def _corrupt_count(http: httpx.Client) -> float:
 
 def test_usage_counts_chunks_recomputed_for_a_corrupt_blob_as_computed(server, http):
     clean = http.post("/v1/query", json=QUESTION).json()["usage"]
-    assert clean["recomputed_tokens"] < clean["document_tokens"] and clean["cached_tokens"] >= clean["document_tokens"] // 2
+    assert (
+        clean["recomputed_tokens"] < clean["document_tokens"]
+        and clean["cached_tokens"] >= clean["document_tokens"] // 2
+    )
     assert _corrupt_count(http) == 0
     assert _corrupt_every_chunk(server["root"] / "data" / "db") >= 3
     after = http.post("/v1/query", json=QUESTION).json()["usage"]
@@ -220,11 +259,14 @@ def test_usage_counts_chunks_recomputed_for_a_corrupt_blob_as_computed(server, h
 
 # -- validation, methods --------------------------------------------------------------------------
 
+
 def test_validation_errors_are_400_in_the_openai_shape(http):
-    for response in (http.post("/v1/query", json={"question": ""}),
-                     http.post("/v1/query", json=["not", "an", "object"]),
-                     http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 0}),
-                     http.post("/v1/chat/completions", json={"messages": CHAT["messages"]})):
+    for response in (
+        http.post("/v1/query", json={"question": ""}),
+        http.post("/v1/query", json=["not", "an", "object"]),
+        http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 0}),
+        http.post("/v1/chat/completions", json={"messages": CHAT["messages"]}),
+    ):
         error = _error(response, 400)
         assert error["type"] == "invalid_request_error" and error["code"] == "invalid_parameters"
 
@@ -248,6 +290,7 @@ def test_safe_json_response_renders_lone_surrogates_as_escapes():
 
 # -- OpenAI completions and embeddings, LangChain -------------------------------------------------
 
+
 def _openai(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server["process"].url + "/v1", api_key=KEY, max_retries=0, timeout=300)
 
@@ -261,13 +304,16 @@ def test_completions_continue_the_prompt_as_transformers_greedy_does(server):
     ids = tokenizer(text)["input_ids"]
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():
-        generated = reference.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids):]
+        generated = reference.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids) :]
     expected = tokenizer.decode(generated, skip_special_tokens=True)
 
     client = _openai(server)
     by_ids = client.completions.create(model="ragkv", prompt=ids, max_tokens=8)
     assert by_ids.object == "text_completion" and by_ids.choices[0].text == expected
-    assert by_ids.usage.prompt_tokens == len(ids) and by_ids.usage.total_tokens == len(ids) + by_ids.usage.completion_tokens
+    assert (
+        by_ids.usage.prompt_tokens == len(ids)
+        and by_ids.usage.total_tokens == len(ids) + by_ids.usage.completion_tokens
+    )
     by_text = client.completions.create(model="ragkv", prompt=text, max_tokens=8)
     assert by_text.choices[0].text == expected
 
@@ -276,8 +322,11 @@ def test_completions_continue_the_prompt_as_transformers_greedy_does(server):
     single = client.completions.create(model="ragkv", prompt=other, max_tokens=4)
     assert [c.index for c in batch.choices] == [0, 1] and batch.choices[1].text == single.choices[0].text
 
-    chunks = list(client.completions.create(model="ragkv", prompt=text, max_tokens=8, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model="ragkv", prompt=text, max_tokens=8, stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
     assert chunks[-1].usage.completion_tokens == by_ids.usage.completion_tokens
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
@@ -285,8 +334,9 @@ def test_completions_continue_the_prompt_as_transformers_greedy_does(server):
 
 def test_completions_with_rag_answer_like_query_with_citations(server, http):
     client = _openai(server)
-    answer = client.completions.create(model="ragkv", prompt=QUESTION["question"], max_tokens=4,
-                                       extra_body={"rag": {"enabled": True, "top_k": 1}})
+    answer = client.completions.create(
+        model="ragkv", prompt=QUESTION["question"], max_tokens=4, extra_body={"rag": {"enabled": True, "top_k": 1}}
+    )
     choice = answer.model_dump()["choices"][0]
     query = http.post("/v1/query", json=QUESTION).json()
     assert choice["text"] == query["answer"] and choice["rag"]["citations"] == query["citations"]
@@ -296,10 +346,16 @@ def test_completions_with_rag_answer_like_query_with_citations(server, http):
 def test_completions_refuse_what_they_do_not_serve(server, http):
     with pytest.raises(openai.BadRequestError):
         _openai(server).completions.create(model="ragkv", prompt="x", max_tokens=2, echo=True)
-    error = _error(http.post("/v1/completions", json={"model": "ragkv", "prompt": "x", "max_tokens": MODEL_CONTEXT}), 400)
+    error = _error(
+        http.post("/v1/completions", json={"model": "ragkv", "prompt": "x", "max_tokens": MODEL_CONTEXT}), 400
+    )
     assert error["code"] == "context_length_exceeded"
-    assert _error(http.post("/v1/completions", json={"model": "gpt-3.5", "prompt": "x"}), 404)["code"] == "model_not_found"
-    assert _error(http.post("/v1/completions", json={"model": "ragkv", "prompt": [10**9]}), 400)["code"] == "bad_token_id"
+    assert (
+        _error(http.post("/v1/completions", json={"model": "gpt-3.5", "prompt": "x"}), 404)["code"] == "model_not_found"
+    )
+    assert (
+        _error(http.post("/v1/completions", json={"model": "ragkv", "prompt": [10**9]}), 400)["code"] == "bad_token_id"
+    )
 
 
 def test_embeddings_match_the_packaged_embedder(server, http):
@@ -320,16 +376,30 @@ def test_langchain_sees_numbered_sources_and_the_session(server, http):
     from langchain_openai import ChatOpenAI
 
     def chat(**extra) -> ChatOpenAI:
-        return ChatOpenAI(model="ragkv", base_url=server["process"].url + "/v1", api_key=KEY, max_tokens=6,
-                          temperature=0, max_retries=0, extra_body={"sources": True, "rag": {"top_k": 2}, **extra})
+        return ChatOpenAI(
+            model="ragkv",
+            base_url=server["process"].url + "/v1",
+            api_key=KEY,
+            max_tokens=6,
+            temperature=0,
+            max_retries=0,
+            extra_body={"sources": True, "rag": {"top_k": 2}, **extra},
+        )
 
     message = chat().invoke("When was Gull Point Light first lit?")
     assert "[1][2]" in message.content and "\n\nSources:\n[1] lighthouses.md, chunk 0 (doc_" in message.content
     session = re.search(r"Session: (\S+)", message.content).group(1)
     follow = "".join(chunk.content for chunk in chat(session_id=session).stream("Who was its last keeper?"))
     assert follow.endswith(f"Session: {session}")
-    raw = http.post("/v1/chat/completions", json={**CHAT, "sources": True, "rag": {"top_k": 2},
-                                                  "messages": [{"role": "user", "content": "Tell me about Linden Gold."}]}).json()
+    raw = http.post(
+        "/v1/chat/completions",
+        json={
+            **CHAT,
+            "sources": True,
+            "rag": {"top_k": 2},
+            "messages": [{"role": "user", "content": "Tell me about Linden Gold."}],
+        },
+    ).json()
     content, citations = raw["choices"][0]["message"]["content"], raw["rag"]["citations"]
     for number, citation in enumerate(citations, 1):
         assert f"[{number}] {citation['name']}, chunk {citation['chunk_index']} ({citation['document_id']})" in content
@@ -339,10 +409,14 @@ def test_langchain_sees_numbered_sources_and_the_session(server, http):
 
 # -- OpenAPI document and offline docs -----------------------------------------------------------
 
+
 def test_openapi_declares_bodies_errors_and_bearer_auth(http):
     schema = http.get("/openapi.json").json()
     assert schema["components"]["securitySchemes"]["bearerAuth"] == {
-        "type": "http", "scheme": "bearer", "description": schema["components"]["securitySchemes"]["bearerAuth"]["description"]}
+        "type": "http",
+        "scheme": "bearer",
+        "description": schema["components"]["securitySchemes"]["bearerAuth"]["description"],
+    }
     for path, operations in schema["paths"].items():
         for method, operation in operations.items():
             responses = operation["responses"]

@@ -25,8 +25,11 @@ _METRIC_NAME = re.compile(r"\b((?:vllm:|ragkv_)[a-zA-Z0-9_:]+)")
 def dashboard_metric_names() -> set[str]:
     dashboard = json.loads(DASHBOARD.read_text())
     exprs = [target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])]
-    exprs += [variable["query"]["query"] for variable in dashboard["templating"]["list"]
-              if isinstance(variable.get("query"), dict)]
+    exprs += [
+        variable["query"]["query"]
+        for variable in dashboard["templating"]["list"]
+        if isinstance(variable.get("query"), dict)
+    ]
     assert exprs
     return {name for expr in exprs for name in _METRIC_NAME.findall(expr)}
 
@@ -43,8 +46,9 @@ def scrape(http: httpx.Client) -> dict[str, list]:
 
 
 def value(samples: dict, name: str, **labels) -> float:
-    matching = [v for sample_labels, v in samples.get(name, [])
-                if all(sample_labels.get(k) == w for k, w in labels.items())]
+    matching = [
+        v for sample_labels, v in samples.get(name, []) if all(sample_labels.get(k) == w for k, w in labels.items())
+    ]
     assert matching, f"{name} {labels} is not exported"
     return sum(matching)
 
@@ -72,8 +76,12 @@ def test_vllm_families_agree_with_the_requests_and_the_dashboard_names_are_expor
     for family in ("vllm:time_to_first_token_seconds_count", "vllm:prompt_tokens_total", "vllm:num_requests_running"):
         assert family in before  # declared at startup, before any request
     usages = []
-    chat = {"model": "ragkv", "messages": [{"role": "user", "content": "What is this document about?"}],
-            "max_tokens": 12, "rag": {"enabled": True, "top_k": 2}}
+    chat = {
+        "model": "ragkv",
+        "messages": [{"role": "user", "content": "What is this document about?"}],
+        "max_tokens": 12,
+        "rag": {"enabled": True, "top_k": 2},
+    }
     for _ in range(2):  # the second turn resends the same prompt: its prefix is cached
         response = http.post("/v1/chat/completions", json=chat)
         assert response.status_code == 200, response.text
@@ -82,8 +90,9 @@ def test_vllm_families_agree_with_the_requests_and_the_dashboard_names_are_expor
     assert response.status_code == 200, response.text
     usages.append(response.json()["usage"])
     # A plain completion runs on the scheduler too, and is counted like the others.
-    response = http.post("/v1/completions", json={"model": "ragkv", "prompt": "The colours of the rainbow are",
-                                                  "max_tokens": 6})
+    response = http.post(
+        "/v1/completions", json={"model": "ragkv", "prompt": "The colours of the rainbow are", "max_tokens": 6}
+    )
     assert response.status_code == 200, response.text
     usages.append({**response.json()["usage"], "cached_tokens": 0})  # a plain prefill reuses nothing
     after = scrape(http)
@@ -122,11 +131,20 @@ def test_vllm_families_agree_with_the_requests_and_the_dashboard_names_are_expor
 def test_the_dashboard_is_grafana_json_on_the_vllm_names():
     dashboard = json.loads(DASHBOARD.read_text())
     names = dashboard_metric_names()
-    for required in ("vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
-                     "vllm:e2e_request_latency_seconds_bucket", "vllm:num_requests_running",
-                     "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:prefix_cache_hits_total",
-                     "vllm:prefix_cache_queries_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
-                     "ragkv_chunk_lookups_total", "ragkv_tokens_total"):
+    for required in (
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:inter_token_latency_seconds_bucket",
+        "vllm:e2e_request_latency_seconds_bucket",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_hits_total",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "ragkv_chunk_lookups_total",
+        "ragkv_tokens_total",
+    ):
         assert required in names
     ids = [panel["id"] for panel in dashboard["panels"]]
     assert len(ids) == len(set(ids)) and dashboard["uid"] and dashboard["schemaVersion"] >= 30

@@ -23,12 +23,14 @@ QUESTION = "Name three colours."
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("openai_surface")
-    process = ServerProcess(["--data-dir", str(root / "data"), "--log-level", "warning"],
-                            log_path=root / "serve.log").start(timeout_s=600)  # a loaded CI machine is slow
+    process = ServerProcess(
+        ["--data-dir", str(root / "data"), "--log-level", "warning"], log_path=root / "serve.log"
+    ).start(timeout_s=600)  # a loaded CI machine is slow
     try:
         path = sorted(CORPUS.iterdir())[0]
-        response = httpx.post(process.url + "/v1/documents", json={"text": path.read_text(), "name": path.name},
-                              timeout=300)
+        response = httpx.post(
+            process.url + "/v1/documents", json={"text": path.read_text(), "name": path.name}, timeout=300
+        )
         assert response.status_code == 201, response.text
         yield process
     finally:
@@ -42,8 +44,9 @@ def client(server) -> openai.OpenAI:
 
 def test_chat_logprobs_plain_and_streamed_agree_and_are_the_models(client):
     messages = [{"role": "user", "content": QUESTION}]
-    plain = client.chat.completions.create(model="ragkv", messages=messages, max_tokens=10, logprobs=True,
-                                           top_logprobs=3)
+    plain = client.chat.completions.create(
+        model="ragkv", messages=messages, max_tokens=10, logprobs=True, top_logprobs=3
+    )
     entries = plain.choices[0].logprobs.content
     assert len(entries) == plain.usage.completion_tokens > 0
     assert "".join(e.token for e in entries).strip() == plain.choices[0].message.content
@@ -54,8 +57,9 @@ def test_chat_logprobs_plain_and_streamed_agree_and_are_the_models(client):
         assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
 
     streamed = []
-    for chunk in client.chat.completions.create(model="ragkv", messages=messages, max_tokens=10, logprobs=True,
-                                                top_logprobs=3, stream=True):
+    for chunk in client.chat.completions.create(
+        model="ragkv", messages=messages, max_tokens=10, logprobs=True, top_logprobs=3, stream=True
+    ):
         if chunk.choices and chunk.choices[0].logprobs is not None:
             streamed += chunk.choices[0].logprobs.content
     assert [e.token for e in streamed] == [e.token for e in entries]
@@ -72,16 +76,21 @@ def test_chat_logprobs_plain_and_streamed_agree_and_are_the_models(client):
 def test_completion_logprobs_plain_and_streamed(client):
     plain = client.completions.create(model="ragkv", prompt="The colours of the rainbow are", max_tokens=8, logprobs=2)
     logprobs = plain.choices[0].logprobs
-    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == \
-        plain.usage.completion_tokens
+    assert (
+        len(logprobs.tokens)
+        == len(logprobs.token_logprobs)
+        == len(logprobs.top_logprobs)
+        == plain.usage.completion_tokens
+    )
     assert "".join(logprobs.tokens) == plain.choices[0].text
     assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(logprobs.tokens))]
     for token, value, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
         assert 1 <= len(top) <= 2 and top[token] == value == max(top.values())  # greedy: the top token
 
     tokens, values = [], []
-    for chunk in client.completions.create(model="ragkv", prompt="The colours of the rainbow are", max_tokens=8,
-                                           logprobs=2, stream=True):
+    for chunk in client.completions.create(
+        model="ragkv", prompt="The colours of the rainbow are", max_tokens=8, logprobs=2, stream=True
+    ):
         if chunk.choices and chunk.choices[0].logprobs is not None:
             tokens += chunk.choices[0].logprobs.tokens
             values += chunk.choices[0].logprobs.token_logprobs
@@ -89,21 +98,30 @@ def test_completion_logprobs_plain_and_streamed(client):
 
 
 def test_responses_plain_with_instructions_and_message_items(client):
-    response = client.responses.create(model="ragkv", input=QUESTION, instructions="Answer in English.",
-                                       max_output_tokens=12)
+    response = client.responses.create(
+        model="ragkv", input=QUESTION, instructions="Answer in English.", max_output_tokens=12
+    )
     assert response.object == "response" and response.id.startswith("resp_")
     assert response.output_text and response.output[0].role == "assistant"
     assert response.usage.input_tokens > 0 and response.usage.output_tokens <= 12
     assert response.status in ("completed", "incomplete")
     if response.status == "incomplete":
         assert response.incomplete_details.reason == "max_output_tokens"
-    chat = client.chat.completions.create(model="ragkv", max_tokens=12, messages=[
-        {"role": "system", "content": "Answer in English."}, {"role": "user", "content": QUESTION}])
+    chat = client.chat.completions.create(
+        model="ragkv",
+        max_tokens=12,
+        messages=[{"role": "system", "content": "Answer in English."}, {"role": "user", "content": QUESTION}],
+    )
     assert response.output_text == chat.choices[0].message.content  # the same turn, greedy
 
-    items = client.responses.create(model="ragkv", max_output_tokens=12, input=[
-        {"role": "system", "content": "Answer in English."},
-        {"role": "user", "content": [{"type": "input_text", "text": QUESTION}]}])
+    items = client.responses.create(
+        model="ragkv",
+        max_output_tokens=12,
+        input=[
+            {"role": "system", "content": "Answer in English."},
+            {"role": "user", "content": [{"type": "input_text", "text": QUESTION}]},
+        ],
+    )
     assert items.output_text == response.output_text
     assert items.usage.input_tokens_details.cached_tokens > 0  # the prefix of the first is reused
 
@@ -114,11 +132,22 @@ def test_responses_plain_with_instructions_and_message_items(client):
 
 
 def test_responses_stream_events_and_the_rag_extension(client):
-    events = list(client.responses.create(model="ragkv", input="What is this document about?", max_output_tokens=16,
-                                          stream=True, extra_body={"rag": {"enabled": True, "top_k": 2}}))
+    events = list(
+        client.responses.create(
+            model="ragkv",
+            input="What is this document about?",
+            max_output_tokens=16,
+            stream=True,
+            extra_body={"rag": {"enabled": True, "top_k": 2}},
+        )
+    )
     kinds = [event.type for event in events]
-    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
-                         "response.content_part.added"]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
     assert kinds[-4:-1] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
     assert kinds[-1] in ("response.completed", "response.incomplete")
     assert [event.sequence_number for event in events] == list(range(len(events)))

@@ -15,9 +15,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from redis_server import RedisServer
 
 from ragkv.api.launcher import ServerProcess
-from redis_server import RedisServer
 
 pytestmark = [pytest.mark.model, pytest.mark.redis]
 
@@ -36,9 +36,22 @@ def redis_server():
 
 def _serve_args(root: Path, name: str, redis_url: str, keys: Path) -> list[str]:
     data = root / name
-    return ["--data-dir", str(data), "--store", f"tiered+lmdb://{data}/db?redis={redis_url}", "--api-keys", str(keys),
-            "--max-body-kb", "64", "--max-document-body-mb", "1", "--background-ingest-bytes", "4000",
-            "--log-level", "warning"]
+    return [
+        "--data-dir",
+        str(data),
+        "--store",
+        f"tiered+lmdb://{data}/db?redis={redis_url}",
+        "--api-keys",
+        str(keys),
+        "--max-body-kb",
+        "64",
+        "--max-document-body-mb",
+        "1",
+        "--background-ingest-bytes",
+        "4000",
+        "--log-level",
+        "warning",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +83,7 @@ def _error(response: httpx.Response, status: int) -> dict:
 
 # -- health, documents, jobs -----------------------------------------------------------------
 
+
 def test_health_and_models(env):
     with client(env, key=None) as http:
         health = http.get("/health").json()
@@ -84,8 +98,9 @@ def test_ingest_corpus_and_read_documents(env):
     ids = {}
     with client(env) as http:
         for path in sorted(CORPUS.iterdir()):
-            response = http.post("/v1/documents", json={"text": path.read_text(), "name": path.name,
-                                                        "metadata": {"source": "examples"}})
+            response = http.post(
+                "/v1/documents", json={"text": path.read_text(), "name": path.name, "metadata": {"source": "examples"}}
+            )
             assert response.status_code == 201, response.text
             body = response.json()
             assert body["ingest"]["computed_chunks"] == body["document"]["chunks"] == 1
@@ -93,20 +108,29 @@ def test_ingest_corpus_and_read_documents(env):
         listed = http.get("/v1/documents").json()["data"]
         assert sorted(doc["name"] for doc in listed) == sorted(ids)
         shown = http.get(f"/v1/documents/{ids['orchard.txt']}", params={"include_text": "true"}).json()
-        assert shown["metadata"] == {"source": "examples"} and "Linden Hill" in shown["text"] and shown["chunks"][0]["index"] == 0
+        assert (
+            shown["metadata"] == {"source": "examples"}
+            and "Linden Hill" in shown["text"]
+            and shown["chunks"][0]["index"] == 0
+        )
     with client(env, BETA) as http:  # a multipart upload, as another tenant
         with open(CORPUS / "orchard.txt", "rb") as handle:
-            response = http.post("/v1/documents", files={"file": ("orchard.txt", handle, "text/plain")},
-                                 data={"metadata": json.dumps({"owner": "beta"})})
+            response = http.post(
+                "/v1/documents",
+                files={"file": ("orchard.txt", handle, "text/plain")},
+                data={"metadata": json.dumps({"owner": "beta"})},
+            )
         assert response.status_code == 201, response.text
         assert response.json()["ingest"]["computed_chunks"] == 1  # chunk keys are salted per tenant by default
     env["docs"] = ids
 
 
 def test_large_document_ingests_as_a_background_job(env):
-    text = "\n\n".join(f"Logbook entry {i}: the keeper of Stormhead Light recorded wind from the {d} at force {i % 9}, "
-                       f"{i * 3} vessels passing, and lamp oil use of {i * 7} litres over the night."
-                       for i, d in zip(range(60), ["north", "east", "south", "west"] * 15))
+    text = "\n\n".join(
+        f"Logbook entry {i}: the keeper of Stormhead Light recorded wind from the {d} at force {i % 9}, "
+        f"{i * 3} vessels passing, and lamp oil use of {i * 7} litres over the night."
+        for i, d in zip(range(60), ["north", "east", "south", "west"] * 15)
+    )
     assert len(text.encode()) > 4000
     with client(env) as http:
         response = http.post("/v1/documents", json={"text": text, "name": "logbook.txt"})
@@ -130,7 +154,6 @@ def test_large_document_ingests_as_a_background_job(env):
         _error(http.get(f"/v1/documents/{doc_id}"), 404)
 
 
-
 def test_put_replaces_a_document_in_place_and_pdf_citations_name_the_page(env):
     from tests.test_ingest_formats import PAGE_FACTS, pdf_bytes
 
@@ -138,15 +161,19 @@ def test_put_replaces_a_document_in_place_and_pdf_citations_name_the_page(env):
     filler = "The annual report continues with routine figures about staffing and budgets. " * 42
     pdf = pdf_bytes([filler + fact for fact in PAGE_FACTS])
     with client(env, BETA) as http:
-        created = http.post("/v1/documents", json={"text": "A first draft. " * 20, "name": "draft.txt",
-                                                   "metadata": {"stage": "draft"}})
+        created = http.post(
+            "/v1/documents", json={"text": "A first draft. " * 20, "name": "draft.txt", "metadata": {"stage": "draft"}}
+        )
         assert created.status_code == 201, created.text
         doc_id = created.json()["document"]["id"]
         _error(http.put("/v1/documents/doc_missing", json={"text": "x"}), 404)
         with client(env, ALPHA) as other:
             _error(other.put(f"/v1/documents/{doc_id}", json={"text": "taken over"}), 404)
-        replaced = http.put(f"/v1/documents/{doc_id}", files={"file": ("report.pdf", pdf, "application/pdf")},
-                            data={"background": "false"})
+        replaced = http.put(
+            f"/v1/documents/{doc_id}",
+            files={"file": ("report.pdf", pdf, "application/pdf")},
+            data={"background": "false"},
+        )
         assert replaced.status_code == 200, replaced.text
         body = replaced.json()
         assert body["document"]["id"] == doc_id and body["ingest"]["replaced"] is True
@@ -154,28 +181,52 @@ def test_put_replaces_a_document_in_place_and_pdf_citations_name_the_page(env):
         shown = http.get(f"/v1/documents/{doc_id}", params={"include_text": "true"}).json()
         assert "first draft" not in shown["text"] and PAGE_FACTS[2] in " ".join(shown["text"].split())
         assert [d["id"] for d in http.get("/v1/documents").json()["data"]].count(doc_id) == 1
-        answer = http.post("/v1/query", json={"question": "When does the ferry to Inish More leave?",
-                                              "document_ids": [doc_id], "top_k": 2, "max_tokens": 2})
+        answer = http.post(
+            "/v1/query",
+            json={
+                "question": "When does the ferry to Inish More leave?",
+                "document_ids": [doc_id],
+                "top_k": 2,
+                "max_tokens": 2,
+            },
+        )
         assert answer.status_code == 200, answer.text
         best = max(answer.json()["citations"], key=lambda c: c["score"])
         assert best["page"] == 3 and best["document_id"] == doc_id
         assert http.delete(f"/v1/documents/{doc_id}").status_code == 200
 
+
 # -- questions and chat -----------------------------------------------------------------------
+
 
 def test_query_answers_with_citations_usage_and_timings(env):
     with client(env) as http:
-        response = http.post("/v1/query", json={"question": "When was Gull Point Light first lit?", "top_k": 2,
-                                                "strategy": "a3", "ratio": 0.15, "max_tokens": 8})
+        response = http.post(
+            "/v1/query",
+            json={
+                "question": "When was Gull Point Light first lit?",
+                "top_k": 2,
+                "strategy": "a3",
+                "ratio": 0.15,
+                "max_tokens": 8,
+            },
+        )
     assert response.status_code == 200, response.text
     body = response.json()
     assert body["answer"] and body["strategy"] == "a3" and body["finish_reason"] in ("length", "eos", "stop")
     top = body["citations"][0]
     assert top["document_id"] == env["docs"]["lighthouses.md"] and top["chunk_index"] == 0
-    assert "Gull Point" in top["text"] and top["char_end"] > top["char_start"] and top["score"] > body["citations"][1]["score"]
+    assert (
+        "Gull Point" in top["text"]
+        and top["char_end"] > top["char_start"]
+        and top["score"] > body["citations"][1]["score"]
+    )
     usage = body["usage"]
     assert usage["cached_tokens"] > usage["computed_tokens"] > 0 and usage["recomputed_tokens"] > 0
-    assert usage["cached_tokens"] + usage["computed_tokens"] == usage["prompt_tokens"] and 1 <= usage["completion_tokens"] <= 8
+    assert (
+        usage["cached_tokens"] + usage["computed_tokens"] == usage["prompt_tokens"]
+        and 1 <= usage["completion_tokens"] <= 8
+    )
     timings = body["timings"]
     assert {"retrieve", "load", "fuse", "ttft", "decode", "queue", "total"} <= set(timings)
     assert timings["ttft"] >= timings["queue"] + timings["retrieve"] + timings["load"] + timings["fuse"]
@@ -184,16 +235,29 @@ def test_query_answers_with_citations_usage_and_timings(env):
 def test_query_with_a_sparse_selector(env):
     pytest.importorskip("ragkv.sparse")
     with client(env) as http:
-        response = http.post("/v1/query", json={"question": "How tall is Stormhead Light?", "top_k": 2, "max_tokens": 4,
-                                                "selector": "oracle", "budget": 0.25, "snapkv_capacity": 512})
+        response = http.post(
+            "/v1/query",
+            json={
+                "question": "How tall is Stormhead Light?",
+                "top_k": 2,
+                "max_tokens": 4,
+                "selector": "oracle",
+                "budget": 0.25,
+                "snapkv_capacity": 512,
+            },
+        )
     assert response.status_code == 200, response.text
     assert response.json()["answer"] and response.json()["usage"]["completion_tokens"] >= 1
 
 
 def test_query_streams_server_sent_events(env):
     events = []
-    with client(env) as http, http.stream("POST", "/v1/query", json={
-            "question": "What is Linden Gold?", "top_k": 1, "max_tokens": 8, "stream": True}) as response:
+    with (
+        client(env) as http,
+        http.stream(
+            "POST", "/v1/query", json={"question": "What is Linden Gold?", "top_k": 1, "max_tokens": 8, "stream": True}
+        ) as response,
+    ):
         assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
         for line in response.iter_lines():
             if line.startswith("data: "):
@@ -207,18 +271,28 @@ def test_query_streams_server_sent_events(env):
 
 def test_openai_chat_session_reuses_its_kv(env):
     chat = openai_client(env)
-    first = chat.chat.completions.create(model=MODEL, max_tokens=8, extra_body={"rag": {"top_k": 5}},
-                                         messages=[{"role": "user", "content": "When was Gull Point Light first lit?"}])
+    first = chat.chat.completions.create(
+        model=MODEL,
+        max_tokens=8,
+        extra_body={"rag": {"top_k": 5}},
+        messages=[{"role": "user", "content": "When was Gull Point Light first lit?"}],
+    )
     assert first.choices[0].message.content and first.choices[0].finish_reason in ("stop", "length")
     session_id = first.session_id
     assert first.rag["turn"] == 1 and len(first.rag["citations"]) == 3 and first.usage.prompt_tokens > 1000
 
     stream = chat.chat.completions.create(
-        model=MODEL, max_tokens=8, stream=True, stream_options={"include_usage": True},
+        model=MODEL,
+        max_tokens=8,
+        stream=True,
+        stream_options={"include_usage": True},
         extra_body={"session_id": session_id, "rag": {"top_k": 5}},
-        messages=[{"role": "user", "content": "When was Gull Point Light first lit?"},
-                  {"role": "assistant", "content": first.choices[0].message.content},
-                  {"role": "user", "content": "Who was its last resident keeper?"}])
+        messages=[
+            {"role": "user", "content": "When was Gull Point Light first lit?"},
+            {"role": "assistant", "content": first.choices[0].message.content},
+            {"role": "user", "content": "Who was its last resident keeper?"},
+        ],
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     final = next(c for c in chunks if c.choices and c.choices[0].finish_reason)
@@ -235,15 +309,21 @@ def test_openai_chat_session_reuses_its_kv(env):
 
 def test_history_resent_without_a_session_id_reuses_the_cached_prefix(env):
     chat = openai_client(env)
-    question = [{"role": "system", "content": "Answer in one short sentence."},
-                {"role": "user", "content": "How tall is Stormhead Light?"}]
+    question = [
+        {"role": "system", "content": "Answer in one short sentence."},
+        {"role": "user", "content": "How tall is Stormhead Light?"},
+    ]
     first = chat.chat.completions.create(model=MODEL, max_tokens=8, messages=question, extra_body={"rag": {"top_k": 2}})
-    history = question + [{"role": "assistant", "content": first.choices[0].message.content},
-                          {"role": "user", "content": "Who built it?"}]
+    history = question + [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "Who built it?"},
+    ]
     second = chat.chat.completions.create(model=MODEL, max_tokens=8, messages=history, extra_body={"rag": {"top_k": 2}})
     cached = second.usage.prompt_tokens_details.cached_tokens
     # computed: the new message, plus any chunk the follow-up's retrieval newly fuses in
-    assert cached >= first.usage.prompt_tokens and second.usage.prompt_tokens - cached - second.usage.document_tokens < 40
+    assert (
+        cached >= first.usage.prompt_tokens and second.usage.prompt_tokens - cached - second.usage.document_tokens < 40
+    )
     assert second.rag["turn"] == 2 and second.rag["context_tokens"] >= first.usage.prompt_tokens
     # Another tenant sending the same history finds no context of alpha's.
     beta = openai_client(env, key=BETA).chat.completions.create(model=MODEL, max_tokens=2, messages=history)
@@ -253,30 +333,49 @@ def test_history_resent_without_a_session_id_reuses_the_cached_prefix(env):
 def test_unknown_session_is_404_and_delete_frees_a_session(env):
     chat = openai_client(env)
     with pytest.raises(openai.NotFoundError) as caught:
-        chat.chat.completions.create(model=MODEL, max_tokens=2, extra_body={"session_id": "sess_never_made"},
-                                     messages=[{"role": "user", "content": "Hello?"}])
+        chat.chat.completions.create(
+            model=MODEL,
+            max_tokens=2,
+            extra_body={"session_id": "sess_never_made"},
+            messages=[{"role": "user", "content": "Hello?"}],
+        )
     assert caught.value.body["code"] == "session_not_found"
-    made = chat.chat.completions.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "Hi."}],
-                                        extra_body={"rag": {"enabled": False}})
+    made = chat.chat.completions.create(
+        model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "Hi."}], extra_body={"rag": {"enabled": False}}
+    )
     with client(env) as http:
         assert http.delete(f"/v1/sessions/{made.session_id}").status_code == 200
         assert _error(http.delete(f"/v1/sessions/{made.session_id}"), 404)["code"] == "session_not_found"
     with pytest.raises(openai.NotFoundError):
-        chat.chat.completions.create(model=MODEL, max_tokens=2, extra_body={"session_id": made.session_id},
-                                     messages=[{"role": "user", "content": "Still there?"}])
+        chat.chat.completions.create(
+            model=MODEL,
+            max_tokens=2,
+            extra_body={"session_id": made.session_id},
+            messages=[{"role": "user", "content": "Still there?"}],
+        )
 
 
 def test_later_turn_fuses_newly_retrieved_chunks(env):
     chat = openai_client(env)
-    first = chat.chat.completions.create(model=MODEL, max_tokens=4, extra_body={"rag": {"top_k": 1}},
-                                         messages=[{"role": "user", "content": "How tall is Stormhead Light?"}])
+    first = chat.chat.completions.create(
+        model=MODEL,
+        max_tokens=4,
+        extra_body={"rag": {"top_k": 1}},
+        messages=[{"role": "user", "content": "How tall is Stormhead Light?"}],
+    )
     assert [c["name"] for c in first.rag["citations"]] == ["lighthouses.md"]
     second = chat.chat.completions.create(
-        model=MODEL, max_tokens=4, extra_body={"rag": {"top_k": 1}, "session_id": first.session_id},
-        messages=[{"role": "user", "content": "How many apple varieties does Linden Hill Orchard grow?"}])
+        model=MODEL,
+        max_tokens=4,
+        extra_body={"rag": {"top_k": 1}, "session_id": first.session_id},
+        messages=[{"role": "user", "content": "How many apple varieties does Linden Hill Orchard grow?"}],
+    )
     assert second.rag["turn"] == 2 and second.rag["new_chunks"] == 1
     assert [c["name"] for c in second.rag["citations"]] == ["orchard.txt"]
-    assert second.usage.cached_tokens >= first.usage.prompt_tokens and second.usage.prompt_tokens > first.usage.prompt_tokens + 300
+    assert (
+        second.usage.cached_tokens >= first.usage.prompt_tokens
+        and second.usage.prompt_tokens > first.usage.prompt_tokens + 300
+    )
 
 
 def test_stream_disconnect_cancels_the_work(env):
@@ -288,8 +387,14 @@ def test_stream_disconnect_cancels_the_work(env):
         return 0.0
 
     before = cancelled()
-    with client(env) as http, http.stream("POST", "/v1/query", json={
-            "question": "Describe the orchard in detail.", "top_k": 1, "max_tokens": 400, "stream": True}) as response:
+    with (
+        client(env) as http,
+        http.stream(
+            "POST",
+            "/v1/query",
+            json={"question": "Describe the orchard in detail.", "top_k": 1, "max_tokens": 400, "stream": True},
+        ) as response,
+    ):
         tokens = 0
         for line in response.iter_lines():
             tokens += '"type":"token"' in line
@@ -305,6 +410,7 @@ def test_stream_disconnect_cancels_the_work(env):
 
 # -- tenants and bad input --------------------------------------------------------------------
 
+
 def test_tenants_are_isolated(env):
     alpha_doc = env["docs"]["lighthouses.md"]
     with client(env, BETA) as http:
@@ -312,36 +418,62 @@ def test_tenants_are_isolated(env):
         assert names == ["orchard.txt"]
         _error(http.get(f"/v1/documents/{alpha_doc}"), 404)
         _error(http.delete(f"/v1/documents/{alpha_doc}"), 404)
-        _error(http.post("/v1/query", json={"question": "Gull Point?", "document_ids": [alpha_doc], "max_tokens": 2}), 404)
-        answer = http.post("/v1/query", json={"question": "When was Gull Point Light first lit?", "max_tokens": 2}).json()
+        _error(
+            http.post("/v1/query", json={"question": "Gull Point?", "document_ids": [alpha_doc], "max_tokens": 2}), 404
+        )
+        answer = http.post(
+            "/v1/query", json={"question": "When was Gull Point Light first lit?", "max_tokens": 2}
+        ).json()
         assert {c["name"] for c in answer["citations"]} == {"orchard.txt"}
     session_id, _ = env["session"]
     with pytest.raises(openai.NotFoundError):  # alpha's session does not exist for beta
         openai_client(env, key=BETA).chat.completions.create(
-            model=MODEL, max_tokens=2, extra_body={"session_id": session_id},
-            messages=[{"role": "user", "content": "What did I ask before?"}])
+            model=MODEL,
+            max_tokens=2,
+            extra_body={"session_id": session_id},
+            messages=[{"role": "user", "content": "What did I ask before?"}],
+        )
     beta_chat = openai_client(env, key=BETA).chat.completions.create(
-        model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "What did I ask before?"}])
+        model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "What did I ask before?"}]
+    )
     assert beta_chat.rag["turn"] == 1 and {c["name"] for c in beta_chat.rag["citations"]} == {"orchard.txt"}
     with client(env) as http:  # alpha still sees its own documents
         assert len(http.get("/v1/documents").json()["data"]) == 3
     # A tenant with no documents chats with the plain model (nothing retrieved, nothing leaked).
     plain = openai_client(env, key=GAMMA).chat.completions.create(
-        model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "When was Gull Point Light first lit?"}])
+        model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "When was Gull Point Light first lit?"}]
+    )
     assert plain.rag["citations"] == [] and plain.rag["strategy"] == "none" and plain.usage.prompt_tokens < 100
 
 
 def test_bad_inputs_get_clear_4xx(env):
     with client(env) as http:
-        assert _error(http.post("/v1/query", content=b'{"question": "x",', headers={"content-type": "application/json"}),
-                      400)["code"] == "malformed_json"
+        assert (
+            _error(
+                http.post("/v1/query", content=b'{"question": "x",', headers={"content-type": "application/json"}), 400
+            )["code"]
+            == "malformed_json"
+        )
         assert "top_k" in _error(http.post("/v1/query", json={"question": "x", "top_k": 0}), 400)["message"]
-        assert "unknown fusion strategy" in _error(http.post("/v1/query", json={"question": "x", "strategy": "nope"}), 400)["message"]
+        assert (
+            "unknown fusion strategy"
+            in _error(http.post("/v1/query", json={"question": "x", "strategy": "nope"}), 400)["message"]
+        )
         assert "ratio" in _error(http.post("/v1/query", json={"question": "x", "ratio": 2}), 400)["message"]
-        assert "max_tokens" in _error(http.post("/v1/query", json={"question": "x", "max_tokens": 10**6}), 400)["message"]
+        assert (
+            "max_tokens" in _error(http.post("/v1/query", json={"question": "x", "max_tokens": 10**6}), 400)["message"]
+        )
         assert "Extra inputs" in _error(http.post("/v1/query", json={"question": "x", "bogus": 1}), 400)["message"]
-        assert "unknown selector" in _error(http.post("/v1/query", json={"question": "x", "selector": "magic"}), 400)["message"]
-        assert "budget" in _error(http.post("/v1/query", json={"question": "x", "selector": "oracle", "budget": 2.5}), 400)["message"]
+        assert (
+            "unknown selector"
+            in _error(http.post("/v1/query", json={"question": "x", "selector": "magic"}), 400)["message"]
+        )
+        assert (
+            "budget"
+            in _error(http.post("/v1/query", json={"question": "x", "selector": "oracle", "budget": 2.5}), 400)[
+                "message"
+            ]
+        )
         _error(http.post("/v1/query", json={"question": "x", "document_ids": ["doc_missing"]}), 404)
         _error(http.get("/v1/documents/doc_missing"), 404)
         _error(http.get("/v1/documents/bad id"), 400)
@@ -349,16 +481,32 @@ def test_bad_inputs_get_clear_4xx(env):
         _error(http.get("/v1/no/such/route"), 404)
         assert _error(http.post("/v1/query", json={"question": "x" * 100_000}), 413)["code"] == "body_too_large"
         _error(http.post("/v1/documents", json={"text": "a" * (1 << 20) + "b"}), 413)
-        assert "text: Value error, must not be empty" in _error(http.post("/v1/documents", json={"text": "   "}), 400)["message"]
-        assert _error(http.post("/v1/documents", files={"file": ("x.txt", b"\x00\x01binary", "text/plain")}), 400)["code"] == "binary"
-        assert _error(http.post("/v1/documents", files={"file": ("x.odt", b"PK", "application/zip")}), 400)["code"] == "unsupported_type"
-        assert _error(http.post("/v1/documents", files={"file": ("x.pdf", b"%PDF", "application/pdf")}), 400)["code"] == "unreadable"
+        assert (
+            "text: Value error, must not be empty"
+            in _error(http.post("/v1/documents", json={"text": "   "}), 400)["message"]
+        )
+        assert (
+            _error(http.post("/v1/documents", files={"file": ("x.txt", b"\x00\x01binary", "text/plain")}), 400)["code"]
+            == "binary"
+        )
+        assert (
+            _error(http.post("/v1/documents", files={"file": ("x.odt", b"PK", "application/zip")}), 400)["code"]
+            == "unsupported_type"
+        )
+        assert (
+            _error(http.post("/v1/documents", files={"file": ("x.pdf", b"%PDF", "application/pdf")}), 400)["code"]
+            == "unreadable"
+        )
         _error(http.post("/v1/documents", content=b"plain", headers={"content-type": "text/plain"}), 415)
         _error(http.post("/v1/documents", json={"text": "hello", "metadata": [1]}), 400)
         chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
-        assert _error(http.post("/v1/chat/completions", json={**chat, "model": "gpt-4"}), 404)["code"] == "model_not_found"
+        assert (
+            _error(http.post("/v1/chat/completions", json={**chat, "model": "gpt-4"}), 404)["code"] == "model_not_found"
+        )
         _error(http.post("/v1/chat/completions", json={**chat, "messages": []}), 400)
-        _error(http.post("/v1/chat/completions", json={**chat, "messages": [{"role": "assistant", "content": "x"}]}), 400)
+        _error(
+            http.post("/v1/chat/completions", json={**chat, "messages": [{"role": "assistant", "content": "x"}]}), 400
+        )
         _error(http.post("/v1/chat/completions", json={**chat, "n": 2}), 400)
         _error(http.post("/v1/chat/completions", json={**chat, "temperature": -1}), 400)
         _error(http.post("/v1/chat/completions", json={**chat, "session_id": "no spaces allowed"}), 400)
@@ -374,6 +522,7 @@ def test_bad_inputs_get_clear_4xx(env):
 
 # -- Redis: a second replica, then Redis lost -------------------------------------------------
 
+
 def test_second_replica_shares_chunks_and_sessions(env):
     args = _serve_args(env["root"], "b", env["redis"].url, env["keys"])
     with ServerProcess(args, log_path=env["root"] / "b.log") as replica:
@@ -383,17 +532,29 @@ def test_second_replica_shares_chunks_and_sessions(env):
             assert body["ingest"]["computed_chunks"] == 0, body  # replica A's chunk KV, read from Redis
         session_id, length = env["session"]
         turn = openai_client(env, url=replica.url).chat.completions.create(
-            model=MODEL, max_tokens=4, extra_body={"session_id": session_id, "rag": {"enabled": False}},
-            messages=[{"role": "user", "content": "Thank you. And where is her log kept?"}])
+            model=MODEL,
+            max_tokens=4,
+            extra_body={"session_id": session_id, "rag": {"enabled": False}},
+            messages=[{"role": "user", "content": "Thank you. And where is her log kept?"}],
+        )
         assert turn.rag["turn"] == 3 and turn.usage.cached_tokens >= length  # replica A's session, from Redis
 
 
 def test_metrics_exposes_serving_figures(env):
     metrics = httpx.get(env["server"].url + "/metrics").text
-    for name in ("ragkv_http_requests_total", "ragkv_http_request_seconds_bucket", "ragkv_ttft_seconds_bucket",
-                 'ragkv_chunk_lookups_total{result="hit"}', 'ragkv_tokens_total{kind="reused"}',
-                 'ragkv_tokens_total{kind="recomputed"}', "ragkv_store_entries", "ragkv_store_bytes",
-                 'ragkv_redis_up{role="chunks"} 1.0', "ragkv_degraded 0.0", "ragkv_worker_queue_depth"):
+    for name in (
+        "ragkv_http_requests_total",
+        "ragkv_http_request_seconds_bucket",
+        "ragkv_ttft_seconds_bucket",
+        'ragkv_chunk_lookups_total{result="hit"}',
+        'ragkv_tokens_total{kind="reused"}',
+        'ragkv_tokens_total{kind="recomputed"}',
+        "ragkv_store_entries",
+        "ragkv_store_bytes",
+        'ragkv_redis_up{role="chunks"} 1.0',
+        "ragkv_degraded 0.0",
+        "ragkv_worker_queue_depth",
+    ):
         assert name in metrics, name
 
 
@@ -403,23 +564,43 @@ def test_redis_loss_degrades_but_keeps_answering(env):
         health = http.get("/health").json()
         assert health["status"] == "degraded" and health["store"]["redis_up"] is False
         assert health["sessions"]["redis_up"] is False and health["problems"]
-        answer = http.post("/v1/query", json={"question": "What colour is Kestrel Bay Light?", "top_k": 1, "max_tokens": 4})
+        answer = http.post(
+            "/v1/query", json={"question": "What colour is Kestrel Bay Light?", "top_k": 1, "max_tokens": 4}
+        )
         assert answer.status_code == 200 and answer.json()["answer"], answer.text
         metrics = http.get("/metrics").text
         assert "ragkv_degraded 1.0" in metrics and 'ragkv_redis_up{role="chunks"} 0.0' in metrics
     chat = openai_client(env)
-    fresh = chat.chat.completions.create(model=MODEL, max_tokens=4, extra_body={"rag": {"top_k": 1}},
-                                         messages=[{"role": "user", "content": "When was the observatory founded?"}])
-    follow = chat.chat.completions.create(model=MODEL, max_tokens=4,
-                                          extra_body={"session_id": fresh.session_id, "rag": {"enabled": False}},
-                                          messages=[{"role": "user", "content": "Who founded it?"}])
+    fresh = chat.chat.completions.create(
+        model=MODEL,
+        max_tokens=4,
+        extra_body={"rag": {"top_k": 1}},
+        messages=[{"role": "user", "content": "When was the observatory founded?"}],
+    )
+    follow = chat.chat.completions.create(
+        model=MODEL,
+        max_tokens=4,
+        extra_body={"session_id": fresh.session_id, "rag": {"enabled": False}},
+        messages=[{"role": "user", "content": "Who founded it?"}],
+    )
     assert follow.rag["turn"] == 2 and follow.usage.cached_tokens >= fresh.usage.prompt_tokens  # memory fallback
 
 
 def test_a_store_that_cannot_take_the_write_answers_503(tmp_path):
-    args = ["--data-dir", str(tmp_path / "data"), "--store", "redis://127.0.0.1:1/0", "--log-level", "warning",
-            "--background-ingest-bytes", "100000"]
-    with ServerProcess(args, log_path=tmp_path / "serve.log") as server, httpx.Client(base_url=server.url, timeout=180) as http:
+    args = [
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--store",
+        "redis://127.0.0.1:1/0",
+        "--log-level",
+        "warning",
+        "--background-ingest-bytes",
+        "100000",
+    ]
+    with (
+        ServerProcess(args, log_path=tmp_path / "serve.log") as server,
+        httpx.Client(base_url=server.url, timeout=180) as http,
+    ):
         text = (CORPUS / "orchard.txt").read_text()
         error = _error(http.post("/v1/documents", json={"text": text, "name": "orchard.txt"}), 503)
         assert error["code"] == "store_unavailable" and "nothing was ingested" in error["message"]

@@ -16,8 +16,8 @@ from ragkv.api.auth import Authenticator, load_api_keys
 from ragkv.api.config import ServeConfig
 from ragkv.api.errors import ApiError, QueueFullError
 from ragkv.api.ingest_records import SUCCEEDED, IngestRecords
-from ragkv.api.schemas import ChatRequest, QueryRequest, generation_config, query_config
 from ragkv.api.request_stream import RequestStream
+from ragkv.api.schemas import ChatRequest, QueryRequest, generation_config, query_config
 from ragkv.api.task import Task
 from ragkv.api.worker import ModelWorker
 from ragkv.app.request import Request, RequestCancelled
@@ -25,8 +25,8 @@ from ragkv.app.scheduler import Scheduler, SchedulerConfig
 from ragkv.engine.generation import GenerationConfig
 from ragkv.store.lmdb_env import LMDBEnvironment
 
-
 # -- API keys and tenants ---------------------------------------------------------------------
+
 
 def test_api_keys_from_file_and_env(tmp_path):
     path = tmp_path / "keys.json"
@@ -36,7 +36,11 @@ def test_api_keys_from_file_and_env(tmp_path):
     auth = Authenticator(keys)
     assert auth.tenant_for("Bearer alpha-key-0001") == "alpha"
     assert auth.tenant_for("bearer beta-key-00002") == "beta"
-    for header, code in ((None, "missing_api_key"), ("Bearer nope-nope-nope", "invalid_api_key"), ("Basic xyz", "bad_authorization")):
+    for header, code in (
+        (None, "missing_api_key"),
+        ("Bearer nope-nope-nope", "invalid_api_key"),
+        ("Basic xyz", "bad_authorization"),
+    ):
         with pytest.raises(ApiError) as error:
             auth.tenant_for(header)
         assert error.value.status == 401 and error.value.code == code
@@ -50,10 +54,13 @@ def test_api_keys_from_file_and_env(tmp_path):
 
 # -- request conversion -------------------------------------------------------------------------
 
+
 def test_requests_convert_to_typed_configs_or_400():
     limits = ServeConfig(max_new_tokens=64, max_top_k=8)
     request = QueryRequest(question="q", top_k=3, strategy="cacheblend", ratio=0.3, max_tokens=8, stop=["\n\n"])
-    generation = generation_config(request.max_tokens, request.temperature, request.top_p, request.seed, request.stop, limits)
+    generation = generation_config(
+        request.max_tokens, request.temperature, request.top_p, request.seed, request.stop, limits
+    )
     config = query_config(request, generation, limits)
     assert config.top_k == 3 and config.fusion.strategy == "cacheblend" and config.fusion.ratio == 0.3
     assert config.generation.max_new_tokens == 8 and config.generation.stop == ("\n\n",)
@@ -63,8 +70,11 @@ def test_requests_convert_to_typed_configs_or_400():
     assert probs.aggregation == "probs"
     logits = query_config(QueryRequest(question="q", head_aggregation="logits"), generation, limits).sparse
     assert logits.name == "dense" and logits.head_aggregation == "logits"
-    for kwargs, fragment in (({"strategy": "a3:nope=1"}, "nope"), ({"top_k": 9}, "at most 8"),
-                             ({"selector": "a2ats:rerank=0.5"}, "rerank")):
+    for kwargs, fragment in (
+        ({"strategy": "a3:nope=1"}, "nope"),
+        ({"top_k": 9}, "at most 8"),
+        ({"selector": "a2ats:rerank=0.5"}, "rerank"),
+    ):
         with pytest.raises(ApiError) as error:
             query_config(QueryRequest(question="q", **kwargs), generation, limits)
         assert error.value.status == 400 and fragment in error.value.message
@@ -72,8 +82,15 @@ def test_requests_convert_to_typed_configs_or_400():
         generation_config(65, None, None, None, None, limits)
     with pytest.raises(ApiError, match="temperature"):
         generation_config(8, -1.0, None, None, None, limits)
-    for kwargs in ({"selector": "nonsense"}, {"selector": "a2ats:"}, {"head_aggregation": "max"}, {"strategy": "nope"},
-                   {"ratio": 1.5}, {"question": " \n"}, {"seed": 2**64}):
+    for kwargs in (
+        {"selector": "nonsense"},
+        {"selector": "a2ats:"},
+        {"head_aggregation": "max"},
+        {"strategy": "nope"},
+        {"ratio": 1.5},
+        {"question": " \n"},
+        {"seed": 2**64},
+    ):
         with pytest.raises(ValueError):
             QueryRequest(**{"question": "q", **kwargs})
     with pytest.raises(ValueError, match="surrogate"):
@@ -97,12 +114,24 @@ def test_job_registry_is_per_tenant(tmp_path):
 
 
 def test_a_job_whose_process_died_reads_as_failed(tmp_path):
-    killed = subprocess.run([sys.executable, "-c", (
-        "import os, sys; from ragkv.api.ingest_records import IngestRecords\n"
-        "from ragkv.store.lmdb_env import LMDBEnvironment\n"
-        "jobs = IngestRecords(LMDBEnvironment(sys.argv[1])); record = jobs.create('alpha', 'ingest', 'big.txt')\n"
-        "jobs.start(record); jobs.progress(record, 3, 10); print(record.id, flush=True); os.kill(os.getpid(), 9)"),
-        str(tmp_path / "db")], capture_output=True, text=True, timeout=120)
+    killed = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import os, sys; from ragkv.api.ingest_records import IngestRecords\n"
+                "from ragkv.store.lmdb_env import LMDBEnvironment\n"
+                "jobs = IngestRecords(LMDBEnvironment(sys.argv[1]))\n"
+                "record = jobs.create('alpha', 'ingest', 'big.txt')\n"
+                "jobs.start(record); jobs.progress(record, 3, 10)\n"
+                "print(record.id, flush=True); os.kill(os.getpid(), 9)"
+            ),
+            str(tmp_path / "db"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert killed.returncode == -9, killed.stderr
     job_id = killed.stdout.strip()
     jobs = IngestRecords(LMDBEnvironment(tmp_path / "db"))
@@ -113,6 +142,7 @@ def test_a_job_whose_process_died_reads_as_failed(tmp_path):
 
 
 # -- the model worker -----------------------------------------------------------------------------
+
 
 def test_worker_interleaves_cancels_and_bounds_its_queue():
     async def scenario():
@@ -131,6 +161,7 @@ def test_worker_interleaves_cancels_and_bounds_its_queue():
                     return name
                 finally:
                     closed.append(name)
+
             return body
 
         a = worker.submit(Task("q", counting("a", 3)))
@@ -197,9 +228,11 @@ def test_the_scheduler_alone_bounds_waiting_requests_and_a_stopping_worker_cance
 
 # -- replicas sharing one data folder -----------------------------------------------------------
 
+
 def test_worker_runs_its_jobs_on_the_thread_that_calls_run():
     """The server builds the engine on one thread and then runs the worker loop there, so
     every torch op of the process runs on one thread (one OpenMP pool)."""
+
     async def scenario():
         worker = ModelWorker()
         threads: list[str] = []
@@ -230,8 +263,17 @@ def test_registry_of_another_replica_sees_new_documents(tmp_path):
     replica_a, replica_b = LMDBRegistry(env), LMDBRegistry(env)  # separate caches, as in two processes
 
     def add(registry: Registry, doc_id: str, vector: list[float]) -> None:
-        record = DocumentRecord(doc_id, "t", doc_id, doc_id + "-hash", 4, 512, "fp", time.time(),
-                                [ChunkRecord(0, doc_id + "-chunk", 0, 4, 0, 4)])
+        record = DocumentRecord(
+            doc_id,
+            "t",
+            doc_id,
+            doc_id + "-hash",
+            4,
+            512,
+            "fp",
+            time.time(),
+            [ChunkRecord(0, doc_id + "-chunk", 0, 4, 0, 4)],
+        )
         registry.add(record, "text", np.asarray([vector], dtype=np.float32))
 
     add(replica_a, "doc_1", [1.0, 0.0])

@@ -86,8 +86,14 @@ def _session_state(turns: ChatTurns, session_id: str):
     context = turns.contexts.checkout("default", session_id)
     try:
         rows = context.cache.length
-        return (list(context.conversation_ids), list(context.row_ids), rows, context.turns,
-                context.cache.keys[:, :, :rows].clone(), context.cache.values[:, :, :rows].clone())
+        return (
+            list(context.conversation_ids),
+            list(context.row_ids),
+            rows,
+            context.turns,
+            context.cache.keys[:, :, :rows].clone(),
+            context.cache.values[:, :, :rows].clone(),
+        )
     finally:
         turns.contexts.release("default", session_id, context)
 
@@ -105,9 +111,11 @@ def test_a_failed_or_cancelled_turn_leaves_its_session_whole(engine, turns):
     session_id = first.info.session_id
     _turn(engine, turns, [{"role": "user", "content": "Name another one."}], session_id=session_id)
     before = _session_state(turns, session_id)
-    diverging = [{"role": "user", "content": "Name a colour."},
-                 {"role": "assistant", "content": "Something else entirely, said at some length."},
-                 {"role": "user", "content": "Why that one?"}]
+    diverging = [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Something else entirely, said at some length."},
+        {"role": "user", "content": "Why that one?"},
+    ]
 
     too_long = QueryConfig(generation=GenerationConfig(max_new_tokens=engine.spec.rope.max_position_embeddings))
     request = turns.request(ChatTurn("default", diverging, session_id, False, too_long))
@@ -119,8 +127,9 @@ def test_a_failed_or_cancelled_turn_leaves_its_session_whole(engine, turns):
     assert getattr(sink.error, "reason", None) == "context_length_exceeded"
     _assert_same_session(before, _session_state(turns, session_id))
 
-    request = turns.request(ChatTurn("default", diverging, session_id, False,
-                                     QueryConfig(generation=GenerationConfig(max_new_tokens=32))))
+    request = turns.request(
+        ChatTurn("default", diverging, session_id, False, QueryConfig(generation=GenerationConfig(max_new_tokens=32)))
+    )
     sink = CollectingSink()
     request.sink = sink
     scheduler.add(request)

@@ -31,11 +31,15 @@ def home(tmp_path_factory):
 def test_docs_list_shows_the_corpus(home):
     result = ragkv(home, "docs", "list")
     assert result.returncode == 0
-    assert {"lighthouses.md", "orchard.txt", "observatory.md"} <= {Path(line.split()[-1]).name for line in result.stdout.splitlines()}
+    assert {"lighthouses.md", "orchard.txt", "observatory.md"} <= {
+        Path(line.split()[-1]).name for line in result.stdout.splitlines()
+    }
 
 
 def test_ask_answers_with_citations_and_timings(home):
-    result = ragkv(home, "ask", "When was Gull Point Light automated?", "--json", "--max-new-tokens", "24", "--top-k", "2")
+    result = ragkv(
+        home, "ask", "When was Gull Point Light automated?", "--json", "--max-new-tokens", "24", "--top-k", "2"
+    )
     assert result.returncode == 0, result.stderr
     answer = json.loads(result.stdout)
     assert answer["strategy"] == "probe"
@@ -60,9 +64,11 @@ def test_docs_list_json_matches_the_api_fields(home):
 
 
 def test_docs_list_does_not_import_the_model(home):
-    probe = ("import sys, runpy; sys.argv = ['ragkv', 'docs', 'list', '--json']\n"
-             "try:\n    runpy.run_module('ragkv', run_name='__main__')\nexcept SystemExit:\n    pass\n"
-             "assert 'ragkv.engine' not in sys.modules and 'transformers' not in sys.modules, 'model code imported'")
+    probe = (
+        "import sys, runpy; sys.argv = ['ragkv', 'docs', 'list', '--json']\n"
+        "try:\n    runpy.run_module('ragkv', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+        "assert 'ragkv.engine' not in sys.modules and 'transformers' not in sys.modules, 'model code imported'"
+    )
     env = {**os.environ, "RAGKV_HOME": str(home), "HF_HUB_OFFLINE": "1"}
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0, result.stderr
@@ -102,7 +108,9 @@ def test_unknown_flag_prints_the_subcommands_usage(tmp_path):
 def test_ask_help_groups_its_options(tmp_path):
     result = ragkv(tmp_path, "ask", "--help")
     assert result.returncode == 0
-    sections = [line.rstrip(":") for line in result.stdout.splitlines() if line.endswith(":") and not line.startswith(" ")]
+    sections = [
+        line.rstrip(":") for line in result.stdout.splitlines() if line.endswith(":") and not line.startswith(" ")
+    ]
     assert {"retrieval", "fusion", "generation", "sparse decode", "engine/model", "store"} <= set(sections)
     sparse_section = result.stdout.split("sparse decode:")[1].split("engine/model:")[0]
     assert "--sparse-budget" in sparse_section and "--top-k" not in sparse_section
@@ -158,8 +166,18 @@ def test_folder_summary_lists_unsupported_files_and_tenants_are_isolated(tmp_pat
     document = summary["documents"][0]
 
     def ingest_as(tenant: str, *extra: str) -> dict:
-        result = ragkv(home, "ingest", str(folder / "orchard.txt"), "--json", "--no-progress", "--tenant", tenant,
-                       "--chunk-tokens", "64", *extra)
+        result = ragkv(
+            home,
+            "ingest",
+            str(folder / "orchard.txt"),
+            "--json",
+            "--no-progress",
+            "--tenant",
+            tenant,
+            "--chunk-tokens",
+            "64",
+            *extra,
+        )
         assert result.returncode == 0, result.stderr
         return json.loads(result.stdout)["documents"][0]
 
@@ -181,10 +199,16 @@ def _stored_blobs(db: Path) -> int:
 def test_killed_ingestion_leaves_no_unreferenced_blob_after_the_next_start(tmp_path):
     home = tmp_path / "home"
     big = tmp_path / "big.txt"
-    big.write_text(" ".join(f"Entry {n}: the keeper logged {n * 7 % 101} ships and {n % 13} storms." for n in range(2500)))
+    big.write_text(
+        " ".join(f"Entry {n}: the keeper logged {n * 7 % 101} ships and {n % 13} storms." for n in range(2500))
+    )
     env = {**os.environ, "RAGKV_HOME": str(home), "HF_HUB_OFFLINE": "1"}
-    process = subprocess.Popen([sys.executable, "-m", "ragkv", "ingest", str(big), "--chunk-tokens", "32", "--no-progress"],
-                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ragkv", "ingest", str(big), "--chunk-tokens", "32", "--no-progress"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     db = home / "db"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and process.poll() is None:

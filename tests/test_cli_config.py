@@ -38,15 +38,19 @@ def parse(tmp_path: Path, toml: str, argv: list[str]):
 def test_flag_beats_file_beats_environment_beats_default(tmp_path, monkeypatch):
     monkeypatch.setenv("RAGKV_HOME", str(tmp_path / "from-env"))
     monkeypatch.setenv("RAGKV_REGISTRY", "redis://env-host:6379/1")
-    toml = ('data-dir = "/srv/from-file"\nregistry = "redis://file-host:6379/1"\n'
-            '[serve]\nport = 9001\naccess-log = false\nlog-format = "json"\nmax_top_k = 4\n')
+    toml = (
+        'data-dir = "/srv/from-file"\nregistry = "redis://file-host:6379/1"\n'
+        '[serve]\nport = 9001\naccess-log = false\nlog-format = "json"\nmax_top_k = 4\n'
+    )
     from_file = serve_config(parse(tmp_path, toml, ["serve"]))
     assert (from_file.port, from_file.access_log, from_file.log_format, from_file.max_top_k) == (9001, False, "json", 4)
     assert from_file.runtime.data_dir == Path("/srv/from-file")
     assert from_file.runtime.registry_url == "redis://file-host:6379/1"
     assert from_file.max_new_tokens == 1024  # in neither: the default
 
-    flags = serve_config(parse(tmp_path, toml, ["serve", "--port", "9100", "--access-log", "--registry", "redis://flag:1/0"]))
+    flags = serve_config(
+        parse(tmp_path, toml, ["serve", "--port", "9100", "--access-log", "--registry", "redis://flag:1/0"])
+    )
     assert (flags.port, flags.access_log, flags.runtime.registry_url) == (9100, True, "redis://flag:1/0")
 
     from_env = storage_config(parse(tmp_path, "[serve]\nport = 9001\n", ["docs", "list"]))
@@ -64,16 +68,19 @@ def test_top_level_keys_of_other_commands_are_ignored(tmp_path):
     assert args.action == "list"
 
 
-@pytest.mark.parametrize("toml, message", [
-    ("prot = 9001\n", "'prot' (no ragkv command has them)"),
-    ("[serve]\ntop-k = 5\n", "[serve] unknown option(s) 'top-k' for `ragkv serve`"),
-    ("[serve]\nport = \"high\"\n", "port: bad value 'high'"),
-    ("[serve]\nport = 80.5\n", "port must be an integer"),
-    ("[serve]\naccess-log = \"yes\"\n", "access-log must be true or false"),
-    ("[serve]\nlog-level = \"loud\"\n", "log-level must be one of"),
-    ("[serve]\nstore = 5\n", "store must be a string"),
-    ("serve = 3\n", "[serve] must be a table"),
-])
+@pytest.mark.parametrize(
+    "toml, message",
+    [
+        ("prot = 9001\n", "'prot' (no ragkv command has them)"),
+        ("[serve]\ntop-k = 5\n", "[serve] unknown option(s) 'top-k' for `ragkv serve`"),
+        ('[serve]\nport = "high"\n', "port: bad value 'high'"),
+        ("[serve]\nport = 80.5\n", "port must be an integer"),
+        ('[serve]\naccess-log = "yes"\n', "access-log must be true or false"),
+        ('[serve]\nlog-level = "loud"\n', "log-level must be one of"),
+        ("[serve]\nstore = 5\n", "store must be a string"),
+        ("serve = 3\n", "[serve] must be a table"),
+    ],
+)
 def test_bad_config_files_are_refused_with_the_key_named(tmp_path, toml, message):
     with pytest.raises(ConfigFileError) as raised:
         parse(tmp_path, toml, ["serve"])
@@ -90,8 +97,13 @@ def test_config_path_from_the_flag_or_the_environment(monkeypatch):
 
 
 def _ragkv(*args: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ragkv", *args], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1", **env})
+    return subprocess.run(
+        [sys.executable, "-m", "ragkv", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", **env},
+    )
 
 
 def test_the_command_reads_the_file_and_reports_bad_ones(tmp_path):
@@ -111,6 +123,7 @@ def test_the_command_reads_the_file_and_reports_bad_ones(tmp_path):
 
 
 # -- logs ------------------------------------------------------------------------------------
+
 
 def test_access_log_lines_carry_request_id_tenant_status_and_latency():
     async def ok(request):
@@ -132,8 +145,9 @@ def test_access_log_lines_carry_request_id_tenant_status_and_latency():
     async def scenario():
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-            ok_response = await client.get("/v1/ok", headers={"Authorization": "Bearer secret-key-0001",
-                                                               "X-Request-Id": "req-given-1"})
+            ok_response = await client.get(
+                "/v1/ok", headers={"Authorization": "Bearer secret-key-0001", "X-Request-Id": "req-given-1"}
+            )
             denied = await client.get("/v1/ok")
             failed = await client.get("/v1/boom", headers={"Authorization": "Bearer secret-key-0001"})
         return ok_response, denied, failed
@@ -146,7 +160,12 @@ def test_access_log_lines_carry_request_id_tenant_status_and_latency():
     first = json.loads(JsonFormatter().format(records[0]))
     assert first["logger"] == "ragkv.access" and first["level"] == "info"
     assert {k: first[k] for k in ("method", "path", "status", "request_id", "tenant")} == {
-        "method": "GET", "path": "/v1/ok", "status": 200, "request_id": "req-given-1", "tenant": "alice"}
+        "method": "GET",
+        "path": "/v1/ok",
+        "status": 200,
+        "request_id": "req-given-1",
+        "tenant": "alice",
+    }
     assert first["latency_ms"] >= 0 and "GET /v1/ok 200" in first["message"] and "tenant=alice" in first["message"]
     assert records[1].request_id == denied.headers["x-request-id"] and records[1].tenant == "-"
 
@@ -155,8 +174,9 @@ def test_json_formatter_writes_one_object_with_the_exception():
     try:
         raise ValueError("bad thing")
     except ValueError:
-        record = logging.getLogger("ragkv.test").makeRecord("ragkv.test", logging.ERROR, __file__, 1, "failed %s", ("x",),
-                                                             sys.exc_info(), extra={"tenant": "alice"})
+        record = logging.getLogger("ragkv.test").makeRecord(
+            "ragkv.test", logging.ERROR, __file__, 1, "failed %s", ("x",), sys.exc_info(), extra={"tenant": "alice"}
+        )
     line = JsonFormatter().format(record)
     entry = json.loads(line)
     assert "\n" not in line and entry["message"] == "failed x" and entry["tenant"] == "alice"

@@ -103,8 +103,9 @@ def test_compiled_selection_equals_the_selector(folder, codebook, kv, variant):
     for layer in range(model.spec.num_layers):
         indices, start, end = attention.indices(layer, q, cache)
         keys, values = cache.layer(layer)
-        out, chosen = module.a2ats_attention(q[:, 0], cache.keys[layer], cache.values[layer], cache.length, plan,
-                                             layer, model.scale)
+        out, chosen = module.a2ats_attention(
+            q[:, 0], cache.keys[layer], cache.values[layer], cache.length, plan, layer, model.scale
+        )
         k = chosen.shape[1]
         assert 0 < k < end - start and (variant != "rerank-over-chunks" or 2 * k > 512)
         assert bool((chosen.diff(dim=-1) > 0).all())  # ascending and distinct: read in address order
@@ -136,8 +137,9 @@ def test_compiled_plan_is_kept_across_steps_until_its_buffers_grow(folder, codeb
         q = torch.randn(model.spec.num_heads, 1, model.spec.head_dim, generator=torch.Generator().manual_seed(step))
         for layer in range(model.spec.num_layers):
             indices, start, _ = attention.indices(layer, q, cache)
-            _, chosen = module.a2ats_attention(q[:, 0], cache.keys[layer], cache.values[layer], cache.length,
-                                               plans[-1], layer, model.scale)
+            _, chosen = module.a2ats_attention(
+                q[:, 0], cache.keys[layer], cache.values[layer], cache.length, plans[-1], layer, model.scale
+            )
             assert torch.equal(chosen.sort(-1).values, indices[:, start : start + chosen.shape[1]].sort(-1).values)
         cache.next_position += 1
     assert plans[1] is plans[2] and plans[3] is not plans[2]  # (the rotary table grew by doubling after step 0)
@@ -156,8 +158,9 @@ def test_compiled_selection_under_a_scaled_rope(tmp_path):
     q = torch.randn(model.spec.num_heads, 1, model.spec.head_dim, generator=torch.Generator().manual_seed(0))
     for layer in range(model.spec.num_layers):
         indices, start, _ = attention.indices(layer, q, cache)
-        _, chosen = cpu_extension.load().a2ats_attention(q[:, 0], cache.keys[layer], cache.values[layer], cache.length,
-                                                         plan, layer, model.scale)
+        _, chosen = cpu_extension.load().a2ats_attention(
+            q[:, 0], cache.keys[layer], cache.values[layer], cache.length, plan, layer, model.scale
+        )
         assert torch.equal(chosen.sort(-1).values, indices[:, start : start + chosen.shape[1]].sort(-1).values)
 
 
@@ -181,8 +184,9 @@ def test_compiled_selection_ranks_by_the_codes(folder, codebook):
     q = torch.randn(model.spec.num_heads, 1, model.spec.head_dim, generator=torch.Generator().manual_seed(1))
     start, end, _ = attention.step_span(0, cache)
     mass = _estimated_mass(attention, 0, q, cache, start, end)
-    _, chosen = cpu_extension.load().a2ats_attention(q[:, 0], cache.keys[0], cache.values[0], cache.length, plan, 0,
-                                                    model.scale)
+    _, chosen = cpu_extension.load().a2ats_attention(
+        q[:, 0], cache.keys[0], cache.values[0], cache.length, plan, 0, model.scale
+    )
     kept = torch.zeros_like(mass, dtype=torch.bool).scatter_(1, chosen - start, True)
     for head in range(mass.shape[0]):
         assert mass[head][kept[head]].min() >= mass[head][~kept[head]].max() * (1 - 1e-5)
@@ -197,8 +201,9 @@ def test_compiled_top_k_of_tied_scores_whatever_its_sample_sees(folder, codebook
     from all of them); one that sees only the worst lets every row pass."""
     model = CausalLM.load(folder, numerics=_numerics("float32"))
     ids, cache, _ = _prompt(model, 1)
-    config = SparseConfig(selector="a2ats:mean_key=false,rerank=0", budget=170, sinks=4, window=16,
-                          head_aggregation="logits")
+    config = SparseConfig(
+        selector="a2ats:mean_key=false,rerank=0", budget=170, sinks=4, window=16, head_aggregation="logits"
+    )
     attention = config.build(PromptState.from_prefill(model, cache, ids, 3, ROWS - 12), codebook)
     _decoding_row(cache)
     start, end, k = attention.step_span(0, cache)
@@ -211,8 +216,9 @@ def test_compiled_top_k_of_tied_scores_whatever_its_sample_sees(folder, codebook
     high = sampled if sample_sees == "best" else ~sampled
     attention.codes.data[0, :, start:end] = torch.where(high, best[:, None], worst[:, None]).to(torch.int16)
     assert (int(high.sum()) < k) == (sample_sees == "best") and 4 * k <= end - start
-    _, chosen = cpu_extension.load().a2ats_attention(q[:, 0], cache.keys[0], cache.values[0], cache.length,
-                                                    attention.compiled_plan(cache), 0, model.scale)
+    _, chosen = cpu_extension.load().a2ats_attention(
+        q[:, 0], cache.keys[0], cache.values[0], cache.length, attention.compiled_plan(cache), 0, model.scale
+    )
     ranked = torch.cat((high.nonzero().flatten(), (~high).nonzero().flatten()))[:k]
     expected = (ranked.sort().values + start).expand(heads, k)
     assert torch.equal(chosen, expected)
@@ -295,7 +301,8 @@ def test_a_prompt_shorter_than_a_scoring_tile(small_folder, small_codebook):
     plan = attention.compiled_plan(cache)
     q = torch.randn(model.spec.num_heads, 1, model.spec.head_dim, generator=torch.Generator().manual_seed(2))
     indices, start, end = attention.indices(0, q, cache)
-    _, chosen = cpu_extension.load().a2ats_attention(q[:, 0], cache.keys[0], cache.values[0], cache.length, plan, 0,
-                                                    model.scale)
+    _, chosen = cpu_extension.load().a2ats_attention(
+        q[:, 0], cache.keys[0], cache.values[0], cache.length, plan, 0, model.scale
+    )
     assert 0 < chosen.shape[1] < end - start
     assert torch.equal(chosen.sort(-1).values, indices[:, start : start + chosen.shape[1]].sort(-1).values)

@@ -26,8 +26,11 @@ class Case:
         self.folder, self.weights = folder, weights
 
 
-@pytest.fixture(scope="module", params=[("llama", "int8"), ("llama3-rope", "int8"), ("llama-int4", "int4")],
-                ids=lambda param: "-".join(param))
+@pytest.fixture(
+    scope="module",
+    params=[("llama", "int8"), ("llama3-rope", "int8"), ("llama-int4", "int4")],
+    ids=lambda param: "-".join(param),
+)
 def folder(request, tmp_path_factory):
     family, weights = request.param
     return Case(make_tiny_model(family, tmp_path_factory.mktemp(family)), weights)
@@ -82,8 +85,10 @@ def test_compiled_step_follows_the_python_loop(folder, kv):
         rows = alone.length
         for name in ("keys", "values"):
             torch.testing.assert_close(
-                getattr(batched, name)[:, :, :rows].float(), getattr(alone, name)[:, :, :rows].float(),
-                atol=0.05, rtol=0.02,
+                getattr(batched, name)[:, :, :rows].float(),
+                getattr(alone, name)[:, :, :rows].float(),
+                atol=0.05,
+                rtol=0.02,
             )
 
 
@@ -129,7 +134,9 @@ def test_a_short_prefill_after_a_prefix_follows_the_python_loop(folder, kv, new_
     for name in ("keys", "values"):
         torch.testing.assert_close(
             getattr(compiled_cache, name)[:, :, : 200 + new_tokens].float(),
-            getattr(python_cache, name)[:, :, : 200 + new_tokens].float(), atol=0.05, rtol=0.02,
+            getattr(python_cache, name)[:, :, : 200 + new_tokens].float(),
+            atol=0.05,
+            rtol=0.02,
         )
 
 

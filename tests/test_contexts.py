@@ -13,14 +13,22 @@ import redis
 import torch
 
 from ragkv.api.sessions import RedisSessions, decode_context, encode_context
-from ragkv.app.contexts import (BLOCK_TOKENS, Context, ContextCache, Insertion, SessionBusyError,
-                                SessionNotFoundError, block_hashes)
+from ragkv.app.contexts import (
+    BLOCK_TOKENS,
+    Context,
+    ContextCache,
+    Insertion,
+    SessionBusyError,
+    SessionNotFoundError,
+    block_hashes,
+)
 from ragkv.engine.kv_cache import KVCache
 from ragkv.store.errors import CorruptBlobError
 
 
-def _context(context_id: str, ids: list[int], tenant: str = "t1", explicit: bool = False, turns: int = 1,
-             fingerprint: str = "fp") -> Context:
+def _context(
+    context_id: str, ids: list[int], tenant: str = "t1", explicit: bool = False, turns: int = 1, fingerprint: str = "fp"
+) -> Context:
     rows = len(ids)
     cache = KVCache(torch.randn(2, 1, rows, 4), torch.randn(2, 1, rows, 4), rows, rows)
     return Context(context_id, tenant, fingerprint, list(ids), list(ids), cache, explicit=explicit, turns=turns)
@@ -31,6 +39,7 @@ def _ids(n: int, start: int = 0) -> list[int]:
 
 
 # -- prefix matching -------------------------------------------------------------------------
+
 
 def test_match_picks_the_longest_cached_prefix():
     cache = ContextCache(1 << 30, 1 << 30, 600)
@@ -119,6 +128,7 @@ def test_context_blob_round_trip_and_corruption():
 
 
 # -- Redis sessions --------------------------------------------------------------------------
+
 
 def _redis_sessions(url: str, lock_ttl_s: float = 10.0) -> RedisSessions:
     return RedisSessions(url, ContextCache(1 << 20, 1 << 20, 60), ttl_s=60, lock_ttl_s=lock_ttl_s)

@@ -66,6 +66,7 @@ def test_batch_rows_use_their_own_sparse_attention(model):
             return torch.nn.functional.scaled_dot_product_attention(
                 q[None].float(), keys[None].float(), values[None].float(), scale=scale, enable_gqa=True
             )[0].to(q.dtype)
+
         return attention
 
     caches, logits = _prefilled(model)

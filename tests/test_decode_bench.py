@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from tiny_models import make_tiny_model
 
 from ragkv.bench.decode_bench import OPTIONS, kl_divergence, run_decode_bench
 from ragkv.engine.model import CausalLM
-from tiny_models import make_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -28,12 +28,22 @@ def test_bench_reports_speed_batch_and_quality(folder):
         steps=2,
         max_new_tokens=3,
     )
-    assert [(row.option, row.context) for row in result.speed] == [("float32", 16), ("float32", 32), ("int8", 16), ("int8", 32)]
+    assert [(row.option, row.context) for row in result.speed] == [
+        ("float32", 16),
+        ("float32", 32),
+        ("int8", 16),
+        ("int8", 32),
+    ]
     assert all(row.ms_per_token > 0 and row.bytes_per_step > 0 for row in result.speed)
     int8_bytes = {row.context: row.bytes_per_step for row in result.speed if row.option == "int8"}
     float_bytes = {row.context: row.bytes_per_step for row in result.speed if row.option == "float32"}
     assert int8_bytes[16] < float_bytes[16]
-    assert {(row.option, row.batch) for row in result.batch} == {("float32", 1), ("float32", 2), ("int8", 1), ("int8", 2)}
+    assert {(row.option, row.batch) for row in result.batch} == {
+        ("float32", 1),
+        ("float32", 2),
+        ("int8", 1),
+        ("int8", 2),
+    }
     reference = next(row for row in result.quality if row.option == "float32")
     assert reference.first_token_kl_max == pytest.approx(0.0, abs=1e-6) and reference.answer_agreement == 1.0
     json.dumps(result.to_json())
@@ -41,7 +51,9 @@ def test_bench_reports_speed_batch_and_quality(folder):
 
 def test_unknown_option_is_refused(folder):
     with pytest.raises(ValueError, match="unknown options"):
-        run_decode_bench(lambda n: None, [], options=["int3"], contexts=[], batches=[], batch_context=8, steps=1, max_new_tokens=1)
+        run_decode_bench(
+            lambda n: None, [], options=["int3"], contexts=[], batches=[], batch_context=8, steps=1, max_new_tokens=1
+        )
 
 
 def test_kl_is_zero_for_equal_logits_and_positive_otherwise():
@@ -57,8 +69,28 @@ def test_cli_writes_json(folder, tmp_path, capsys):
     from ragkv.cli.main import main
 
     out = tmp_path / "decode.json"
-    code = main(["bench", "decode", "--model", str(folder), "--options", "float32", "int8", "--contexts", "16",
-                 "--batches", "1", "2", "--batch-context", "8", "--steps", "2", "--out", str(out)])
+    code = main(
+        [
+            "bench",
+            "decode",
+            "--model",
+            str(folder),
+            "--options",
+            "float32",
+            "int8",
+            "--contexts",
+            "16",
+            "--batches",
+            "1",
+            "2",
+            "--batch-context",
+            "8",
+            "--steps",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     assert "ms@16" in capsys.readouterr().out
     figures = json.loads(out.read_text())

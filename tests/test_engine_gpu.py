@@ -74,8 +74,13 @@ def check_on_gpu() -> list[str]:
 
     folder = write_tiny_llama(Path(tempfile.mkdtemp()), heads=8, kv_heads=2, head_dim=64, hidden=256)
     cpu = CausalLM.load(folder)
-    codebook = calibrate(cpu, lambda s: [b % 500 + 3 for b in s.encode()], ["a calibration text, repeated " * 30], [5],
-                         CalibrationConfig(codebook_size=16, tokens=512, sequence_tokens=256, iterations=3))
+    codebook = calibrate(
+        cpu,
+        lambda s: [b % 500 + 3 for b in s.encode()],
+        ["a calibration text, repeated " * 30],
+        [5],
+        CalibrationConfig(codebook_size=16, tokens=512, sequence_tokens=256, iterations=3),
+    )
     ids = torch.randint(3, 500, (ROWS,), generator=torch.Generator().manual_seed(4))
     reference_logits = teacher_forced(cpu, ids)
     greedy = [int(logits.argmax()) for logits in reference_logits]
@@ -86,8 +91,12 @@ def check_on_gpu() -> list[str]:
         def forward_loop():
             # no further from float32 than twice the CPU's own forward loop in this dtype (float32:
             # other summation orders, 1e-5 measured on an H100)
-            cpu_errors = [relative_error(logits, expected) for logits, expected in
-                          zip(teacher_forced(CausalLM.load(folder, dtype=dtype), ids, greedy), reference_logits)]
+            cpu_errors = [
+                relative_error(logits, expected)
+                for logits, expected in zip(
+                    teacher_forced(CausalLM.load(folder, dtype=dtype), ids, greedy), reference_logits
+                )
+            ]
             gpu_logits = teacher_forced(gpu, ids, greedy)
             for step, (logits, expected) in enumerate(zip(gpu_logits, reference_logits)):
                 assert logits.is_cuda and torch.isfinite(logits.float()).all()
@@ -98,6 +107,7 @@ def check_on_gpu() -> list[str]:
         check(f"{dtype} forward loop", forward_loop)
 
         for spec in [*STRATEGY_NAMES, *RECOMPUTE_EVERY_ROW]:
+
             def fusion(spec=spec):
                 kl = fused_kl(gpu, spec)
                 if spec in RECOMPUTE_EVERY_ROW:  # the full prefill again, up to the dtype's rounding
@@ -108,6 +118,7 @@ def check_on_gpu() -> list[str]:
             check(f"{dtype} fusion {spec}", fusion)
 
         for selector in selector_names():
+
             def full_budget(selector=selector):
                 for sparse, dense in full_budget_and_dense(gpu, ids, codebook, selector):
                     error = relative_error(sparse, dense)
@@ -119,19 +130,25 @@ def check_on_gpu() -> list[str]:
                 continue
             backends = ["auto"] + (["flashinfer"] if dtype != torch.float32 and importable("flashinfer") else [])
             for backend in backends:
+
                 def chosen_rows(selector=selector, backend=backend):
                     cache = gpu.new_cache(ROWS + 8)
                     gpu.prefill(ids, cache)
                     attention = SparseConfig(selector=selector, budget=32, sinks=2, window=6, backend=backend).build(
-                        PromptState.from_prefill(gpu, cache, ids, 2, ROWS - 8), codebook)
+                        PromptState.from_prefill(gpu, cache, ids, 2, ROWS - 8), codebook
+                    )
                     seen = {}
                     attention.observer = lambda layer, q, c, indices, start, end: seen.update(indices=indices)
-                    q = torch.randn(gpu.spec.num_heads, 1, gpu.spec.head_dim, generator=torch.Generator().manual_seed(0))
+                    q = torch.randn(
+                        gpu.spec.num_heads, 1, gpu.spec.head_dim, generator=torch.Generator().manual_seed(0)
+                    )
                     q = q.to("cuda", dtype)
                     out = attention(1, q, cache, gpu.scale)
                     assert out.is_cuda and out.dtype == dtype and torch.isfinite(out.float()).all()
                     keys, values = cache.layer(1)
-                    expected, _ = reference.sparse_decode_attention(q[:, 0], keys, values, seen["indices"], gpu.scale, None)
+                    expected, _ = reference.sparse_decode_attention(
+                        q[:, 0], keys, values, seen["indices"], gpu.scale, None
+                    )
                     error = relative_error(out[:, 0], expected)
                     assert error < OUT_TOLERANCE[dtype], f"differs from exact attention over its rows by {error}"
                     print(f"{dtype} {selector} {backend}: {error:.1e}")

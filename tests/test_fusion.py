@@ -9,7 +9,19 @@ import torch
 
 from ragkv.bench.metrics import kl_divergence
 from ragkv.engine import Engine
-from ragkv.fusion import A3, CacheBlend, Epic, Full, FullReuse, FusionConfig, FusionInput, LoadedChunk, Pie, Probe, build_strategy
+from ragkv.fusion import (
+    A3,
+    CacheBlend,
+    Epic,
+    Full,
+    FullReuse,
+    FusionConfig,
+    FusionInput,
+    LoadedChunk,
+    Pie,
+    Probe,
+    build_strategy,
+)
 
 TEXTS = [
     "Gull Point Light was first lit on 3 March 1851 and burned whale oil until 1890. " * 3,
@@ -31,8 +43,9 @@ def fused_case(engine: Engine) -> tuple[FusionInput, torch.Tensor]:
         keys, values = engine.model.chunk_kv(torch.tensor(ids), engine.chunk_prefix_cache())
         chunks.append(LoadedChunk(ids, keys, values))
     segments = engine.prompt.rag_segments(QUESTION)
-    fusion_input = FusionInput(segments.prefix_ids, chunks, segments.question_ids,
-                               len(engine.chunk_prefix_ids), segments.question_text_span)
+    fusion_input = FusionInput(
+        segments.prefix_ids, chunks, segments.question_ids, len(engine.chunk_prefix_ids), segments.question_text_span
+    )
     prompt = segments.prefix_ids + sum((c.token_ids for c in chunks), []) + segments.question_ids
     _, reference_logits = engine.prefill(prompt)
     return fusion_input, reference_logits
@@ -47,8 +60,16 @@ def test_full_equals_plain_prefill(case):
     torch.testing.assert_close(_fuse(engine, Full(), fusion_input).logits, reference, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("spec", ["a3:ratio=1", "cacheblend:ratio=1", "a3:ratio=1,check_layer=4,head_aggregation=max",
-                                  "a3:ratio=1,deviation_share=0,exclude_sinks=true", "probe:ratio=1"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "a3:ratio=1",
+        "cacheblend:ratio=1",
+        "a3:ratio=1,check_layer=4,head_aggregation=max",
+        "a3:ratio=1,deviation_share=0,exclude_sinks=true",
+        "probe:ratio=1",
+    ],
+)
 def test_ratio_one_reproduces_full_prefill(case, spec):
     engine, fusion_input, reference = case
     result = _fuse(engine, build_strategy(spec), fusion_input)
@@ -58,8 +79,12 @@ def test_ratio_one_reproduces_full_prefill(case, spec):
 
 def test_single_chunk_with_pie_reproduces_full(case):
     engine, fusion_input, _ = case
-    single = FusionInput(fusion_input.prefix_ids, fusion_input.chunks[:1], fusion_input.question_ids,
-                         fusion_input.chunk_precompute_offset)
+    single = FusionInput(
+        fusion_input.prefix_ids,
+        fusion_input.chunks[:1],
+        fusion_input.question_ids,
+        fusion_input.chunk_precompute_offset,
+    )
     _, reference = engine.prefill(single.prefix_ids + single.chunks[0].token_ids + single.question_ids)
     torch.testing.assert_close(_fuse(engine, Pie(), single).logits, reference, atol=1e-4, rtol=1e-4)
 
@@ -87,17 +112,30 @@ def test_full_reuse_keeps_local_positions(case):
 def test_full_places_no_stored_kv(case):
     """The reference recomputes every row, so stored KV (here garbage) must not matter."""
     engine, fusion_input, reference = case
-    garbage = [LoadedChunk(c.token_ids, torch.full_like(c.keys, float("nan")), torch.full_like(c.values, float("nan")))
-               for c in fusion_input.chunks]
-    poisoned = FusionInput(fusion_input.prefix_ids, garbage, fusion_input.question_ids,
-                           fusion_input.chunk_precompute_offset, fusion_input.question_text_span)
+    garbage = [
+        LoadedChunk(c.token_ids, torch.full_like(c.keys, float("nan")), torch.full_like(c.values, float("nan")))
+        for c in fusion_input.chunks
+    ]
+    poisoned = FusionInput(
+        fusion_input.prefix_ids,
+        garbage,
+        fusion_input.question_ids,
+        fusion_input.chunk_precompute_offset,
+        fusion_input.question_text_span,
+    )
     torch.testing.assert_close(_fuse(engine, Full(), poisoned).logits, reference, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("strategy", [
-    CacheBlend(ratio=0.2), A3(ratio=0.2), A3(ratio=0.2, exclude_sinks=True, head_aggregation="normalized"),
-    A3(ratio=0.2, deviation_share=0.0, boundary_tokens=2, query_tokens="text"), Probe(ratio=0.2),
-])
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        CacheBlend(ratio=0.2),
+        A3(ratio=0.2),
+        A3(ratio=0.2, exclude_sinks=True, head_aggregation="normalized"),
+        A3(ratio=0.2, deviation_share=0.0, boundary_tokens=2, query_tokens="text"),
+        Probe(ratio=0.2),
+    ],
+)
 def test_selective_strategies_spend_exactly_their_budget(case, strategy):
     engine, fusion_input, _ = case
     result = _fuse(engine, strategy, fusion_input)

@@ -41,8 +41,9 @@ def _engine_config(folder: Path) -> EngineConfig:
 def test_calibration_picks_the_smallest_ratio_within_the_target(tiny):
     engine = Engine(_engine_config(tiny))
     texts = [path.read_text() for path in sorted(CORPUS.iterdir())]
-    config = FusionCalibrationConfig(ratios=(0.0, 0.5, 1.0), samples=2, chunks_per_sample=3, chunk_tokens=64,
-                                     max_new_tokens=4, target_kl=1.0)
+    config = FusionCalibrationConfig(
+        ratios=(0.0, 0.5, 1.0), samples=2, chunks_per_sample=3, chunk_tokens=64, max_new_tokens=4, target_kl=1.0
+    )
     figures = calibrate_fusion(engine, texts, config).figures
     # ratio 1 recomputes everything: the full prefill up to float rounding
     assert figures["1"]["first_token_kl"] < 1e-6 and figures["1"]["teacher_forced_agreement"] == 1.0
@@ -60,8 +61,12 @@ def test_calibration_picks_the_smallest_ratio_within_the_target(tiny):
 def test_calibrated_ratio_is_stored_used_and_reported(tiny, tmp_path, capsys):
     home = tmp_path / "home"
     common = ["--data-dir", str(home), "--model", str(tiny), *FLOAT32]
-    assert main(["calibrate", "fusion", str(CORPUS), "--ratios", "0", "1", "--target-kl", "1e-6", "--samples", "2",
-                 *common]) == 0
+    assert (
+        main(
+            ["calibrate", "fusion", str(CORPUS), "--ratios", "0", "1", "--target-kl", "1e-6", "--samples", "2", *common]
+        )
+        == 0
+    )
     assert "ratio 1 meets" in capsys.readouterr().out
     with Runtime(RuntimeConfig(data_dir=home, engine=_engine_config(tiny))) as runtime:
         stored = load_calibration(runtime.env, runtime.engine.fingerprint, "probe")
@@ -72,8 +77,27 @@ def test_calibrated_ratio_is_stored_used_and_reported(tiny, tmp_path, capsys):
         assert FusionConfig(ratio=0.2).build(runtime.engine.fusion_ratios).ratio == 0.2
         assert FusionConfig("probe:ratio=0.3").build(runtime.engine.fusion_ratios).ratio == 0.3
     # a grid where no ratio meets the target stores nothing and says so
-    assert main(["calibrate", "fusion", str(CORPUS), "--ratios", "0", "--target-kl", "1e-9", "--samples", "1",
-                 "--data-dir", str(tmp_path / "other"), "--model", str(tiny), *FLOAT32]) == 1
+    assert (
+        main(
+            [
+                "calibrate",
+                "fusion",
+                str(CORPUS),
+                "--ratios",
+                "0",
+                "--target-kl",
+                "1e-9",
+                "--samples",
+                "1",
+                "--data-dir",
+                str(tmp_path / "other"),
+                "--model",
+                str(tiny),
+                *FLOAT32,
+            ]
+        )
+        == 1
+    )
     assert "nothing stored" in capsys.readouterr().err
 
     server = ServerProcess(["--data-dir", str(home), "--model", str(tiny), *FLOAT32], log_path=tmp_path / "serve.log")

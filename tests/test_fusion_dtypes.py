@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import fusion_case, make_tiny_model
 
 from ragkv.bench.metrics import kl_divergence
 from ragkv.engine.model import CausalLM
 from ragkv.fusion import STRATEGY_NAMES, build_strategy
-from tiny_models import fusion_case, make_tiny_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # KL(plain prefill || fusion with every row recomputed): the same arithmetic through other
@@ -41,8 +41,16 @@ def test_every_strategy_fuses_in_the_model_dtype(case, name):
     assert torch.isfinite(model.decode_step(token, result.cache)).all()
 
 
-@pytest.mark.parametrize("spec", ["full", "a3:ratio=1", "cacheblend:ratio=1", "a3:ratio=1,check_layer=2,head_aggregation=max",
-                                  "a3:ratio=1,deviation_share=0,exclude_sinks=true,query_tokens=text"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "full",
+        "a3:ratio=1",
+        "cacheblend:ratio=1",
+        "a3:ratio=1,check_layer=2,head_aggregation=max",
+        "a3:ratio=1,deviation_share=0,exclude_sinks=true,query_tokens=text",
+    ],
+)
 def test_recomputing_every_row_equals_the_full_prefill(case, spec):
     model, fusion_input, prefix_cache, reference, dtype = case
     result = build_strategy(spec).fuse(model, fusion_input, prefix_cache)
@@ -51,6 +59,8 @@ def test_recomputing_every_row_equals_the_full_prefill(case, spec):
 
 def test_partial_recompute_lies_between_reuse_and_full(case):
     model, fusion_input, prefix_cache, reference, dtype = case
-    kls = [kl_divergence(reference, build_strategy(f"a3:ratio={r}").fuse(model, fusion_input, prefix_cache).logits)
-           for r in (0.0, 1.0)]
+    kls = [
+        kl_divergence(reference, build_strategy(f"a3:ratio={r}").fuse(model, fusion_input, prefix_cache).logits)
+        for r in (0.0, 1.0)
+    ]
     assert kls[1] < EXACT_KL[dtype] < kls[0]

@@ -59,16 +59,43 @@ def tiny(tmp_path_factory):
 
 def test_bench_fusion_reports_teacher_forced_figures_with_spread(tiny, tmp_path):
     folder, home = tiny
-    passages = [{"title": f"P{i}", "text": CORPUS.joinpath(name).read_text()[:400]}
-                for i, name in enumerate(sorted(p.name for p in CORPUS.iterdir()))][:3]
+    passages = [
+        {"title": f"P{i}", "text": CORPUS.joinpath(name).read_text()[:400]}
+        for i, name in enumerate(sorted(p.name for p in CORPUS.iterdir()))
+    ][:3]
     data = tmp_path / "qa.json"
-    data.write_text(json.dumps([{"ctxs": passages, "question": question, "answers": ["x"]}
-                                for question in ("When was the light automated?", "Who grows apples?",
-                                                 "How high is the observatory?")]))
+    data.write_text(
+        json.dumps(
+            [
+                {"ctxs": passages, "question": question, "answers": ["x"]}
+                for question in ("When was the light automated?", "Who grows apples?", "How high is the observatory?")
+            ]
+        )
+    )
     out = tmp_path / "fusion.json"
-    code = main(["bench", "fusion", "--data", str(data), "--examples", "1:3", "--strategies", "full_reuse",
-                 "probe:ratio=0.5", "--max-new-tokens", "6", "--weight-formats", "int8", "--json", str(out),
-                 "--data-dir", str(home), "--model", str(folder)])
+    code = main(
+        [
+            "bench",
+            "fusion",
+            "--data",
+            str(data),
+            "--examples",
+            "1:3",
+            "--strategies",
+            "full_reuse",
+            "probe:ratio=0.5",
+            "--max-new-tokens",
+            "6",
+            "--weight-formats",
+            "int8",
+            "--json",
+            str(out),
+            "--data-dir",
+            str(home),
+            "--model",
+            str(folder),
+        ]
+    )
     assert code == 0
     results = json.loads(out.read_text())
     assert results["examples"] == 2 and results["example_range"] == [1, 3]

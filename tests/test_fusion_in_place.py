@@ -19,8 +19,13 @@ def conversation(engine):
     prefix_ids = fusion_input.prefix_ids + history
     prefix = engine.model.new_cache(len(prefix_ids))
     engine.model.prefill(torch.tensor(prefix_ids), prefix)
-    return FusionInput(prefix_ids, fusion_input.chunks, fusion_input.question_ids, fusion_input.chunk_precompute_offset,
-                       fusion_input.question_text_span), prefix
+    return FusionInput(
+        prefix_ids,
+        fusion_input.chunks,
+        fusion_input.question_ids,
+        fusion_input.chunk_precompute_offset,
+        fusion_input.question_text_span,
+    ), prefix
 
 
 @pytest.mark.parametrize("spec", ["probe", "a3:ratio=0.2", "epic"])

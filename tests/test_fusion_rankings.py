@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_fusion import fused_case
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from ragkv.fusion import A3, CacheBlend, Pie, Probe
-from test_fusion import fused_case
 
 RATIO = 0.2
 CHECK_LAYER = 2
@@ -23,7 +23,9 @@ CHECK_LAYER = 2
 
 @pytest.fixture(scope="module")
 def transformers_model(engine):
-    return AutoModelForCausalLM.from_pretrained(engine.model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    return AutoModelForCausalLM.from_pretrained(
+        engine.model_dir, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +53,8 @@ def _top(scores: torch.Tensor, first_row: int, budget: int) -> set[int]:
 def test_a3_recomputes_the_tokens_the_question_attends_to(engine, reference):
     fusion_input, attentions, _ = reference
     chosen, start, end, budget = _chosen_document_rows(
-        engine, A3(ratio=RATIO, check_layer=CHECK_LAYER, deviation_share=0.0), fusion_input)
+        engine, A3(ratio=RATIO, check_layer=CHECK_LAYER, deviation_share=0.0), fusion_input
+    )
     # Attention of every question row to each document token, summed over heads.
     scores = attentions[CHECK_LAYER][:, end:, start:end].sum(dim=(0, 1))
     assert budget == len(chosen) > 0
@@ -61,14 +64,17 @@ def test_a3_recomputes_the_tokens_the_question_attends_to(engine, reference):
 def test_a3_max_head_aggregation_takes_each_tokens_best_head(engine, reference):
     fusion_input, attentions, _ = reference
     chosen, start, end, budget = _chosen_document_rows(
-        engine, A3(ratio=RATIO, check_layer=CHECK_LAYER, deviation_share=0.0, head_aggregation="max"), fusion_input)
+        engine, A3(ratio=RATIO, check_layer=CHECK_LAYER, deviation_share=0.0, head_aggregation="max"), fusion_input
+    )
     scores = attentions[CHECK_LAYER][:, end:, start:end].sum(dim=1).max(dim=0).values
     assert chosen == _top(scores, start, budget)
 
 
 def test_cacheblend_recomputes_the_tokens_whose_values_deviate_most(engine, reference):
     fusion_input, _, values = reference
-    chosen, start, end, budget = _chosen_document_rows(engine, CacheBlend(ratio=RATIO, check_layer=CHECK_LAYER), fusion_input)
+    chosen, start, end, budget = _chosen_document_rows(
+        engine, CacheBlend(ratio=RATIO, check_layer=CHECK_LAYER), fusion_input
+    )
     stored = torch.cat([chunk.values[CHECK_LAYER] for chunk in fusion_input.chunks], dim=1)  # [Hkv, doc, D]
     scores = (values[CHECK_LAYER][:, start:end] - stored).pow(2).sum(dim=(0, 2))
     assert budget == len(chosen) > 0
@@ -80,8 +86,11 @@ def test_a3_splits_its_budget_between_both_rankings(engine, reference):
     the value-deviation ranking over the tokens not already chosen."""
     fusion_input, attentions, values = reference
     chosen, start, end, budget = _chosen_document_rows(
-        engine, A3(ratio=RATIO, check_layer=CHECK_LAYER, deviation_share=0.5), fusion_input)
-    by_attention = _top(attentions[CHECK_LAYER][:, end:, start:end].sum(dim=(0, 1)), start, budget - round(0.5 * budget))
+        engine, A3(ratio=RATIO, check_layer=CHECK_LAYER, deviation_share=0.5), fusion_input
+    )
+    by_attention = _top(
+        attentions[CHECK_LAYER][:, end:, start:end].sum(dim=(0, 1)), start, budget - round(0.5 * budget)
+    )
     stored = torch.cat([chunk.values[CHECK_LAYER] for chunk in fusion_input.chunks], dim=1)
     deviation = (values[CHECK_LAYER][:, start:end] - stored).pow(2).sum(dim=(0, 2))
     deviation[[row - start for row in by_attention]] = float("-inf")
@@ -106,8 +115,9 @@ def test_a3_attention_coverage_stops_at_the_mass_it_asks_for(engine, reference):
 
 
 @pytest.mark.parametrize(("layer_aggregation", "last_row_weight"), [("sum", 0.0), ("max", 0.0), ("sum", 1.0)])
-def test_probe_recomputes_the_tokens_the_question_attends_to_over_the_reused_cache(engine, reference, transformers_model,
-                                                                                   layer_aggregation, last_row_weight):
+def test_probe_recomputes_the_tokens_the_question_attends_to_over_the_reused_cache(
+    engine, reference, transformers_model, layer_aggregation, last_row_weight
+):
     """The probe's scores: transformers runs the question over the cache as placed (pie's
     cache below the question rows: reused KV, keys at global positions); each layer's
     attention to the documents, summed over question rows and heads and normalised to 1,
@@ -118,13 +128,21 @@ def test_probe_recomputes_the_tokens_the_question_attends_to_over_the_reused_cac
     start, end = layout.prefix_len, layout.question_start
     past = DynamicCache()
     for layer in range(engine.model.spec.num_layers):
-        past.update(placed.cache.keys[layer, :, :end][None].float(), placed.cache.values[layer, :, :end][None].float(), layer)
+        past.update(
+            placed.cache.keys[layer, :, :end][None].float(), placed.cache.values[layer, :, :end][None].float(), layer
+        )
     with torch.no_grad():
-        output = transformers_model(torch.tensor([fusion_input.question_ids]), past_key_values=past,
-                                    position_ids=torch.arange(end, layout.length)[None], output_attentions=True)
+        output = transformers_model(
+            torch.tensor([fusion_input.question_ids]),
+            past_key_values=past,
+            position_ids=torch.arange(end, layout.length)[None],
+            output_attentions=True,
+        )
     question = torch.stack([attention[0, :, :, start:end].sum(dim=(0, 1)) for attention in output.attentions])
     last_row = torch.stack([attention[0, :, -1, start:end].sum(dim=0) for attention in output.attentions])
-    shares = (question / question.sum(dim=1, keepdim=True)) + last_row_weight * (last_row / last_row.sum(dim=1, keepdim=True))
+    shares = (question / question.sum(dim=1, keepdim=True)) + last_row_weight * (
+        last_row / last_row.sum(dim=1, keepdim=True)
+    )
     scores = shares.sum(dim=0) if layer_aggregation == "sum" else shares.max(dim=0).values
     strategy = Probe(ratio=RATIO, layer_aggregation=layer_aggregation, last_row_weight=last_row_weight)
     chosen, _, _, budget = _chosen_document_rows(engine, strategy, fusion_input)

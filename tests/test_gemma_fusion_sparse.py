@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import fusion_case, make_tiny_model
 
 from ragkv.engine.model import CausalLM
 from ragkv.fusion import STRATEGY_NAMES, FusionInput, LoadedChunk, Pie, build_strategy
@@ -14,7 +15,6 @@ from ragkv.kernels.kv_quant import quantize
 from ragkv.kernels.place_kv import layers_of
 from ragkv.sparse import PromptState, SparseConfig, selector_names
 from ragkv.sparse.calibrate import CalibrationConfig, calibrate
-from tiny_models import fusion_case, make_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -66,10 +66,13 @@ def test_position_recovery_rotates_each_layer_with_its_own_base(model, case):
 
 def test_quantized_chunks_are_placed_per_run_of_layers(model, case):
     fusion_input, prefix_cache, _ = case
-    quantized = [LoadedChunk(c.token_ids, quantize(c.keys, 4, "tokens", 32), quantize(c.values, 4, "channels", 16))
-                 for c in fusion_input.chunks]
-    coded = FusionInput(fusion_input.prefix_ids, quantized, fusion_input.question_ids,
-                        fusion_input.chunk_precompute_offset)
+    quantized = [
+        LoadedChunk(c.token_ids, quantize(c.keys, 4, "tokens", 32), quantize(c.values, 4, "channels", 16))
+        for c in fusion_input.chunks
+    ]
+    coded = FusionInput(
+        fusion_input.prefix_ids, quantized, fusion_input.question_ids, fusion_input.chunk_precompute_offset
+    )
     result = Pie().fuse(model, coded, prefix_cache)
     start, end = result.layout.chunk_spans[1]
     for layer in range(model.spec.num_layers):
@@ -123,11 +126,13 @@ def test_every_selector_decodes_and_a_whole_budget_equals_dense(model, codebook,
     dense = _greedy(model, cache.clone(10), logits, None)
     work = cache.clone(10)
     attention = SparseConfig(selector=selector, budget=1.0, window=4).build(
-        PromptState.from_prefill(model, work, ids, 3, 50), codebook)
+        PromptState.from_prefill(model, work, ids, 3, 50), codebook
+    )
     torch.testing.assert_close(_greedy(model, work, logits, attention), dense, atol=1e-4, rtol=1e-4)
     sparse = cache.clone(10)
     attention = SparseConfig(selector=selector, budget=12, sinks=2, window=4).build(
-        PromptState.from_prefill(model, sparse, ids, 3, 50), codebook)
+        PromptState.from_prefill(model, sparse, ids, 3, 50), codebook
+    )
     assert torch.isfinite(_greedy(model, sparse, logits, attention)).all()
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gemma_gguf import gemma_folder, installed
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from gemma_gguf import gemma_folder, installed
 from ragkv.engine.model import CausalLM
 from ragkv.engine.prompt import ChatPrompt
 
@@ -48,7 +48,7 @@ def test_prefill_and_greedy_decode_match_transformers(gemma):
         logits = model.decode_step(ours[-1], cache)
     with torch.no_grad():
         theirs = reference.generate(ids[None], max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert ours == theirs[0, ids.numel():].tolist()
+    assert ours == theirs[0, ids.numel() :].tolist()
 
 
 def test_prefill_past_the_sliding_window_matches_transformers(gemma):

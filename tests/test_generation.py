@@ -24,7 +24,9 @@ def test_greedy_matches_transformers_generate_token_for_token(engine):
     prompt = engine.prompt.encode_messages(MESSAGES)
     reference = AutoModelForCausalLM.from_pretrained(engine.model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
-        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):].tolist()
+        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[
+            0, len(prompt) :
+        ].tolist()
     done = _generate(engine, GenerationConfig(max_new_tokens=24))
     got = done.token_ids
     # transformers keeps the EOS token in its output; the completion's ids end before it.
@@ -67,8 +69,10 @@ def test_seeded_sampling_is_reproducible_and_differs_from_greedy(engine):
     first = _generate(engine, GenerationConfig(max_new_tokens=12, sampling=sampled)).token_ids
     second = _generate(engine, GenerationConfig(max_new_tokens=12, sampling=sampled)).token_ids
     assert first == second
-    others = [_generate(engine, GenerationConfig(max_new_tokens=12, sampling=SamplingConfig(1.2, 0.95, seed))).token_ids
-              for seed in (8, 9, 10)]
+    others = [
+        _generate(engine, GenerationConfig(max_new_tokens=12, sampling=SamplingConfig(1.2, 0.95, seed))).token_ids
+        for seed in (8, 9, 10)
+    ]
     assert any(other != first for other in others)
 
 
@@ -86,8 +90,9 @@ def test_extreme_sampling_settings_draw_the_argmax():
     assert Sampler(SamplingConfig(temperature=0.0, seed=2**64 - 1)).generator is None  # greedy draws nothing
 
 
-@pytest.mark.parametrize("bad", [dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(seed=2**64),
-                                 dict(seed=-(2**63) - 1)])
+@pytest.mark.parametrize(
+    "bad", [dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(seed=2**64), dict(seed=-(2**63) - 1)]
+)
 def test_bad_sampling_settings_are_refused(bad):
     with pytest.raises(ValueError):
         SamplingConfig(**bad)

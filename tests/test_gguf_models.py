@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny_gguf import VOCAB, write_tiny_gguf
+from tiny_models import make_tiny_model
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from ragkv.engine.fingerprint import model_fingerprint
@@ -19,13 +21,22 @@ from ragkv.engine.linear import Int4Kernel
 from ragkv.engine.model import CausalLM
 from ragkv.engine.model_files import INT4_BLOCKS_FILE, SOURCE_FILE, resolve_model_dir, served_name
 from ragkv.engine.numerics import Numerics
-from tiny_gguf import VOCAB, write_tiny_gguf
-from tiny_models import make_tiny_model
 
 CASES = [
-    ("llama", "F32"), ("llama", "F16"), ("llama", "BF16"), ("llama", "Q8_0"), ("llama", "Q4_0"), ("llama", "Q4_1"),
-    ("mistral", "Q4_0"), ("qwen2", "Q4_1"), ("qwen2", "F16"), ("qwen3", "Q8_0"), ("qwen3", "Q4_0"),
-    ("llama", "Q4_K"), ("qwen2", "Q6_K"), ("qwen3", "Q5_K"),
+    ("llama", "F32"),
+    ("llama", "F16"),
+    ("llama", "BF16"),
+    ("llama", "Q8_0"),
+    ("llama", "Q4_0"),
+    ("llama", "Q4_1"),
+    ("mistral", "Q4_0"),
+    ("qwen2", "Q4_1"),
+    ("qwen2", "F16"),
+    ("qwen3", "Q8_0"),
+    ("qwen3", "Q4_0"),
+    ("llama", "Q4_K"),
+    ("qwen2", "Q6_K"),
+    ("qwen3", "Q5_K"),
 ]
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 
@@ -65,15 +76,17 @@ def test_gguf_prefill_and_decode_match_transformers_on_the_same_file(files, fami
     assert ours.spec.family == ("llama" if family == "mistral" else family)
     # the config as ragkv read it: transformers takes Qwen3's head dimension from its own
     # default (128, every released Qwen3's) instead of the file's attention.key_length
-    reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
-                                                     config=AutoConfig.from_pretrained(model_dir)).eval()
+    reference = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32, config=AutoConfig.from_pretrained(model_dir)
+    ).eval()
     tokens = _prompt(40)
     cache = ours.new_cache(64)
     logits = ours.prefill(tokens, cache)
     with torch.no_grad():
         torch.testing.assert_close(logits, reference(tokens[None]).logits[0, -1], atol=1e-4, rtol=1e-4)
-        theirs = reference.generate(tokens[None], max_new_tokens=12, do_sample=False, eos_token_id=None,
-                                    pad_token_id=0)[0, 40:].tolist()
+        theirs = reference.generate(
+            tokens[None], max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0
+        )[0, 40:].tolist()
     generated = []
     for _ in range(12):
         generated.append(int(logits.argmax()))
@@ -115,8 +128,9 @@ def test_the_file_carries_chat_template_special_tokens_and_context(files):
     path = _gguf(files, "qwen2", "Q4_1")
     model_dir = resolve_model_dir(str(path))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                             add_generation_prompt=True)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert rendered.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
     assert tokenizer.eos_token == "<|im_end|>" and len(tokenizer) == VOCAB
     model = CausalLM.load(model_dir)

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from tiny_gguf import write_tiny_gguf
 
 from ragkv.api.launcher import ServerProcess
-from tiny_gguf import write_tiny_gguf
 
 pytestmark = pytest.mark.model
 
@@ -42,8 +42,9 @@ def test_tiny_qwen2_gguf_serves_ingest_query_and_a_reusing_chat(server):
             assert response.status_code == 201, response.text
             ids[path.name] = response.json()["document"]["id"]
 
-        response = http.post("/v1/query", json={"question": "When was Gull Point Light first lit?", "top_k": 2,
-                                                "max_tokens": 6})
+        response = http.post(
+            "/v1/query", json={"question": "When was Gull Point Light first lit?", "top_k": 2, "max_tokens": 6}
+        )
         assert response.status_code == 200, response.text
         body = response.json()
         assert body["citations"][0]["document_id"] == ids["lighthouses.md"]
@@ -51,14 +52,25 @@ def test_tiny_qwen2_gguf_serves_ingest_query_and_a_reusing_chat(server):
         assert body["usage"]["cached_tokens"] > 0 and 1 <= body["usage"]["completion_tokens"] <= 6
 
         question = [{"role": "user", "content": "How tall is Stormhead Light?"}]
-        first = http.post("/v1/chat/completions", json={"model": "ragkv", "max_tokens": 6, "messages": question,
-                                                        "rag": {"top_k": 2}})
+        first = http.post(
+            "/v1/chat/completions", json={"model": "ragkv", "max_tokens": 6, "messages": question, "rag": {"top_k": 2}}
+        )
         assert first.status_code == 200, first.text
         first = first.json()
-        history = question + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
-                              {"role": "user", "content": "Who built it?"}]
-        second = http.post("/v1/chat/completions", json={"model": "ragkv", "max_tokens": 6, "messages": history,
-                                                         "session_id": first["session_id"], "rag": {"top_k": 2}})
+        history = question + [
+            {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+            {"role": "user", "content": "Who built it?"},
+        ]
+        second = http.post(
+            "/v1/chat/completions",
+            json={
+                "model": "ragkv",
+                "max_tokens": 6,
+                "messages": history,
+                "session_id": first["session_id"],
+                "rag": {"top_k": 2},
+            },
+        )
         assert second.status_code == 200, second.text
         second = second.json()
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -68,9 +80,20 @@ def test_tiny_qwen2_gguf_serves_ingest_query_and_a_reusing_chat(server):
 
 def test_serve_refuses_an_unsupported_architecture_before_starting(tmp_path):
     model = write_tiny_gguf("llama", tmp_path / "phi.gguf", "F16", architecture="phi3")
-    command = [sys.executable, "-m", "ragkv", "serve", "--model", str(model), "--data-dir", str(tmp_path / "data"),
-               "--port", "9"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "RAGKV_CACHE": str(tmp_path / "cache")})
+    command = [
+        sys.executable,
+        "-m",
+        "ragkv",
+        "serve",
+        "--model",
+        str(model),
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--port",
+        "9",
+    ]
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=300, env={**os.environ, "RAGKV_CACHE": str(tmp_path / "cache")}
+    )
     assert done.returncode == 2, done.stderr
     assert "'phi3'" in done.stderr and "qwen2" in done.stderr and "Traceback" not in done.stderr

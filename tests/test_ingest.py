@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 
+from ragkv.engine.fingerprint import KV_FORMAT_VERSION
 from ragkv.ingest.chunker import chunk_document
+from ragkv.ingest.cleanup import collect_garbage
 from ragkv.ingest.embedder import Embedder
 from ragkv.ingest.errors import InputError, NotFoundError
+from ragkv.ingest.journal import IngestJournal
 from ragkv.ingest.loaders import document_text
 from ragkv.ingest.pipeline import IngestConfig, Ingestor
-from ragkv.engine.fingerprint import KV_FORMAT_VERSION
-from ragkv.ingest.cleanup import collect_garbage
-from ragkv.ingest.journal import IngestJournal
 from ragkv.ingest.registry_lmdb import LMDBRegistry
 from ragkv.store.errors import StoreUnavailableError
 from ragkv.store.keys import ChunkKey
@@ -101,10 +101,16 @@ def test_shared_chunks_are_computed_once_and_survive_deleting_one_user(ingestor)
         ingestor.registry.get("default", second.doc_id)
 
 
-@pytest.mark.parametrize(("data", "reason"), [
-    (b"", "empty"), (b"   \n\t ", "empty"), (b"\x89PNG\r\n\x1a\n\x00\x00\x00", "binary"),
-    ("caf\u00e9".encode("latin-1"), "not_utf8"), (b"x" * 2048, "too_large"),
-])
+@pytest.mark.parametrize(
+    ("data", "reason"),
+    [
+        (b"", "empty"),
+        (b"   \n\t ", "empty"),
+        (b"\x89PNG\r\n\x1a\n\x00\x00\x00", "binary"),
+        ("caf\u00e9".encode("latin-1"), "not_utf8"),
+        (b"x" * 2048, "too_large"),
+    ],
+)
 def test_bad_input_is_refused_with_a_reason(data, reason):
     with pytest.raises(InputError) as error:
         document_text(data, "upload.txt", max_bytes=1024)
@@ -118,7 +124,9 @@ def test_unsupported_file_type_is_named():
 
 
 def test_html_markup_is_removed():
-    text = document_text(b"<html><head><style>p{}</style></head><body><p>Hello <b>world</b></p></body></html>", "a.html")
+    text = document_text(
+        b"<html><head><style>p{}</style></head><body><p>Hello <b>world</b></p></body></html>", "a.html"
+    )
     assert text == "Hello world"
 
 
@@ -177,8 +185,10 @@ def test_tenants_get_their_own_chunks_and_ids_by_default(ingestor):
     bob = ingestor.ingest_text(LIGHTHOUSE, "a.txt", tenant="bob")
     assert bob.reused_chunks == 0 and bob.computed_chunks == bob.chunks and not bob.duplicate_of_existing
     assert bob.doc_id != alice.doc_id
-    hashes = {tenant: {c.chunk_hash for c in ingestor.registry.get(tenant, doc).chunks}
-              for tenant, doc in (("alice", alice.doc_id), ("bob", bob.doc_id))}
+    hashes = {
+        tenant: {c.chunk_hash for c in ingestor.registry.get(tenant, doc).chunks}
+        for tenant, doc in (("alice", alice.doc_id), ("bob", bob.doc_id))
+    }
     assert not hashes["alice"] & hashes["bob"]
 
 
@@ -188,8 +198,10 @@ def test_cross_tenant_sharing_when_the_deployment_opts_in(make_ingestor):
     bob = ingestor.ingest_text(LIGHTHOUSE, "a.txt", tenant="bob")
     assert bob.reused_chunks == bob.chunks and bob.computed_chunks == 0 and bob.doc_id == alice.doc_id
     ingestor.delete(alice.doc_id, tenant="alice")  # bob's document still holds the shared chunks
-    assert all(ingestor.store.contains(ingestor.chunk_key(c.chunk_hash))
-               for c in ingestor.registry.get("bob", bob.doc_id).chunks)
+    assert all(
+        ingestor.store.contains(ingestor.chunk_key(c.chunk_hash))
+        for c in ingestor.registry.get("bob", bob.doc_id).chunks
+    )
 
 
 def test_deleting_a_document_removes_every_models_blobs(ingestor):

@@ -21,9 +21,11 @@ from ragkv.ingest.formats import CONTAINER_FACTOR
 from ragkv.ingest.loaders import load_document, load_path
 from ragkv.ingest.registry import DocumentRecord
 
-PAGE_FACTS = ["The lighthouse keeper logged 41 storms in 1902.",
-              "The orchard's oldest tree is a Bramley planted in 1871.",
-              "The ferry to Inish More leaves at 07:45 on weekdays."]
+PAGE_FACTS = [
+    "The lighthouse keeper logged 41 storms in 1902.",
+    "The orchard's oldest tree is a Bramley planted in 1871.",
+    "The ferry to Inish More leaves at 07:45 on weekdays.",
+]
 
 
 def pdf_bytes(pages: list[str]) -> bytes:
@@ -84,15 +86,18 @@ def test_docx_reads_paragraphs_and_tables_in_order():
     assert load_document(data, "notes.docx").pages is None
 
 
-@pytest.mark.parametrize("name, data, reason", [
-    ("scan.pdf", scanned_pdf_bytes(), "no_text_layer"),
-    ("broken.pdf", b"%PDF-1.4\n% nothing else", "unreadable"),
-    ("fake.pdf", b"plain text, not a PDF", "unreadable"),
-    ("broken.docx", b"PK\x03\x04 not a zip", "unreadable"),
-    ("program.exe", b"MZ\x90\x00", "unsupported_type"),
-    ("empty.txt", b"   \n", "empty"),
-    ("latin1.txt", "caf\xe9".encode("latin-1"), "not_utf8"),
-])
+@pytest.mark.parametrize(
+    "name, data, reason",
+    [
+        ("scan.pdf", scanned_pdf_bytes(), "no_text_layer"),
+        ("broken.pdf", b"%PDF-1.4\n% nothing else", "unreadable"),
+        ("fake.pdf", b"plain text, not a PDF", "unreadable"),
+        ("broken.docx", b"PK\x03\x04 not a zip", "unreadable"),
+        ("program.exe", b"MZ\x90\x00", "unsupported_type"),
+        ("empty.txt", b"   \n", "empty"),
+        ("latin1.txt", "caf\xe9".encode("latin-1"), "not_utf8"),
+    ],
+)
 def test_unusable_files_are_refused_with_a_reason(name, data, reason):
     with pytest.raises(InputError) as refused:
         load_document(data, name)
@@ -136,21 +141,27 @@ def unusable_folder(root: Path) -> Path:
 def test_a_folder_of_unusable_files_is_refused_without_loading_the_model(tmp_path):
     folder = unusable_folder(tmp_path)
     # The probe runs the real command with the model's loaders replaced by tripwires.
-    probe = ("import sys, runpy\n"
-             "import ragkv.engine.core as core, ragkv.engine.model as model\n"
-             "def tripwire(*args, **kwargs):\n    raise SystemExit('the model was loaded')\n"
-             "core.Engine.__init__ = tripwire\nmodel.CausalLM.load = tripwire\n"
-             f"sys.argv = ['ragkv', 'ingest', {str(folder)!r}, '--json', '--no-progress']\n"
-             "try:\n    runpy.run_module('ragkv', run_name='__main__')\nexcept SystemExit as exit:\n"
-             "    assert exit.code == 1, exit.code\n"
-             "assert 'ragkv.app.runtime' not in sys.modules, 'runtime imported'\n")
+    probe = (
+        "import sys, runpy\n"
+        "import ragkv.engine.core as core, ragkv.engine.model as model\n"
+        "def tripwire(*args, **kwargs):\n    raise SystemExit('the model was loaded')\n"
+        "core.Engine.__init__ = tripwire\nmodel.CausalLM.load = tripwire\n"
+        f"sys.argv = ['ragkv', 'ingest', {str(folder)!r}, '--json', '--no-progress']\n"
+        "try:\n    runpy.run_module('ragkv', run_name='__main__')\nexcept SystemExit as exit:\n"
+        "    assert exit.code == 1, exit.code\n"
+        "assert 'ragkv.app.runtime' not in sys.modules, 'runtime imported'\n"
+    )
     env = {**os.environ, "RAGKV_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1"}
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
     reasons = {Path(failure["path"]).name: failure["reason"] for failure in summary["failures"]}
-    assert reasons == {"scan.pdf": "no_text_layer", "broken.docx": "unreadable", "empty.md": "empty",
-                       "latin1.txt": "not_utf8"}
+    assert reasons == {
+        "scan.pdf": "no_text_layer",
+        "broken.docx": "unreadable",
+        "empty.md": "empty",
+        "latin1.txt": "not_utf8",
+    }
     assert [Path(p).name for p in summary["unsupported"]] == ["photo.jpg"]
     assert summary["totals"]["ingested"] == 0 and summary["totals"]["failed"] == 4
     for name in reasons:
@@ -162,9 +173,21 @@ def test_the_plain_command_refuses_named_files_and_says_why(tmp_path):
     """`ragkv ingest report.pdf notes.docx` as a user types it, with both files unusable."""
     folder = unusable_folder(tmp_path)
     env = {**os.environ, "RAGKV_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run([sys.executable, "-m", "ragkv", "ingest", str(folder / "scan.pdf"),
-                             str(folder / "broken.docx"), "--no-progress"],
-                            capture_output=True, text=True, env=env, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ragkv",
+            "ingest",
+            str(folder / "scan.pdf"),
+            str(folder / "broken.docx"),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert result.returncode == 1 and "2 file(s) refused (the model was not loaded)" in result.stderr, result.stderr
     assert "no text layer" in result.stderr and "not a readable DOCX file" in result.stderr
     assert "0 of 2 files ingested, 2 failed" in result.stdout and "Traceback" not in result.stderr

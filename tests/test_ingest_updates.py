@@ -30,8 +30,10 @@ from tests.test_ingest_formats import PAGE_FACTS, docx_bytes, pdf_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 
-SECTIONS = [f"Section {i}: the {animal} of ward {i} was counted at {i * 37} in the spring survey. " * 3
-            for i, animal in enumerate(["heron", "otter", "badger", "kestrel", "newt", "hare"])]
+SECTIONS = [
+    f"Section {i}: the {animal} of ward {i} was counted at {i * 37} in the spring survey. " * 3
+    for i, animal in enumerate(["heron", "otter", "badger", "kestrel", "newt", "hare"])
+]
 VERSION_1 = "".join(SECTIONS)
 VERSION_2 = "".join(SECTIONS[:-1]) + "Section 5: the hares moved north; none were counted in the spring survey. " * 3
 
@@ -67,8 +69,11 @@ def searched(ingestor, text: str, doc_id: str, k: int = 50) -> set[str]:
     record = ingestor.registry.get("default", doc_id)
     full = ingestor.registry.text("default", doc_id)
     hits = ingestor.registry.search("default", ingestor.embedder.embed_queries([text])[0], k)
-    return {full[record.chunks[h.chunk_index].char_start : record.chunks[h.chunk_index].char_end]
-            for h in hits if h.doc_id == doc_id}
+    return {
+        full[record.chunks[h.chunk_index].char_start : record.chunks[h.chunk_index].char_end]
+        for h in hits
+        if h.doc_id == doc_id
+    }
 
 
 def test_replace_keeps_the_id_reuses_unchanged_chunks_and_retires_the_old_ones(make_ingestor):
@@ -160,9 +165,21 @@ def test_a_kill_inside_an_update_leaves_one_version_whole(tmp_path, engine, embe
     (tmp_path / "v2.txt").write_text(VERSION_2)
     db = tmp_path / "data" / "db"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(_KILLED_UPDATE), str(db), point,
-                              str(tmp_path / "v1.txt"), str(tmp_path / "v2.txt")],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(_KILLED_UPDATE),
+            str(db),
+            point,
+            str(tmp_path / "v1.txt"),
+            str(tmp_path / "v2.txt"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         doc_id = child.stdout.readline().split()[1]
         if point == "precompute":
@@ -239,17 +256,27 @@ def test_pdf_and_docx_round_trip_with_page_numbered_citations(tmp_path):
     folder = tmp_path / "files"
     folder.mkdir()
     filler = "The annual report continues with routine figures about staffing and budgets. " * 5
-    (folder / "report.pdf").write_bytes(pdf_bytes([filler + PAGE_FACTS[0], filler + PAGE_FACTS[1],
-                                                   filler + PAGE_FACTS[2]]))
+    (folder / "report.pdf").write_bytes(
+        pdf_bytes([filler + PAGE_FACTS[0], filler + PAGE_FACTS[1], filler + PAGE_FACTS[2]])
+    )
     (folder / "notes.docx").write_bytes(docx_bytes(["Meeting notes. The library roof repair was approved in May."]))
     home = tmp_path / "home"
-    ingested = _ragkv(home, "ingest", str(folder / "report.pdf"), str(folder / "notes.docx"), "--json",
-                      "--no-progress", "--chunk-tokens", "48")
+    ingested = _ragkv(
+        home,
+        "ingest",
+        str(folder / "report.pdf"),
+        str(folder / "notes.docx"),
+        "--json",
+        "--no-progress",
+        "--chunk-tokens",
+        "48",
+    )
     assert ingested.returncode == 0, ingested.stderr
     totals = json.loads(ingested.stdout)["totals"]
     assert totals["ingested"] == 2 and totals["encode_tokens_per_second"] > 0
-    asked = _ragkv(home, "ask", "When does the ferry to Inish More leave?", "--json", "--top-k", "2",
-                   "--max-new-tokens", "4")
+    asked = _ragkv(
+        home, "ask", "When does the ferry to Inish More leave?", "--json", "--top-k", "2", "--max-new-tokens", "4"
+    )
     assert asked.returncode == 0, asked.stderr
     citations = json.loads(asked.stdout)["citations"]
     best = max(citations, key=lambda c: c["score"])
@@ -307,4 +334,7 @@ def test_ingestion_batches_chunks_by_tokens(make_ingestor):
     assert max(map(len, calls)) == 5 and result.encode_tokens_per_second > 0
     record = ingestor.registry.get("default", result.doc_id)
     for chunk in record.chunks:
-        assert ingestor.store.get(ingestor.chunk_key(chunk.chunk_hash))["tokens"].numel() == chunk.token_end - chunk.token_start
+        assert (
+            ingestor.store.get(ingestor.chunk_key(chunk.chunk_hash))["tokens"].numel()
+            == chunk.token_end - chunk.token_start
+        )

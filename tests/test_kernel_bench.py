@@ -15,8 +15,13 @@ TINY = Geometry("tiny", layers=2, q_heads=4, kv_heads=2, head_dim=16, hidden=32,
 
 
 def test_ops_match_reference_and_steps_run():
-    config = KernelBenchConfig(TINY, contexts=(80,), dtype=torch.float32, device="cpu",
-                               step_modes=("dense-torch", "dense-triton", "sparse-triton"))
+    config = KernelBenchConfig(
+        TINY,
+        contexts=(80,),
+        dtype=torch.float32,
+        device="cpu",
+        step_modes=("dense-torch", "dense-triton", "sparse-triton"),
+    )
     result = run_kernel_bench(config)
     ran = {(row.op, row.backend) for row in result.kernels if row.ms is not None}
     # triton runs in its interpreter here (conftest sets TRITON_INTERPRET); flashinfer needs a GPU
@@ -27,7 +32,10 @@ def test_ops_match_reference_and_steps_run():
         else:
             assert "flashinfer" in row.error, row
     assert [(row.mode, row.selected_rows) for row in result.steps] == [
-        ("dense-torch", 80), ("dense-triton", 80), ("sparse-triton", 5)]
+        ("dense-torch", 80),
+        ("dense-triton", 80),
+        ("sparse-triton", 5),
+    ]
     assert all(row.ms > 0 and not row.error for row in result.steps)
     assert "sparse-triton" in format_table(result)
 
@@ -45,8 +53,26 @@ def test_bad_settings_are_refused():
 
 def test_cli_writes_json(tmp_path, capsys):
     out = tmp_path / "kernels.json"
-    code = main(["bench", "kernels", "--geometry", "smollm2-135m", "--device", "cpu", "--dtype", "float32",
-                 "--contexts", "32", "--ops", "apply_rope", "dense_decode", "--step-modes", "--json", str(out)])
+    code = main(
+        [
+            "bench",
+            "kernels",
+            "--geometry",
+            "smollm2-135m",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--contexts",
+            "32",
+            "--ops",
+            "apply_rope",
+            "dense_decode",
+            "--step-modes",
+            "--json",
+            str(out),
+        ]
+    )
     assert code == 0
     figures = json.loads(out.read_text())
     assert figures["device"] == "cpu" and not figures["steps"]

@@ -117,4 +117,4 @@ def test_int8_linear_matches_dequantized_matmul(extension, rows, out_features, i
     x = torch.randn(rows, in_features, generator=generator)
     expected = x.double() @ (weight.double() * scales.double()[:, None]).t()
     got = extension.int8_linear(x, weight, scales)
-    torch.testing.assert_close(got.double(), expected, atol=1e-4 * in_features ** 0.5, rtol=1e-4)
+    torch.testing.assert_close(got.double(), expected, atol=1e-4 * in_features**0.5, rtol=1e-4)

@@ -12,8 +12,14 @@ import math
 import pytest
 import torch
 
-from ragkv.kernels import apply_rope, cpu_extension, decode_attention, reference, selective_attention
-from ragkv.kernels import sparse_decode_attention
+from ragkv.kernels import (
+    apply_rope,
+    cpu_extension,
+    decode_attention,
+    reference,
+    selective_attention,
+    sparse_decode_attention,
+)
 from ragkv.kernels.kv_quant import quantize
 from ragkv.kernels.place_kv import place_keys, place_values
 

@@ -40,7 +40,9 @@ def test_triton_unpaired_tables_and_strided_input():
     x = torch.randn(37, 4, 64, generator=g).transpose(0, 1)  # [H, T, D] view with token-major storage
     cos = torch.randn(37, 64, generator=g) * 1.3
     sin = torch.randn(37, 64, generator=g) * 0.7
-    torch.testing.assert_close(apply_rope(x, cos, sin, backend="triton"), reference.rope(x, cos, sin), **TOL[torch.float32])
+    torch.testing.assert_close(
+        apply_rope(x, cos, sin, backend="triton"), reference.rope(x, cos, sin), **TOL[torch.float32]
+    )
 
 
 def test_reference_is_complex_rotation():

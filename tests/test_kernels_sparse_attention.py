@@ -85,7 +85,9 @@ def test_lengths_ignore_padding(backend):
     out = sparse_decode_attention(q, k, v, indices, 0.125, lengths, backend=backend)
     for h, n in enumerate(lengths.tolist()):
         heads = slice(h * group, (h + 1) * group)
-        alone = sparse_decode_attention(q[heads], k[h : h + 1], v[h : h + 1], indices[h : h + 1, :n], 0.125, backend=backend)
+        alone = sparse_decode_attention(
+            q[heads], k[h : h + 1], v[h : h + 1], indices[h : h + 1, :n], 0.125, backend=backend
+        )
         torch.testing.assert_close(out[heads], alone, atol=1e-5, rtol=1e-5)
     assert out.abs().max() < 10
 
@@ -109,15 +111,40 @@ class FakeDecodeWrapper:
 
     instances: list["FakeDecodeWrapper"] = []
 
-    def __init__(self, workspace, layout, *, use_cuda_graph, paged_kv_indptr_buffer, paged_kv_indices_buffer,
-                 paged_kv_last_page_len_buffer):
+    def __init__(
+        self,
+        workspace,
+        layout,
+        *,
+        use_cuda_graph,
+        paged_kv_indptr_buffer,
+        paged_kv_indices_buffer,
+        paged_kv_last_page_len_buffer,
+    ):
         assert layout == "NHD" and use_cuda_graph
-        self.indptr, self.indices, self.last = paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer
+        self.indptr, self.indices, self.last = (
+            paged_kv_indptr_buffer,
+            paged_kv_indices_buffer,
+            paged_kv_last_page_len_buffer,
+        )
         self.plans, self.run_pages = [], []
         FakeDecodeWrapper.instances.append(self)
 
-    def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, *,
-             pos_encoding_mode, q_data_type, kv_data_type, sm_scale):
+    def plan(
+        self,
+        indptr,
+        indices,
+        last_page_len,
+        num_qo_heads,
+        num_kv_heads,
+        head_dim,
+        page_size,
+        *,
+        pos_encoding_mode,
+        q_data_type,
+        kv_data_type,
+        sm_scale,
+    ):
         assert (num_kv_heads, page_size, pos_encoding_mode) == (1, 1, "NONE")
         assert indices.numel() <= self.indices.numel(), "page table larger than the fixed buffer"
         self.indptr.copy_(indptr)
@@ -168,7 +195,9 @@ def test_flashinfer_page_table_addresses_selected_rows(ragged):
     lengths = torch.tensor([7, 2, 5]) if ragged else None
     pages, rows_per_head = paged_view(k)
     assert rows_per_head == capacity and pages.shape == ((hkv - 1) * capacity + t, 1, 1, d)
-    assert pages.data_ptr() == k.data_ptr() and pages.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+    assert (
+        pages.data_ptr() == k.data_ptr() and pages.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+    )
     kv_indices = page_indices(indices, rows_per_head, lengths)
     assert kv_indices.dtype == torch.int32
     offset = 0

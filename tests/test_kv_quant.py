@@ -33,7 +33,9 @@ def rope_tables(tokens: int, dim: int, start: int = 700) -> tuple[torch.Tensor, 
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("grouping,group", [("tokens", 128), ("tokens", 32), ("channels", 64), ("channels", 16), ("channels", 128)])
+@pytest.mark.parametrize(
+    "grouping,group", [("tokens", 128), ("tokens", 32), ("channels", 64), ("channels", 16), ("channels", 128)]
+)
 def test_every_element_within_half_a_step(bits, grouping, group):
     x = kv_like(bits + group)
     quantized = quantize(x, bits, grouping, group)
@@ -97,8 +99,12 @@ def test_fused_placement_equals_dequantise_then_place(name, out_dtype):
     place_keys(cache[0, :, :, 10 : 10 + tokens], stored_keys, cos, sin)
     place_values(cache[1, :, :, 10 : 10 + tokens], stored_values)
     tolerance = dict(atol=1e-5, rtol=1e-5) if out_dtype == torch.float32 else dict(atol=2e-2, rtol=1.6e-2)
-    torch.testing.assert_close(cache[0, :, :, 10 : 10 + tokens], reference.place_keys(stored_keys, cos, sin, out_dtype), **tolerance)
-    torch.testing.assert_close(cache[1, :, :, 10 : 10 + tokens], reference.place_values(stored_values, out_dtype), **tolerance)
+    torch.testing.assert_close(
+        cache[0, :, :, 10 : 10 + tokens], reference.place_keys(stored_keys, cos, sin, out_dtype), **tolerance
+    )
+    torch.testing.assert_close(
+        cache[1, :, :, 10 : 10 + tokens], reference.place_values(stored_values, out_dtype), **tolerance
+    )
     assert bool(cache[:, :, :, :10].isnan().all()) and bool(cache[:, :, :, 10 + tokens :].isnan().all())
 
 

@@ -11,13 +11,13 @@ from ragkv.app.rag import RagPipeline
 from ragkv.bench.metrics import kl_divergence
 from ragkv.engine.fingerprint import model_fingerprint
 from ragkv.engine.kv_storage import KV_STORAGE_FORMATS
-from ragkv.fusion import FusionInput, FullReuse, LoadedChunk
+from ragkv.fusion import FullReuse, FusionInput, LoadedChunk
 from ragkv.ingest.embedder import Embedder
 from ragkv.ingest.journal import IngestJournal
 from ragkv.ingest.pipeline import IngestConfig, Ingestor
 from ragkv.ingest.registry_lmdb import LMDBRegistry
-from ragkv.store.lmdb_env import LMDBEnvironment
 from ragkv.store.keys import ChunkKey, hash_tokens
+from ragkv.store.lmdb_env import LMDBEnvironment
 from ragkv.store.lmdb_store import LMDBStore
 
 TEXTS = [
@@ -29,9 +29,12 @@ QUESTION = "When was Gull Point Light first lit?"
 
 
 def test_every_format_has_its_own_fingerprint(engine):
-    prints = {name: model_fingerprint(engine.model_dir, engine.model.spec, fmt.descriptor, engine.chunk_prefix_ids,
-                                      engine.model.numerics)
-              for name, fmt in KV_STORAGE_FORMATS.items()}
+    prints = {
+        name: model_fingerprint(
+            engine.model_dir, engine.model.spec, fmt.descriptor, engine.chunk_prefix_ids, engine.model.numerics
+        )
+        for name, fmt in KV_STORAGE_FORMATS.items()
+    }
     assert len(set(prints.values())) == len(prints)
     assert prints[engine.config.kv_storage] == engine.fingerprint
 
@@ -50,8 +53,9 @@ def _first_token_logits(engine, raw_chunks, fmt_name: str) -> torch.Tensor:
     fmt = KV_STORAGE_FORMATS[fmt_name]
     chunks = [LoadedChunk(ids, *fmt.unpack(fmt.pack(keys, values))) for ids, keys, values in raw_chunks]
     segments = engine.prompt.rag_segments(QUESTION)
-    fusion_input = FusionInput(segments.prefix_ids, chunks, segments.question_ids, len(engine.chunk_prefix_ids),
-                               segments.question_text_span)
+    fusion_input = FusionInput(
+        segments.prefix_ids, chunks, segments.question_ids, len(engine.chunk_prefix_ids), segments.question_text_span
+    )
     # full_reuse recomputes nothing of the chunks: every stored error reaches the logits.
     return FullReuse().fuse(engine.model, fusion_input, engine.chunk_prefix_cache()).logits
 
@@ -77,8 +81,14 @@ def test_an_evicted_chunk_is_recomputed_and_put_back(engine, embedder, tmp_path)
         one_chunk = sizing.stats().bytes
     store = LMDBStore(tmp_path / "db", capacity_bytes=2 * one_chunk)
     try:
-        ingestor = Ingestor(engine, store, LMDBRegistry(env), embedder, IngestJournal(env),
-                            IngestConfig(chunk_tokens=64, show_progress=False))
+        ingestor = Ingestor(
+            engine,
+            store,
+            LMDBRegistry(env),
+            embedder,
+            IngestJournal(env),
+            IngestConfig(chunk_tokens=64, show_progress=False),
+        )
         doc_ids = [ingestor.ingest_text(text, f"t{i}.txt").doc_id for i, text in enumerate(TEXTS)]
         assert store.stats().evictions > 0
         record = ingestor.registry.get("default", doc_ids[0])

@@ -106,8 +106,21 @@ def test_the_checker_sees_a_violation(tmp_path):
 @pytest.mark.slow
 def test_wheel_installs_no_top_level_name_but_ragkv(tmp_path):
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(REPO)],
-        check=True, capture_output=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(REPO),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
     )
     (wheel,) = tmp_path.glob("ragkv-*.whl")
     with zipfile.ZipFile(wheel) as archive:

@@ -50,8 +50,9 @@ def _reference(engine, prompt: list[int], answer: list[int]) -> torch.Tensor:
     return torch.log_softmax(torch.stack(rows).double(), dim=-1)
 
 
-@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=0.8, top_p=0.9, seed=7)],
-                         ids=["greedy", "sampled"])
+@pytest.mark.parametrize(
+    "sampling", [SamplingConfig(), SamplingConfig(temperature=0.8, top_p=0.9, seed=7)], ids=["greedy", "sampled"]
+)
 def test_scheduler_logprobs_are_the_models_log_softmax_of_the_choosing_logits(engine, sampling):
     generation = GenerationConfig(max_new_tokens=8, sampling=sampling, logprobs=3)
     scheduler = Scheduler(engine.model, engine.tokenizer, engine.eos_token_ids, SchedulerConfig(max_running=2))
@@ -110,5 +111,6 @@ def test_a_plain_completion_collects_logprobs_in_the_scheduler_batched_with_a_ch
             assert entry.token_id == token
             assert entry.logprob == pytest.approx(float(reference[position, token]), abs=2e-3)
             assert entry.top[0].token_id == token  # greedy
-            assert [a.logprob for a in entry.top] == pytest.approx(reference[position].topk(2).values.tolist(),
-                                                                    abs=2e-3)
+            assert [a.logprob for a in entry.top] == pytest.approx(
+                reference[position].topk(2).values.tolist(), abs=2e-3
+            )

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import CONFIGS, make_tiny_model
 from transformers import AutoModelForCausalLM
 
 from ragkv.engine.model import CausalLM
-from tiny_models import CONFIGS, make_tiny_model
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -55,7 +55,7 @@ def test_greedy_generation_matches_transformers_generate(tiny):
         logits = model.decode_step(token, cache)
     with torch.no_grad():
         theirs = reference.generate(tokens[None], max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert ours == theirs[0, tokens.numel():].tolist()
+    assert ours == theirs[0, tokens.numel() :].tolist()
 
 
 def test_chunk_kv_keys_are_pre_rope(tiny):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import make_tiny_model
 
 from ragkv.engine import EngineConfig
 from ragkv.engine import numerics as numerics_module
@@ -13,7 +14,6 @@ from ragkv.engine.linear import Int4Kernel, Int8Kernel
 from ragkv.engine.model import CausalLM
 from ragkv.engine.numerics import Numerics, resolve_numerics
 from ragkv.kernels import cpu_extension
-from tiny_models import make_tiny_model
 
 STEPS = 6
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from test_sparse_support import write_tiny_llama
 
 from ragkv.cli.main import main
 from ragkv.fusion import STRATEGY_NAMES
-from test_sparse_support import write_tiny_llama
 
 CORPUS = Path(__file__).resolve().parents[1] / "examples" / "corpus"
 OPTIONS = {

@@ -200,5 +200,6 @@ def test_registry_keeps_each_tenant_in_one_slot_and_counts_shared_chunks_over_te
 
 def _document(doc_id: str, tenant: str, chunk_hashes: list[str]) -> DocumentRecord:
     chunks = [ChunkRecord(i, h, i * 4, i * 4 + 4, i * 10, i * 10 + 10) for i, h in enumerate(chunk_hashes)]
-    return DocumentRecord(doc_id, tenant, f"{doc_id}.txt", f"hash-{doc_id}", 4 * len(chunks), 4, "fp", time.time(),
-                          chunks, {})
+    return DocumentRecord(
+        doc_id, tenant, f"{doc_id}.txt", f"hash-{doc_id}", 4 * len(chunks), 4, "fp", time.time(), chunks, {}
+    )

@@ -9,7 +9,6 @@ import time
 
 import numpy as np
 import pytest
-import redis
 from redis.cluster import RedisCluster
 
 from ragkv.ingest.errors import NotFoundError, RegistryUnavailableError
@@ -21,8 +20,9 @@ from ragkv.store.lmdb_env import LMDBEnvironment
 from ragkv.store.redis_client import redis_client
 
 
-@pytest.fixture(params=["lmdb", pytest.param("redis", marks=pytest.mark.redis),
-                        pytest.param("cluster", marks=pytest.mark.redis)])
+@pytest.fixture(
+    params=["lmdb", pytest.param("redis", marks=pytest.mark.redis), pytest.param("cluster", marks=pytest.mark.redis)]
+)
 def replicas(request: pytest.FixtureRequest, tmp_path):
     """Two registries over one backend, as two replicas would open it."""
     if request.param == "lmdb":
@@ -46,11 +46,22 @@ def registry(replicas) -> Registry:
     return replicas[0]
 
 
-def document(doc_id: str, chunk_hashes: list[str], tenant: str = "t", created: float | None = None,
-             metadata: dict | None = None) -> DocumentRecord:
+def document(
+    doc_id: str, chunk_hashes: list[str], tenant: str = "t", created: float | None = None, metadata: dict | None = None
+) -> DocumentRecord:
     chunks = [ChunkRecord(i, h, i * 4, i * 4 + 4, i * 10, i * 10 + 10) for i, h in enumerate(chunk_hashes)]
-    return DocumentRecord(doc_id, tenant, f"{doc_id}.txt", f"hash-{doc_id}", 4 * len(chunks), 4, "fp",
-                          time.time() if created is None else created, chunks, metadata or {})
+    return DocumentRecord(
+        doc_id,
+        tenant,
+        f"{doc_id}.txt",
+        f"hash-{doc_id}",
+        4 * len(chunks),
+        4,
+        "fp",
+        time.time() if created is None else created,
+        chunks,
+        metadata or {},
+    )
 
 
 def unit_rows(*directions: int, dim: int = 4) -> np.ndarray:
@@ -144,7 +155,9 @@ def test_search_ranks_by_cosine_against_a_numpy_reference(registry):
     scores = np.concatenate([vectors[doc] for doc in sorted(vectors)]) @ query
     expected = [(owners[i], float(scores[i])) for i in np.argsort(-scores, kind="stable")[:4]]
     hits = registry.search("t", query, 4)
-    assert [((h.doc_id, h.chunk_index), h.score) for h in hits] == [(o, pytest.approx(s, abs=1e-6)) for o, s in expected]
+    assert [((h.doc_id, h.chunk_index), h.score) for h in hits] == [
+        (o, pytest.approx(s, abs=1e-6)) for o, s in expected
+    ]
     restricted = registry.search("t", query, 10, doc_ids={"doc_1", "doc_3"})
     assert {h.doc_id for h in restricted} == {"doc_1", "doc_3"} and len(restricted) == 6
 
@@ -209,7 +222,6 @@ def test_concurrent_removes_of_one_document_release_its_chunks_once(replicas):
     assert replicas[1].refcount("h1") == 1 and [r.doc_id for r in replicas[1].list("t")] == ["doc_b"]
 
 
-
 def replaced(old: DocumentRecord, chunk_hashes: list[str]) -> DocumentRecord:
     """A new version of `old`: same id, other text hash and chunks."""
     version = document(old.doc_id, chunk_hashes, tenant=old.tenant)
@@ -271,7 +283,9 @@ def test_concurrent_replaces_leave_one_version_whole(replicas):
     counts = {h: replicas[1].refcount(h) for h in ["h0", "shared"] + [f"h{i + 1}" for i in range(6)]}
     assert counts == {h: int(h in (winner, "shared")) for h in counts}
 
+
 # -- backend-specific: the Redis server going away, URLs --------------------------------------
+
 
 @pytest.mark.redis
 def test_redis_registry_down_is_a_store_error_and_recovers(killable_redis):
@@ -306,15 +320,18 @@ def test_redis_prefixes_keep_deployments_apart(redis_url):
     second.close()
 
 
-@pytest.mark.parametrize("url, message", [
-    ("ftp://host/x", "unknown registry URL scheme"),
-    ("redis://127.0.0.1:1/0?ttl=5", "unknown parameter 'ttl'"),
-    ("redis://127.0.0.1:1/0?timeout=-1", "timeout must be a positive"),
-    ("redis://127.0.0.1:1/0?timeout=soon", "bad value 'soon'"),
-    ("redis://127.0.0.1:1/0?prefix=", "prefix must not be empty"),
-    ("redis://user:secret@127.0.0.1:1/0?ttl=1", r"\*\*\*"),
-    ("lmdb:///", "expected lmdb:///abs/path"),
-])
+@pytest.mark.parametrize(
+    "url, message",
+    [
+        ("ftp://host/x", "unknown registry URL scheme"),
+        ("redis://127.0.0.1:1/0?ttl=5", "unknown parameter 'ttl'"),
+        ("redis://127.0.0.1:1/0?timeout=-1", "timeout must be a positive"),
+        ("redis://127.0.0.1:1/0?timeout=soon", "bad value 'soon'"),
+        ("redis://127.0.0.1:1/0?prefix=", "prefix must not be empty"),
+        ("redis://user:secret@127.0.0.1:1/0?ttl=1", r"\*\*\*"),
+        ("lmdb:///", "expected lmdb:///abs/path"),
+    ],
+)
 def test_bad_registry_urls_are_refused_with_a_message(url, message):
     with pytest.raises(ValueError, match=message) as raised:
         open_registry(url, env=None)

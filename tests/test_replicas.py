@@ -17,24 +17,38 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from redis_server import RedisServer
 
 from ragkv.api.launcher import ServerProcess
-from redis_server import RedisServer
 
 pytestmark = [pytest.mark.model, pytest.mark.redis]
 
-TEXT = ("The Tidewater Ferry between Marsh Harbor and Eel Island was launched in 1911. Its captain, "
-        "Ada Quillfeather, kept the ferry running through the great storm of 1923. The crossing takes "
-        "forty minutes and the ferry carries twelve cars.")
+TEXT = (
+    "The Tidewater Ferry between Marsh Harbor and Eel Island was launched in 1911. Its captain, "
+    "Ada Quillfeather, kept the ferry running through the great storm of 1923. The crossing takes "
+    "forty minutes and the ferry carries twelve cars."
+)
 QUESTION = "Who was the captain of the Tidewater Ferry?"
 
 
 def _replica(root: Path, name: str, redis_url: str) -> ServerProcess:
     base = redis_url.rsplit("/", 1)[0]
     data = root / name
-    return ServerProcess(["--data-dir", str(data), "--store", f"tiered+lmdb://{data}/db?redis={base}/0",
-                          "--registry", f"{base}/1", "--session-store", f"{base}/2", "--log-format", "json"],
-                         log_path=root / f"{name}.log")
+    return ServerProcess(
+        [
+            "--data-dir",
+            str(data),
+            "--store",
+            f"tiered+lmdb://{data}/db?redis={base}/0",
+            "--registry",
+            f"{base}/1",
+            "--session-store",
+            f"{base}/2",
+            "--log-format",
+            "json",
+        ],
+        log_path=root / f"{name}.log",
+    )
 
 
 def _json_log(server: ServerProcess) -> list[dict]:
@@ -93,8 +107,12 @@ def test_a_document_ingested_on_one_replica_is_answered_with_citations_on_the_ot
     started = next(entry for entry in _json_log(a) if entry["message"].startswith("serving"))
     assert "registry redis" in started["message"] and "sessions redis" in started["message"]
     access = next(entry for entry in _json_log(a) if entry.get("request_id") == created.headers["x-request-id"])
-    assert access["logger"] == "ragkv.access" and (access["method"], access["path"], access["status"]) == (
-        "POST", "/v1/documents", 201) and access["tenant"] == "default" and access["latency_ms"] > 0
+    assert (
+        access["logger"] == "ragkv.access"
+        and (access["method"], access["path"], access["status"]) == ("POST", "/v1/documents", 201)
+        and access["tenant"] == "default"
+        and access["latency_ms"] > 0
+    )
 
 
 def test_a_chat_session_started_on_one_replica_continues_on_the_other(replicas):
@@ -103,17 +121,23 @@ def test_a_chat_session_started_on_one_replica_continues_on_the_other(replicas):
         assert http.post("/v1/documents", json={"text": TEXT, "name": "ferry.txt"}).status_code == 201
     client_a = openai.OpenAI(base_url=a.url + "/v1", api_key="unused", max_retries=0)
     first = client_a.chat.completions.create(
-        model="ragkv", max_tokens=4, extra_body={"rag": {"top_k": 1}},
-        messages=[{"role": "user", "content": QUESTION}])
+        model="ragkv", max_tokens=4, extra_body={"rag": {"top_k": 1}}, messages=[{"role": "user", "content": QUESTION}]
+    )
     assert first.rag["turn"] == 1 and first.rag["citations"][0]["name"] == "ferry.txt"
     # Sending the id back makes the context a named session, kept in the shared session store.
     second = client_a.chat.completions.create(
-        model="ragkv", max_tokens=4, extra_body={"session_id": first.session_id, "rag": {"enabled": False}},
-        messages=[{"role": "user", "content": "Who runs it?"}])
+        model="ragkv",
+        max_tokens=4,
+        extra_body={"session_id": first.session_id, "rag": {"enabled": False}},
+        messages=[{"role": "user", "content": "Who runs it?"}],
+    )
     assert second.session_id == first.session_id and second.rag["turn"] == 2
     third = openai.OpenAI(base_url=b.url + "/v1", api_key="unused", max_retries=0).chat.completions.create(
-        model="ragkv", max_tokens=4, extra_body={"session_id": first.session_id, "rag": {"enabled": False}},
-        messages=[{"role": "user", "content": "In which year was it launched?"}])
+        model="ragkv",
+        max_tokens=4,
+        extra_body={"session_id": first.session_id, "rag": {"enabled": False}},
+        messages=[{"role": "user", "content": "In which year was it launched?"}],
+    )
     assert third.session_id == first.session_id and third.rag["turn"] == 3
     cached = third.usage.prompt_tokens_details.cached_tokens
     assert cached >= second.usage.prompt_tokens  # turns 1-2's KV, from the shared session store

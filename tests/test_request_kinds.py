@@ -39,8 +39,14 @@ def rag(engine, tmp_path_factory):
     env = LMDBEnvironment(root / "db")
     store = LMDBStore(root / "chunks")
     embedder = Embedder()
-    ingestor = Ingestor(engine, store, LMDBRegistry(env), embedder, IngestJournal(env),
-                        IngestConfig(chunk_tokens=64, show_progress=False))
+    ingestor = Ingestor(
+        engine,
+        store,
+        LMDBRegistry(env),
+        embedder,
+        IngestJournal(env),
+        IngestConfig(chunk_tokens=64, show_progress=False),
+    )
     ingestor.ingest_text(TEXT, "gull.txt")
     yield RagPipeline(engine, store, ingestor.registry, embedder)
     store.close()
@@ -62,8 +68,10 @@ def _requests(engine, rag, generation: GenerationConfig, turns: ChatTurns) -> di
 
 def test_a_query_a_chat_turn_and_a_completion_decode_in_the_same_step(engine, rag):
     generation = GenerationConfig(max_new_tokens=12)
-    alone = {kind: run_alone(engine, request)
-             for kind, request in _requests(engine, rag, generation, _chat_turns(engine)).items()}
+    alone = {
+        kind: run_alone(engine, request)
+        for kind, request in _requests(engine, rag, generation, _chat_turns(engine)).items()
+    }
 
     scheduler = Scheduler(engine.model, engine.tokenizer, engine.eos_token_ids, SchedulerConfig(max_running=4))
     requests = _requests(engine, rag, generation, _chat_turns(engine))
@@ -91,8 +99,9 @@ def test_a_query_a_chat_turn_and_a_completion_decode_in_the_same_step(engine, ra
 
 def test_a_stop_string_ends_every_kind_the_same_way(engine, rag):
     free = GenerationConfig(max_new_tokens=16)
-    unstopped = {kind: run_alone(engine, request)
-                 for kind, request in _requests(engine, rag, free, _chat_turns(engine)).items()}
+    unstopped = {
+        kind: run_alone(engine, request) for kind, request in _requests(engine, rag, free, _chat_turns(engine)).items()
+    }
     for kind, done in unstopped.items():
         words = done.text.split()
         assert len(words) >= 3, (kind, done.text)
@@ -116,8 +125,11 @@ def test_a_stop_string_ends_every_kind_the_same_way(engine, rag):
 
 def test_a_prompt_is_checked_before_it_is_queued(engine):
     generation = GenerationConfig(max_new_tokens=4)
-    for prompt, reason in (([], "empty_prompt"), ([engine.spec.vocab_size], "bad_token_id"),
-                           ([1] * engine.spec.rope.max_position_embeddings, "context_length_exceeded")):
+    for prompt, reason in (
+        ([], "empty_prompt"),
+        ([engine.spec.vocab_size], "bad_token_id"),
+        ([1] * engine.spec.rope.max_position_embeddings, "context_length_exceeded"),
+    ):
         with pytest.raises(InputError) as raised:
             prompt_ids(engine, prompt, generation)
         assert raised.value.reason == reason

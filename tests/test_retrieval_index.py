@@ -28,16 +28,18 @@ def unit(rng: np.random.Generator, rows: int, dim: int = DIM) -> np.ndarray:
     return x / np.linalg.norm(x, axis=1, keepdims=True)
 
 
-def document(doc_id: str, chunks: int, tenant: str = "t", metadata: dict | None = None,
-             texts: list[str] | None = None) -> tuple[DocumentRecord, str]:
+def document(
+    doc_id: str, chunks: int, tenant: str = "t", metadata: dict | None = None, texts: list[str] | None = None
+) -> tuple[DocumentRecord, str]:
     texts = texts or [f"{doc_id} chunk {i}." for i in range(chunks)]
     spans, text = [], ""
     for piece in texts:
         spans.append((len(text), len(text) + len(piece)))
         text += piece + " "
     records = [ChunkRecord(i, f"{tenant}-{doc_id}-{i}", i * 4, i * 4 + 4, *spans[i]) for i in range(chunks)]
-    return DocumentRecord(doc_id, tenant, doc_id, f"hash-{doc_id}", 4 * chunks, 4, "fp", time.time(), records,
-                          metadata or {}), text
+    return DocumentRecord(
+        doc_id, tenant, doc_id, f"hash-{doc_id}", 4 * chunks, 4, "fp", time.time(), records, metadata or {}
+    ), text
 
 
 def exact_top(vectors: dict[str, np.ndarray], query: np.ndarray, k: int, docs=None) -> list[tuple[str, int]]:
@@ -48,6 +50,7 @@ def exact_top(vectors: dict[str, np.ndarray], query: np.ndarray, k: int, docs=No
 
 
 # -- the dense index against exact search ----------------------------------------------------
+
 
 @pytest.mark.parametrize("exact_below", [0, 300])  # 0: always a scan; 300: the graph serves the large index
 def test_dense_index_matches_exact_search_through_adds_and_removes(exact_below):
@@ -115,6 +118,7 @@ def test_dense_snapshot_round_trips_and_refuses_another_registry(tmp_path):
 
 # -- filters -----------------------------------------------------------------------------------
 
+
 def test_filters_match_like_their_definition():
     meta = {"team": "legal", "year": 2021, "draft": True}
     assert MetadataFilter.parse({"team": "legal"}).matches(meta)
@@ -131,19 +135,22 @@ def test_filters_match_like_their_definition():
     assert MetadataFilter.from_pairs(["team=hr", "team=legal"]).matches(meta)
 
 
-@pytest.mark.parametrize("raw, message", [
-    ({}, "non-empty JSON object"),
-    ([1], "non-empty JSON object"),
-    ({"$team": 1}, "metadata names"),
-    ({"team": {"$regex": "x"}}, "unknown operator"),
-    ({"team": {}}, "empty operator object"),
-    ({"team": {"$in": []}}, r"\$in needs a list"),
-    ({"team": {"$in": "legal"}}, r"\$in needs a list"),
-    ({"year": {"$gte": "2020"}}, "needs a finite number"),
-    ({"year": {"$lt": True}}, "needs a finite number"),
-    ({"team": ["legal"]}, "must be a string, a finite number or a boolean"),
-    ({"team": None}, "must be a string"),
-])
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ({}, "non-empty JSON object"),
+        ([1], "non-empty JSON object"),
+        ({"$team": 1}, "metadata names"),
+        ({"team": {"$regex": "x"}}, "unknown operator"),
+        ({"team": {}}, "empty operator object"),
+        ({"team": {"$in": []}}, r"\$in needs a list"),
+        ({"team": {"$in": "legal"}}, r"\$in needs a list"),
+        ({"year": {"$gte": "2020"}}, "needs a finite number"),
+        ({"year": {"$lt": True}}, "needs a finite number"),
+        ({"team": ["legal"]}, "must be a string, a finite number or a boolean"),
+        ({"team": None}, "must be a string"),
+    ],
+)
 def test_bad_filters_are_refused_with_a_message(raw, message):
     with pytest.raises(InputError, match=message) as raised:
         MetadataFilter.parse(raw)
@@ -156,6 +163,7 @@ def test_cli_filter_pairs_need_an_equals_sign():
 
 
 # -- BM25 and fusion ---------------------------------------------------------------------------
+
 
 def test_match_expression_quotes_every_word():
     assert match_expression('What is "AB-123" (NEAR)?') == '"what" OR "is" OR "ab" OR "123" OR "near"'
@@ -172,6 +180,7 @@ def test_reciprocal_rank_fusion_against_its_formula():
 
 
 # -- through a registry: on disk, filters, BM25, tenants ---------------------------------------
+
 
 @pytest.fixture
 def lmdb_registry(tmp_path):
@@ -276,6 +285,7 @@ def test_an_index_further_behind_than_the_log_rebuilds(tmp_path, monkeypatch):
 
 # -- replicas on one Redis registry ------------------------------------------------------------
 
+
 def _calls(client: redis.Redis, command: str) -> int:
     return int(client.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0))
 
@@ -316,6 +326,7 @@ def test_redis_replicas_follow_the_change_stream_without_rereading_every_vector(
 
 # -- wiring: the pipeline with the real embedder, the API's 400, the CLI's exit code ------------
 
+
 def test_the_pipeline_retrieves_k_hits_inside_the_filter_and_the_tenant(lmdb_registry):
     from ragkv.app.rag import RagPipeline
     from ragkv.ingest.embedder import Embedder
@@ -332,8 +343,10 @@ def test_the_pipeline_retrieves_k_hits_inside_the_filter_and_the_tenant(lmdb_reg
     for mode in ("dense", "bm25", "hybrid"):  # (BM25 returns only chunks with a word of the question: "note")
         found = rag.retrieve("a note: how does the kernel schedule memory pages?", "t", 8, None, mode, legal)
         assert len(found) == 8, mode
-        assert all(record.tenant == "t" and record.metadata["team"] == "legal" and record.metadata["n"] < 9
-                   for record, _, _ in found), mode
+        assert all(
+            record.tenant == "t" and record.metadata["team"] == "legal" and record.metadata["n"] < 9
+            for record, _, _ in found
+        ), mode
     unfiltered = rag.retrieve("how does the kernel schedule memory pages?", "t", 3, None, "dense")
     assert {record.metadata["team"] for record, _, _ in unfiltered} == {"eng"}
 
@@ -348,8 +361,11 @@ def test_the_api_refuses_a_bad_filter_with_a_400():
     with pytest.raises(ApiError) as raised:
         query_config(request, GenerationConfig(), ServeConfig())
     assert (raised.value.status, raised.value.code, raised.value.param) == (400, "bad_filter", "filter")
-    config = query_config(QueryRequest(question="q", filter={"team": "legal"}, retrieval="bm25"), GenerationConfig(),
-                          ServeConfig(retrieval="dense"))
+    config = query_config(
+        QueryRequest(question="q", filter={"team": "legal"}, retrieval="bm25"),
+        GenerationConfig(),
+        ServeConfig(retrieval="dense"),
+    )
     assert config.retrieval == "bm25" and config.filter == MetadataFilter.parse({"team": "legal"})
     default = query_config(QueryRequest(question="q"), GenerationConfig(), ServeConfig(retrieval="dense"))
     assert default.retrieval == "dense"
@@ -373,8 +389,10 @@ def test_the_config_file_sets_the_retrieval_mode_of_ask_and_serve(tmp_path):
     path.write_text('retrieval = "bm25"\n[serve]\nretrieval = "dense"\n')
     ask = build_parser("ask", (path, load_config(path))).parse_args(["ask", "q"])
     assert ask.retrieval == "bm25"
-    assert build_parser("ask", (path, load_config(path))).parse_args(["ask", "q", "--retrieval", "hybrid"]).retrieval \
+    assert (
+        build_parser("ask", (path, load_config(path))).parse_args(["ask", "q", "--retrieval", "hybrid"]).retrieval
         == "hybrid"
+    )
     assert serve_config(build_parser("serve", (path, load_config(path))).parse_args(["serve"])).retrieval == "dense"
     path.write_text('[serve]\nretrieval = "sparse"\n')
     with pytest.raises((ValueError, SystemExit)):
@@ -387,13 +405,26 @@ def test_bench_retrieval_writes_the_figures_it_promises(tmp_path):
     from ragkv.cli.main import main
 
     out = tmp_path / "r.json"
-    assert main(["bench", "retrieval", "--chunks", "1000", "--queries", "10", "--exact-below", "400",
-                 "--json", str(out)]) == 0
+    assert (
+        main(["bench", "retrieval", "--chunks", "1000", "--queries", "10", "--exact-below", "400", "--json", str(out)])
+        == 0
+    )
     figures = json.loads(out.read_text())
-    for key in ("chunks", "search_p50_ms", "search_p99_ms", "recall_at_10", "add_ms", "first_query_after_add_ms",
-                "rss_mb", "delete_ms", "build_s"):
+    for key in (
+        "chunks",
+        "search_p50_ms",
+        "search_p99_ms",
+        "recall_at_10",
+        "add_ms",
+        "first_query_after_add_ms",
+        "rss_mb",
+        "delete_ms",
+        "build_s",
+    ):
         assert key in figures, key
     assert figures["chunks"] == 1000 and figures["uses_graph"] and figures["recall_at_10"] >= 0.9
-    assert main(["bench", "retrieval", "--chunks", "1000", "--queries", "10", "--exact-below", "0",
-                 "--json", str(out)]) == 0
+    assert (
+        main(["bench", "retrieval", "--chunks", "1000", "--queries", "10", "--exact-below", "0", "--json", str(out)])
+        == 0
+    )
     assert json.loads(out.read_text())["recall_at_10"] == 1.0  # the scan is the reference itself

@@ -14,17 +14,37 @@ from ragkv.engine.rope import Rotary
 VARIANTS = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},
     "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
-    "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    "llama3": {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
     "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 4096},
-    "yarn-mscale": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 0.5,
-                    "original_max_position_embeddings": 4096, "beta_fast": 16, "beta_slow": 2},
+    "yarn-mscale": {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 40.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 0.5,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 16,
+        "beta_slow": 2,
+    },
 }
 
 
 def _config(parameters: dict) -> LlamaConfig:
-    return LlamaConfig(hidden_size=512, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
-                       max_position_embeddings=32768, rope_parameters=dict(parameters))
+    return LlamaConfig(
+        hidden_size=512,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=32768,
+        rope_parameters=dict(parameters),
+    )
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

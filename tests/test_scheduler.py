@@ -65,8 +65,12 @@ def test_batched_decode_equals_one_at_a_time(engine):
 
 
 def test_admission_respects_the_token_budget_and_queue_bound(engine):
-    scheduler = Scheduler(engine.model, engine.tokenizer, engine.eos_token_ids,
-                          SchedulerConfig(max_running=4, max_waiting=2, token_budget=80))
+    scheduler = Scheduler(
+        engine.model,
+        engine.tokenizer,
+        engine.eos_token_ids,
+        SchedulerConfig(max_running=4, max_waiting=2, token_budget=80),
+    )
     sinks = [RecordingSink() for _ in range(2)]
     for sink in sinks:
         scheduler.add(_request(engine, QUESTIONS[0], 8, sink, estimated_tokens=40))

@@ -13,8 +13,9 @@ pytestmark = [pytest.mark.model, pytest.mark.redis, pytest.mark.slow]
 
 
 def test_a_short_soak_loses_nothing_and_fails_nothing_on_the_survivor(tmp_path):
-    result = run_soak(SoakConfig(minutes=1.0, clients=3, max_tokens=4, sample_every_s=1.0), tmp_path,
-                      progress=lambda message: None)
+    result = run_soak(
+        SoakConfig(minutes=1.0, clients=3, max_tokens=4, sample_every_s=1.0), tmp_path, progress=lambda message: None
+    )
     assert [fault.what for fault in result.faults] == ["redis killed", "redis restarted", "replica b SIGKILL"]
     assert result.requests >= 10 and set(result.requests_by_kind) == {"ingest", "query", "chat"}
     assert result.errors_on_survivor == 0, result.error_examples

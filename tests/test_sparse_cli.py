@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from ragkv.cli.main import build_parser, main
-from ragkv.app.runtime import Runtime, RuntimeConfig
-from ragkv.engine import EngineConfig
-from ragkv.app.codebooks import load_codebook
 from test_sparse_support import write_tiny_llama
+
+from ragkv.app.codebooks import load_codebook
+from ragkv.app.runtime import Runtime, RuntimeConfig
+from ragkv.cli.main import build_parser, main
+from ragkv.engine import EngineConfig
 
 CORPUS = Path(__file__).resolve().parents[1] / "examples" / "corpus"
 
@@ -31,8 +31,22 @@ def test_parser_knows_the_sparse_commands():
     parser = build_parser()
     args = parser.parse_args(["calibrate", "a.txt", "--codebook-size", "64", "--tokens", "2048", "--from-store"])
     assert args.command == "calibrate" and args.codebook_size == 64 and args.from_store
-    args = parser.parse_args(["bench", "sparse", "--data", "x.json", "--budget", "0.06", "--selectors", "a2ats", "lrqk",
-                              "--context-lengths", "2048", "4096"])
+    args = parser.parse_args(
+        [
+            "bench",
+            "sparse",
+            "--data",
+            "x.json",
+            "--budget",
+            "0.06",
+            "--selectors",
+            "a2ats",
+            "lrqk",
+            "--context-lengths",
+            "2048",
+            "4096",
+        ]
+    )
     assert args.bench == "sparse" and args.selectors == ["a2ats", "lrqk"] and args.context_lengths == [2048, 4096]
 
 
@@ -40,8 +54,21 @@ def test_calibrate_stores_the_codebook_and_backfills_codes(setup, capsys):
     folder, home = setup
     common = ["--data-dir", str(home), "--model", str(folder)]
     assert main(["ingest", str(CORPUS), "--no-progress", *common]) == 0
-    code = main(["calibrate", "--from-store", "--codebook-size", "16", "--tokens", "256", "--sequence-tokens", "128",
-                 "--iterations", "2", *common])
+    code = main(
+        [
+            "calibrate",
+            "--from-store",
+            "--codebook-size",
+            "16",
+            "--tokens",
+            "256",
+            "--sequence-tokens",
+            "128",
+            "--iterations",
+            "2",
+            *common,
+        ]
+    )
     assert code == 0
     out = capsys.readouterr().out
     assert "codebook" in out and "codes added to" in out
@@ -61,13 +88,42 @@ def test_calibrate_stores_the_codebook_and_backfills_codes(setup, capsys):
 def test_bench_sparse_writes_figures(setup, tmp_path, capsys):
     folder, home = setup
     data = tmp_path / "qa.json"
-    passages = [{"title": f"P{i}", "text": CORPUS.joinpath(name).read_text()[:600]}
-                for i, name in enumerate(sorted(p.name for p in CORPUS.iterdir()))]
-    data.write_text(json.dumps([{"ctxs": passages, "question": "When was the light automated?", "answers": ["1987"]}] * 2))
+    passages = [
+        {"title": f"P{i}", "text": CORPUS.joinpath(name).read_text()[:600]}
+        for i, name in enumerate(sorted(p.name for p in CORPUS.iterdir()))
+    ]
+    data.write_text(
+        json.dumps([{"ctxs": passages, "question": "When was the light automated?", "answers": ["1987"]}] * 2)
+    )
     out_json = tmp_path / "sparse.json"
-    code = main(["bench", "sparse", "--data", str(data), "--limit", "1", "--budget", "0.3", "--selectors", "dense", "oracle", "a2ats",
-                 "--context-lengths", "256", "--timing-steps", "2", "--max-new-tokens", "4", "--json", str(out_json),
-                 "--data-dir", str(home), "--model", str(folder)])
+    code = main(
+        [
+            "bench",
+            "sparse",
+            "--data",
+            str(data),
+            "--limit",
+            "1",
+            "--budget",
+            "0.3",
+            "--selectors",
+            "dense",
+            "oracle",
+            "a2ats",
+            "--context-lengths",
+            "256",
+            "--timing-steps",
+            "2",
+            "--max-new-tokens",
+            "4",
+            "--json",
+            str(out_json),
+            "--data-dir",
+            str(home),
+            "--model",
+            str(folder),
+        ]
+    )
     assert code == 0
     table = capsys.readouterr().out
     assert "a2ats" in table and "ms@256" in table

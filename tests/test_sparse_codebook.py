@@ -7,26 +7,27 @@ import os
 
 import pytest
 import torch
+from test_sparse_support import write_tiny_llama
 
+from ragkv.app.codebooks import CODEBOOK_DB, attach_codebook, load_codebook, save_codebook
+from ragkv.app.generate import decode
 from ragkv.engine import Engine, EngineConfig
+from ragkv.engine.generation import GenerationConfig
 from ragkv.engine.kv_storage import dense
 from ragkv.fusion import FusionConfig, FusionInput, LoadedChunk
-from ragkv.engine.generation import GenerationConfig
-from ragkv.app.generate import decode
-from ragkv.app.codebooks import attach_codebook, load_codebook, save_codebook
 from ragkv.sparse import A2ATSCodebook, PromptState, SparseConfig
-from ragkv.sparse.codebook import ScoringCentroids
 from ragkv.sparse.calibrate import CalibrationConfig, calibrate
-from ragkv.app.codebooks import CODEBOOK_DB
+from ragkv.sparse.codebook import ScoringCentroids
 from ragkv.sparse.prompt import unrotate_keys
 from ragkv.sparse.wiring import sparse_attention, sparse_chunk_codes
 from ragkv.store.errors import CorruptBlobError
 from ragkv.store.lmdb_env import LMDBEnvironment
 from ragkv.store.url import open_store
-from test_sparse_support import write_tiny_llama
 
-TEXT = ("Calibration text about rivers, mountains and the cities built along them. "
-        "Numbers 12 345 6789 and names like Exeter College appear here too. ") * 12
+TEXT = (
+    "Calibration text about rivers, mountains and the cities built along them. "
+    "Numbers 12 345 6789 and names like Exeter College appear here too. "
+) * 12
 
 
 @pytest.fixture(scope="module")
@@ -110,9 +111,11 @@ def ingest_chunks(engine, tmp_path, codebook, count=3):
     try:
         store = open_store(f"lmdb://{tmp_path / 'store'}")
         generator = torch.Generator().manual_seed(4)
-        texts = [" ".join(str(int(x)) for x in torch.randint(0, 10_000, (40,), generator=generator)) for _ in range(count)]
+        texts = [
+            " ".join(str(int(x)) for x in torch.randint(0, 10_000, (40,), generator=generator)) for _ in range(count)
+        ]
         stored = []
-        for index, text in enumerate(texts):
+        for _index, text in enumerate(texts):
             tokens = engine.tokenize(text)
             tensors = engine.encode_chunk(tokens)
             from ragkv.store.keys import ChunkKey, hash_tokens
@@ -129,9 +132,14 @@ def ingest_chunks(engine, tmp_path, codebook, count=3):
 
 def fuse(engine, chunks, strategy, ratio=0.3):
     segments = engine.prompt.rag_segments("Which number comes first?")
-    fusion_input = FusionInput(segments.prefix_ids, chunks, segments.question_ids, len(engine.chunk_prefix_ids),
-                               segments.question_text_span)
-    return FusionConfig(strategy=strategy, ratio=ratio).build().fuse(engine.model, fusion_input, engine.chunk_prefix_cache(), 8)
+    fusion_input = FusionInput(
+        segments.prefix_ids, chunks, segments.question_ids, len(engine.chunk_prefix_ids), segments.question_text_span
+    )
+    return (
+        FusionConfig(strategy=strategy, ratio=ratio)
+        .build()
+        .fuse(engine.model, fusion_input, engine.chunk_prefix_cache(), 8)
+    )
 
 
 def test_codes_stored_at_ingestion_equal_codes_at_query_time(tmp_path, engine, codebook):
@@ -186,7 +194,9 @@ def test_recomputed_rows_get_fresh_codes(tmp_path, engine, codebook):
     chunks, stored = ingest_chunks(engine, tmp_path, codebook)
     result = fuse(engine, chunks, "a3", ratio=0.3)
     codes = [t["codes"] for t in stored]
-    selector = SparseConfig(selector="a2ats", budget=1.0).build(PromptState.from_fusion(engine.model, result, codes), codebook)
+    selector = SparseConfig(selector="a2ats", budget=1.0).build(
+        PromptState.from_fusion(engine.model, result, codes), codebook
+    )
     model = engine.model
     changed = 0
     for layer in range(engine.spec.num_layers):

@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_sparse_support import full_budget_and_dense, write_tiny_llama
 
 from ragkv.engine.model import CausalLM
 from ragkv.kernels import reference
 from ragkv.sparse import PromptState, SparseConfig, selector_names
 from ragkv.sparse.calibrate import CalibrationConfig, calibrate
 from ragkv.sparse.oracle import attention_mass
-from test_sparse_support import full_budget_and_dense, write_tiny_llama
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TOLERANCE = {
@@ -39,7 +39,9 @@ def codebook(folder):
     """Calibrated once in float32: a codebook is float32 whatever the model's dtype."""
     model = CausalLM.load(folder)
     config = CalibrationConfig(codebook_size=16, tokens=512, sequence_tokens=256, iterations=3)
-    return calibrate(model, lambda s: [b % 500 + 3 for b in s.encode()], ["a calibration text, repeated " * 30], [5], config)
+    return calibrate(
+        model, lambda s: [b % 500 + 3 for b in s.encode()], ["a calibration text, repeated " * 30], [5], config
+    )
 
 
 @pytest.fixture(scope="module", params=DTYPES, ids=lambda dtype: str(dtype).split(".")[-1])
@@ -67,10 +69,13 @@ def test_full_budget_is_dense_decode_of_the_same_dtype(model, codebook, selector
 def test_sparse_step_is_exact_attention_over_the_chosen_rows(model, codebook, selector):
     ids, cache, _ = prompt_cache(model)
     attention = SparseConfig(selector=selector, budget=32, sinks=2, window=6).build(
-        PromptState.from_prefill(model, cache, ids, 2, ROWS - 8), codebook)
+        PromptState.from_prefill(model, cache, ids, 2, ROWS - 8), codebook
+    )
     seen = {}
     attention.observer = lambda layer, q, c, indices, start, end: seen.update(indices=indices)
-    q = torch.randn(model.spec.num_heads, 1, model.spec.head_dim, generator=torch.Generator().manual_seed(0)).to(model.dtype)
+    q = torch.randn(model.spec.num_heads, 1, model.spec.head_dim, generator=torch.Generator().manual_seed(0)).to(
+        model.dtype
+    )
     out = attention(1, q, cache, model.scale)
     assert out.dtype == model.dtype and out.shape == q.shape and torch.isfinite(out.float()).all()
     keys, values = cache.layer(1)
@@ -99,4 +104,6 @@ def test_flashinfer_backend_refuses_float32_at_build(folder, codebook):
     model = CausalLM.load(folder)
     ids, cache, _ = prompt_cache(model)
     with pytest.raises(ValueError, match="flashinfer backend decodes float16/bfloat16"):
-        SparseConfig(selector="oracle", backend="flashinfer").build(PromptState.from_prefill(model, cache, ids, 2, ROWS - 8))
+        SparseConfig(selector="oracle", backend="flashinfer").build(
+            PromptState.from_prefill(model, cache, ids, 2, ROWS - 8)
+        )

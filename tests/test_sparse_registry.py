@@ -41,14 +41,17 @@ def test_spec_sets_the_selectors_own_options():
     assert SparseConfig(selector=spec_of(config.options)).options == config.options
 
 
-@pytest.mark.parametrize("spec,message", [
-    ("nope", "unknown sparse selector 'nope'"),
-    ("a2ats:rank=3", "has no option 'rank'"),
-    ("lrqk:rank=0", "rank must be >= 1"),
-    ("pqcache:bits=16", "bits must be in"),
-    ("a2ats:mean_key=maybe", "mean_key must be true or false"),
-    ("oracle:x", "is not key=value"),
-])
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ("nope", "unknown sparse selector 'nope'"),
+        ("a2ats:rank=3", "has no option 'rank'"),
+        ("lrqk:rank=0", "rank must be >= 1"),
+        ("pqcache:bits=16", "bits must be in"),
+        ("a2ats:mean_key=maybe", "mean_key must be true or false"),
+        ("oracle:x", "is not key=value"),
+    ],
+)
 def test_bad_specs_are_refused_with_their_reason(spec, message):
     with pytest.raises(ValueError, match=message):
         SparseConfig(selector=spec)
@@ -63,8 +66,9 @@ def test_snapkv_settings_are_validated_by_snapkv():
 
 
 def test_cli_flags_fill_the_config():
-    args = build_parser().parse_args(["ask", "q?", "--sparse-selector", "lrqk:rank=8", "--sparse-budget", "0.1",
-                                      "--sparse-snapkv-capacity", "512"])
+    args = build_parser().parse_args(
+        ["ask", "q?", "--sparse-selector", "lrqk:rank=8", "--sparse-budget", "0.1", "--sparse-snapkv-capacity", "512"]
+    )
     config = config_from_args(SparseConfig, args, prefix="sparse_")
     assert (config.name, config.options.rank, config.budget, config.eviction.capacity) == ("lrqk", 8, 0.1, 512)
 

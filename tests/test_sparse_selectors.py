@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from test_sparse_support import structured_case, tiny_model
 
 from ragkv.bench.sparse_bench import RecallMeter
 from ragkv.sparse import A2ATSCodebook, PromptState, SparseConfig, selector_names
@@ -15,7 +16,6 @@ from ragkv.sparse.base import EXTEND_BATCH
 from ragkv.sparse.calibrate import CalibrationConfig, calibrate, fit_codebook
 from ragkv.sparse.oracle import attention_mass
 from ragkv.sparse.prompt import unrotate_keys
-from test_sparse_support import structured_case, tiny_model
 
 SELECTORS = selector_names()
 ROWS = 320
@@ -89,8 +89,9 @@ def test_sparse_step_is_exact_attention_over_the_chosen_rows(model, codebook, pr
     group = model.spec.group_size
     for h in range(model.spec.num_heads):
         rows = indices[h // group]
-        expected = F.scaled_dot_product_attention(q[h : h + 1], keys[h // group, rows].unsqueeze(0),
-                                                  values[h // group, rows].unsqueeze(0), scale=model.scale)
+        expected = F.scaled_dot_product_attention(
+            q[h : h + 1], keys[h // group, rows].unsqueeze(0), values[h // group, rows].unsqueeze(0), scale=model.scale
+        )
         torch.testing.assert_close(out[h], expected[0], rtol=1e-5, atol=1e-5)
 
 
@@ -113,7 +114,8 @@ def test_budget_definition():
 def test_budget_below_the_fixed_rows_keeps_only_sinks_and_window(model, prompt_ids, codebook):
     cache, _ = prefilled(model, prompt_ids)
     attention = SparseConfig(selector="oracle", budget=5, sinks=4, window=8).build(
-        PromptState.from_prefill(model, cache, prompt_ids), codebook)
+        PromptState.from_prefill(model, cache, prompt_ids), codebook
+    )
     assert attention.span(ROWS) == (4, ROWS - 8, 0)
     seen = {}
     attention.observer = lambda layer, q, c, indices, start, end: seen.update(indices=indices)
@@ -123,7 +125,9 @@ def test_budget_below_the_fixed_rows_keeps_only_sinks_and_window(model, prompt_i
 
 def test_oracle_takes_the_mass_optimal_rows(model, prompt_ids, codebook):
     cache, logits = prefilled(model, prompt_ids, extra=16)
-    attention = SparseConfig(selector="oracle", budget=0.2, window=8).build(PromptState.from_prefill(model, cache, prompt_ids))
+    attention = SparseConfig(selector="oracle", budget=0.2, window=8).build(
+        PromptState.from_prefill(model, cache, prompt_ids)
+    )
     meter = RecallMeter(model.scale)
     attention.observer = meter
     greedy(model, cache, logits, attention, 4)
@@ -139,8 +143,12 @@ def synthetic_codebook(model, keys, question, rows):
         rotated = model.rotary.rotate(question[layer], 2048 - torch.arange(rows - window, rows)).double()
         pooled = rotated.reshape(spec.num_kv_heads, -1, spec.head_dim)
         moments[layer] = torch.einsum("hnd,hne->hde", pooled, pooled)
-    centroids, transform = fit_codebook([keys[layer] for layer in range(spec.num_layers)], moments, 1,
-                                        CalibrationConfig(codebook_size=64, iterations=10))
+    centroids, transform = fit_codebook(
+        [keys[layer] for layer in range(spec.num_layers)],
+        moments,
+        1,
+        CalibrationConfig(codebook_size=64, iterations=10),
+    )
     return A2ATSCodebook(centroids, transform, 2048, keys.mean(2))
 
 
@@ -204,7 +212,9 @@ def test_logit_aggregation_uses_the_code_kernel_consistently(model, codebook, pr
     """With plain WRoPE and summed logits, a2ats's kernel top-k equals scoring the
     group-summed rotated query against each row's centroid by hand."""
     cache, _ = prefilled(model, prompt_ids)
-    config = SparseConfig(selector="a2ats:mean_key=false,rerank=0", budget=60, window=8, sinks=4, head_aggregation="logits")
+    config = SparseConfig(
+        selector="a2ats:mean_key=false,rerank=0", budget=60, window=8, sinks=4, head_aggregation="logits"
+    )
     attention = config.build(PromptState.from_prefill(model, cache, prompt_ids), codebook)
     q = torch.randn(model.spec.num_heads, 1, model.spec.head_dim, generator=torch.Generator().manual_seed(5))
     layer, start, end, k = 1, 4, ROWS - 8, 60 - 12
@@ -227,7 +237,8 @@ def test_a2ats_rerank_keeps_the_most_mass_among_its_candidates(model, codebook, 
     chosen = {}
     for spec in ("oracle", f"a2ats:rerank={ROWS}"):
         attention = SparseConfig(selector=spec, budget=40, sinks=2, window=6).build(
-            PromptState.from_prefill(model, cache, prompt_ids, 3, ROWS - 12), codebook)
+            PromptState.from_prefill(model, cache, prompt_ids, 3, ROWS - 12), codebook
+        )
         attention.observer = lambda layer, q_, c, indices, start, end, s=spec: chosen.update({s: indices})
         attention(1, q, cache, model.scale)
     for head in range(model.spec.num_kv_heads):

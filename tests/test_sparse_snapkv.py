@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_sparse_support import write_tiny_llama
 from transformers import LlamaForCausalLM
 
-from ragkv.fusion import FusionConfig, FusionInput, LoadedChunk
 from ragkv.engine.model import CausalLM
+from ragkv.fusion import FusionConfig, FusionInput, LoadedChunk
 from ragkv.sparse import PromptState, SnapKV, SparseConfig
-from test_sparse_support import write_tiny_llama
 
 ROWS, PREFIX, QUESTION = 200, 6, 10
 
@@ -72,7 +72,10 @@ def test_kept_rows_match_a_reference_from_transformers_attention(folder, model, 
             expected = set((pooled[head].topk(budget).indices + PREFIX).tolist())
             # ties in the pooled scores (a max-pool repeats values) may break differently
             assert len(chosen & expected) >= budget - 2
-            assert pooled[head][torch.tensor(sorted(chosen)) - PREFIX].min() >= pooled[head].topk(budget).values.min() - 1e-5
+            assert (
+                pooled[head][torch.tensor(sorted(chosen)) - PREFIX].min()
+                >= pooled[head].topk(budget).values.min() - 1e-5
+            )
             # the compacted cache holds exactly those rows, in order
             torch.testing.assert_close(cache.keys[layer, head, :capacity], original.keys[layer, head, rows])
             torch.testing.assert_close(cache.values[layer, head, :capacity], original.values[layer, head, rows])
@@ -83,7 +86,8 @@ def test_capacity_covering_the_prompt_decodes_exactly_like_dense(model, ids):
     reference = greedy(model, cache.clone(16), logits, None, 5)
     work = cache.clone(16)
     attention = SparseConfig(selector="dense", snapkv_capacity=ROWS).build(
-        PromptState.from_prefill(model, work, ids, PREFIX, ROWS - QUESTION))
+        PromptState.from_prefill(model, work, ids, PREFIX, ROWS - QUESTION)
+    )
     assert work.length == ROWS
     torch.testing.assert_close(greedy(model, work, logits, attention, 5), reference, rtol=1e-5, atol=1e-5)
 

@@ -15,25 +15,52 @@ from ragkv.engine.model import CausalLM
 from ragkv.sparse.kmeans import kmeans
 
 
-def write_tiny_llama(folder: Path, layers: int = 2, vocab: int = 512, with_tokenizer: bool = False, seed: int = 0,
-                     heads: int = 4, kv_heads: int = 2, head_dim: int = 16, hidden: int = 64,
-                     rope_scaling: dict | None = None) -> Path:
+def write_tiny_llama(
+    folder: Path,
+    layers: int = 2,
+    vocab: int = 512,
+    with_tokenizer: bool = False,
+    seed: int = 0,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 16,
+    hidden: int = 64,
+    rope_scaling: dict | None = None,
+) -> Path:
     """A random Llama checkpoint (default GQA: 4 query heads over 2 KV heads, head_dim 16)."""
     if with_tokenizer:
         from ragkv.engine.model_files import resolve_model_dir
 
         packaged = resolve_model_dir(None)
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-                     "chat_template.jinja", "generation_config.json"):
+        for name in (
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "special_tokens_map.json",
+            "vocab.json",
+            "merges.txt",
+            "chat_template.jinja",
+            "generation_config.json",
+        ):
             if (packaged / name).is_file():
                 shutil.copy(packaged / name, folder / name)
         from transformers import AutoTokenizer
 
         vocab = len(AutoTokenizer.from_pretrained(folder))
     config = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=8192, rope_theta=10000.0, rms_norm_eps=1e-5,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, rope_scaling=rope_scaling,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=8192,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        rope_scaling=rope_scaling,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
@@ -95,7 +122,9 @@ def test_kmeans_recovers_separated_clusters():
     g = torch.Generator().manual_seed(0)
     centers = torch.randn(2, 8, 4, generator=g) * 10
     labels = torch.randint(8, (2, 400), generator=g)
-    points = torch.gather(centers, 1, labels.unsqueeze(-1).expand(2, 400, 4)) + torch.randn(2, 400, 4, generator=g) * 0.1
+    points = (
+        torch.gather(centers, 1, labels.unsqueeze(-1).expand(2, 400, 4)) + torch.randn(2, 400, 4, generator=g) * 0.1
+    )
     fitted, assignment = kmeans(points, 8, 20, torch.Generator().manual_seed(1))
     # every fitted centroid sits on a true centre, and points of one true cluster share a code
     distance = torch.cdist(fitted, centers).min(-1).values
@@ -119,7 +148,8 @@ def full_budget_and_dense(model, ids: torch.Tensor, codebook, selector: str, ste
     token = int(model.prefill(ids, cache).argmax())
     dense_cache, sparse_cache = cache.clone(4), cache.clone(4)
     attention = SparseConfig(selector=selector, budget=1.0, window=8).build(
-        PromptState.from_prefill(model, sparse_cache, ids, 2, rows - 8), codebook)
+        PromptState.from_prefill(model, sparse_cache, ids, 2, rows - 8), codebook
+    )
     pairs = []
     for _ in range(steps):
         dense = model.decode_step(token, dense_cache)

@@ -25,14 +25,16 @@ CASES = (("a2ats", "logits"), ("pqcache", "logits"), ("lrqk", "probs"), ("oracle
 
 def compare_backends() -> None:
     import torch
+    from test_sparse_support import tiny_model
 
     from ragkv.sparse import PromptState, SparseConfig
     from ragkv.sparse.calibrate import CalibrationConfig, calibrate
-    from test_sparse_support import tiny_model
 
     model = tiny_model(Path(tempfile.mkdtemp()), layers=1)
     config = CalibrationConfig(codebook_size=16, tokens=256, sequence_tokens=128, iterations=2)
-    codebook = calibrate(model, lambda s: [b % 500 + 3 for b in s.encode()], ["some calibration text " * 20], [], config)
+    codebook = calibrate(
+        model, lambda s: [b % 500 + 3 for b in s.encode()], ["some calibration text " * 20], [], config
+    )
     ids = torch.randint(3, 500, (ROWS,), generator=torch.Generator().manual_seed(0))
     cache = model.new_cache(ROWS + 4)
     model.prefill(ids, cache)
@@ -41,7 +43,9 @@ def compare_backends() -> None:
         outputs, chosen = {}, {}
         for backend in ("torch", "triton"):
             spec = selector + ":mean_key=false" if selector == "a2ats" else selector
-            sparse = SparseConfig(selector=spec, budget=48, sinks=2, window=8, backend=backend, head_aggregation=aggregation)
+            sparse = SparseConfig(
+                selector=spec, budget=48, sinks=2, window=8, backend=backend, head_aggregation=aggregation
+            )
             attention = sparse.build(PromptState.from_prefill(model, cache.clone(), ids, 2, ROWS - 8), codebook)
             attention.observer = lambda layer, q_, c, indices, start, end, b=backend: chosen.update({b: indices})
             outputs[backend] = attention(0, q, cache, model.scale)

@@ -35,15 +35,18 @@ def test_split_and_build_coerce_each_field_type():
     assert build_from_spec("widget:limit=7", REGISTRY, "widget kind").limit == 7
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("gadget", "unknown widget kind 'gadget'; choose one of widget"),
-    ("widget:colour=red", "has no option 'colour'"),
-    ("widget:size", "is not key=value"),
-    ("widget:size=1,size=2", "given twice"),
-    ("widget:size=big", "size must be int"),
-    ("widget:enabled=maybe", "enabled must be true or false"),
-    ("widget:size=-1", "size must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("gadget", "unknown widget kind 'gadget'; choose one of widget"),
+        ("widget:colour=red", "has no option 'colour'"),
+        ("widget:size", "is not key=value"),
+        ("widget:size=1,size=2", "given twice"),
+        ("widget:size=big", "size must be int"),
+        ("widget:enabled=maybe", "enabled must be true or false"),
+        ("widget:size=-1", "size must be >= 0"),
+    ],
+)
 def test_bad_specs_say_what_is_wrong(spec, message):
     with pytest.raises(ValueError, match=message):
         build_from_spec(spec, REGISTRY, "widget kind")

@@ -24,8 +24,15 @@ def test_bench_reports_every_backend_and_the_file_baseline(tmp_path, redis_url: 
     }
     try:
         result = run_store_bench(
-            stores, chunks=6, tokens_per_chunk=16, layers=2, kv_heads=2, head_dim=8,
-            dtype=torch.bfloat16, tmp_dir=tmp_path, batch_size=4,
+            stores,
+            chunks=6,
+            tokens_per_chunk=16,
+            layers=2,
+            kv_heads=2,
+            head_dim=8,
+            dtype=torch.bfloat16,
+            tmp_dir=tmp_path,
+            batch_size=4,
         )
         json.dumps(result)
         assert result["kv_bytes_per_token"] == 2 * 2 * 2 * 8 * 2
@@ -44,5 +51,6 @@ def test_bench_validates_arguments(tmp_path) -> None:
     with pytest.raises(ValueError, match="chunks"):
         run_store_bench({}, chunks=0, tokens_per_chunk=1, layers=1, kv_heads=1, head_dim=1, tmp_dir=tmp_path)
     with LMDBStore(tmp_path / "kv") as store, pytest.raises(ValueError, match="reserved"):
-        run_store_bench({"raw_file": store}, chunks=1, tokens_per_chunk=1, layers=1,
-                        kv_heads=1, head_dim=1, tmp_dir=tmp_path)
+        run_store_bench(
+            {"raw_file": store}, chunks=1, tokens_per_chunk=1, layers=1, kv_heads=1, head_dim=1, tmp_dir=tmp_path
+        )

@@ -23,8 +23,18 @@ from ragkv.store import (
     key_prefix,
 )
 
-DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64,
-          torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool]
+DTYPES = [
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+]
 
 
 @pytest.fixture(

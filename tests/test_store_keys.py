@@ -20,8 +20,17 @@ def test_key_bytes_round_trip() -> None:
 
 @pytest.mark.parametrize(
     "fields",
-    [("", "ab", 1), ("a/b", "ab", 1), ("m", "ab/c", 1), ("m", "ab", 0), ("m", "ab", True),
-     ("m", "ab", "1"), ("m", "x" * 129, 1), ("mödel", "ab", 1), (None, "ab", 1)],
+    [
+        ("", "ab", 1),
+        ("a/b", "ab", 1),
+        ("m", "ab/c", 1),
+        ("m", "ab", 0),
+        ("m", "ab", True),
+        ("m", "ab", "1"),
+        ("m", "x" * 129, 1),
+        ("mödel", "ab", 1),
+        (None, "ab", 1),
+    ],
 )
 def test_invalid_fields_are_rejected(fields) -> None:
     with pytest.raises(ValueError):

@@ -9,9 +9,9 @@ import time
 import pytest
 import redis
 import torch
+from redis_server import RedisServer  # pytest puts tests/ on sys.path (no tests/__init__.py)
 
 from ragkv.store import ChunkKey, LMDBStore, RedisStore, TieredStore, hash_tokens, open_store
-from redis_server import RedisServer  # pytest puts tests/ on sys.path (no tests/__init__.py)
 
 pytestmark = pytest.mark.redis
 
@@ -98,9 +98,7 @@ def test_ttl_is_applied(redis_url: str) -> None:
 
 
 def test_tiered_store_keeps_serving_from_lmdb_when_redis_dies(tmp_path, killable_redis: RedisServer) -> None:
-    store = TieredStore(
-        [LMDBStore(tmp_path / "kv"), RedisStore(killable_redis.url, retry_after_s=0.05)], lru_bytes=0
-    )
+    store = TieredStore([LMDBStore(tmp_path / "kv"), RedisStore(killable_redis.url, retry_after_s=0.05)], lru_bytes=0)
     with store:
         store.put(key(1), CHUNK)
         killable_redis.stop()

@@ -57,21 +57,31 @@ def random_k_quant_blocks(rows: int, columns: int, kind: gguf.GGMLQuantizationTy
     generator = np.random.default_rng(seed)
     blocks = generator.integers(0, 256, (rows, columns // 256, block_bytes), dtype=np.uint8)
     for offset in _K_QUANT_HALVES[kind.name]:
-        blocks[..., offset:offset + 2] = np.full(blocks.shape[:2], 5e-4, np.float16).view(np.uint8).reshape(
-            *blocks.shape[:2], 2)
+        blocks[..., offset : offset + 2] = (
+            np.full(blocks.shape[:2], 5e-4, np.float16).view(np.uint8).reshape(*blocks.shape[:2], 2)
+        )
     return blocks.reshape(rows, -1)
 
 
 def _llama_permute(weights: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's reordering of q/k rows (transformers' GGUF reader undoes it)."""
-    return weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(
-        weights.shape
+    return (
+        weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
     )
 
 
-def write_tiny_gguf(family: str, path: Path, matrix_type: str = "F32", seed: int = 0, name: str | None = None,
-                    architecture: str | None = None, context_length: int | None = None,
-                    hidden_size: int | None = None) -> Path:
+def write_tiny_gguf(
+    family: str,
+    path: Path,
+    matrix_type: str = "F32",
+    seed: int = 0,
+    name: str | None = None,
+    architecture: str | None = None,
+    context_length: int | None = None,
+    hidden_size: int | None = None,
+) -> Path:
     """A random tiny `family` model (tests/tiny_models.py's config, vocabulary VOCAB) at
     `path`, its matrices stored as `matrix_type` (F32, F16, BF16, Q8_0, Q4_0, Q4_1) and its
     norms and biases as F32. `architecture` overrides the file's declared architecture,

@@ -33,26 +33,47 @@ CONFIGS = {
     "llama-int4": lambda: LlamaConfig(**{**_COMMON, "intermediate_size": 96}),
     "llama3-rope": lambda: LlamaConfig(
         **_COMMON,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
     ),
     "mistral": lambda: MistralConfig(**_COMMON, sliding_window=None),
     "qwen2": lambda: Qwen2Config(**_COMMON),
     "qwen3": lambda: Qwen3Config(**_COMMON, head_dim=16),
     "qwen3-yarn": lambda: Qwen3Config(
-        **_COMMON, head_dim=16,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128},
+        **_COMMON,
+        head_dim=16,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+        },
     ),
     # Gemma 3's layout in small: sliding-window layers with their own RoPE base around a full
     # one, a window of 8 so it cuts into a 40-token prompt, one KV head, QK-norm, a softmax
     # scale that is not 1/sqrt(head_dim), tied and scaled embeddings
     "gemma3": lambda: Gemma3TextConfig(
-        **{**_COMMON, "num_hidden_layers": 4, "num_key_value_heads": 1, "tie_word_embeddings": True,
-           "rms_norm_eps": 1e-6},
-        head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+        **{
+            **_COMMON,
+            "num_hidden_layers": 4,
+            "num_key_value_heads": 1,
+            "tie_word_embeddings": True,
+            "rms_norm_eps": 1e-6,
+        },
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=8,
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
-        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                         "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
     ),
 }
 

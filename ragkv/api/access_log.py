@@ -46,5 +46,8 @@ class AccessLogMiddleware:
                 "tenant": state.get("tenant", "-"),
                 "client": (scope.get("client") or ("-",))[0],
             }
-            log.info("%(method)s %(path)s %(status)d %(latency_ms).1fms %(request_id)s tenant=%(tenant)s client=%(client)s",
-                     fields, extra=fields)
+            log.info(
+                "%(method)s %(path)s %(status)d %(latency_ms).1fms %(request_id)s tenant=%(tenant)s client=%(client)s",
+                fields,
+                extra=fields,
+            )

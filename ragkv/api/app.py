@@ -32,8 +32,8 @@ from ragkv.api.sessions import RedisSessions, open_sessions
 from ragkv.api.state import AppState, redis_tiers
 from ragkv.api.vllm_metrics import scheduler_reading
 from ragkv.api.worker import ModelWorker
-from ragkv.app.scheduler import Scheduler, SchedulerConfig
 from ragkv.app.runtime import Runtime
+from ragkv.app.scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger("ragkv.api")
 
@@ -63,10 +63,34 @@ def _readings(state: AppState) -> Iterator[Reading]:
         yield "gauge", "ragkv_store_bytes", "Bytes held by each store tier", labels, tier.bytes
         yield "counter", "ragkv_store_hits", "Chunk lookups each tier answered", labels, tier.hits
         yield "counter", "ragkv_store_misses", "Chunk lookups each tier missed", labels, tier.misses
-        yield "counter", "ragkv_store_corrupt", "Blobs each tier found corrupt (dropped, recomputed)", labels, tier.corrupt
-        yield "counter", "ragkv_store_errors", "Backend operations that failed and were absorbed (Redis down)", labels, tier.errors
-        yield "counter", "ragkv_store_evictions", "Chunks evicted to stay within --store-capacity (each recomputed on its next use)", labels, tier.evictions
-        yield "gauge", "ragkv_store_capacity_bytes", "The --store-capacity bound of each tier", labels, tier.capacity_bytes
+        yield (
+            "counter",
+            "ragkv_store_corrupt",
+            "Blobs each tier found corrupt (dropped, recomputed)",
+            labels,
+            tier.corrupt,
+        )
+        yield (
+            "counter",
+            "ragkv_store_errors",
+            "Backend operations that failed and were absorbed (Redis down)",
+            labels,
+            tier.errors,
+        )
+        yield (
+            "counter",
+            "ragkv_store_evictions",
+            "Chunks evicted to stay within --store-capacity (each recomputed on its next use)",
+            labels,
+            tier.evictions,
+        )
+        yield (
+            "gauge",
+            "ragkv_store_capacity_bytes",
+            "The --store-capacity bound of each tier",
+            labels,
+            tier.capacity_bytes,
+        )
     if stats.lru is not None:
         yield "gauge", "ragkv_store_lru_bytes", "Bytes in the in-process chunk LRU", {}, stats.lru.bytes
     redis_up = [tier.healthy() for tier in redis_tiers(state.runtime.store)]
@@ -78,9 +102,20 @@ def _readings(state: AppState) -> Iterator[Reading]:
     yield "gauge", "ragkv_sessions", "Chat sessions in this process's memory", {}, sessions["sessions"]
     yield "gauge", "ragkv_session_bytes", "Bytes of session KV in this process's memory", {}, sessions["bytes"]
     yield "counter", "ragkv_sessions_evicted", "Sessions dropped from memory for space", {}, sessions["evicted"]
-    yield "gauge", "ragkv_anonymous_contexts", "Cached contexts of turns without a session id", {}, sessions["anonymous"]
-    yield "gauge", "ragkv_anonymous_context_bytes", "Bytes of anonymous context KV in this process's memory", {}, \
-        sessions["anonymous_bytes"]
+    yield (
+        "gauge",
+        "ragkv_anonymous_contexts",
+        "Cached contexts of turns without a session id",
+        {},
+        sessions["anonymous"],
+    )
+    yield (
+        "gauge",
+        "ragkv_anonymous_context_bytes",
+        "Bytes of anonymous context KV in this process's memory",
+        {},
+        sessions["anonymous_bytes"],
+    )
     registry_up = state.runtime.registry.healthy()
     if registry_up is not None:
         yield "gauge", "ragkv_redis_up", "1 if Redis answers PING", {"role": "registry"}, float(registry_up)
@@ -98,15 +133,28 @@ def _build_state(config: ServeConfig, metrics: Metrics) -> AppState:
     runtime = Runtime(config.runtime)
     try:
         session_url = config.session_store or redis_url_of_store(config.runtime.store_url)
-        sessions = open_sessions(session_url, int(config.session_memory_mb * (1 << 20)),
-                                 int(config.anonymous_memory_mb * (1 << 20)), config.session_ttl_s,
-                                 config.session_lock_ttl_s)
+        sessions = open_sessions(
+            session_url,
+            int(config.session_memory_mb * (1 << 20)),
+            int(config.anonymous_memory_mb * (1 << 20)),
+            config.session_ttl_s,
+            config.session_lock_ttl_s,
+        )
         engine = runtime.engine
-        scheduler = Scheduler(engine.model, engine.tokenizer, engine.eos_token_ids,
-                              SchedulerConfig(max_running=config.max_active, max_waiting=config.max_queued,
-                                              token_budget=config.token_budget))
-        worker = ModelWorker(scheduler, max_active=config.max_active, max_queued=config.max_queued,
-                             on_finished=lambda task: metrics.jobs.labels(task.kind, task.outcome or "unknown").inc())
+        scheduler = Scheduler(
+            engine.model,
+            engine.tokenizer,
+            engine.eos_token_ids,
+            SchedulerConfig(
+                max_running=config.max_active, max_waiting=config.max_queued, token_budget=config.token_budget
+            ),
+        )
+        worker = ModelWorker(
+            scheduler,
+            max_active=config.max_active,
+            max_queued=config.max_queued,
+            on_finished=lambda task: metrics.jobs.labels(task.kind, task.outcome or "unknown").inc(),
+        )
         service = Service(runtime, config, metrics, sessions)
         model_id = config.model_id or runtime.engine.model_name
         metrics.model_name = model_id
@@ -146,8 +194,10 @@ def create_app(config: ServeConfig = ServeConfig()) -> FastAPI:
         metrics.add_scrape_time(lambda: _readings(state))
         app.state.ragkv = state
         tenants = ", ".join(sorted(authenticator.tenants)) if authenticator.enabled else "default (no API keys)"
-        log.info(f"serving {state.model_id} on http://{config.host}:{config.port}; store {state.runtime.store.backend}, "
-                 f"registry {state.runtime.registry.backend}, sessions {state.sessions.backend}, tenants {tenants}")
+        log.info(
+            f"serving {state.model_id} on http://{config.host}:{config.port}; store {state.runtime.store.backend}, "
+            f"registry {state.runtime.registry.backend}, sessions {state.sessions.backend}, tenants {tenants}"
+        )
         try:
             yield
         finally:
@@ -156,17 +206,27 @@ def create_app(config: ServeConfig = ServeConfig()) -> FastAPI:
                 state.sessions.close()
             state.runtime.close()
 
-    app = FastAPI(title="ragkv", version="0.1.0", lifespan=lifespan, default_response_class=SafeJSONResponse,
-                  docs_url=None, redoc_url=None,
-                  description="RAG serving over precomputed chunk KV caches: documents, questions, OpenAI-compatible chat.")
+    app = FastAPI(
+        title="ragkv",
+        version="0.1.0",
+        lifespan=lifespan,
+        default_response_class=SafeJSONResponse,
+        docs_url=None,
+        redoc_url=None,
+        description="RAG serving over precomputed chunk KV caches: documents, questions, OpenAI-compatible chat.",
+    )
     app.state.authenticator = authenticator
     install_error_handlers(app)
     install_docs(app, config)
     for module in (system, documents, query, chat, completions, responses):
         app.include_router(module.router)
-    app.add_middleware(ServingMiddleware, metrics=metrics, authenticator=authenticator,
-                       max_body_bytes=int(config.max_body_kb * 1024),
-                       max_document_body_bytes=int(config.max_document_body_mb * (1 << 20)))
+    app.add_middleware(
+        ServingMiddleware,
+        metrics=metrics,
+        authenticator=authenticator,
+        max_body_bytes=int(config.max_body_kb * 1024),
+        max_document_body_bytes=int(config.max_document_body_mb * (1 << 20)),
+    )
     if config.access_log:
         app.add_middleware(AccessLogMiddleware)  # outermost: sees the request id and tenant set inside
     return app

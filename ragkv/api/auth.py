@@ -70,12 +70,20 @@ class Authenticator:
         if not self._digests:
             return DEFAULT_TENANT
         if not authorization:
-            raise ApiError(401, "missing_api_key", "this server needs an API key: send 'Authorization: Bearer <key>'",
-                           headers={"WWW-Authenticate": "Bearer"})
+            raise ApiError(
+                401,
+                "missing_api_key",
+                "this server needs an API key: send 'Authorization: Bearer <key>'",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         scheme, _, token = authorization.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
-            raise ApiError(401, "bad_authorization", "the Authorization header must be 'Bearer <key>'",
-                           headers={"WWW-Authenticate": "Bearer"})
+            raise ApiError(
+                401,
+                "bad_authorization",
+                "the Authorization header must be 'Bearer <key>'",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         digest = hashlib.sha256(token.strip().encode()).digest()
         found = None
         for candidate, tenant in self._digests:

@@ -23,49 +23,80 @@ MAX_EMBEDDING_INPUTS = 256  # OpenAI takes 2048; one request must not hold the C
 MINILM_DIMENSION = 384
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
-Prompt = (Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)]
-          | TokenIds | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)])
+Prompt = (
+    Annotated[str, Field(min_length=1)]
+    | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)]
+    | TokenIds
+    | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
+)
 
 
 class CompletionRag(RetrievalOptions):
     """Answer each prompt as a question over the tenant's documents (like /v1/query)."""
 
-    enabled: StrictBool = Field(False, description="true: answer the prompt from the tenant's documents, with citations; "
-                                             "false (default): continue the prompt as it is")
+    enabled: StrictBool = Field(
+        False,
+        description="true: answer the prompt from the tenant's documents, with citations; "
+        "false (default): continue the prompt as it is",
+    )
 
 
 class CompletionRequest(UnicodeText):
     # OpenAI clients send fields this server does not use (user, presence_penalty, ...): ignored.
     model_config = ConfigDict(extra="allow")
-    model: str = Field(min_length=1, examples=["ragkv"], description="the served model's id (GET /v1/models) or the alias 'ragkv'")
-    prompt: Prompt = Field(description=f"a string, a list of up to {MAX_PROMPTS} strings (one choice each), or token ids")
+    model: str = Field(
+        min_length=1, examples=["ragkv"], description="the served model's id (GET /v1/models) or the alias 'ragkv'"
+    )
+    prompt: Prompt = Field(
+        description=f"a string, a list of up to {MAX_PROMPTS} strings (one choice each), or token ids"
+    )
     max_tokens: int = Field(16, ge=1, description="tokens to generate at most per prompt (OpenAI's default 16)")
     temperature: float | None = Field(None, ge=0, le=10, description="0 or absent: greedy decoding; above 0: sampling")
     top_p: float | None = Field(None, gt=0, le=1, description="nucleus sampling mass (with temperature > 0)")
-    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX, json_schema_extra=SEED_SCHEMA,
-                             description="seed of the sampler; greedy decoding ignores it")
+    seed: int | None = Field(
+        None,
+        ge=SEED_MIN,
+        le=SEED_MAX,
+        json_schema_extra=SEED_SCHEMA,
+        description="seed of the sampler; greedy decoding ignores it",
+    )
     stop: Stop = Field(None, description=STOP_DESCRIPTION)
     stream: StrictBool = Field(False, description="answer as server-sent events (text_completion chunks, then [DONE])")
     stream_options: StreamOptions | None = Field(None, description="streaming options: include_usage")
     n: int = Field(1, ge=1, le=1, description="choices per prompt: only 1 is served")
     best_of: int | None = Field(None, ge=1, le=1, description="only 1 is served")
     echo: StrictBool = Field(False, json_schema_extra={"enum": [False]}, description="echoing the prompt is not served")
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="return each token's log-probability "
-                                 "and those of the N most likely tokens at each position (choices[].logprobs)")
-    suffix: str | None = Field(None, json_schema_extra={"type": "null"}, description="insertion (a suffix) is not served")
+    logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="return each token's log-probability "
+        "and those of the N most likely tokens at each position (choices[].logprobs)",
+    )
+    suffix: str | None = Field(
+        None, json_schema_extra={"type": "null"}, description="insertion (a suffix) is not served"
+    )
     rag: CompletionRag | None = Field(None, description="ragkv extension: answer from the tenant's documents")
 
 
 class EmbeddingRequest(UnicodeText):
     model_config = ConfigDict(extra="allow")
-    model: str = Field(min_length=1, examples=["all-MiniLM-L6-v2"], description="the embedding model's id (GET /v1/models)")
-    input: Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[str, Field(min_length=1)]], Field(
-        min_length=1, max_length=MAX_EMBEDDING_INPUTS)] = Field(
+    model: str = Field(
+        min_length=1, examples=["all-MiniLM-L6-v2"], description="the embedding model's id (GET /v1/models)"
+    )
+    input: (
+        Annotated[str, Field(min_length=1)]
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+    ) = Field(
         description=f"a non-empty string or a list of up to {MAX_EMBEDDING_INPUTS}; long texts are embedded as the "
-                    "mean of their windows (MiniLM reads 256 word pieces at a time)")
-    encoding_format: Literal["float", "base64"] = Field("float", description="floats, or base64 of little-endian float32")
-    dimensions: int | None = Field(None, json_schema_extra={"anyOf": [{"type": "integer", "enum": [MINILM_DIMENSION]},
-                                                                      {"type": "null"}]},
-                                   description=f"{MINILM_DIMENSION} or absent (vectors are not truncated)")
+        "mean of their windows (MiniLM reads 256 word pieces at a time)"
+    )
+    encoding_format: Literal["float", "base64"] = Field(
+        "float", description="floats, or base64 of little-endian float32"
+    )
+    dimensions: int | None = Field(
+        None,
+        json_schema_extra={"anyOf": [{"type": "integer", "enum": [MINILM_DIMENSION]}, {"type": "null"}]},
+        description=f"{MINILM_DIMENSION} or absent (vectors are not truncated)",
+    )
     user: str | None = Field(None, description="ignored")
-

@@ -70,8 +70,14 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        for name in ("session_ttl_s", "session_memory_mb", "anonymous_memory_mb", "session_lock_ttl_s",
-                     "max_document_body_mb", "max_body_kb"):
+        for name in (
+            "session_ttl_s",
+            "session_memory_mb",
+            "anonymous_memory_mb",
+            "session_lock_ttl_s",
+            "max_document_body_mb",
+            "max_body_kb",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         for name in ("max_new_tokens", "max_input_tokens", "max_top_k", "max_active", "max_queued", "token_budget"):
@@ -84,5 +90,6 @@ class ServeConfig:
         if self.log_format not in ("text", "json"):
             raise ValueError(f"log_format must be 'text' or 'json', got {self.log_format!r}")
         if self.session_store not in (None, "memory") and not self.session_store.startswith(
-                ("redis://", "rediss://", "redis+cluster://", "rediss+cluster://")):
+            ("redis://", "rediss://", "redis+cluster://", "rediss+cluster://")
+        ):
             raise ValueError("session_store must be 'memory', a redis:// or a redis+cluster:// URL")

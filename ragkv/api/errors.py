@@ -55,14 +55,22 @@ class ClientGone(RequestCancelled):
 
 class QueueFullError(ApiError):
     def __init__(self, queued: int):
-        super().__init__(503, "overloaded", f"the model worker has {queued} requests waiting; retry shortly",
-                         headers={"Retry-After": "1"})
+        super().__init__(
+            503,
+            "overloaded",
+            f"the model worker has {queued} requests waiting; retry shortly",
+            headers={"Retry-After": "1"},
+        )
 
 
 def error_body(status: int, code: str, message: str, request_id: str | None, param: str | None = None) -> dict:
     return {
-        "error": {"message": message, "type": _TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error"),
-                  "code": code, "param": param},
+        "error": {
+            "message": message,
+            "type": _TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error"),
+            "code": code,
+            "param": param,
+        },
         "request_id": request_id,
     }
 
@@ -83,11 +91,19 @@ def as_api_error(error: BaseException) -> ApiError | None:
         status = 413 if error.reason == "too_large" else 400
         return ApiError(status, error.reason, str(error))
     if isinstance(error, RegistryUnavailableError):
-        return ApiError(503, "registry_unavailable", f"the document registry is unreachable; retry shortly: {error}",
-                        headers={"Retry-After": "5"})
+        return ApiError(
+            503,
+            "registry_unavailable",
+            f"the document registry is unreachable; retry shortly: {error}",
+            headers={"Retry-After": "5"},
+        )
     if isinstance(error, StoreUnavailableError):
-        return ApiError(503, "store_unavailable", f"the chunk store cannot take writes now; nothing was ingested: {error}",
-                        headers={"Retry-After": "5"})
+        return ApiError(
+            503,
+            "store_unavailable",
+            f"the chunk store cannot take writes now; nothing was ingested: {error}",
+            headers={"Retry-After": "5"},
+        )
     return None
 
 
@@ -126,8 +142,11 @@ def _allowed_methods(request: Request) -> list[str]:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, error: ApiError) -> SafeJSONResponse:
-        return SafeJSONResponse(error_body(error.status, error.code, error.message, request_id_of(request), error.param),
-                                status_code=error.status, headers=error.headers)
+        return SafeJSONResponse(
+            error_body(error.status, error.code, error.message, request_id_of(request), error.param),
+            status_code=error.status,
+            headers=error.headers,
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, error: RequestValidationError) -> SafeJSONResponse:
@@ -145,8 +164,11 @@ def install_error_handlers(app: FastAPI) -> None:
             allowed = _allowed_methods(request)
             message = f"{request.method} is not allowed on {request.url.path}; use {', '.join(allowed)}"
             headers = {**(headers or {}), "Allow": ", ".join(allowed)}
-        return SafeJSONResponse(error_body(error.status_code, code, message, request_id_of(request)),
-                                status_code=error.status_code, headers=headers)
+        return SafeJSONResponse(
+            error_body(error.status_code, code, message, request_id_of(request)),
+            status_code=error.status_code,
+            headers=headers,
+        )
 
     @app.exception_handler(InputError)
     async def _input(request: Request, error: InputError) -> SafeJSONResponse:

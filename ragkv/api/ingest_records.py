@@ -23,8 +23,11 @@ from ragkv.store.lmdb_env import LMDBEnvironment
 QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = "queued", "running", "succeeded", "failed", "cancelled"
 JOBS_DB = "jobs"
 PROGRESS_WRITE_INTERVAL_S = 1.0
-INTERRUPTED = {"code": "interrupted", "message": "the process running this job stopped before it finished; "
-               "nothing of it was kept: submit the document again"}
+INTERRUPTED = {
+    "code": "interrupted",
+    "message": "the process running this job stopped before it finished; "
+    "nothing of it was kept: submit the document again",
+}
 
 
 @dataclass
@@ -51,9 +54,16 @@ class IngestRecord:
         elif self.chunks_total:
             fraction = round(self.chunks_done / self.chunks_total, 4)
         return {
-            "id": self.id, "object": "job", "kind": self.kind, "name": self.name, "status": self.status,
+            "id": self.id,
+            "object": "job",
+            "kind": self.kind,
+            "name": self.name,
+            "status": self.status,
             "progress": {"chunks_done": self.chunks_done, "chunks_total": self.chunks_total, "fraction": fraction},
-            "result": self.result, "error": self.error, "created": self.created, "started": self.started,
+            "result": self.result,
+            "error": self.error,
+            "created": self.created,
+            "started": self.started,
             "finished": self.finished,
         }
 
@@ -99,7 +109,11 @@ class IngestRecords:
                 record.status, record.started = RUNNING, time.time()
             record.chunks_done, record.chunks_total = done, total
             now = time.monotonic()
-            if record.id not in self._written or now - self._written[record.id] >= PROGRESS_WRITE_INTERVAL_S or done == total:
+            if (
+                record.id not in self._written
+                or now - self._written[record.id] >= PROGRESS_WRITE_INTERVAL_S
+                or done == total
+            ):
                 self._written[record.id] = now
                 self._save(record)
 
@@ -151,6 +165,7 @@ class IngestRecords:
         excess = len(finished) - self.max_finished
         expired = [record.id for index, record in enumerate(finished) if record.finished < cutoff or index < excess]
         if expired:
+
             def delete(txn) -> None:
                 for job_id in expired:
                     txn.delete(job_id.encode(), db=self._db)

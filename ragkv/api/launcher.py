@@ -25,8 +25,14 @@ def free_port() -> int:
 class ServerProcess:
     """`ragkv serve --port <free> <args>`; `start()` returns once /health answers."""
 
-    def __init__(self, args: list[str] = (), *, port: int | None = None, env: dict[str, str] | None = None,
-                 log_path: Path | None = None):
+    def __init__(
+        self,
+        args: list[str] = (),
+        *,
+        port: int | None = None,
+        env: dict[str, str] | None = None,
+        log_path: Path | None = None,
+    ):
         self.port = port or free_port()
         self.args = list(args)
         self.env = {**os.environ, **(env or {})}
@@ -38,7 +44,7 @@ class ServerProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout_s: float = 180.0) -> "ServerProcess":
+    def start(self, timeout_s: float = 180.0) -> ServerProcess:
         self._log = open(self.log_path, "ab")
         command = [sys.executable, "-c", _MAIN, "serve", "--host", "127.0.0.1", "--port", str(self.port), *self.args]
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
@@ -79,7 +85,7 @@ class ServerProcess:
         if self._own_log:
             self.log_path.unlink(missing_ok=True)
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         return self.start()
 
     def __exit__(self, *exc_info) -> None:

@@ -16,8 +16,12 @@ def _item(text: str, logprob: float) -> dict:
 
 
 def chat_logprobs(entries: Sequence[TokenLogprob]) -> dict:
-    return {"content": [{**_item(e.text, e.logprob), "top_logprobs": [_item(a.text, a.logprob) for a in e.top]}
-                        for e in entries], "refusal": None}
+    return {
+        "content": [
+            {**_item(e.text, e.logprob), "top_logprobs": [_item(a.text, a.logprob) for a in e.top]} for e in entries
+        ],
+        "refusal": None,
+    }
 
 
 def completion_logprobs(entries: Sequence[TokenLogprob], text_offset: int = 0, with_top: bool = True) -> dict:
@@ -26,6 +30,9 @@ def completion_logprobs(entries: Sequence[TokenLogprob], text_offset: int = 0, w
     for entry in entries:
         offsets.append(text_offset)
         text_offset += len(entry.text)
-    return {"tokens": [e.text for e in entries], "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{a.text: a.logprob for a in e.top} for e in entries] if with_top else None,
-            "text_offset": offsets}
+    return {
+        "tokens": [e.text for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{a.text: a.logprob for a in e.top} for e in entries] if with_top else None,
+        "text_offset": offsets,
+    }

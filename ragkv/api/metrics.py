@@ -52,18 +52,51 @@ class Metrics:
         self.model_name = model_name
         """The `model_name` label of the vLLM families: the served model id (set at startup)."""
         self.vllm = VllmMetrics(r)
-        self.requests = Counter("ragkv_http_requests", "HTTP requests by route, method and status", ["route", "method", "status"], registry=r)
-        self.latency = Histogram("ragkv_http_request_seconds", "HTTP request latency (to the last byte for streams)",
-                                 ["route", "method"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("ragkv_ttft_seconds", "Time to first token on the model worker (retrieve + load + fuse or prefill)",
-                              ["endpoint", "phase"], buckets=_TTFT_BUCKETS, registry=r)
-        self.queue_wait = Histogram("ragkv_queue_wait_seconds", "Time a request waited for the model worker",
-                                    ["kind"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.chunks = Counter("ragkv_chunk_lookups", "Retrieved chunks found in the store (hit) or recomputed (miss)", ["result"], registry=r)
-        self.tokens = Counter("ragkv_tokens", "Prompt tokens reused from stored/session KV vs recomputed, and completion tokens",
-                              ["kind"], registry=r)
-        self.jobs = Counter("ragkv_worker_jobs", "Model worker jobs by kind and outcome", ["kind", "outcome"], registry=r)
-        self.sessions_turns = Counter("ragkv_chat_turns", "Chat turns by whether they continued a stored session", ["phase"], registry=r)
+        self.requests = Counter(
+            "ragkv_http_requests",
+            "HTTP requests by route, method and status",
+            ["route", "method", "status"],
+            registry=r,
+        )
+        self.latency = Histogram(
+            "ragkv_http_request_seconds",
+            "HTTP request latency (to the last byte for streams)",
+            ["route", "method"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "ragkv_ttft_seconds",
+            "Time to first token on the model worker (retrieve + load + fuse or prefill)",
+            ["endpoint", "phase"],
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "ragkv_queue_wait_seconds",
+            "Time a request waited for the model worker",
+            ["kind"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.chunks = Counter(
+            "ragkv_chunk_lookups",
+            "Retrieved chunks found in the store (hit) or recomputed (miss)",
+            ["result"],
+            registry=r,
+        )
+        self.tokens = Counter(
+            "ragkv_tokens",
+            "Prompt tokens reused from stored/session KV vs recomputed, and completion tokens",
+            ["kind"],
+            registry=r,
+        )
+        self.jobs = Counter(
+            "ragkv_worker_jobs", "Model worker jobs by kind and outcome", ["kind", "outcome"], registry=r
+        )
+        self.sessions_turns = Counter(
+            "ragkv_chat_turns", "Chat turns by whether they continued a stored session", ["phase"], registry=r
+        )
         self.queue_depth = Gauge("ragkv_worker_queue_depth", "Jobs waiting for the model worker", registry=r)
         self.active_jobs = Gauge("ragkv_worker_active_jobs", "Jobs the model worker is interleaving", registry=r)
 

@@ -39,8 +39,16 @@ class BodyTooLarge(HTTPException):
 
 
 class ServingMiddleware:
-    def __init__(self, app: ASGIApp, metrics: Metrics, authenticator: Authenticator, max_body_bytes: int,
-                 max_document_body_bytes: int, document_prefix: str = "/v1/documents", protected_prefix: str = "/v1/"):
+    def __init__(
+        self,
+        app: ASGIApp,
+        metrics: Metrics,
+        authenticator: Authenticator,
+        max_body_bytes: int,
+        max_document_body_bytes: int,
+        document_prefix: str = "/v1/documents",
+        protected_prefix: str = "/v1/",
+    ):
         self.app = app
         self.metrics = metrics
         self.authenticator = authenticator
@@ -74,15 +82,26 @@ class ServingMiddleware:
                 try:
                     scope["state"]["tenant"] = self.authenticator.tenant_for(headers.get("authorization"))
                 except ApiError as error:
-                    await self._reject(send_with_id, error.status, error.code, error.message, request_id,
-                                       [(k.lower().encode(), v.encode()) for k, v in (error.headers or {}).items()])
+                    await self._reject(
+                        send_with_id,
+                        error.status,
+                        error.code,
+                        error.message,
+                        request_id,
+                        [(k.lower().encode(), v.encode()) for k, v in (error.headers or {}).items()],
+                    )
                     return
             declared = headers.get("content-length")
             if declared is not None and (not declared.isdigit() or int(declared) > limit):
-                message = (f"the request body is {declared} bytes; the limit is {limit} bytes" if declared.isdigit()
-                           else "the Content-Length header is not a number")
+                message = (
+                    f"the request body is {declared} bytes; the limit is {limit} bytes"
+                    if declared.isdigit()
+                    else "the Content-Length header is not a number"
+                )
                 code = 413 if declared.isdigit() else 400
-                await self._reject(send_with_id, code, "body_too_large" if code == 413 else "bad_content_length", message, request_id)
+                await self._reject(
+                    send_with_id, code, "body_too_large" if code == 413 else "bad_content_length", message, request_id
+                )
                 return
             received = {"bytes": 0}
 
@@ -100,8 +119,13 @@ class ServingMiddleware:
                 if status["started"]:
                     raise
                 log.error("request %s %s %s failed", request_id, scope.get("method"), path, exc_info=error)
-                await self._reject(send_with_id, 500, "internal_error",
-                                   f"internal error; quote request id {request_id} to the operator", request_id)
+                await self._reject(
+                    send_with_id,
+                    500,
+                    "internal_error",
+                    f"internal error; quote request id {request_id} to the operator",
+                    request_id,
+                )
         finally:
             route = scope.get("route")
             label = getattr(route, "path", None) or "unmatched"
@@ -110,8 +134,14 @@ class ServingMiddleware:
             self.metrics.latency.labels(label, method).observe(time.perf_counter() - started)
 
     @staticmethod
-    async def _reject(send: Send, status: int, code: str, message: str, request_id: str,
-                      extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    async def _reject(
+        send: Send,
+        status: int,
+        code: str,
+        message: str,
+        request_id: str,
+        extra_headers: list[tuple[bytes, bytes]] | None = None,
+    ) -> None:
         body = json.dumps(error_body(status, code, message, request_id)).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         if status == 413:

@@ -27,11 +27,16 @@ SWAGGER_BUNDLE_GZ = SWAGGER_ASSETS / "swagger-ui-bundle.js.gz"
 SECURITY_SCHEME = "bearerAuth"
 PROTECTED_PREFIX = "/v1/"
 
+
 def capped_fields(limits: ServeConfig) -> list[tuple[str, str, int]]:
-    return [("QueryRequest", "top_k", limits.max_top_k), ("ChatRag", "top_k", limits.max_top_k),
-            ("QueryRequest", "max_tokens", limits.max_new_tokens), ("ChatRequest", "max_tokens", limits.max_new_tokens),
-            ("ChatRequest", "max_completion_tokens", limits.max_new_tokens),
-            ("CompletionRequest", "max_tokens", limits.max_new_tokens)]
+    return [
+        ("QueryRequest", "top_k", limits.max_top_k),
+        ("ChatRag", "top_k", limits.max_top_k),
+        ("QueryRequest", "max_tokens", limits.max_new_tokens),
+        ("ChatRequest", "max_tokens", limits.max_new_tokens),
+        ("ChatRequest", "max_completion_tokens", limits.max_new_tokens),
+        ("CompletionRequest", "max_tokens", limits.max_new_tokens),
+    ]
 
 
 _ERROR_DESCRIPTIONS = {
@@ -50,15 +55,20 @@ def errors(*statuses: int) -> dict[int | str, dict]:
     return {status: {"model": ErrorResponse, "description": _ERROR_DESCRIPTIONS[status]} for status in statuses}
 
 
-_SSE_EVENT = {"type": "object", "required": ["data"], "description": "one server-sent event",
-              "properties": {"event": {"type": "string"},
-                             "data": {"type": "string", "description": "a JSON object; the last event is [DONE]"}}}
+_SSE_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "description": "one server-sent event",
+    "properties": {
+        "event": {"type": "string"},
+        "data": {"type": "string", "description": "a JSON object; the last event is [DONE]"},
+    },
+}
 
 
 def sse_or(model: type, description: str) -> dict[int | str, dict]:
     """A 200 that is JSON, or server-sent events with `stream: true`."""
-    return {200: {"model": model, "description": description,
-                  "content": {"text/event-stream": {"schema": _SSE_EVENT}}}}
+    return {200: {"model": model, "description": description, "content": {"text/event-stream": {"schema": _SSE_EVENT}}}}
 
 
 def _error_response() -> dict:
@@ -89,11 +99,15 @@ def build_openapi(app: FastAPI, limits: ServeConfig) -> dict:
         model_schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas.update(model_schema.pop("$defs", {}))
         schemas.setdefault(model.__name__, model_schema)
-    components["securitySchemes"] = {SECURITY_SCHEME: {
-        "type": "http", "scheme": "bearer",
-        "description": "An API key from --api-keys / $RAGKV_API_KEYS; not needed when the server has none"}}
+    components["securitySchemes"] = {
+        SECURITY_SCHEME: {
+            "type": "http",
+            "scheme": "bearer",
+            "description": "An API key from --api-keys / $RAGKV_API_KEYS; not needed when the server has none",
+        }
+    }
     for path, operations in schema.get("paths", {}).items():
-        for method, operation in operations.items():
+        for _method, operation in operations.items():
             responses = operation.setdefault("responses", {})
             responses.pop("422", None)
             if path.startswith(PROTECTED_PREFIX):
@@ -112,15 +126,21 @@ def install_docs(app: FastAPI, limits: ServeConfig) -> None:
 
     @app.get(f"{ASSETS_PATH}/swagger-ui-bundle.js", include_in_schema=False)
     def swagger_bundle() -> Response:
-        return Response(SWAGGER_BUNDLE_GZ.read_bytes(), media_type="application/javascript",
-                        headers={"Content-Encoding": "gzip", "Cache-Control": "public, max-age=86400"})
+        return Response(
+            SWAGGER_BUNDLE_GZ.read_bytes(),
+            media_type="application/javascript",
+            headers={"Content-Encoding": "gzip", "Cache-Control": "public, max-age=86400"},
+        )
 
     app.mount(ASSETS_PATH, StaticFiles(directory=SWAGGER_ASSETS), name="swagger-ui-assets")
 
     @app.get("/docs", include_in_schema=False)
     def swagger_ui() -> HTMLResponse:
-        return get_swagger_ui_html(openapi_url=app.openapi_url, title=f"{app.title} API",
-                                   swagger_js_url=f"{ASSETS_PATH}/swagger-ui-bundle.js",
-                                   swagger_css_url=f"{ASSETS_PATH}/swagger-ui.css",
-                                   swagger_favicon_url=f"{ASSETS_PATH}/favicon-32x32.png",
-                                   swagger_ui_parameters={"persistAuthorization": True})
+        return get_swagger_ui_html(
+            openapi_url=app.openapi_url,
+            title=f"{app.title} API",
+            swagger_js_url=f"{ASSETS_PATH}/swagger-ui-bundle.js",
+            swagger_css_url=f"{ASSETS_PATH}/swagger-ui.css",
+            swagger_favicon_url=f"{ASSETS_PATH}/favicon-32x32.png",
+            swagger_ui_parameters={"persistAuthorization": True},
+        )

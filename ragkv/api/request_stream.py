@@ -36,7 +36,7 @@ class StreamEvent:
 class RequestStream:
     """Created on the event loop thread; its sinks are called on the worker thread."""
 
-    def __init__(self, kind: str, requests: list[Request], on_end: Callable[["RequestStream"], None] | None = None):
+    def __init__(self, kind: str, requests: list[Request], on_end: Callable[[RequestStream], None] | None = None):
         """`on_end`: called (on the worker thread) once every request ended, `outcome` set."""
         if not requests:
             raise ValueError("a request stream needs at least one request")

@@ -12,8 +12,9 @@ from ragkv.api.schemas import SEED_MAX, SEED_MIN, SEED_SCHEMA, SESSION_ID_PATTER
 
 class InputPart(BaseModel):
     model_config = ConfigDict(extra="allow")
-    type: str = Field(json_schema_extra={"enum": ["input_text", "output_text", "text"]},
-                      description="only text parts are served")
+    type: str = Field(
+        json_schema_extra={"enum": ["input_text", "output_text", "text"]}, description="only text parts are served"
+    )
     text: str | None = None
 
 
@@ -29,8 +30,12 @@ class InputMessage(BaseModel):
         pieces = []
         for part in self.content:
             if part.type not in ("input_text", "output_text", "text") or part.text is None:
-                raise ApiError(400, "unsupported_content", f"input content parts of type {part.type!r} are not "
-                               "supported; send input_text", param="input")
+                raise ApiError(
+                    400,
+                    "unsupported_content",
+                    f"input content parts of type {part.type!r} are not supported; send input_text",
+                    param="input",
+                )
             pieces.append(part.text)
         return "".join(pieces)
 
@@ -45,13 +50,22 @@ class ResponseRequest(UnicodeText):
     max_output_tokens: int | None = Field(None, ge=1, description="tokens to generate at most (the server caps it)")
     temperature: float | None = Field(None, ge=0, le=10, description="0 or absent: greedy decoding")
     top_p: float | None = Field(None, gt=0, le=1, description="nucleus sampling mass (with temperature > 0)")
-    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX, json_schema_extra=SEED_SCHEMA,
-                             description="ragkv extension: seed of the sampler")
-    stream: StrictBool = Field(False, description="answer as server-sent events (response.created, "
-                               "response.output_text.delta, ..., response.completed)")
+    seed: int | None = Field(
+        None,
+        ge=SEED_MIN,
+        le=SEED_MAX,
+        json_schema_extra=SEED_SCHEMA,
+        description="ragkv extension: seed of the sampler",
+    )
+    stream: StrictBool = Field(
+        False,
+        description="answer as server-sent events (response.created, "
+        "response.output_text.delta, ..., response.completed)",
+    )
     rag: ChatRag | None = Field(None, description="ragkv extension: retrieval, fusion and session options, as on chat")
-    session_id: str | None = Field(None, pattern=SESSION_ID_PATTERN,
-                                   description="ragkv extension: continue this chat session")
+    session_id: str | None = Field(
+        None, pattern=SESSION_ID_PATTERN, description="ragkv extension: continue this chat session"
+    )
 
     def refuse_unsupported(self) -> None:
         extra = self.model_extra or {}
@@ -59,14 +73,20 @@ class ResponseRequest(UnicodeText):
             if extra.get(name):
                 raise ApiError(400, "unsupported_parameter", f"{name} are not supported by this server", param=name)
         if extra.get("previous_response_id"):
-            raise ApiError(400, "unsupported_parameter", "previous_response_id is not supported: responses are not "
-                           "stored; resend the conversation as input (its cached prefix is reused) or continue a "
-                           "session with rag.session_id", param="previous_response_id")
+            raise ApiError(
+                400,
+                "unsupported_parameter",
+                "previous_response_id is not supported: responses are not "
+                "stored; resend the conversation as input (its cached prefix is reused) or continue a "
+                "session with rag.session_id",
+                param="previous_response_id",
+            )
         text = extra.get("text")
         output_format = text.get("format") if isinstance(text, dict) else None
         if isinstance(output_format, dict) and output_format.get("type") not in (None, "text"):
-            raise ApiError(400, "unsupported_parameter", "only text output is served (text.format.type 'text')",
-                           param="text")
+            raise ApiError(
+                400, "unsupported_parameter", "only text output is served (text.format.type 'text')", param="text"
+            )
 
     def messages(self) -> list[dict[str, str]]:
         messages = [{"role": "system", "content": self.instructions}] if self.instructions else []

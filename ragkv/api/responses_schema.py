@@ -18,10 +18,13 @@ class _Open(BaseModel):
 
 # -- errors ---------------------------------------------------------------------------------------
 
+
 class ErrorDetail(_Open):
     message: str = Field(description="what is wrong, for a person")
-    type: str = Field(description="invalid_request_error, authentication_error, not_found_error, conflict_error, "
-                                  "overloaded_error or api_error")
+    type: str = Field(
+        description="invalid_request_error, authentication_error, not_found_error, conflict_error, "
+        "overloaded_error or api_error"
+    )
     code: str | None = Field(description="short machine-readable reason")
     param: str | None = Field(None, description="the request field at fault, when there is one")
 
@@ -35,6 +38,7 @@ class ErrorResponse(_Open):
 
 # -- system ---------------------------------------------------------------------------------------
 
+
 class Health(_Open):
     status: str = Field(description="ok, degraded (a fallback is in use: Redis unreachable) or unavailable")
     problems: list[str]
@@ -47,6 +51,7 @@ class Health(_Open):
 
 
 # -- documents and jobs ---------------------------------------------------------------------------
+
 
 class DocumentSummary(_Open):
     id: str
@@ -134,6 +139,7 @@ class Deleted(_Open):
 
 # -- questions ------------------------------------------------------------------------------------
 
+
 class Citation(_Open):
     document_id: str
     name: str
@@ -142,21 +148,28 @@ class Citation(_Open):
     char_end: int
     score: float
     text: str
-    page: int | None = Field(None, description="1-based page where the chunk starts (PDF); null for formats without pages")
+    page: int | None = Field(
+        None, description="1-based page where the chunk starts (PDF); null for formats without pages"
+    )
 
 
 class RagUsage(_Open):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    cached_tokens: int | None = Field(None, description="prompt tokens whose KV was read, not computed (stored "
-                                                        "chunks, a session); also prompt_tokens_details.cached_tokens")
+    cached_tokens: int | None = Field(
+        None,
+        description="prompt tokens whose KV was read, not computed (stored "
+        "chunks, a session); also prompt_tokens_details.cached_tokens",
+    )
     reused_tokens: int | None = Field(None, description="the same count under its earlier name (chat)")
     document_tokens: int | None = Field(None, description="prompt tokens of retrieved chunks")
     prompt_tokens_details: dict[str, int] | None = Field(None, description="OpenAI's form: cached_tokens")
     computed_tokens: int = Field(description="prompt tokens whose KV was computed for this request")
-    recomputed_tokens: int = Field(description="document tokens computed: selective recompute and chunks the store "
-                                               "could not give (miss, corrupt blob)")
+    recomputed_tokens: int = Field(
+        description="document tokens computed: selective recompute and chunks the store "
+        "could not give (miss, corrupt blob)"
+    )
 
 
 class QueryResponse(_Open):
@@ -171,6 +184,7 @@ class QueryResponse(_Open):
 
 
 # -- OpenAI-compatible ----------------------------------------------------------------------------
+
 
 class Model(_Open):
     id: str
@@ -193,8 +207,9 @@ class ChatChoice(_Open):
     index: int
     message: ChatMessageOut
     finish_reason: str = Field(description="stop or length")
-    logprobs: dict[str, Any] | None = Field(None, description="with logprobs: true, {content: [{token, logprob, bytes, "
-                                            "top_logprobs}]}")
+    logprobs: dict[str, Any] | None = Field(
+        None, description="with logprobs: true, {content: [{token, logprob, bytes, top_logprobs}]}"
+    )
 
 
 class ChatCompletion(_Open):
@@ -212,8 +227,9 @@ class CompletionChoice(_Open):
     index: int
     text: str
     finish_reason: str = Field(description="stop or length")
-    logprobs: dict[str, Any] | None = Field(None, description="with logprobs: N, {tokens, token_logprobs, "
-                                            "top_logprobs, text_offset}")
+    logprobs: dict[str, Any] | None = Field(
+        None, description="with logprobs: N, {tokens, token_logprobs, top_logprobs, text_offset}"
+    )
 
 
 class CompletionUsage(_Open):

@@ -16,13 +16,13 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, f
 
 from ragkv.api.config import ServeConfig
 from ragkv.api.errors import ApiError
-from ragkv.fusion import DEFAULT_STRATEGY, STRATEGY_NAMES, FusionConfig
-from ragkv.engine.generation import MAX_LOGPROBS, GenerationConfig
 from ragkv.app.rag import QueryConfig
+from ragkv.engine.generation import MAX_LOGPROBS, GenerationConfig
+from ragkv.engine.sampling import SamplingConfig
+from ragkv.fusion import DEFAULT_STRATEGY, STRATEGY_NAMES, FusionConfig
 from ragkv.ingest.errors import InputError
 from ragkv.ingest.index.filters import MetadataFilter
 from ragkv.ingest.index.hybrid import RETRIEVAL_MODES
-from ragkv.engine.sampling import SamplingConfig
 
 try:  # sparse decode (ragkv.sparse) is optional in this layer: without it only dense decode is served
     from ragkv.sparse import SELECTOR_NAMES, SparseConfig
@@ -93,7 +93,11 @@ def not_blank(value: str) -> str:
 
 NotBlank = Annotated[str, AfterValidator(not_blank)]
 
-Stop = Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=4)] | None
+Stop = (
+    Annotated[str, Field(min_length=1)]
+    | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=4)]
+    | None
+)
 STOP_DESCRIPTION = "up to 4 non-empty strings that end the answer (not included)"
 
 
@@ -102,18 +106,28 @@ class RetrievalOptions(_Strict):
 
     top_k: int = Field(5, ge=1, description="chunks retrieved (the server caps it, see --max-top-k)")
     document_ids: list[Annotated[str, Field(pattern=DOC_ID_PATTERN)]] | None = Field(
-        None, min_length=1, max_length=256, description="restrict retrieval to these documents")
-    strategy: str = Field(DEFAULT_STRATEGY, json_schema_extra={"pattern": rf"^({'|'.join(STRATEGY_NAMES)})(:.+)?$"},
-                          description="fusion strategy spec: a name (" + ", ".join(STRATEGY_NAMES)
-                          + ") or name:option=value,... (e.g. a3:ratio=0.3)")
-    ratio: float | None = Field(None, ge=0, le=1, description="share of document tokens recomputed (a3, cacheblend); "
-                                "overrides the spec's")
+        None, min_length=1, max_length=256, description="restrict retrieval to these documents"
+    )
+    strategy: str = Field(
+        DEFAULT_STRATEGY,
+        json_schema_extra={"pattern": rf"^({'|'.join(STRATEGY_NAMES)})(:.+)?$"},
+        description="fusion strategy spec: a name ("
+        + ", ".join(STRATEGY_NAMES)
+        + ") or name:option=value,... (e.g. a3:ratio=0.3)",
+    )
+    ratio: float | None = Field(
+        None, ge=0, le=1, description="share of document tokens recomputed (a3, cacheblend); overrides the spec's"
+    )
     retrieval: Literal[RETRIEVAL_MODES] | None = Field(
-        None, description="dense (embeddings), bm25 (words) or hybrid (both, fused by reciprocal rank); "
-        "default: the server's --retrieval")
+        None,
+        description="dense (embeddings), bm25 (words) or hybrid (both, fused by reciprocal rank); "
+        "default: the server's --retrieval",
+    )
     filter: dict[str, Any] | None = Field(
-        None, description='retrieve only from documents whose metadata matches: {"team": "legal"}, '
-        '{"team": {"$in": ["legal", "hr"]}}, {"year": {"$gte": 2020}} ($gt, $gte, $lt, $lte, $ne); every key must hold')
+        None,
+        description='retrieve only from documents whose metadata matches: {"team": "legal"}, '
+        '{"team": {"$in": ["legal", "hr"]}}, {"year": {"$gte": 2020}} ($gt, $gte, $lt, $lte, $ne); every key must hold',
+    )
 
     @field_validator("strategy")
     @classmethod
@@ -127,20 +141,39 @@ class RetrievalOptions(_Strict):
 class SparseOptions(_Strict):
     """Sparse decode options of /v1/query (a chat session decodes dense: it keeps its exact KV)."""
 
-    selector: str = Field("dense", json_schema_extra={"pattern": rf"^({'|'.join(SELECTOR_NAMES)})(:.+)?$"},
-                          description="decode attention selector spec: a name (" + ", ".join(SELECTOR_NAMES)
-                          + ") or name:option=value,... (e.g. a2ats:rerank=0)")
-    budget: float | None = Field(None, gt=0, description="sparse decode budget per KV head, sinks and recent window "
-                                 "included: a fraction of the cached rows in (0, 1] or a whole row count > 1",
-                                 json_schema_extra={"anyOf": [{"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-                                                              {"type": "integer", "minimum": 2}, {"type": "null"}]})
+    selector: str = Field(
+        "dense",
+        json_schema_extra={"pattern": rf"^({'|'.join(SELECTOR_NAMES)})(:.+)?$"},
+        description="decode attention selector spec: a name ("
+        + ", ".join(SELECTOR_NAMES)
+        + ") or name:option=value,... (e.g. a2ats:rerank=0)",
+    )
+    budget: float | None = Field(
+        None,
+        gt=0,
+        description="sparse decode budget per KV head, sinks and recent window "
+        "included: a fraction of the cached rows in (0, 1] or a whole row count > 1",
+        json_schema_extra={
+            "anyOf": [
+                {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+                {"type": "integer", "minimum": 2},
+                {"type": "null"},
+            ]
+        },
+    )
     head_aggregation: Literal["probs", "logits"] | None = Field(
-        None, description="how a KV head's query heads combine their scores when rows are chosen: 'probs' (summed "
+        None,
+        description="how a KV head's query heads combine their scores when rows are chosen: 'probs' (summed "
         "estimated probabilities) or 'logits' (summed logits: cheaper); default: the selector's own ('logits' for "
-        "a2ats, 'probs' for the others)")
-    snapkv_capacity: int | None = Field(None, ge=1, description="SnapKV: prompt rows kept per layer and KV head after "
-                                        "the first token (None: no eviction); at least the prefix and question rows "
-                                        "(else 400 snapkv_capacity_too_small)")
+        "a2ats, 'probs' for the others)",
+    )
+    snapkv_capacity: int | None = Field(
+        None,
+        ge=1,
+        description="SnapKV: prompt rows kept per layer and KV head after "
+        "the first token (None: no eviction); at least the prefix and question rows "
+        "(else 400 snapkv_capacity_too_small)",
+    )
 
     @field_validator("selector")
     @classmethod
@@ -152,16 +185,31 @@ class SparseOptions(_Strict):
 
     @property
     def wants_sparse(self) -> bool:
-        return (self.selector.split(":", 1)[0] != "dense" or self.budget is not None or self.head_aggregation is not None
-                or self.snapkv_capacity is not None)
+        return (
+            self.selector.split(":", 1)[0] != "dense"
+            or self.budget is not None
+            or self.head_aggregation is not None
+            or self.snapkv_capacity is not None
+        )
 
 
 class QueryRequest(RetrievalOptions, SparseOptions):
-    question: NotBlank = Field(min_length=1, max_length=100_000, json_schema_extra=NOT_BLANK_SCHEMA, description="the question, answered from the tenant's documents")
+    question: NotBlank = Field(
+        min_length=1,
+        max_length=100_000,
+        json_schema_extra=NOT_BLANK_SCHEMA,
+        description="the question, answered from the tenant's documents",
+    )
     max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=1, description="tokens to generate at most (the server caps it)")
     temperature: float = Field(0.0, ge=0, le=10, description="0: greedy decoding; above 0: sampling")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass (with temperature > 0)")
-    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX, json_schema_extra=SEED_SCHEMA, description="seed of the sampler (64 bits); greedy ignores it")
+    seed: int | None = Field(
+        None,
+        ge=SEED_MIN,
+        le=SEED_MAX,
+        json_schema_extra=SEED_SCHEMA,
+        description="seed of the sampler (64 bits); greedy ignores it",
+    )
     stop: Stop = Field(None, description=STOP_DESCRIPTION)
     stream: StrictBool = Field(False, description="answer as server-sent events: retrieval, token..., done, [DONE]")
 
@@ -169,8 +217,12 @@ class QueryRequest(RetrievalOptions, SparseOptions):
 class DocumentCreate(_Strict):
     text: NotBlank = Field(json_schema_extra=NOT_BLANK_SCHEMA, description="the document's text")
     name: str = Field("document.txt", min_length=1, max_length=256, description="a name shown in citations")
-    metadata: dict[str, Any] | None = Field(None, description=f"a JSON object kept with the document (at most {MAX_METADATA_BYTES} bytes)")
-    background: StrictBool | None = Field(None, description="force (true) or refuse (false) a background job; default by size")
+    metadata: dict[str, Any] | None = Field(
+        None, description=f"a JSON object kept with the document (at most {MAX_METADATA_BYTES} bytes)"
+    )
+    background: StrictBool | None = Field(
+        None, description="force (true) or refuse (false) a background job; default by size"
+    )
 
 
 class ContentPart(BaseModel):
@@ -192,8 +244,12 @@ class ChatMessage(BaseModel):
         parts = []
         for part in self.content:
             if part.type != "text" or part.text is None:
-                raise ApiError(400, "unsupported_content", f"message content parts of type {part.type!r} are not supported; send text",
-                               param="messages")
+                raise ApiError(
+                    400,
+                    "unsupported_content",
+                    f"message content parts of type {part.type!r} are not supported; send text",
+                    param="messages",
+                )
             parts.append(part.text)
         return "".join(parts)
 
@@ -210,41 +266,69 @@ class StreamOptions(BaseModel):
 
 class ResponseFormat(BaseModel):
     model_config = ConfigDict(extra="allow")
-    type: str = Field(json_schema_extra={"enum": ["text"]},
-                      description="'text' is served; 'json_object' and 'json_schema' are refused with 400 "
-                                  "(the server does not constrain decoding to JSON)")
+    type: str = Field(
+        json_schema_extra={"enum": ["text"]},
+        description="'text' is served; 'json_object' and 'json_schema' are refused with 400 "
+        "(the server does not constrain decoding to JSON)",
+    )
 
 
 class ChatRequest(UnicodeText):
     # OpenAI clients send fields this server does not use (user, metadata, ...): ignored,
     # except those whose meaning cannot be honoured, refused below.
     model_config = ConfigDict(extra="allow")
-    model: str = Field(min_length=1, examples=["ragkv"], description="the served model's id (GET /v1/models) or the alias 'ragkv'")
-    messages: list[ChatMessage] = Field(min_length=1, description="the conversation; the last message must be the "
-                                        "user's. With a session only the last message is new: earlier ones are "
-                                        "already in the session's KV")
-    max_tokens: int | None = Field(None, ge=1, description=f"tokens to generate at most (default {DEFAULT_MAX_TOKENS}; "
-                                   "the server caps it, see --max-new-tokens)")
-    max_completion_tokens: int | None = Field(None, ge=1, description="the same as max_tokens (OpenAI's newer name); "
-                                              "wins when both are given")
+    model: str = Field(
+        min_length=1, examples=["ragkv"], description="the served model's id (GET /v1/models) or the alias 'ragkv'"
+    )
+    messages: list[ChatMessage] = Field(
+        min_length=1,
+        description="the conversation; the last message must be the "
+        "user's. With a session only the last message is new: earlier ones are "
+        "already in the session's KV",
+    )
+    max_tokens: int | None = Field(
+        None,
+        ge=1,
+        description=f"tokens to generate at most (default {DEFAULT_MAX_TOKENS}; "
+        "the server caps it, see --max-new-tokens)",
+    )
+    max_completion_tokens: int | None = Field(
+        None, ge=1, description="the same as max_tokens (OpenAI's newer name); wins when both are given"
+    )
     temperature: float | None = Field(None, ge=0, le=10, description="0 or absent: greedy decoding; above 0: sampling")
     top_p: float | None = Field(None, gt=0, le=1, description="nucleus sampling mass (with temperature > 0)")
-    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX, json_schema_extra=SEED_SCHEMA, description="seed of the sampler (64 bits); "
-                             "greedy decoding ignores it")
+    seed: int | None = Field(
+        None,
+        ge=SEED_MIN,
+        le=SEED_MAX,
+        json_schema_extra=SEED_SCHEMA,
+        description="seed of the sampler (64 bits); greedy decoding ignores it",
+    )
     stop: Stop = Field(None, description=STOP_DESCRIPTION)
-    stream: StrictBool = Field(False, description="answer as server-sent events (chat.completion.chunk objects, then [DONE])")
+    stream: StrictBool = Field(
+        False, description="answer as server-sent events (chat.completion.chunk objects, then [DONE])"
+    )
     stream_options: StreamOptions | None = Field(None, description="streaming options: include_usage")
     n: int = Field(1, ge=1, le=1, description="choices per request: only 1 is served")
-    logprobs: StrictBool | None = Field(None, description="true: return each answer token's log-probability "
-                                        "(choices[].logprobs)")
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="with logprobs: also the N most likely "
-                                     "tokens at each position")
+    logprobs: StrictBool | None = Field(
+        None, description="true: return each answer token's log-probability (choices[].logprobs)"
+    )
+    top_logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="with logprobs: also the N most likely tokens at each position"
+    )
     response_format: ResponseFormat | None = Field(None, description="only {'type': 'text'} is served")
     rag: ChatRag | None = Field(None, description="ragkv extension: retrieval, fusion and session options")
-    sources: StrictBool = Field(False, description="ragkv extension: end the message content with numbered source markers, "
-                          "a 'Sources:' block and the session id (for clients that read only the text)")
-    session_id: str | None = Field(None, pattern=SESSION_ID_PATTERN, description="ragkv extension: continue this chat session (its KV is kept "
-                                   "server-side); a new id is made when absent and returned as session_id")
+    sources: StrictBool = Field(
+        False,
+        description="ragkv extension: end the message content with numbered source markers, "
+        "a 'Sources:' block and the session id (for clients that read only the text)",
+    )
+    session_id: str | None = Field(
+        None,
+        pattern=SESSION_ID_PATTERN,
+        description="ragkv extension: continue this chat session (its KV is kept "
+        "server-side); a new id is made when absent and returned as session_id",
+    )
 
     def refuse_unsupported(self) -> None:
         extra = self.model_extra or {}
@@ -263,12 +347,17 @@ class ChatRequest(UnicodeText):
 
 def refuse_response_format(response_format: ResponseFormat | None) -> None:
     if response_format is not None and response_format.type != "text":
-        raise ApiError(400, "unsupported_parameter", f"response_format {response_format.type!r} is not supported: this "
-                       "server does not constrain decoding to JSON; send {'type': 'text'} or leave it out",
-                       param="response_format")
+        raise ApiError(
+            400,
+            "unsupported_parameter",
+            f"response_format {response_format.type!r} is not supported: this "
+            "server does not constrain decoding to JSON; send {'type': 'text'} or leave it out",
+            param="response_format",
+        )
 
 
 # -- conversion to the typed configs -----------------------------------------------------
+
 
 def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
     if stop is None:
@@ -279,15 +368,26 @@ def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
     return stops
 
 
-def generation_config(max_tokens: int, temperature: float | None, top_p: float | None, seed: int | None,
-                      stop: str | list[str] | None, limits: ServeConfig,
-                      logprobs: int | None = None) -> GenerationConfig:
+def generation_config(
+    max_tokens: int,
+    temperature: float | None,
+    top_p: float | None,
+    seed: int | None,
+    stop: str | list[str] | None,
+    limits: ServeConfig,
+    logprobs: int | None = None,
+) -> GenerationConfig:
     if max_tokens > limits.max_new_tokens:
-        raise ApiError(400, "invalid_parameters", f"max_tokens is {max_tokens}; this server allows at most {limits.max_new_tokens}",
-                       param="max_tokens")
+        raise ApiError(
+            400,
+            "invalid_parameters",
+            f"max_tokens is {max_tokens}; this server allows at most {limits.max_new_tokens}",
+            param="max_tokens",
+        )
     try:
-        sampling = SamplingConfig(temperature=0.0 if temperature is None else temperature,
-                                  top_p=1.0 if top_p is None else top_p, seed=seed)
+        sampling = SamplingConfig(
+            temperature=0.0 if temperature is None else temperature, top_p=1.0 if top_p is None else top_p, seed=seed
+        )
         return GenerationConfig(max_new_tokens=max_tokens, sampling=sampling, stop=_stops(stop), logprobs=logprobs)
     except ValueError as error:
         raise ApiError(400, "invalid_parameters", str(error)) from None
@@ -295,16 +395,26 @@ def generation_config(max_tokens: int, temperature: float | None, top_p: float |
 
 def query_config(options: RetrievalOptions, generation: GenerationConfig, limits: ServeConfig) -> QueryConfig:
     if options.top_k > limits.max_top_k:
-        raise ApiError(400, "invalid_parameters", f"top_k is {options.top_k}; this server allows at most {limits.max_top_k}",
-                       param="top_k")
+        raise ApiError(
+            400,
+            "invalid_parameters",
+            f"top_k is {options.top_k}; this server allows at most {limits.max_top_k}",
+            param="top_k",
+        )
     try:
         fusion = FusionConfig(strategy=options.strategy, ratio=options.ratio)
         extra = {}
         if isinstance(options, SparseOptions) and options.wants_sparse:
             extra["sparse"] = sparse_config(options)
-        return QueryConfig(top_k=options.top_k, doc_ids=tuple(options.document_ids) if options.document_ids else None,
-                           fusion=fusion, generation=generation, retrieval=options.retrieval or limits.retrieval,
-                           filter=metadata_filter(options.filter), **extra)
+        return QueryConfig(
+            top_k=options.top_k,
+            doc_ids=tuple(options.document_ids) if options.document_ids else None,
+            fusion=fusion,
+            generation=generation,
+            retrieval=options.retrieval or limits.retrieval,
+            filter=metadata_filter(options.filter),
+            **extra,
+        )
     except ValueError as error:
         raise ApiError(400, "invalid_parameters", str(error)) from None
 
@@ -345,8 +455,14 @@ def check_metadata(metadata: Any) -> dict | None:
         raise ApiError(400, "bad_metadata", "metadata must be a JSON object", param="metadata")
     where = unpaired_surrogate_at(metadata, "metadata")
     if where is not None:
-        raise ApiError(400, "bad_metadata", f"{where} holds an unpaired UTF-16 surrogate: text must be valid Unicode",
-                       param="metadata")
+        raise ApiError(
+            400,
+            "bad_metadata",
+            f"{where} holds an unpaired UTF-16 surrogate: text must be valid Unicode",
+            param="metadata",
+        )
     if len(json.dumps(metadata)) > MAX_METADATA_BYTES:
-        raise ApiError(413, "metadata_too_large", f"metadata must be at most {MAX_METADATA_BYTES} bytes of JSON", param="metadata")
+        raise ApiError(
+            413, "metadata_too_large", f"metadata must be at most {MAX_METADATA_BYTES} bytes of JSON", param="metadata"
+        )
     return metadata

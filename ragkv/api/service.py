@@ -45,8 +45,15 @@ class Service:
     def query_stream(self, question: str, tenant: str, config: QueryConfig) -> RequestStream:
         """A request the scheduler prepares and decodes (batched with the others)."""
         try:
-            request = query_request(self.rag, question, tenant, config, max_input_tokens=self.config.max_input_tokens,
-                                    arrival=time.perf_counter(), on_finished=self._record_query)
+            request = query_request(
+                self.rag,
+                question,
+                tenant,
+                config,
+                max_input_tokens=self.config.max_input_tokens,
+                arrival=time.perf_counter(),
+                on_finished=self._record_query,
+            )
         except InputError as error:
             raise as_api_error(error) from None
         return RequestStream("query", [request], self._count)
@@ -55,8 +62,9 @@ class Service:
 
     def chat_stream(self, turn: ChatTurn, context_id: str) -> RequestStream:
         try:
-            request = self.chat.request(turn, context_id=context_id, arrival=time.perf_counter(),
-                                        on_finished=self._record_chat)
+            request = self.chat.request(
+                turn, context_id=context_id, arrival=time.perf_counter(), on_finished=self._record_chat
+            )
         except InputError as error:
             raise as_api_error(error) from None
         return RequestStream("chat", [request], self._count)
@@ -67,15 +75,27 @@ class Service:
         """One request per prompt; every prompt is checked before any runs."""
         engine = self.runtime.engine
         try:
-            all_ids = [prompt_ids(engine, prompt, generation, max_input_tokens=self.config.max_input_tokens,
-                                  where=f"prompt {index}" if len(prompts) > 1 else "the prompt")
-                       for index, prompt in enumerate(prompts)]
+            all_ids = [
+                prompt_ids(
+                    engine,
+                    prompt,
+                    generation,
+                    max_input_tokens=self.config.max_input_tokens,
+                    where=f"prompt {index}" if len(prompts) > 1 else "the prompt",
+                )
+                for index, prompt in enumerate(prompts)
+            ]
         except InputError as error:
             raise as_api_error(error) from None
         arrival = time.perf_counter()
-        return RequestStream("completion", [completion_request(engine, ids, generation, arrival=arrival,
-                                                               on_finished=self._record_completion)
-                                            for ids in all_ids], self._count)
+        return RequestStream(
+            "completion",
+            [
+                completion_request(engine, ids, generation, arrival=arrival, on_finished=self._record_completion)
+                for ids in all_ids
+            ],
+            self._count,
+        )
 
     # -- metrics --------------------------------------------------------------------
 
@@ -85,8 +105,9 @@ class Service:
     def _record_query(self, request: Request, completion: Completion) -> None:
         info: QueryInfo = completion.info
         self._record("query", "fused", request, completion)
-        self.metrics.record_usage(completion.usage, max(len(completion.citations) - info.missing_chunks, 0),
-                                  info.missing_chunks)
+        self.metrics.record_usage(
+            completion.usage, max(len(completion.citations) - info.missing_chunks, 0), info.missing_chunks
+        )
 
     def _record_chat(self, request: Request, completion: Completion) -> None:
         info: ChatInfo = completion.info
@@ -110,8 +131,17 @@ class Service:
 
     # -- ingestion and deletion -----------------------------------------------------
 
-    def ingest_body(self, text: str, name: str, tenant: str, metadata: dict | None, progress=None, checkpoint=None,
-                    pages: list[list[int]] | None = None, replaces: str | None = None):
+    def ingest_body(
+        self,
+        text: str,
+        name: str,
+        tenant: str,
+        metadata: dict | None,
+        progress=None,
+        checkpoint=None,
+        pages: list[list[int]] | None = None,
+        replaces: str | None = None,
+    ):
         def body(task: Task):
             def on_progress(done: int, total: int) -> None:
                 if progress is not None:
@@ -121,8 +151,9 @@ class Service:
                     checkpoint()
                 task.check_cancelled()
 
-            result = self.runtime.ingestor.ingest_text(text, name, tenant=tenant, metadata=metadata,
-                                                       progress=on_progress, pages=pages, replaces=replaces)
+            result = self.runtime.ingestor.ingest_text(
+                text, name, tenant=tenant, metadata=metadata, progress=on_progress, pages=pages, replaces=replaces
+            )
             return result
             yield  # a generator: the whole ingestion is one step (it yields to queries via checkpoint)
 

@@ -47,7 +47,9 @@ _RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpi
 
 def check_session_id(session_id: str) -> str:
     if not isinstance(session_id, str) or not _SESSION_ID.match(session_id):
-        raise ApiError(400, "bad_session_id", "session_id must be 1-128 characters of [A-Za-z0-9_.:-]", param="session_id")
+        raise ApiError(
+            400, "bad_session_id", "session_id must be 1-128 characters of [A-Za-z0-9_.:-]", param="session_id"
+        )
     return session_id
 
 
@@ -63,9 +65,17 @@ def encode_context(context: Context) -> bytes:
 
 
 def context_meta(context: Context) -> dict:
-    return {"id": context.id, "tenant": context.tenant, "fingerprint": context.fingerprint,
-            "insertions": [[i.at, i.rows, list(i.chunk_hashes)] for i in context.insertions], "turns": context.turns,
-            "created": context.created, "updated": context.updated, "version": context.version, "length": context.length}
+    return {
+        "id": context.id,
+        "tenant": context.tenant,
+        "fingerprint": context.fingerprint,
+        "insertions": [[i.at, i.rows, list(i.chunk_hashes)] for i in context.insertions],
+        "turns": context.turns,
+        "created": context.created,
+        "updated": context.updated,
+        "version": context.version,
+        "length": context.length,
+    }
 
 
 def decode_context(blob: bytes | bytearray | memoryview) -> Context:
@@ -81,9 +91,20 @@ def decode_context(blob: bytes | bytearray | memoryview) -> Context:
     length = keys.shape[2]
     if values.shape != keys.shape or len(rows) != length or meta.get("length") != length:
         raise CorruptBlobError("session blob tensors disagree with its metadata")
-    return Context(meta["id"], meta["tenant"], meta["fingerprint"], conversation, rows,
-                   KVCache(keys, values, length, length), insertions, explicit=True, turns=meta["turns"],
-                   created=meta["created"], updated=meta["updated"], version=meta["version"])
+    return Context(
+        meta["id"],
+        meta["tenant"],
+        meta["fingerprint"],
+        conversation,
+        rows,
+        KVCache(keys, values, length, length),
+        insertions,
+        explicit=True,
+        turns=meta["turns"],
+        created=meta["created"],
+        updated=meta["updated"],
+        version=meta["version"],
+    )
 
 
 class RedisSessions:
@@ -92,13 +113,23 @@ class RedisSessions:
 
     backend = "redis"
 
-    def __init__(self, url: str, memory: ContextCache, ttl_s: float, *, lock_ttl_s: float = 10.0,
-                 connect_timeout_s: float = 0.5, op_timeout_s: float = 2.0, retry_after_s: float = 1.0):
+    def __init__(
+        self,
+        url: str,
+        memory: ContextCache,
+        ttl_s: float,
+        *,
+        lock_ttl_s: float = 10.0,
+        connect_timeout_s: float = 0.5,
+        op_timeout_s: float = 2.0,
+        retry_after_s: float = 1.0,
+    ):
         self.memory = memory
         self.ttl_ms = max(1, int(ttl_s * 1000))
         self.lock_ms = max(1, int(lock_ttl_s * 1000))
-        self._link = RedisLink(url, connect_timeout_s=connect_timeout_s, op_timeout_s=op_timeout_s,
-                               retry_after_s=retry_after_s)
+        self._link = RedisLink(
+            url, connect_timeout_s=connect_timeout_s, op_timeout_s=op_timeout_s, retry_after_s=retry_after_s
+        )
         self._client = self._link.client
         self._owner = uuid.uuid4().hex
         self.errors = 0
@@ -140,7 +171,9 @@ class RedisSessions:
             self._link.mark_down()
             if not self._logged_down:
                 self._logged_down = True
-                log.warning("session store: redis %s failed (%s); sessions fall back to process memory", operation, error)
+                log.warning(
+                    "session store: redis %s failed (%s); sessions fall back to process memory", operation, error
+                )
 
     def _succeeded(self) -> None:
         if self._logged_down:
@@ -269,8 +302,9 @@ class RedisSessions:
         self._client.close()
 
 
-def open_sessions(url: str | None, session_bytes: int, anonymous_bytes: int, ttl_s: float,
-                  lock_ttl_s: float = 10.0) -> ContextCache | RedisSessions:
+def open_sessions(
+    url: str | None, session_bytes: int, anonymous_bytes: int, ttl_s: float, lock_ttl_s: float = 10.0
+) -> ContextCache | RedisSessions:
     memory = ContextCache(session_bytes, anonymous_bytes, ttl_s)
     if url is None or url == "memory":
         return memory

@@ -13,8 +13,8 @@ from ragkv.api.ingest_records import IngestRecords
 from ragkv.api.metrics import Metrics
 from ragkv.api.service import Service
 from ragkv.api.sessions import RedisSessions
-from ragkv.app.contexts import ContextCache
 from ragkv.api.worker import ModelWorker
+from ragkv.app.contexts import ContextCache
 from ragkv.app.runtime import Runtime
 from ragkv.store.base import ChunkStore
 from ragkv.store.redis_store import RedisStore
@@ -47,8 +47,11 @@ class AppState:
         if not self.worker.alive:
             problems.append("the model worker has stopped")
         if store_redis and not all(store_redis):
-            fallback = ("chunks are read from LMDB" if isinstance(self.runtime.store, TieredStore)
-                        else "chunks are recomputed from the document text")
+            fallback = (
+                "chunks are read from LMDB"
+                if isinstance(self.runtime.store, TieredStore)
+                else "chunks are recomputed from the document text"
+            )
             problems.append(f"chunk store: redis is unreachable; {fallback}")
         if registry_up is False:
             # "degraded", not "unavailable": every replica shares the registry, so taking this

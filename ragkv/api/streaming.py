@@ -91,7 +91,7 @@ class EventStream:
         self.first = first
 
     @classmethod
-    async def start(cls, request: Request, worker: ModelWorker, stream: RequestStream) -> "EventStream":
+    async def start(cls, request: Request, worker: ModelWorker, stream: RequestStream) -> EventStream:
         worker.submit_requests(stream)
         iterator = stream.events().__aiter__()
         try:
@@ -122,9 +122,14 @@ def sse(data: Any) -> str:
     return f"data: {payload}\n\n"
 
 
-async def sse_events(request: Request, stream: EventStream, render: Callable[[StreamEvent], list[Any]],
-                     finish: Callable[[list[Completion]], list[Any]], encode: Callable[[Any], str] = sse,
-                     done: bool = True) -> AsyncIterator[str]:
+async def sse_events(
+    request: Request,
+    stream: EventStream,
+    render: Callable[[StreamEvent], list[Any]],
+    finish: Callable[[list[Completion]], list[Any]],
+    encode: Callable[[Any], str] = sse,
+    done: bool = True,
+) -> AsyncIterator[str]:
     """SSE body: `render(event)` for each event after the first, `finish(completions)` at
     the end, then [DONE] (unless `done` is false). An error mid-stream becomes one error
     event (the status line is already sent). `encode` writes one event (the Responses API
@@ -146,6 +151,10 @@ async def sse_events(request: Request, stream: EventStream, render: Callable[[St
             yield sse(error_body(mapped.status, mapped.code, mapped.message, request_id))
         else:
             log.error("stream %s failed", request_id, exc_info=error)
-            yield sse(error_body(500, "internal_error", f"internal error; quote request id {request_id} to the operator", request_id))
+            yield sse(
+                error_body(
+                    500, "internal_error", f"internal error; quote request id {request_id} to the operator", request_id
+                )
+            )
     finally:
         stream.cancel()  # no-op when it finished; frees the worker when the client left

@@ -26,7 +26,7 @@ _ids = itertools.count(1)
 
 
 class Task:
-    def __init__(self, kind: str, body: Callable[["Task"], Generator[Any, None, Any]], *, interactive: bool = True):
+    def __init__(self, kind: str, body: Callable[[Task], Generator[Any, None, Any]], *, interactive: bool = True):
         """`interactive`: served beside the requests (a deletion, embeddings); False: run when
         nothing interactive waits (ingestion), yielding to it at its checkpoints."""
         self.id = next(_ids)

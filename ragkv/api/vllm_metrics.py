@@ -34,12 +34,53 @@ LABELS = ["model_name", "engine"]
 ENGINE = "0"
 """ragkv runs one engine per process; vLLM labels each of its data-parallel engines."""
 
-TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
-                7.5, 10.0, 20.0, 40.0, 80.0)
-ITL_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
-               2.5, 5.0)
-REQUEST_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0,
-                   120.0, 240.0, 480.0)
+TTFT_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+ITL_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+REQUEST_BUCKETS = (
+    0.05,
+    0.1,
+    0.2,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 
@@ -60,17 +101,22 @@ class RequestRecord:
     """vLLM's reasons: 'stop' (end of sequence or a stop string) or 'length'."""
 
     @classmethod
-    def of(cls, request: Request, completion: Completion, finished: float | None = None) -> "RequestRecord":
+    def of(cls, request: Request, completion: Completion, finished: float | None = None) -> RequestRecord:
         """The record of a request that just finished (called from its on_finished hook)."""
         finished = time.perf_counter() if finished is None else finished
         timings = completion.timings
         queue = timings.queue or 0.0
-        return cls(queue_s=queue, ttft_s=timings.ttft if timings.ttft is not None else queue,
-                   e2e_s=finished - request.arrival, token_times_s=tuple(request.token_times),
-                   prompt_tokens=completion.usage.prompt_tokens, cached_tokens=completion.usage.cached_tokens,
-                   generation_tokens=completion.usage.completion_tokens,
-                   max_tokens=request.generation.max_new_tokens,
-                   finished_reason=completion.finish_reason.openai)
+        return cls(
+            queue_s=queue,
+            ttft_s=timings.ttft if timings.ttft is not None else queue,
+            e2e_s=finished - request.arrival,
+            token_times_s=tuple(request.token_times),
+            prompt_tokens=completion.usage.prompt_tokens,
+            cached_tokens=completion.usage.cached_tokens,
+            generation_tokens=completion.usage.completion_tokens,
+            max_tokens=request.generation.max_new_tokens,
+            finished_reason=completion.finish_reason.openai,
+        )
 
 
 @dataclass(frozen=True)
@@ -88,44 +134,71 @@ class VllmMetrics:
         def histogram(name: str, help_text: str, buckets) -> Histogram:
             return Histogram(name, help_text, LABELS, buckets=buckets, registry=r)
 
-        self.running = Gauge("vllm:num_requests_running", "Number of requests in model execution batches.", LABELS,
-                             registry=r)
-        self.waiting = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", LABELS,
-                             registry=r)
-        self.kv_cache_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", LABELS,
-                                    registry=r)
-        self.prefix_cache_queries = Counter("vllm:prefix_cache_queries",
-                                            "Prefix cache queries, in terms of number of queried tokens.", LABELS,
-                                            registry=r)
-        self.prefix_cache_hits = Counter("vllm:prefix_cache_hits",
-                                         "Prefix cache hits, in terms of number of cached tokens.", LABELS, registry=r)
+        self.running = Gauge(
+            "vllm:num_requests_running", "Number of requests in model execution batches.", LABELS, registry=r
+        )
+        self.waiting = Gauge(
+            "vllm:num_requests_waiting", "Number of requests waiting to be processed.", LABELS, registry=r
+        )
+        self.kv_cache_usage = Gauge(
+            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", LABELS, registry=r
+        )
+        self.prefix_cache_queries = Counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            LABELS,
+            registry=r,
+        )
+        self.prefix_cache_hits = Counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", LABELS, registry=r
+        )
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", LABELS, registry=r)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.", LABELS,
-                                         registry=r)
-        self.request_success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                                       LABELS + ["finished_reason"], registry=r)
-        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
-                                               TOKEN_BUCKETS)
-        self.request_generation_tokens = histogram("vllm:request_generation_tokens",
-                                                   "Number of generation tokens processed.", TOKEN_BUCKETS)
-        self.request_max_tokens = histogram("vllm:request_params_max_tokens",
-                                            "Histogram of the max_tokens request parameter.", TOKEN_BUCKETS)
-        self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                              TTFT_BUCKETS)
-        self.itl = histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-                             ITL_BUCKETS)
-        self.tpot = histogram("vllm:time_per_output_token_seconds",
-                              "Histogram of time per output token in seconds.", ITL_BUCKETS)
-        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                             REQUEST_BUCKETS)
-        self.queue_time = histogram("vllm:request_queue_time_seconds",
-                                    "Histogram of time spent in WAITING phase for request.", REQUEST_BUCKETS)
-        self.inference_time = histogram("vllm:request_inference_time_seconds",
-                                        "Histogram of time spent in RUNNING phase for request.", REQUEST_BUCKETS)
-        self.prefill_time = histogram("vllm:request_prefill_time_seconds",
-                                      "Histogram of time spent in PREFILL phase for request.", REQUEST_BUCKETS)
-        self.decode_time = histogram("vllm:request_decode_time_seconds",
-                                     "Histogram of time spent in DECODE phase for request.", REQUEST_BUCKETS)
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Number of generation tokens processed.", LABELS, registry=r
+        )
+        self.request_success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            LABELS + ["finished_reason"],
+            registry=r,
+        )
+        self.request_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", TOKEN_BUCKETS
+        )
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.", TOKEN_BUCKETS
+        )
+        self.request_max_tokens = histogram(
+            "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", TOKEN_BUCKETS
+        )
+        self.ttft = histogram(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
+        )
+        self.itl = histogram(
+            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS
+        )
+        self.tpot = histogram(
+            "vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.", ITL_BUCKETS
+        )
+        self.e2e = histogram(
+            "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", REQUEST_BUCKETS
+        )
+        self.queue_time = histogram(
+            "vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", REQUEST_BUCKETS
+        )
+        self.inference_time = histogram(
+            "vllm:request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
+            REQUEST_BUCKETS,
+        )
+        self.prefill_time = histogram(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            REQUEST_BUCKETS,
+        )
+        self.decode_time = histogram(
+            "vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", REQUEST_BUCKETS
+        )
 
     def declare(self, model_name: str) -> None:
         """Export every family for `model_name` at zero before the first request, as vLLM does,

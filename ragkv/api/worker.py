@@ -36,8 +36,15 @@ log = logging.getLogger("ragkv.api.worker")
 
 
 class ModelWorker:
-    def __init__(self, scheduler: Scheduler | None = None, *, max_active: int = 4, max_queued: int = 64,
-                 checkpoint_budget_s: float = 5.0, on_finished: Callable[[Task], None] | None = None):
+    def __init__(
+        self,
+        scheduler: Scheduler | None = None,
+        *,
+        max_active: int = 4,
+        max_queued: int = 64,
+        checkpoint_budget_s: float = 5.0,
+        on_finished: Callable[[Task], None] | None = None,
+    ):
         """`max_active`: interactive tasks stepped in turn; `max_queued`: tasks waiting
         (requests wait in the scheduler, bounded by its `max_waiting`); `on_finished`:
         called with each task that ended."""
@@ -128,15 +135,17 @@ class ModelWorker:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not (self._stopping or self._interactive or self._background or self._active
-                           or self._scheduler_busy()):
+                while not (
+                    self._stopping or self._interactive or self._background or self._active or self._scheduler_busy()
+                ):
                     self._cond.wait()
                 stopping = self._stopping
             if stopping and self.scheduler is not None:
                 self.scheduler.abort("the server is stopping")
             with self._cond:
-                if self._stopping and not (self._active or self._interactive or self._background
-                                           or self._scheduler_busy()):
+                if self._stopping and not (
+                    self._active or self._interactive or self._background or self._scheduler_busy()
+                ):
                     return
                 self._admit()
                 idle = not self._active and not self._scheduler_busy()

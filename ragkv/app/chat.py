@@ -104,11 +104,19 @@ class _Saved:
     """Keys and values of rows [kept, length)."""
 
     @classmethod
-    def of(cls, context: Context, kept: int) -> "_Saved":
+    def of(cls, context: Context, kept: int) -> _Saved:
         cache = context.cache
         tail = (cache.keys[:, :, kept : cache.length].clone(), cache.values[:, :, kept : cache.length].clone())
-        return cls(cache, cache.length, cache.next_position, list(context.conversation_ids), list(context.row_ids),
-                   list(context.insertions), kept, tail)
+        return cls(
+            cache,
+            cache.length,
+            cache.next_position,
+            list(context.conversation_ids),
+            list(context.row_ids),
+            list(context.insertions),
+            kept,
+            tail,
+        )
 
     def restore(self, context: Context) -> None:
         cache = self.cache  # the turn may have moved the context to a larger copy; this one holds the prefix
@@ -117,8 +125,11 @@ class _Saved:
         cache.values[:, :, self.kept : self.length] = self.tail[1]
         cache.length, cache.next_position = self.length, self.next_position
         context.cache = cache
-        context.conversation_ids, context.row_ids, context.insertions = (self.conversation_ids, self.row_ids,
-                                                                        self.insertions)
+        context.conversation_ids, context.row_ids, context.insertions = (
+            self.conversation_ids,
+            self.row_ids,
+            self.insertions,
+        )
 
 
 class ChatTurns:
@@ -130,15 +141,28 @@ class ChatTurns:
         self.contexts = contexts
         self.max_input_tokens = max_input_tokens
 
-    def request(self, turn: ChatTurn, *, context_id: str | None = None, arrival: float | None = None,
-                on_finished: Callable[[Request, Completion], None] | None = None) -> Request:
+    def request(
+        self,
+        turn: ChatTurn,
+        *,
+        context_id: str | None = None,
+        arrival: float | None = None,
+        on_finished: Callable[[Request, Completion], None] | None = None,
+    ) -> Request:
         """`context_id`: the id the turn's context gets when no session is named (default: a new one)."""
         check_tenant(turn.tenant)
         check_input_tokens(self.engine, turn.messages[-1]["content"], self.max_input_tokens, "the last message")
         state = _TurnState(self, turn, turn.session_id or context_id or new_context_id(), on_finished)
         estimate = sum(len(m["content"]) for m in turn.messages) // 3 + turn.config.top_k * CHUNK_TOKENS_ESTIMATE
-        return Request("chat", state.prepare, turn.config.generation, estimated_tokens=estimate, arrival=arrival,
-                       on_finished=state.finished, on_dropped=state.dropped)
+        return Request(
+            "chat",
+            state.prepare,
+            turn.config.generation,
+            estimated_tokens=estimate,
+            arrival=arrival,
+            on_finished=state.finished,
+            on_dropped=state.dropped,
+        )
 
 
 class _TurnState:
@@ -167,18 +191,27 @@ class _TurnState:
         if turn.rag:
             started = time.perf_counter()
             config = turn.config
-            retrieved = self.turns.rag.retrieve(conversation_text(turn), turn.tenant, config.top_k, config.doc_ids,
-                                                config.retrieval, config.filter)
+            retrieved = self.turns.rag.retrieve(
+                conversation_text(turn), turn.tenant, config.top_k, config.doc_ids, config.retrieval, config.filter
+            )
             request.timings.retrieve = time.perf_counter() - started
-        held = self.base.context.chunks_before(self.base.conversation_tokens) if self.base.context is not None else set()
-        new = list({chunk.chunk_hash: (record, chunk, score) for record, chunk, score in retrieved
-                    if chunk.chunk_hash not in held}.values())
+        held = (
+            self.base.context.chunks_before(self.base.conversation_tokens) if self.base.context is not None else set()
+        )
+        new = list(
+            {
+                chunk.chunk_hash: (record, chunk, score)
+                for record, chunk, score in retrieved
+                if chunk.chunk_hash not in held
+            }.values()
+        )
         reuse = self.base.conversation_tokens
         if new:
             reuse = min(reuse, conversation.question_start)
         reuse = min(reuse, len(conversation.token_ids) - 1)
-        cache = self._base_cache(reuse, len(conversation.token_ids) - reuse + turn.config.generation.max_new_tokens
-                                 + NEXT_TURN_ROWS)
+        cache = self._base_cache(
+            reuse, len(conversation.token_ids) - reuse + turn.config.generation.max_new_tokens + NEXT_TURN_ROWS
+        )
         context_rows = len(self.row_ids)
         citations = self.turns.rag.cite(turn.tenant, retrieved) if retrieved else []
         if new:
@@ -231,8 +264,13 @@ class _TurnState:
         return prefix.clone(extra_capacity)
 
     def _room(self, rows: int) -> None:
-        check_context_length(self.engine, rows, self.turn.config.generation.max_new_tokens, "the conversation",
-                             "start a new conversation or lower max_tokens")
+        check_context_length(
+            self.engine,
+            rows,
+            self.turn.config.generation.max_new_tokens,
+            "the conversation",
+            "start a new conversation or lower max_tokens",
+        )
 
     def _prefill(self, request: Request, conversation: Conversation, cache: KVCache | None):
         model, max_new = self.engine.model, self.turn.config.generation.max_new_tokens
@@ -278,8 +316,13 @@ class _TurnState:
         request.timings.load = time.perf_counter() - load_started
         fuse_started = time.perf_counter()
         strategy = turn.config.fusion.build(engine.fusion_ratios)
-        fusion_input = FusionInput(prefix_ids, chunks, question_ids, len(engine.chunk_prefix_ids),
-                                   (len(lead), len(lead) + conversation.question_end - conversation.question_start))
+        fusion_input = FusionInput(
+            prefix_ids,
+            chunks,
+            question_ids,
+            len(engine.chunk_prefix_ids),
+            (len(lead), len(lead) + conversation.question_end - conversation.question_start),
+        )
         self._room(Layout.of(fusion_input).length)
         # a prefix this turn owns (the conversation's rows and the glue) is fused into in
         # place: copying it would cost in proportion to the conversation
@@ -289,9 +332,13 @@ class _TurnState:
             self.base.context.cache.truncate(len(self.base.context.row_ids))  # the fusion copied what it needed
         self.row_ids = fusion.layout.token_ids.tolist()
         instruction = len(glue) - (conversation.question_start - reused)
-        self.insertions = self.insertions + [Insertion(conversation.question_start,
-                                                       instruction + fusion.layout.num_document_tokens + len(lead),
-                                                       tuple(chunk.chunk_hash for _, chunk, _ in new))]
+        self.insertions = self.insertions + [
+            Insertion(
+                conversation.question_start,
+                instruction + fusion.layout.num_document_tokens + len(lead),
+                tuple(chunk.chunk_hash for _, chunk, _ in new),
+            )
+        ]
         return fusion.cache, fusion.logits, Usage.of_fusion(fusion, computed_before, recomputed), strategy.name
 
     # -- after the turn -------------------------------------------------------------
@@ -300,10 +347,18 @@ class _TurnState:
         cache = request.cache
         answered = request.output_ids[: cache.length - len(self.row_ids)]
         base = self.base.context
-        context = Context(self.context_id, self.turn.tenant, self.engine.fingerprint,
-                          self.conversation.token_ids + answered, self.row_ids + answered, cache, self.insertions,
-                          explicit=self.turn.session_id is not None, turns=self.number,
-                          created=base.created if base is not None and self.base.held else time.time())
+        context = Context(
+            self.context_id,
+            self.turn.tenant,
+            self.engine.fingerprint,
+            self.conversation.token_ids + answered,
+            self.row_ids + answered,
+            cache,
+            self.insertions,
+            explicit=self.turn.session_id is not None,
+            turns=self.number,
+            created=base.created if base is not None and self.base.held else time.time(),
+        )
         contexts = self.turns.contexts
         if self.turn.session_id is not None:
             contexts.release(self.turn.tenant, self.turn.session_id, context)
@@ -331,4 +386,3 @@ class _TurnState:
 def conversation_text(turn: ChatTurn) -> str:
     """What retrieval searches for: the last user message."""
     return turn.messages[-1]["content"]
-

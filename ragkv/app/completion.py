@@ -19,8 +19,14 @@ from ragkv.engine.generation import GenerationConfig
 from ragkv.ingest.errors import InputError
 
 
-def prompt_ids(engine: Engine, prompt: str | list[int], generation: GenerationConfig, *,
-               max_input_tokens: int | None = None, where: str = "the prompt") -> list[int]:
+def prompt_ids(
+    engine: Engine,
+    prompt: str | list[int],
+    generation: GenerationConfig,
+    *,
+    max_input_tokens: int | None = None,
+    where: str = "the prompt",
+) -> list[int]:
     """The prompt's token ids (a text is tokenized, ids are checked); InputError when the
     prompt is empty, holds an id outside the vocabulary, is longer than `max_input_tokens`,
     or leaves no room for its answer in the model's context."""
@@ -36,9 +42,15 @@ def prompt_ids(engine: Engine, prompt: str | list[int], generation: GenerationCo
     return ids
 
 
-def completion_request(engine: Engine, token_ids: list[int], generation: GenerationConfig,
-                       sink: RequestSink | None = None, *, arrival: float | None = None,
-                       on_finished: Callable[[Request, Completion], None] | None = None) -> Request:
+def completion_request(
+    engine: Engine,
+    token_ids: list[int],
+    generation: GenerationConfig,
+    sink: RequestSink | None = None,
+    *,
+    arrival: float | None = None,
+    on_finished: Callable[[Request, Completion], None] | None = None,
+) -> Request:
     """A request that prefills `token_ids` (checked by `prompt_ids`) and continues them."""
 
     def prepare(request: Request) -> Prepared:
@@ -47,5 +59,13 @@ def completion_request(engine: Engine, token_ids: list[int], generation: Generat
         request.timings.prefill = time.perf_counter() - started
         return Prepared(cache, logits, Usage(prompt_tokens=len(token_ids)), "none")
 
-    return Request("completion", prepare, generation, sink, estimated_tokens=len(token_ids), arrival=arrival,
-                   on_finished=on_finished, strip_text=False)
+    return Request(
+        "completion",
+        prepare,
+        generation,
+        sink,
+        estimated_tokens=len(token_ids),
+        arrival=arrival,
+        on_finished=on_finished,
+        strip_text=False,
+    )

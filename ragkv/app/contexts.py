@@ -107,8 +107,14 @@ class Context:
         self.insertions = [i for i in self.insertions if i.at < conversation_tokens]
 
     def summary(self) -> dict:
-        return {"id": self.id, "turns": self.turns, "tokens": self.length, "chunks": len(self.chunk_hashes),
-                "created": self.created, "updated": self.updated}
+        return {
+            "id": self.id,
+            "turns": self.turns,
+            "tokens": self.length,
+            "chunks": len(self.chunk_hashes),
+            "created": self.created,
+            "updated": self.updated,
+        }
 
 
 def block_hashes(tenant: str, fingerprint: str, token_ids: list[int]) -> list[bytes]:
@@ -245,11 +251,19 @@ class ContextCache:
     def stats(self) -> dict:
         with self._lock:
             self._expire()
-            return {"backend": self.backend, "sessions": len(self._items[True]), "bytes": self._bytes[True],
-                    "capacity_bytes": self.budgets[True], "anonymous": len(self._items[False]),
-                    "anonymous_bytes": self._bytes[False], "anonymous_capacity_bytes": self.budgets[False],
-                    "busy": len(self._busy), "evicted": self.evicted[True], "anonymous_evicted": self.evicted[False],
-                    "expired": self.expired}
+            return {
+                "backend": self.backend,
+                "sessions": len(self._items[True]),
+                "bytes": self._bytes[True],
+                "capacity_bytes": self.budgets[True],
+                "anonymous": len(self._items[False]),
+                "anonymous_bytes": self._bytes[False],
+                "anonymous_capacity_bytes": self.budgets[False],
+                "busy": len(self._busy),
+                "evicted": self.evicted[True],
+                "anonymous_evicted": self.evicted[False],
+                "expired": self.expired,
+            }
 
     # -- under the lock ------------------------------------------------------------
 
@@ -293,4 +307,3 @@ class ContextCache:
             for key in [key for key, c in self._items[kind].items() if c.updated < cutoff]:
                 self._pop(key)
                 self.expired += 1
-

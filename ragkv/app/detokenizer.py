@@ -55,7 +55,9 @@ class Detokenizer:
 
     def rest(self) -> str:
         """Text not returned yet (held back or an incomplete character), at the end."""
-        tail = self._decode(self.token_ids[self._prefix :])[len(self._decode(self.token_ids[self._prefix : self._read])) :]
+        tail = self._decode(self.token_ids[self._prefix :])[
+            len(self._decode(self.token_ids[self._prefix : self._read])) :
+        ]
         self.text += tail
         self._prefix = self._read = len(self.token_ids)
         delta = self.text[self._emitted :]

@@ -113,8 +113,14 @@ def attach_calibration(engine, env: LMDBEnvironment) -> dict[str, float]:
         calibration = load_calibration(env, engine.fingerprint, name)
         if calibration is not None and calibration.ratio is not None:
             ratios[name] = calibration.ratio
-            log.info("fusion: %s uses the calibrated ratio %.2f (first-token and teacher-forced KL <= %.3f on %d "
-                     "sampled questions)", name, calibration.ratio, calibration.target_kl, calibration.samples)
+            log.info(
+                "fusion: %s uses the calibrated ratio %.2f (first-token and teacher-forced KL <= %.3f on %d "
+                "sampled questions)",
+                name,
+                calibration.ratio,
+                calibration.target_kl,
+                calibration.samples,
+            )
     engine.fusion_ratios = ratios
     return ratios
 
@@ -127,8 +133,13 @@ def sample_questions(texts: list[str], count: int, rng: random.Random) -> list[s
     return [f"What does the text say about this: {rng.choice(sentences)}" for _ in range(count)]
 
 
-def calibrate_fusion(engine, texts: list[str], config: FusionCalibrationConfig, questions: list[str] | None = None,
-                     progress: Callable[[str], None] = lambda message: None) -> FusionCalibration:
+def calibrate_fusion(
+    engine,
+    texts: list[str],
+    config: FusionCalibrationConfig,
+    questions: list[str] | None = None,
+    progress: Callable[[str], None] = lambda message: None,
+) -> FusionCalibration:
     rng = random.Random(config.seed)
     pool = [chunk.token_ids for text in texts for chunk in chunk_document(engine.tokenizer, text, config.chunk_tokens)]
     if not pool:
@@ -150,24 +161,33 @@ def calibrate_fusion(engine, texts: list[str], config: FusionCalibrationConfig, 
         start = rng.randrange(max(1, len(pool) - config.chunks_per_sample + 1))
         chunks = [loaded(i) for i in range(start, min(len(pool), start + config.chunks_per_sample))]
         segments = engine.prompt.rag_segments(question)
-        fusion_input = FusionInput(segments.prefix_ids, chunks, segments.question_ids, len(engine.chunk_prefix_ids),
-                                   segments.question_text_span)
+        fusion_input = FusionInput(
+            segments.prefix_ids,
+            chunks,
+            segments.question_ids,
+            len(engine.chunk_prefix_ids),
+            segments.question_text_span,
+        )
         full = build_strategy("full").fuse(model, fusion_input, prefix_cache, config.max_new_tokens)
-        answer = forced_answer_ids(decode(engine, full.cache, full.logits,
-                                          GenerationConfig(max_new_tokens=config.max_new_tokens)))
+        answer = forced_answer_ids(
+            decode(engine, full.cache, full.logits, GenerationConfig(max_new_tokens=config.max_new_tokens))
+        )
         full.cache.truncate(full.layout.length)
         reference = teacher_forced_logits(model, full.cache, full.logits, answer)
         for ratio in config.ratios:
-            fused = dataclasses.replace(strategy, ratio=ratio).fuse(model, fusion_input, prefix_cache,
-                                                                    config.max_new_tokens)
+            fused = dataclasses.replace(strategy, ratio=ratio).fuse(
+                model, fusion_input, prefix_cache, config.max_new_tokens
+            )
             forced = TeacherForced.compare(reference, teacher_forced_logits(model, fused.cache, fused.logits, answer))
             per_ratio[ratio].append((next_token_kl(full.logits, fused.logits), forced))
     figures, chosen = {}, None
     for ratio in sorted(config.ratios):
         rows = per_ratio[ratio]
-        figure = {"first_token_kl": float(torch.tensor([kl for kl, _ in rows]).mean()),
-                  "teacher_forced_kl": float(torch.tensor([f.kl for _, f in rows]).mean()),
-                  "teacher_forced_agreement": float(torch.tensor([f.agreement for _, f in rows]).mean())}
+        figure = {
+            "first_token_kl": float(torch.tensor([kl for kl, _ in rows]).mean()),
+            "teacher_forced_kl": float(torch.tensor([f.kl for _, f in rows]).mean()),
+            "teacher_forced_agreement": float(torch.tensor([f.agreement for _, f in rows]).mean()),
+        }
         figures[f"{ratio:g}"] = figure
         if chosen is None and max(figure["first_token_kl"], figure["teacher_forced_kl"]) <= config.target_kl:
             chosen = ratio

@@ -53,9 +53,16 @@ def run_alone(engine: Engine, request: Request, sink: CollectingSink | None = No
     return sink.completion
 
 
-def decode(engine: Engine, cache: KVCache, logits: torch.Tensor, generation: GenerationConfig,
-           attention: DecodeAttention | None = None, *, strategy: str = "none",
-           sink: CollectingSink | None = None) -> Completion:
+def decode(
+    engine: Engine,
+    cache: KVCache,
+    logits: torch.Tensor,
+    generation: GenerationConfig,
+    attention: DecodeAttention | None = None,
+    *,
+    strategy: str = "none",
+    sink: CollectingSink | None = None,
+) -> Completion:
     """Decode from a prompt already in `cache`, whose last row produced `logits` (a fused or
     prefilled prompt); `attention`: sparse decode attention, None = dense."""
 
@@ -71,7 +78,8 @@ def forced_answer_ids(completion: Completion) -> list[int]:
     return completion.token_ids + ([completion.eos_token] if completion.eos_token is not None else [])
 
 
-def complete(engine: Engine, token_ids: list[int], generation: GenerationConfig,
-             sink: CollectingSink | None = None) -> Completion:
+def complete(
+    engine: Engine, token_ids: list[int], generation: GenerationConfig, sink: CollectingSink | None = None
+) -> Completion:
     """Continue `token_ids` with a plain prefill: what /v1/completions does."""
     return run_alone(engine, completion_request(engine, token_ids, generation), sink)

@@ -38,13 +38,24 @@ def check_input_tokens(engine: Engine, text: str, limit: int | None, what: str) 
 
 def check_sparse(engine: Engine, config: QueryConfig) -> None:
     if config.sparse is not None and config.sparse.options.needs_codebook and engine.codebook is None:
-        raise InputError("no_codebook", f"the {config.sparse.name} selector needs an A2ATS codebook for this model, "
-                         "and there is none (run `ragkv calibrate`); choose another selector")
+        raise InputError(
+            "no_codebook",
+            f"the {config.sparse.name} selector needs an A2ATS codebook for this model, "
+            "and there is none (run `ragkv calibrate`); choose another selector",
+        )
 
 
-def query_request(rag: RagPipeline, question: str, tenant: str, config: QueryConfig, sink: RequestSink | None = None, *,
-                  max_input_tokens: int | None = None, arrival: float | None = None,
-                  on_finished: Callable[[Request, Completion], None] | None = None) -> Request:
+def query_request(
+    rag: RagPipeline,
+    question: str,
+    tenant: str,
+    config: QueryConfig,
+    sink: RequestSink | None = None,
+    *,
+    max_input_tokens: int | None = None,
+    arrival: float | None = None,
+    on_finished: Callable[[Request, Completion], None] | None = None,
+) -> Request:
     engine = rag.engine
     question_tokens = check_input_tokens(engine, question, max_input_tokens, "the question")
     check_sparse(engine, config)
@@ -57,12 +68,20 @@ def query_request(rag: RagPipeline, question: str, tenant: str, config: QueryCon
         request.timings.fuse = prepared.timings["fuse"]
         attention = sparse_attention(engine, config.sparse, fusion, prepared.chunk_codes)
         usage = Usage.of_fusion(fusion, recomputed_chunks=prepared.recomputed_chunks)
-        return Prepared(fusion.cache, fusion.logits, usage, prepared.strategy, prepared.citations, attention,
-                        QueryInfo(prepared.chunk_hashes, len(prepared.recomputed_chunks)))
+        return Prepared(
+            fusion.cache,
+            fusion.logits,
+            usage,
+            prepared.strategy,
+            prepared.citations,
+            attention,
+            QueryInfo(prepared.chunk_hashes, len(prepared.recomputed_chunks)),
+        )
 
     estimate = len(engine.chunk_prefix_ids) + question_tokens + config.top_k * CHUNK_TOKENS_ESTIMATE
-    return Request("query", prepare, config.generation, sink, estimated_tokens=estimate, arrival=arrival,
-                   on_finished=on_finished)
+    return Request(
+        "query", prepare, config.generation, sink, estimated_tokens=estimate, arrival=arrival, on_finished=on_finished
+    )
 
 
 @dataclass
@@ -76,10 +95,15 @@ class Answer:
 
     def to_dict(self) -> dict:
         """The fields and names of the API's /v1/query answer."""
-        return {"object": "query", "answer": self.text, "finish_reason": self.finish_reason.value,
-                "strategy": self.strategy,
-                "citations": [citation.to_dict() for citation in self.citations], "usage": self.usage.to_dict(),
-                "timings": self.timings}
+        return {
+            "object": "query",
+            "answer": self.text,
+            "finish_reason": self.finish_reason.value,
+            "strategy": self.strategy,
+            "citations": [citation.to_dict() for citation in self.citations],
+            "usage": self.usage.to_dict(),
+            "timings": self.timings,
+        }
 
 
 def ask(rag: RagPipeline, question: str, tenant: str = "default", config: QueryConfig = QueryConfig()) -> Answer:

@@ -10,17 +10,17 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from ragkv.app.limits import check_context_length
+from ragkv.engine import Engine
+from ragkv.engine.generation import GenerationConfig
+from ragkv.fusion import FusionConfig, FusionInput, FusionResult, LoadedChunk
+from ragkv.fusion.layout import Layout
 from ragkv.ingest.embedder import Embedder
 from ragkv.ingest.errors import InputError
 from ragkv.ingest.index.filters import MetadataFilter
 from ragkv.ingest.index.hybrid import DEFAULT_RETRIEVAL, check_mode
 from ragkv.ingest.pipeline import chunk_key
 from ragkv.ingest.registry import ChunkRecord, DocumentRecord, Registry, check_tenant
-from ragkv.engine import Engine
-from ragkv.fusion import FusionConfig, FusionInput, FusionResult, LoadedChunk
-from ragkv.fusion.layout import Layout
-from ragkv.engine.generation import GenerationConfig
-from ragkv.app.limits import check_context_length
 from ragkv.sparse import SparseConfig
 from ragkv.sparse.wiring import sparse_chunk_codes
 from ragkv.store.base import ChunkStore
@@ -66,9 +66,16 @@ class Citation:
 
     def to_dict(self) -> dict:
         """The API's citation fields (POST /v1/query)."""
-        return {"document_id": self.doc_id, "name": self.name, "chunk_index": self.chunk_index,
-                "char_start": self.char_start, "char_end": self.char_end, "score": self.score, "text": self.text,
-                "page": self.page}
+        return {
+            "document_id": self.doc_id,
+            "name": self.name,
+            "chunk_index": self.chunk_index,
+            "char_start": self.char_start,
+            "char_end": self.char_end,
+            "score": self.score,
+            "text": self.text,
+            "page": self.page,
+        }
 
 
 @dataclass
@@ -99,9 +106,15 @@ class RagPipeline:
     def chunk_key(self, chunk_hash: str) -> ChunkKey:
         return chunk_key(self.engine, chunk_hash)
 
-    def retrieve(self, question: str, tenant: str, top_k: int, doc_ids: tuple[str, ...] | None,
-                 retrieval: str = DEFAULT_RETRIEVAL,
-                 metadata_filter: MetadataFilter | None = None) -> list[tuple[DocumentRecord, ChunkRecord, float]]:
+    def retrieve(
+        self,
+        question: str,
+        tenant: str,
+        top_k: int,
+        doc_ids: tuple[str, ...] | None,
+        retrieval: str = DEFAULT_RETRIEVAL,
+        metadata_filter: MetadataFilter | None = None,
+    ) -> list[tuple[DocumentRecord, ChunkRecord, float]]:
         """The top_k chunks for the question through the registry's retrieval index, least
         relevant first; only of `doc_ids` and of documents `metadata_filter` matches."""
         if doc_ids is not None:
@@ -119,8 +132,9 @@ class RagPipeline:
         # Most relevant last: nearest the question.
         return sorted(found, key=lambda item: item[2])
 
-    def load_chunks(self, tenant: str, retrieved: list[tuple[DocumentRecord, ChunkRecord, float]],
-                    stored: list | None = None) -> tuple[list[LoadedChunk], list[int]]:
+    def load_chunks(
+        self, tenant: str, retrieved: list[tuple[DocumentRecord, ChunkRecord, float]], stored: list | None = None
+    ) -> tuple[list[LoadedChunk], list[int]]:
         """KV of the retrieved chunks, and the indices of those recomputed: a chunk missing
         from the store (evicted, corrupt, another model) is recomputed from the document
         text and written back. `stored`, when given, receives each chunk's tensors as read
@@ -152,8 +166,11 @@ class RagPipeline:
         started = time.perf_counter()
         retrieved = self.retrieve(question, tenant, config.top_k, config.doc_ids, config.retrieval, config.filter)
         if not retrieved and (config.filter is not None or config.retrieval == "bm25"):
-            raise InputError("no_documents", "nothing to answer from: no document matches the filter, or (bm25 "
-                             "retrieval) none holds a word of the question")
+            raise InputError(
+                "no_documents",
+                "nothing to answer from: no document matches the filter, or (bm25 "
+                "retrieval) none holds a word of the question",
+            )
         if not retrieved:
             raise InputError("no_documents", "no documents to answer from: ingest some first")
         timings["retrieve"] = time.perf_counter() - started
@@ -163,12 +180,18 @@ class RagPipeline:
         timings["load"] = time.perf_counter() - load_started
         segments = self.engine.prompt.rag_segments(question)
         fusion_input = FusionInput(
-            segments.prefix_ids, chunks, segments.question_ids, len(self.engine.chunk_prefix_ids), segments.question_text_span
+            segments.prefix_ids,
+            chunks,
+            segments.question_ids,
+            len(self.engine.chunk_prefix_ids),
+            segments.question_text_span,
         )
         self.check_fits(Layout.of(fusion_input), config)
         fuse_started = time.perf_counter()
         strategy = config.fusion.build(self.engine.fusion_ratios)
-        result = strategy.fuse(self.engine.model, fusion_input, self.engine.chunk_prefix_cache(), config.generation.max_new_tokens)
+        result = strategy.fuse(
+            self.engine.model, fusion_input, self.engine.chunk_prefix_cache(), config.generation.max_new_tokens
+        )
         timings["fuse"] = time.perf_counter() - fuse_started
         citations = self.cite(tenant, retrieved)
         chunk_codes = sparse_chunk_codes(self.engine, config.sparse, chunks, stored)
@@ -180,19 +203,38 @@ class RagPipeline:
         texts: dict[str, str] = {}
         citations = []
         for record, chunk, score in reversed(retrieved):
-            text = texts.get(record.doc_id) or texts.setdefault(record.doc_id, self.registry.text(tenant, record.doc_id))
-            citations.append(Citation(record.doc_id, record.name, chunk.index, chunk.char_start, chunk.char_end, round(score, 4),
-                                      text[chunk.char_start : chunk.char_end], record.page_of(chunk.char_start)))
+            text = texts.get(record.doc_id) or texts.setdefault(
+                record.doc_id, self.registry.text(tenant, record.doc_id)
+            )
+            citations.append(
+                Citation(
+                    record.doc_id,
+                    record.name,
+                    chunk.index,
+                    chunk.char_start,
+                    chunk.char_end,
+                    round(score, 4),
+                    text[chunk.char_start : chunk.char_end],
+                    record.page_of(chunk.char_start),
+                )
+            )
         return citations
 
     def check_fits(self, layout: Layout, config: QueryConfig) -> None:
         """InputError unless the prompt and its answer fit the model's context, and SnapKV
         (when asked for) can keep the prefix and question rows it must keep."""
-        check_context_length(self.engine, layout.length, config.generation.max_new_tokens,
-                             f"the prompt (top_k {config.top_k})", "lower top_k or max_tokens")
+        check_context_length(
+            self.engine,
+            layout.length,
+            config.generation.max_new_tokens,
+            f"the prompt (top_k {config.top_k})",
+            "lower top_k or max_tokens",
+        )
         capacity = config.sparse.snapkv_capacity if config.sparse is not None else None
         fixed = layout.prefix_len + (layout.length - layout.question_start)
         if capacity is not None and capacity < layout.length and capacity < fixed:
-            raise InputError("snapkv_capacity_too_small",
-                             f"snapkv_capacity is {capacity}, below the {fixed} prefix and question rows SnapKV must "
-                             f"keep; ask for at least {fixed} (or none)")
+            raise InputError(
+                "snapkv_capacity_too_small",
+                f"snapkv_capacity is {capacity}, below the {fixed} prefix and question rows SnapKV must "
+                f"keep; ask for at least {fixed} (or none)",
+            )

@@ -91,7 +91,7 @@ class RequestSink(Protocol):
     # Optional: `logprob(entry)` with each accepted token's TokenLogprob, before its text
     # reaches `token` (only when the generation asks for logprobs).
 
-    def finished(self, completion: "Completion") -> None: ...
+    def finished(self, completion: Completion) -> None: ...
 
     def failed(self, error: BaseException) -> None: ...
 
@@ -128,10 +128,19 @@ class Completion:
 
 
 class Request:
-    def __init__(self, kind: str, prepare: Callable[["Request"], Prepared], generation: GenerationConfig,
-                 sink: RequestSink | None = None, *, estimated_tokens: int = 0, arrival: float | None = None,
-                 on_finished: Callable[["Request", Completion], None] | None = None,
-                 on_dropped: Callable[["Request"], None] | None = None, strip_text: bool = True):
+    def __init__(
+        self,
+        kind: str,
+        prepare: Callable[[Request], Prepared],
+        generation: GenerationConfig,
+        sink: RequestSink | None = None,
+        *,
+        estimated_tokens: int = 0,
+        arrival: float | None = None,
+        on_finished: Callable[[Request, Completion], None] | None = None,
+        on_dropped: Callable[[Request], None] | None = None,
+        strip_text: bool = True,
+    ):
         """`strip_text`: the completion's text loses its surrounding white space (answers),
         or is kept as generated (a plain completion continues its prompt exactly)."""
         self.id = next(_ids)
@@ -211,9 +220,18 @@ class Request:
         self.timings.decode = time.perf_counter() - self._decode_started
         prepared.usage.completion_tokens = len(self.output_ids)
         text = self.detokenizer.text.strip() if self._strip_text else self.detokenizer.text
-        completion = Completion(text, finish_reason, prepared.citations, prepared.usage,
-                                self.timings, prepared.strategy, prepared.info, list(self.output_ids), self.eos_token,
-                                list(self.logprobs) if self.logprobs is not None else None)
+        completion = Completion(
+            text,
+            finish_reason,
+            prepared.citations,
+            prepared.usage,
+            self.timings,
+            prepared.strategy,
+            prepared.info,
+            list(self.output_ids),
+            self.eos_token,
+            list(self.logprobs) if self.logprobs is not None else None,
+        )
         if self._on_finished is not None:
             self._on_finished(self, completion)
         self.release()

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ragkv.ingest.embedder import Embedder
-from ragkv.ingest.pipeline import IngestConfig, Ingestor
-from ragkv.engine import Engine, EngineConfig
-from ragkv.app.rag import RagPipeline
 from ragkv.app.codebooks import attach_codebook
 from ragkv.app.fusion_calibration import attach_calibration
+from ragkv.app.rag import RagPipeline
 from ragkv.app.storage import Storage, StorageConfig
+from ragkv.engine import Engine, EngineConfig
+from ragkv.ingest.embedder import Embedder
+from ragkv.ingest.pipeline import IngestConfig, Ingestor
 
 
 @dataclass(frozen=True)
@@ -42,14 +42,15 @@ class Runtime:
         attach_codebook(self.engine, self.env)  # a calibrated A2ATS codebook makes ingestion store codes
         attach_calibration(self.engine, self.env)  # calibrated fusion ratios (ragkv calibrate fusion)
         self.embedder = Embedder()
-        self.ingestor = Ingestor(self.engine, self.store, self.registry, self.embedder, self.storage.journal,
-                                 config.ingest)
+        self.ingestor = Ingestor(
+            self.engine, self.store, self.registry, self.embedder, self.storage.journal, config.ingest
+        )
         self.rag = RagPipeline(self.engine, self.store, self.registry, self.embedder)
 
     def close(self) -> None:
         self.storage.close()
 
-    def __enter__(self) -> "Runtime":
+    def __enter__(self) -> Runtime:
         return self
 
     def __exit__(self, *exc_info) -> None:

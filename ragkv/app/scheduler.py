@@ -52,7 +52,9 @@ class QueueFull(Exception):
 
 
 class Scheduler:
-    def __init__(self, model: CausalLM, tokenizer, eos_token_ids: set[int], config: SchedulerConfig = SchedulerConfig()):
+    def __init__(
+        self, model: CausalLM, tokenizer, eos_token_ids: set[int], config: SchedulerConfig = SchedulerConfig()
+    ):
         self.model = model
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
@@ -138,8 +140,11 @@ class Scheduler:
         if not continuing:
             return
         try:
-            logits = self.model.decode_batch([r.output_ids[-1] for r in continuing], [r.cache for r in continuing],
-                                             [r.prepared.attention for r in continuing])
+            logits = self.model.decode_batch(
+                [r.output_ids[-1] for r in continuing],
+                [r.cache for r in continuing],
+                [r.prepared.attention for r in continuing],
+            )
         except BaseException as error:
             log.exception("batched decode step failed")
             for request in continuing:

@@ -63,14 +63,17 @@ class Storage:
         create = not read_only if create is None else create and not read_only
         if not create and not Path(config.lmdb_path, "data.mdb").is_file():
             raise FileNotFoundError(
-                f"no ragkv data at {config.lmdb_path} (nothing was created): ingest some documents first or pass --data-dir")
+                f"no ragkv data at {config.lmdb_path} (nothing was created): "
+                "ingest some documents first or pass --data-dir"
+            )
         if create:
             Path(config.data_dir).mkdir(parents=True, exist_ok=True)
         self.env = LMDBEnvironment(config.lmdb_path, create=create)
         try:
             capacity = {} if config.store_capacity is None else {"capacity": config.store_capacity}
-            self.store: ChunkStore = open_store(config.resolved_store_url, create=create, secret=config.store_secret,
-                                                **capacity)
+            self.store: ChunkStore = open_store(
+                config.resolved_store_url, create=create, secret=config.store_secret, **capacity
+            )
         except BaseException:
             self.env.close()
             raise
@@ -93,7 +96,7 @@ class Storage:
         self.store.close()
         self.env.close()
 
-    def __enter__(self) -> "Storage":
+    def __enter__(self) -> Storage:
         return self
 
     def __exit__(self, *exc_info) -> None:

@@ -30,15 +30,19 @@ class Usage:
     completion_tokens: int = 0
 
     @classmethod
-    def of_fusion(cls, fusion: FusionResult, computed_before: int = 0, recomputed_chunks: Sequence[int] = ()) -> "Usage":
+    def of_fusion(cls, fusion: FusionResult, computed_before: int = 0, recomputed_chunks: Sequence[int] = ()) -> Usage:
         """Usage of a fused prompt. `computed_before`: rows of the fusion's prefix that were
         computed for this request (a prefilled glue before newly fused chunks);
         `recomputed_chunks`: chunks the store could not give, computed for this request."""
         length = fusion.layout.length
         extra = chunk_rows_computed_here(fusion, recomputed_chunks)
         cached = max(0, length - int(fusion.final_rows.numel()) - computed_before - extra)
-        return cls(prompt_tokens=length, cached_tokens=cached, recomputed_tokens=fusion.recomputed_tokens + extra,
-                   document_tokens=fusion.layout.num_document_tokens)
+        return cls(
+            prompt_tokens=length,
+            cached_tokens=cached,
+            recomputed_tokens=fusion.recomputed_tokens + extra,
+            document_tokens=fusion.layout.num_document_tokens,
+        )
 
     @property
     def computed_tokens(self) -> int:
@@ -49,10 +53,15 @@ class Usage:
         return self.prompt_tokens + self.completion_tokens
 
     def to_dict(self) -> dict[str, int]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.total_tokens, "cached_tokens": self.cached_tokens,
-                "computed_tokens": self.computed_tokens, "recomputed_tokens": self.recomputed_tokens,
-                "document_tokens": self.document_tokens}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.total_tokens,
+            "cached_tokens": self.cached_tokens,
+            "computed_tokens": self.computed_tokens,
+            "recomputed_tokens": self.recomputed_tokens,
+            "document_tokens": self.document_tokens,
+        }
 
     def to_openai(self) -> dict:
         """OpenAI's usage object, ragkv's counts beside it."""

@@ -42,8 +42,9 @@ class ConversationCase:
     follow_ups: list[str]
 
 
-def build_cases(examples: list[Example], sizes: list[int], follow_ups: int, tokenize: Callable[[str], list[int]]
-                ) -> list[ConversationCase]:
+def build_cases(
+    examples: list[Example], sizes: list[int], follow_ups: int, tokenize: Callable[[str], list[int]]
+) -> list[ConversationCase]:
     """Turn 1's document: passages of the first example(s) until `size` tokens; the new
     chunks: the first NEW_CHUNK_TOKENS tokens' worth of words of later passages."""
     passages = [passage for example in examples for passage in example.passages]
@@ -69,11 +70,19 @@ def build_cases(examples: list[Example], sizes: list[int], follow_ups: int, toke
     return cases
 
 
-def _turn(runtime: Runtime, turns: ChatTurns, messages: list[dict], doc_id: str, top_k: int, fusion: FusionConfig,
-          max_new_tokens: int):
+def _turn(
+    runtime: Runtime,
+    turns: ChatTurns,
+    messages: list[dict],
+    doc_id: str,
+    top_k: int,
+    fusion: FusionConfig,
+    max_new_tokens: int,
+):
     sink = CollectingSink()
-    config = QueryConfig(top_k=top_k, doc_ids=(doc_id,), fusion=fusion,
-                         generation=GenerationConfig(max_new_tokens=max_new_tokens))
+    config = QueryConfig(
+        top_k=top_k, doc_ids=(doc_id,), fusion=fusion, generation=GenerationConfig(max_new_tokens=max_new_tokens)
+    )
     request = turns.request(ChatTurn(TENANT, messages, None, True, config))
     request.sink = sink
     scheduler = Scheduler(runtime.engine.model, runtime.engine.tokenizer, runtime.engine.eos_token_ids)
@@ -84,8 +93,14 @@ def _turn(runtime: Runtime, turns: ChatTurns, messages: list[dict], doc_id: str,
     return sink.completion
 
 
-def run_conversation_bench(runtime: Runtime, cases: list[ConversationCase], *, fusion: FusionConfig | None = None,
-                           max_new_tokens: int = 8, progress: Callable[[str], None] = lambda message: None) -> dict:
+def run_conversation_bench(
+    runtime: Runtime,
+    cases: list[ConversationCase],
+    *,
+    fusion: FusionConfig | None = None,
+    max_new_tokens: int = 8,
+    progress: Callable[[str], None] = lambda message: None,
+) -> dict:
     fusion = fusion or FusionConfig()
     results = {"strategy": fusion.strategy, "max_new_tokens": max_new_tokens, "sizes": {}}
     for case in cases:
@@ -97,17 +112,34 @@ def run_conversation_bench(runtime: Runtime, cases: list[ConversationCase], *, f
         rows = []
         for number, (text, question) in enumerate(zip(case.new_texts, case.follow_ups), start=1):
             new = runtime.ingestor.ingest_text(text, f"new-{case.context_tokens}-{number}", tenant=TENANT)
-            completion = _turn(runtime, turns, [*messages, {"role": "user", "content": question}], new.doc_id, 1,
-                               fusion, max_new_tokens)
+            completion = _turn(
+                runtime,
+                turns,
+                [*messages, {"role": "user", "content": question}],
+                new.doc_id,
+                1,
+                fusion,
+                max_new_tokens,
+            )
             timings = completion.timings
-            row = {"ttft_s": timings.ttft, "queue_s": timings.queue, "retrieve_s": timings.retrieve or 0.0,
-                   "load_s": timings.load or 0.0, "prefill_s": timings.prefill or 0.0, "fuse_s": timings.fuse or 0.0,
-                   "prompt_tokens": completion.usage.prompt_tokens, "cached_tokens": completion.usage.cached_tokens,
-                   "new_chunks": completion.info.get("new_chunks"), "context_tokens": completion.info.get("context_tokens")}
+            row = {
+                "ttft_s": timings.ttft,
+                "queue_s": timings.queue,
+                "retrieve_s": timings.retrieve or 0.0,
+                "load_s": timings.load or 0.0,
+                "prefill_s": timings.prefill or 0.0,
+                "fuse_s": timings.fuse or 0.0,
+                "prompt_tokens": completion.usage.prompt_tokens,
+                "cached_tokens": completion.usage.cached_tokens,
+                "new_chunks": completion.info.get("new_chunks"),
+                "context_tokens": completion.info.get("context_tokens"),
+            }
             rows.append(row)
-            progress(f"{case.context_tokens} tokens, follow-up {number}: TTFT {row['ttft_s']:.3f} s "
-                     f"(fuse {row['fuse_s']:.3f}, prefill {row['prefill_s']:.3f}), {row['prompt_tokens']} prompt tokens, "
-                     f"{row['cached_tokens']} cached, {row['new_chunks']} new chunk(s)")
+            progress(
+                f"{case.context_tokens} tokens, follow-up {number}: TTFT {row['ttft_s']:.3f} s "
+                f"(fuse {row['fuse_s']:.3f}, prefill {row['prefill_s']:.3f}), {row['prompt_tokens']} prompt tokens, "
+                f"{row['cached_tokens']} cached, {row['new_chunks']} new chunk(s)"
+            )
         results["sizes"][str(case.context_tokens)] = {
             "ttft_median_s": statistics.median(row["ttft_s"] for row in rows),
             "fuse_median_s": statistics.median(row["fuse_s"] for row in rows),
@@ -117,8 +149,15 @@ def run_conversation_bench(runtime: Runtime, cases: list[ConversationCase], *, f
     return results
 
 
-def run_fuse_stage_bench(engine, sizes: list[int], *, strategy: str = "probe", question_tokens: int = 24,
-                         repeats: int = 3, progress: Callable[[str], None] = lambda message: None) -> dict:
+def run_fuse_stage_bench(
+    engine,
+    sizes: list[int],
+    *,
+    strategy: str = "probe",
+    question_tokens: int = 24,
+    repeats: int = 3,
+    progress: Callable[[str], None] = lambda message: None,
+) -> dict:
     """The fuse stage alone, copy against in place: a cached conversation of `size` rows
     (random K/V: the cost does not depend on the values), one new NEW_CHUNK_TOKENS-token
     chunk and a question. Medians of `repeats`, the two variants interleaved."""

@@ -215,15 +215,24 @@ def run_decode_bench(
                 kls.append(kl_divergence(expected_first, first))
                 top1.append(float(first.argmax() == expected_first.argmax()))
                 same.append(float(answer == expected_answer))
-            result.quality.append(QualityRow(
-                name, len(prompts), statistics.fmean(len(ids) for ids in prompts), statistics.fmean(kls), max(kls),
-                statistics.fmean(top1), statistics.fmean(same),
-            ))
+            result.quality.append(
+                QualityRow(
+                    name,
+                    len(prompts),
+                    statistics.fmean(len(ids) for ids in prompts),
+                    statistics.fmean(kls),
+                    max(kls),
+                    statistics.fmean(top1),
+                    statistics.fmean(same),
+                )
+            )
         del model
     return result
 
 
-def rag_prompts(tokenize: Callable[[str], list[int]], segments: Callable, examples: Sequence[Example]) -> list[list[int]]:
+def rag_prompts(
+    tokenize: Callable[[str], list[int]], segments: Callable, examples: Sequence[Example]
+) -> list[list[int]]:
     """[prefix | passages | question] token ids of each example (the plain-prefill prompt)."""
     prompts = []
     for example in examples:
@@ -239,7 +248,9 @@ def format_table(result: DecodeBenchResult) -> str:
     lines.append("option              " + "".join(f"{f'ms@{c}':>10}{'GB/s':>7}" for c in contexts))
     for name in dict.fromkeys(row.option for row in result.speed):
         cells = {row.context: row for row in result.speed if row.option == name}
-        lines.append(f"{name:<20}" + "".join(f"{cells[c].ms_per_token:>10.1f}{cells[c].gb_per_s:>7.1f}" for c in contexts))
+        lines.append(
+            f"{name:<20}" + "".join(f"{cells[c].ms_per_token:>10.1f}{cells[c].gb_per_s:>7.1f}" for c in contexts)
+        )
     if result.batch:
         lines += ["", "batched decode, tokens/s (context " + str(result.batch[0].context) + " each)"]
         batches = sorted({row.batch for row in result.batch})
@@ -248,9 +259,14 @@ def format_table(result: DecodeBenchResult) -> str:
             cells = {row.batch: row for row in result.batch if row.option == name}
             lines.append(f"{name:<20}" + "".join(f"{cells[b].tokens_per_s:>9.1f}" for b in batches))
     if result.quality:
-        lines += ["", "quality vs float32 (first token through decode_step)",
-                  "option               KL mean   KL max  top1  answer"]
+        lines += [
+            "",
+            "quality vs float32 (first token through decode_step)",
+            "option               KL mean   KL max  top1  answer",
+        ]
         for row in result.quality:
-            lines.append(f"{row.option:<20}{row.first_token_kl_mean:>8.4f}{row.first_token_kl_max:>9.4f}"
-                         f"{row.first_token_top1_agreement:>6.2f}{row.answer_agreement:>8.2f}")
+            lines.append(
+                f"{row.option:<20}{row.first_token_kl_mean:>8.4f}{row.first_token_kl_max:>9.4f}"
+                f"{row.first_token_top1_agreement:>6.2f}{row.answer_agreement:>8.2f}"
+            )
     return "\n".join(lines)

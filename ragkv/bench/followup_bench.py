@@ -41,8 +41,14 @@ def _openai_turn(client, messages: list[dict], rag: dict, max_tokens: int) -> di
     started = time.perf_counter()
     first = None
     text, final, usage = [], None, None
-    stream = client.chat.completions.create(model="ragkv", messages=messages, max_tokens=max_tokens, stream=True,
-                                            stream_options={"include_usage": True}, extra_body={"rag": rag})
+    stream = client.chat.completions.create(
+        model="ragkv",
+        messages=messages,
+        max_tokens=max_tokens,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"rag": rag},
+    )
     for chunk in stream:
         if chunk.choices:
             delta = chunk.choices[0].delta.content or ""
@@ -54,9 +60,14 @@ def _openai_turn(client, messages: list[dict], rag: dict, max_tokens: int) -> di
         if chunk.usage is not None:
             usage = chunk.usage
     cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else None
-    return {"client_ttft_s": round(first, 4) if first is not None else None, "answer": "".join(text).strip(),
-            "prompt_tokens": usage.prompt_tokens, "cached_tokens": cached,
-            "server_timings": final.model_extra["rag"]["timings"], "session_id": final.model_extra["session_id"]}
+    return {
+        "client_ttft_s": round(first, 4) if first is not None else None,
+        "answer": "".join(text).strip(),
+        "prompt_tokens": usage.prompt_tokens,
+        "cached_tokens": cached,
+        "server_timings": final.model_extra["rag"]["timings"],
+        "session_id": final.model_extra["session_id"],
+    }
 
 
 def _langchain_turn(chat, messages: list, max_tokens: int) -> dict:
@@ -70,8 +81,12 @@ def _langchain_turn(chat, messages: list, max_tokens: int) -> dict:
         usage = chunk.usage_metadata or usage
         metadata.update(chunk.response_metadata or {})
     details = (usage or {}).get("input_token_details", {})
-    return {"client_ttft_s": round(first, 4) if first is not None else None, "answer": "".join(text).strip(),
-            "prompt_tokens": (usage or {}).get("input_tokens"), "cached_tokens": details.get("cache_read")}
+    return {
+        "client_ttft_s": round(first, 4) if first is not None else None,
+        "answer": "".join(text).strip(),
+        "prompt_tokens": (usage or {}).get("input_tokens"),
+        "cached_tokens": details.get("cache_read"),
+    }
 
 
 def run_followup_bench(args: argparse.Namespace, progress: Callable[[str], None] = print) -> dict:
@@ -102,29 +117,45 @@ def run_followup_bench(args: argparse.Namespace, progress: Callable[[str], None]
         (doc_id, chunks), (_, question) = documents[0], samples[0]
         rag = {"document_ids": [doc_id], "top_k": chunks}
         first = _openai_turn(client, [{"role": "user", "content": question}], rag, args.max_tokens)
-        history = [{"role": "user", "content": question}, {"role": "assistant", "content": first["answer"]},
-                   {"role": "user", "content": FOLLOW_UP}]
+        history = [
+            {"role": "user", "content": question},
+            {"role": "assistant", "content": first["answer"]},
+            {"role": "user", "content": FOLLOW_UP},
+        ]
         second = _openai_turn(client, history, rag, args.max_tokens)
         results["clients"]["openai"] = {"turn_1": first, "turn_2": second}
-        progress(f"openai: turn 1 TTFT {first['client_ttft_s']} s ({first['prompt_tokens']} prompt tokens); turn 2 "
-                 f"TTFT {second['client_ttft_s']} s, {second['cached_tokens']} of {second['prompt_tokens']} cached")
+        progress(
+            f"openai: turn 1 TTFT {first['client_ttft_s']} s ({first['prompt_tokens']} prompt tokens); turn 2 "
+            f"TTFT {second['client_ttft_s']} s, {second['cached_tokens']} of {second['prompt_tokens']} cached"
+        )
 
         (doc_id, chunks), (_, question) = documents[1], samples[1]
-        chat = ChatOpenAI(model="ragkv", base_url=base_url + "/v1", api_key=key, max_tokens=args.max_tokens, temperature=0,
-                          max_retries=0, timeout=600, stream_usage=True,
-                          extra_body={"rag": {"document_ids": [doc_id], "top_k": chunks}})
+        chat = ChatOpenAI(
+            model="ragkv",
+            base_url=base_url + "/v1",
+            api_key=key,
+            max_tokens=args.max_tokens,
+            temperature=0,
+            max_retries=0,
+            timeout=600,
+            stream_usage=True,
+            extra_body={"rag": {"document_ids": [doc_id], "top_k": chunks}},
+        )
         first = _langchain_turn(chat, [HumanMessage(question)], args.max_tokens)
-        second = _langchain_turn(chat, [HumanMessage(question), AIMessage(first["answer"]), HumanMessage(FOLLOW_UP)],
-                                 args.max_tokens)
+        second = _langchain_turn(
+            chat, [HumanMessage(question), AIMessage(first["answer"]), HumanMessage(FOLLOW_UP)], args.max_tokens
+        )
         results["clients"]["langchain"] = {"turn_1": first, "turn_2": second}
-        progress(f"langchain: turn 1 TTFT {first['client_ttft_s']} s ({first['prompt_tokens']} prompt tokens); turn 2 "
-                 f"TTFT {second['client_ttft_s']} s, {second['cached_tokens']} of {second['prompt_tokens']} cached")
+        progress(
+            f"langchain: turn 1 TTFT {first['client_ttft_s']} s ({first['prompt_tokens']} prompt tokens); turn 2 "
+            f"TTFT {second['client_ttft_s']} s, {second['cached_tokens']} of {second['prompt_tokens']} cached"
+        )
     finally:
         if server is not None:
             server.stop()
         if scratch is not None:
             scratch.cleanup()
-    for name, turns in results["clients"].items():
+    for _name, turns in results["clients"].items():
         second = turns["turn_2"]
         second["cached_fraction"] = round(second["cached_tokens"] / second["prompt_tokens"], 4)
     return results

@@ -68,8 +68,10 @@ def parse_variants(specs: list[str]) -> list[Variant]:
 
 
 def _ingest_passages(runtime: Runtime, example: Example, number: int) -> list[str]:
-    return [runtime.ingestor.ingest_text(passage, f"ex{number}-p{index}", tenant=BENCH_TENANT).doc_id
-            for index, passage in enumerate(example.passages)]
+    return [
+        runtime.ingestor.ingest_text(passage, f"ex{number}-p{index}", tenant=BENCH_TENANT).doc_id
+        for index, passage in enumerate(example.passages)
+    ]
 
 
 def _decode(runtime: Runtime, result: FusionResult, max_new_tokens: int) -> tuple[str, list[int]]:
@@ -83,7 +85,9 @@ def _decode(runtime: Runtime, result: FusionResult, max_new_tokens: int) -> tupl
 class _Runner:
     """Loads one example's chunks and fuses them with a strategy, timing both."""
 
-    def __init__(self, runtime: Runtime, example: Example, ids: list[str], max_new_tokens: int, chunk_limit: int | None = None):
+    def __init__(
+        self, runtime: Runtime, example: Example, ids: list[str], max_new_tokens: int, chunk_limit: int | None = None
+    ):
         self.runtime, self.max_new_tokens = runtime, max_new_tokens
         records = (runtime.registry.get(BENCH_TENANT, doc_id) for doc_id in ids)
         self.retrieved = [(record, chunk, 0.0) for record in records for chunk in record.chunks][:chunk_limit]
@@ -96,8 +100,13 @@ class _Runner:
         started = time.perf_counter()
         chunks, _ = self.runtime.rag.load_chunks(BENCH_TENANT, self.retrieved)
         load = time.perf_counter() - started
-        fusion_input = FusionInput(self.segments.prefix_ids, chunks, self.segments.question_ids,
-                                   len(engine.chunk_prefix_ids), self.segments.question_text_span)
+        fusion_input = FusionInput(
+            self.segments.prefix_ids,
+            chunks,
+            self.segments.question_ids,
+            len(engine.chunk_prefix_ids),
+            self.segments.question_text_span,
+        )
         fuse_started = time.perf_counter()
         result = strategy.fuse(engine.model, fusion_input, engine.chunk_prefix_cache(), self.max_new_tokens)
         fuse = time.perf_counter() - fuse_started
@@ -143,22 +152,27 @@ def run_fusion_bench(
         for variant in variants:
             result, ttft, load = runner.fuse(variant.strategy)
             forced = TeacherForced.compare(
-                full_forced, teacher_forced_logits(runtime.engine.model, result.cache, result.logits, answer_ids))
+                full_forced, teacher_forced_logits(runtime.engine.model, result.cache, result.logits, answer_ids)
+            )
             answer, _ = _decode(runtime, result, max_new_tokens)
             rows[variant.label].append(_row(result, full, ttft, load, answer, full_answer, example, forced))
-            progress(f"  {variant.label}: KL {rows[variant.label][-1]['first_token_kl']:.3f}, "
-                     f"forced {forced.agreement:.2f}/{forced.kl:.3f}, {full_ttft / ttft:.1f}x, "
-                     f"answer {answer[:60]!r} (full {full_answer[:60]!r})")
+            progress(
+                f"  {variant.label}: KL {rows[variant.label][-1]['first_token_kl']:.3f}, "
+                f"forced {forced.agreement:.2f}/{forced.kl:.3f}, {full_ttft / ttft:.1f}x, "
+                f"answer {answer[:60]!r} (full {full_answer[:60]!r})"
+            )
         checkpoint(_results(runtime, examples[:number], variants, rows, max_new_tokens))
     results = _results(runtime, examples, variants, rows, max_new_tokens)
     if weight_formats:
-        results["weights"] = run_weight_fidelity(runtime.engine.config, prompts, list(weight_formats),
-                                                 max_new_tokens=max_new_tokens, progress=progress)
+        results["weights"] = run_weight_fidelity(
+            runtime.engine.config, prompts, list(weight_formats), max_new_tokens=max_new_tokens, progress=progress
+        )
     return results
 
 
-def _results(runtime: Runtime, examples: list[Example], variants: list[Variant], rows: dict[str, list[dict]],
-             max_new_tokens: int) -> dict:
+def _results(
+    runtime: Runtime, examples: list[Example], variants: list[Variant], rows: dict[str, list[dict]], max_new_tokens: int
+) -> dict:
     return {
         "examples": len(examples),
         "passages_per_example": statistics.fmean(len(e.passages) for e in examples),
@@ -173,8 +187,16 @@ def _results(runtime: Runtime, examples: list[Example], variants: list[Variant],
     }
 
 
-def _row(result: FusionResult, reference: FusionResult, ttft: float, load: float, answer: str, reference_answer: str,
-         example: Example, forced: TeacherForced) -> dict:
+def _row(
+    result: FusionResult,
+    reference: FusionResult,
+    ttft: float,
+    load: float,
+    answer: str,
+    reference_answer: str,
+    example: Example,
+    forced: TeacherForced,
+) -> dict:
     return {
         "ttft_s": ttft,
         "load_s": load,
@@ -197,6 +219,7 @@ def _row(result: FusionResult, reference: FusionResult, ttft: float, load: float
 
 def summarize(rows: list[dict], reference_rows: list[dict]) -> dict[str, float]:
     """The per-strategy figures the module docstring defines."""
+
     def mean(key: str) -> float:
         return float(statistics.fmean(float(row[key]) for row in rows))
 
@@ -233,6 +256,7 @@ SPREAD_KEYS = ("first_token_kl", "teacher_forced_agreement", "teacher_forced_kl"
 
 def spread(values: list[float]) -> dict[str, float]:
     """min, p25, median, p75, max (linear interpolation between order statistics)."""
-    quantiles = torch.tensor(values, dtype=torch.float64).quantile(torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0],
-                                                                                dtype=torch.float64))
+    quantiles = torch.tensor(values, dtype=torch.float64).quantile(
+        torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0], dtype=torch.float64)
+    )
     return dict(zip(("min", "p25", "median", "p75", "max"), (float(q) for q in quantiles)))

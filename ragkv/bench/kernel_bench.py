@@ -15,8 +15,8 @@ import functools
 import math
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -66,10 +66,12 @@ class Geometry:
 GEOMETRIES: dict[str, Geometry] = {
     geometry.name: geometry
     for geometry in (
-        Geometry("llama3-8b", layers=32, q_heads=32, kv_heads=8, head_dim=128, hidden=4096, intermediate=14336,
-                 vocab=128256),
-        Geometry("smollm2-135m", layers=30, q_heads=9, kv_heads=3, head_dim=64, hidden=576, intermediate=1536,
-                 vocab=49152),
+        Geometry(
+            "llama3-8b", layers=32, q_heads=32, kv_heads=8, head_dim=128, hidden=4096, intermediate=14336, vocab=128256
+        ),
+        Geometry(
+            "smollm2-135m", layers=30, q_heads=9, kv_heads=3, head_dim=64, hidden=576, intermediate=1536, vocab=49152
+        ),
     )
 }
 
@@ -102,8 +104,9 @@ class KernelBenchConfig:
             raise ValueError(f"device {self.device!r} is not a torch device (e.g. cuda, cuda:1, cpu)") from exc
         unknown = sorted(set(self.ops) - set(OP_BACKENDS)) + sorted(set(self.step_modes) - set(STEP_MODES))
         if unknown:
-            raise ValueError(f"unknown op(s) or step mode(s) {unknown}; ops: {list(OP_BACKENDS)}, "
-                             f"step modes: {list(STEP_MODES)}")
+            raise ValueError(
+                f"unknown op(s) or step mode(s) {unknown}; ops: {list(OP_BACKENDS)}, step modes: {list(STEP_MODES)}"
+            )
 
     def selected(self, context: int) -> int:
         return max(1, math.ceil(self.budget * context))
@@ -149,8 +152,14 @@ class KernelBenchResult:
 
     def to_json(self) -> dict:
         config = {**asdict(self.config), "dtype": str(self.config.dtype).removeprefix("torch.")}
-        return {"device": self.device, "versions": self.versions, "config": config, "note": self.note,
-                "kernels": [asdict(row) for row in self.kernels], "steps": [asdict(row) for row in self.steps]}
+        return {
+            "device": self.device,
+            "versions": self.versions,
+            "config": config,
+            "note": self.note,
+            "kernels": [asdict(row) for row in self.kernels],
+            "steps": [asdict(row) for row in self.steps],
+        }
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -207,11 +216,13 @@ class OpInputs:
         self.values = randn(g.kv_heads, context, g.head_dim)
         self.query = randn(g.q_heads, g.head_dim)
         selected = config.selected(context)
-        self.indices = torch.stack([torch.randperm(context, generator=gen)[:selected].sort().values
-                                    for _ in range(g.kv_heads)]).to(device)
+        self.indices = torch.stack(
+            [torch.randperm(context, generator=gen)[:selected].sort().values for _ in range(g.kv_heads)]
+        ).to(device)
         self.table = torch.randn(g.kv_heads, config.codebook_size, generator=gen).to(device)
-        self.codes = torch.randint(0, config.codebook_size, (g.kv_heads, context), generator=gen,
-                                   dtype=torch.int16).to(device)
+        self.codes = torch.randint(0, config.codebook_size, (g.kv_heads, context), generator=gen, dtype=torch.int16).to(
+            device
+        )
         self.selected = selected
         recompute = max(1, round(config.recompute_ratio * context))
         self.row_positions = torch.randperm(context, generator=gen)[:recompute].sort().values.to(device)
@@ -229,8 +240,9 @@ class OpInputs:
 def _dense_flashinfer(inputs: OpInputs) -> torch.Tensor:
     import flashinfer
 
-    return flashinfer.single_decode_with_kv_cache(inputs.query, inputs.keys, inputs.values, kv_layout="HND",
-                                                  sm_scale=inputs.scale)
+    return flashinfer.single_decode_with_kv_cache(
+        inputs.query, inputs.keys, inputs.values, kv_layout="HND", sm_scale=inputs.scale
+    )
 
 
 def _op_call(op: str, backend: str, inputs: OpInputs) -> tuple[Callable[[], object], Callable[[object], torch.Tensor]]:
@@ -240,21 +252,29 @@ def _op_call(op: str, backend: str, inputs: OpInputs) -> tuple[Callable[[], obje
         return lambda: kernels.apply_rope(x.keys, x.cos, x.sin, backend=backend), lambda out: out
     if op == "code_score_topk":
         # compared by the reference scores of the rows chosen: ties may pick other rows of equal score
-        return (lambda: kernels.code_score_topk(x.table, x.codes, x.selected, backend=backend),
-                lambda out: torch.gather(x.reference_scores, 1, out[1]))
+        return (
+            lambda: kernels.code_score_topk(x.table, x.codes, x.selected, backend=backend),
+            lambda out: torch.gather(x.reference_scores, 1, out[1]),
+        )
     if op == "sparse_decode_attention":
-        return (lambda: kernels.sparse_decode_attention(x.query, x.keys, x.values, x.indices, x.scale, backend=backend),
-                lambda out: out)
+        return (
+            lambda: kernels.sparse_decode_attention(x.query, x.keys, x.values, x.indices, x.scale, backend=backend),
+            lambda out: out,
+        )
     if op == "selective_attention":
-        return (lambda: kernels.selective_attention(x.q_rows, x.keys, x.values, x.row_positions, x.scale,
-                                                    backend=backend),
-                lambda out: out)
+        return (
+            lambda: kernels.selective_attention(x.q_rows, x.keys, x.values, x.row_positions, x.scale, backend=backend),
+            lambda out: out,
+        )
     if op == "dense_decode":
         if backend == "flashinfer":
             return lambda: _dense_flashinfer(x), lambda out: out
-        return (lambda: kernels.decode_attention(x.query[None], [x.keys], [x.values], [x.keys.shape[1]], x.scale,
-                                                 backend=backend)[0],
-                lambda out: out)
+        return (
+            lambda: kernels.decode_attention(
+                x.query[None], [x.keys], [x.values], [x.keys.shape[1]], x.scale, backend=backend
+            )[0],
+            lambda out: out,
+        )
     raise ValueError(f"unknown op {op!r}")
 
 
@@ -302,8 +322,18 @@ def bench_backends(op: str, inputs: OpInputs, device: torch.device) -> list[Kern
     try:
         expected = reference_output(op, inputs)
     except torch.cuda.OutOfMemoryError as exc:
-        return [KernelRow(op, inputs.keys.shape[1], backend, None, None, _shape(op, inputs),
-                          error=f"reference: {type(exc).__name__}: {exc}") for backend in OP_BACKENDS[op]]
+        return [
+            KernelRow(
+                op,
+                inputs.keys.shape[1],
+                backend,
+                None,
+                None,
+                _shape(op, inputs),
+                error=f"reference: {type(exc).__name__}: {exc}",
+            )
+            for backend in OP_BACKENDS[op]
+        ]
     return [bench_op(op, backend, inputs, expected, device) for backend in OP_BACKENDS[op]]
 
 
@@ -326,8 +356,9 @@ class RandomLlama:
         self.down = [weight(g.hidden, g.intermediate) for _ in range(g.layers)]
         self.lm_head = weight(g.vocab, g.hidden)
         self.norm = torch.ones(g.hidden, device=device, dtype=dtype)
-        self.centroids = [torch.randn(g.kv_heads, g.head_dim, config.codebook_size, device=device)
-                          for _ in range(g.layers)]
+        self.centroids = [
+            torch.randn(g.kv_heads, g.head_dim, config.codebook_size, device=device) for _ in range(g.layers)
+        ]
         self.x = torch.randn(1, g.hidden, device=device, dtype=dtype)
         self.scale = 1.0 / math.sqrt(g.head_dim)
         self.keys: list[torch.Tensor] = []
@@ -341,8 +372,9 @@ class RandomLlama:
         for _ in range(g.layers):
             self.keys.append(torch.randn(g.kv_heads, context, g.head_dim, device=device, dtype=dtype))
             self.values.append(torch.randn(g.kv_heads, context, g.head_dim, device=device, dtype=dtype))
-            self.codes.append(torch.randint(0, self.config.codebook_size, (g.kv_heads, context), device=device,
-                                            dtype=torch.int16))
+            self.codes.append(
+                torch.randint(0, self.config.codebook_size, (g.kv_heads, context), device=device, dtype=torch.int16)
+            )
 
     def attention(self, mode: str, layer: int, q: torch.Tensor) -> torch.Tensor:
         g = self.geometry
@@ -376,6 +408,7 @@ class RandomLlama:
 
 def time_step(model: RandomLlama, mode: str, device: torch.device) -> tuple[float, str]:
     """(median ms, how it was timed) of one step, replayed as a CUDA graph on a GPU."""
+
     def run() -> torch.Tensor:
         return model.step(mode)
 
@@ -446,8 +479,11 @@ def _format_kernel_row(row: KernelRow) -> str:
 
 
 def format_table(result: KernelBenchResult) -> str:
-    lines = [f"device: {result.device}  versions: {result.versions}", "",
-             f"{'op':<24} {'context':>6} {'backend':<10} {'ms':>9}     {'rel_err':>15}"]
+    lines = [
+        f"device: {result.device}  versions: {result.versions}",
+        "",
+        f"{'op':<24} {'context':>6} {'backend':<10} {'ms':>9}     {'rel_err':>15}",
+    ]
     lines += [_format_kernel_row(row) for row in result.kernels]
     if result.steps:
         lines += ["", f"{'decode step':<24} {'context':>6} {'mode':<18} {'ms':>9}  {'vs best dense':>14}"]

@@ -19,8 +19,14 @@ from ragkv.api.launcher import free_port
 class RedisServer:
     """`redis-server` subprocess; `stop` kills it (SIGKILL), `start` (re)starts it on the same port."""
 
-    def __init__(self, binary: str | None = None, *, appendonly: bool = False, port: int | None = None,
-                 extra_args: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        binary: str | None = None,
+        *,
+        appendonly: bool = False,
+        port: int | None = None,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
         found = binary or shutil.which("redis-server")
         if found is None:
             raise FileNotFoundError(
@@ -43,8 +49,21 @@ class RedisServer:
             raise RuntimeError("redis-server is already running")
         persistence = ["--appendonly", "yes", "--appendfsync", "always"] if self.appendonly else ["--appendonly", "no"]
         self._process = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             *persistence, "--dir", self._dir, "--loglevel", "warning", *self.extra_args],
+            [
+                self.binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                *persistence,
+                "--dir",
+                self._dir,
+                "--loglevel",
+                "warning",
+                *self.extra_args,
+            ],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
         )
@@ -79,4 +98,3 @@ class RedisServer:
                 return conn.recv(16).startswith(b"+PONG")
         except OSError:
             return False
-

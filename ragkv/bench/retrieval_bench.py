@@ -98,13 +98,16 @@ def run_synthetic(config: SyntheticConfig) -> SyntheticResult:
     documents = config.chunks // DOC_CHUNKS
     vectors = np.empty((documents * DOC_CHUNKS, config.dim), dtype=np.float32)
     for start in range(0, len(vectors), 100_000):  # bounded temporaries
-        vectors[start: start + 100_000] = _unit_rows(rng, centres, min(100_000, len(vectors) - start), config.spread)
+        vectors[start : start + 100_000] = _unit_rows(rng, centres, min(100_000, len(vectors) - start), config.spread)
     queries = _unit_rows(rng, centres, config.queries, config.spread)
     extra = [_unit_rows(rng, centres, DOC_CHUNKS, config.spread) for _ in range(config.adds)]
 
     started = time.perf_counter()
-    index = DenseIndex.build(config.dim, ((f"doc_{d:07d}", {}, vectors[d * DOC_CHUNKS: (d + 1) * DOC_CHUNKS])
-                                          for d in range(documents)), config.dense)
+    index = DenseIndex.build(
+        config.dim,
+        ((f"doc_{d:07d}", {}, vectors[d * DOC_CHUNKS : (d + 1) * DOC_CHUNKS]) for d in range(documents)),
+        config.dense,
+    )
     build_s = time.perf_counter() - started
 
     def owner(row: int) -> tuple[str, int]:
@@ -140,13 +143,24 @@ def run_synthetic(config: SyntheticConfig) -> SyntheticResult:
         index.remove_document(f"new_{number}")
         deletes.append((time.perf_counter() - t0) * 1e3)
     add_ms, first_ms, delete_ms = (float(np.median(values)) for values in (adds, firsts, deletes))
-    return SyntheticResult(len(vectors), config.dim, round(build_s, 2), round(p50, 3), round(p99, 3),
-                           round(float(np.mean(recalls)), 4), round(add_ms, 2), round(first_ms, 3),
-                           round(delete_ms, 3), round(float(np.median(exact_times)), 2), round(_rss_mb(), 1),
-                           index.uses_graph)
+    return SyntheticResult(
+        len(vectors),
+        config.dim,
+        round(build_s, 2),
+        round(p50, 3),
+        round(p99, 3),
+        round(float(np.mean(recalls)), 4),
+        round(add_ms, 2),
+        round(first_ms, 3),
+        round(delete_ms, 3),
+        round(float(np.median(exact_times)), 2),
+        round(_rss_mb(), 1),
+        index.uses_graph,
+    )
 
 
 # -- the dev set: dense vs BM25 vs hybrid -----------------------------------------------------
+
 
 @dataclass
 class DevResult:
@@ -188,9 +202,19 @@ def run_dev(path: Path, limit: int | None = None) -> DevResult:
         env = LMDBEnvironment(Path(folder) / "db")
         registry = open_registry(None, env, Path(folder) / "index")
         for i, text in enumerate(passages):
-            record = DocumentRecord(f"doc_{i:05d}", "dev", f"p{i}", f"h{i}", 1, 512, "dev", float(i),
-                                    [ChunkRecord(0, f"c{i}", 0, 1, 0, len(text))], {"question": owners[i]})
-            registry.add(record, text, vectors[i: i + 1])
+            record = DocumentRecord(
+                f"doc_{i:05d}",
+                "dev",
+                f"p{i}",
+                f"h{i}",
+                1,
+                512,
+                "dev",
+                float(i),
+                [ChunkRecord(0, f"c{i}", 0, 1, 0, len(text))],
+                {"question": owners[i]},
+            )
+            registry.add(record, text, vectors[i : i + 1])
         index = registry.index
         for mode in RETRIEVAL_MODES:
             shares = {5: [], 10: []}
@@ -206,12 +230,19 @@ def run_dev(path: Path, limit: int | None = None) -> DevResult:
             search_ms[mode] = round(float(np.median(times)), 3)
         registry.close()
         env.close()
-    graph = DenseIndex.build(vectors.shape[1], ((f"doc_{i:05d}", {}, vectors[i: i + 1]) for i in range(len(vectors))),
-                             DenseConfig(exact_below=1))
-    exact = DenseIndex.build(vectors.shape[1], ((f"doc_{i:05d}", {}, vectors[i: i + 1]) for i in range(len(vectors))),
-                             DenseConfig(exact_below=0))
-    graph_recall = np.mean([len({h.doc_id for h in graph.search(q, 10)} & {h.doc_id for h in exact.search(q, 10)}) / 10
-                            for q in questions])
+    graph = DenseIndex.build(
+        vectors.shape[1],
+        ((f"doc_{i:05d}", {}, vectors[i : i + 1]) for i in range(len(vectors))),
+        DenseConfig(exact_below=1),
+    )
+    exact = DenseIndex.build(
+        vectors.shape[1],
+        ((f"doc_{i:05d}", {}, vectors[i : i + 1]) for i in range(len(vectors))),
+        DenseConfig(exact_below=0),
+    )
+    graph_recall = np.mean(
+        [len({h.doc_id for h in graph.search(q, 10)} & {h.doc_id for h in exact.search(q, 10)}) / 10 for q in questions]
+    )
     return DevResult(len(examples), len(passages), recall, round(float(graph_recall), 4), search_ms, round(embed_s, 1))
 
 

@@ -55,8 +55,12 @@ def _ingest(http: httpx.Client, corpus: Path, progress: Callable[[str], None]) -
 
 
 def _chat_turn(http: httpx.Client, message: str, session_id: str | None, max_tokens: int) -> dict:
-    body = {"model": "ragkv", "max_tokens": max_tokens, "stream": True,
-            "messages": [{"role": "user", "content": message}]}
+    body = {
+        "model": "ragkv",
+        "max_tokens": max_tokens,
+        "stream": True,
+        "messages": [{"role": "user", "content": message}],
+    }
     if session_id:
         body["session_id"] = session_id
     started = time.perf_counter()
@@ -75,8 +79,12 @@ def _chat_turn(http: httpx.Client, message: str, session_id: str | None, max_tok
                 first_token = time.perf_counter() - started
             if choice.get("finish_reason"):
                 final = chunk
-    return {"session_id": final["session_id"], "server_ttft_s": final["rag"]["timings"]["ttft"],
-            "client_ttft_s": first_token, "prompt_tokens": final["rag"]["session"]["tokens"]}
+    return {
+        "session_id": final["session_id"],
+        "server_ttft_s": final["rag"]["timings"]["ttft"],
+        "client_ttft_s": first_token,
+        "prompt_tokens": final["rag"]["session"]["tokens"],
+    }
 
 
 def bench_chat(http: httpx.Client, sessions: int, max_tokens: int, progress: Callable[[str], None]) -> dict:
@@ -86,7 +94,9 @@ def bench_chat(http: httpx.Client, sessions: int, max_tokens: int, progress: Cal
         second = _chat_turn(http, FOLLOW_UPS[index % len(FOLLOW_UPS)], first["session_id"], max_tokens)
         turns["turn_1"].append(first)
         turns["turn_2"].append(second)
-        progress(f"session {index + 1}: TTFT turn 1 {first['server_ttft_s']:.3f} s, turn 2 {second['server_ttft_s']:.3f} s")
+        progress(
+            f"session {index + 1}: TTFT turn 1 {first['server_ttft_s']:.3f} s, turn 2 {second['server_ttft_s']:.3f} s"
+        )
     out = {}
     for name, rows in turns.items():
         out[name] = {
@@ -107,8 +117,10 @@ async def _load_level(base_url: str, headers: dict, clients: int, requests: int,
     errors = 0
     counter = iter(range(requests))
 
-    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=600,
-                                 limits=httpx.Limits(max_connections=clients + 4)) as http:
+    async with httpx.AsyncClient(
+        base_url=base_url, headers=headers, timeout=600, limits=httpx.Limits(max_connections=clients + 4)
+    ) as http:
+
         async def client_loop() -> None:
             nonlocal errors, completion_tokens
             for index in counter:
@@ -129,25 +141,38 @@ async def _load_level(base_url: str, headers: dict, clients: int, requests: int,
         await asyncio.gather(*(client_loop() for _ in range(clients)))
         wall = time.perf_counter() - started
     return {
-        "clients": clients, "requests": requests, "errors": errors, "wall_s": round(wall, 3),
+        "clients": clients,
+        "requests": requests,
+        "errors": errors,
+        "wall_s": round(wall, 3),
         "requests_per_s": round(len(latencies) / wall, 3),
-        "latency_p50_s": round(_percentile(latencies, 50), 3), "latency_p99_s": round(_percentile(latencies, 99), 3),
+        "latency_p50_s": round(_percentile(latencies, 50), 3),
+        "latency_p99_s": round(_percentile(latencies, 99), 3),
         "latency_mean_s": round(statistics.fmean(latencies), 3) if latencies else None,
-        "ttft_p50_s": round(_percentile(server_ttft, 50), 3), "ttft_p99_s": round(_percentile(server_ttft, 99), 3),
+        "ttft_p50_s": round(_percentile(server_ttft, 50), 3),
+        "ttft_p99_s": round(_percentile(server_ttft, 99), 3),
         "completion_tokens_per_s": round(completion_tokens / wall, 2),
         "queue_wait_mean_s": round(statistics.fmean(queue), 3) if queue else None,
     }
 
 
-def bench_load(base_url: str, headers: dict, levels: list[int], requests: int | None, max_tokens: int,
-               progress: Callable[[str], None]) -> list[dict]:
+def bench_load(
+    base_url: str,
+    headers: dict,
+    levels: list[int],
+    requests: int | None,
+    max_tokens: int,
+    progress: Callable[[str], None],
+) -> list[dict]:
     rows = []
     for clients in levels:
         count = requests or max(16, 2 * clients)
         row = asyncio.run(_load_level(base_url, headers, clients, count, max_tokens))
-        progress(f"{clients:>3} clients: {row['requests_per_s']:.2f} req/s, latency p50 {row['latency_p50_s']:.2f} s "
-                 f"p99 {row['latency_p99_s']:.2f} s, TTFT p50 {row['ttft_p50_s']:.2f} s p99 {row['ttft_p99_s']:.2f} s "
-                 f"({count} requests, {row['errors']} errors)")
+        progress(
+            f"{clients:>3} clients: {row['requests_per_s']:.2f} req/s, latency p50 {row['latency_p50_s']:.2f} s "
+            f"p99 {row['latency_p99_s']:.2f} s, TTFT p50 {row['ttft_p50_s']:.2f} s p99 {row['ttft_p99_s']:.2f} s "
+            f"({count} requests, {row['errors']} errors)"
+        )
         rows.append(row)
     return rows
 
@@ -185,8 +210,15 @@ def bench_decode(batches: list[int], prompt_tokens: int, steps: int, progress: C
             decoded += batch
         seconds = time.perf_counter() - started
         scheduler.run_until_done()
-        rows.append({"batch": batch, "prompt_tokens": prompt_tokens, "tokens": decoded, "seconds": round(seconds, 3),
-                     "tokens_per_s": round(decoded / seconds, 2)})
+        rows.append(
+            {
+                "batch": batch,
+                "prompt_tokens": prompt_tokens,
+                "tokens": decoded,
+                "seconds": round(seconds, 3),
+                "tokens_per_s": round(decoded / seconds, 2),
+            }
+        )
         progress(f"decode batch {batch:>2}: {decoded / seconds:.1f} tokens/s ({prompt_tokens}-token prompts)")
     base = rows[0]["tokens_per_s"]
     for row in rows:
@@ -229,5 +261,11 @@ def run_serve_bench(args: argparse.Namespace, progress: Callable[[str], None] = 
     single = load[0]["requests_per_s"] if load else None
     for row in load:
         row["vs_first"] = round(row["requests_per_s"] / single, 2) if single else None
-    return {"server": base_url, "model": health.get("model"), "max_tokens": args.max_tokens, "chat": chat,
-            "query_load": load, "decode": decode}
+    return {
+        "server": base_url,
+        "model": health.get("model"),
+        "max_tokens": args.max_tokens,
+        "chat": chat,
+        "query_load": load,
+        "decode": decode,
+    }

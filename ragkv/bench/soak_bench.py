@@ -129,9 +129,11 @@ def _rss_mb(pid: int) -> float:
 def _document(rng: random.Random, serial: str) -> tuple[str, str]:
     city, thing = rng.choice(_CITIES), rng.choice(_THINGS)
     year, people = rng.randint(1850, 2020), rng.randint(2, 90)
-    text = (f"Record {serial}. The {thing} of {city} opened in {year}. It was run by {people} people, "
-            f"and its keeper, named Keeper-{serial}, wrote the logbook every evening. "
-            f"Visitors to {city} still ask about the {thing} and its history.")
+    text = (
+        f"Record {serial}. The {thing} of {city} opened in {year}. It was run by {people} people, "
+        f"and its keeper, named Keeper-{serial}, wrote the logbook every evening. "
+        f"Visitors to {city} still ask about the {thing} and its history."
+    )
     return f"soak-{serial}.txt", text
 
 
@@ -175,8 +177,16 @@ class _Replicas:
 class _Client:
     """One client thread's requests; every outcome is appended to the shared list."""
 
-    def __init__(self, index: int, replicas: _Replicas, config: SoakConfig, started: float,
-                 outcomes: list[Outcome], acknowledged: set[str], lock: threading.Lock):
+    def __init__(
+        self,
+        index: int,
+        replicas: _Replicas,
+        config: SoakConfig,
+        started: float,
+        outcomes: list[Outcome],
+        acknowledged: set[str],
+        lock: threading.Lock,
+    ):
         self.index = index
         self.replicas = replicas
         self.config = config
@@ -235,8 +245,9 @@ class _Client:
         self.serial += 1
         name, text = _document(self.rng, f"{self.index}-{self.serial}")
         replica = self.replicas.pick()
-        response, error, retries = self._send(replica, "POST", "/v1/documents",
-                                              {"text": text, "name": name, "background": False})
+        response, error, retries = self._send(
+            replica, "POST", "/v1/documents", {"text": text, "name": name, "background": False}
+        )
         if error is None:
             with self.lock:
                 self.acknowledged.add(response.json()["document"]["id"])
@@ -245,8 +256,9 @@ class _Client:
     def _query(self) -> None:
         replica = self.replicas.pick()
         question = f"When did the {self.rng.choice(_THINGS)} of {self.rng.choice(_CITIES)} open?"
-        response, error, retries = self._send(replica, "POST", "/v1/query",
-                                              {"question": question, "top_k": 2, "max_tokens": self.config.max_tokens})
+        response, error, retries = self._send(
+            replica, "POST", "/v1/query", {"question": question, "top_k": 2, "max_tokens": self.config.max_tokens}
+        )
         ttft = response.json()["timings"]["ttft"] if error is None else None
         self._record("query", replica, error, retries, ttft)
 
@@ -255,28 +267,45 @@ class _Client:
         named session (kept in the shared Redis); the third continues it on the other replica."""
         first = self.replicas.pick()
         question = f"Who kept the {self.rng.choice(_THINGS)} of {self.rng.choice(_CITIES)}?"
-        body = {"model": "ragkv", "max_tokens": self.config.max_tokens, "rag": {"top_k": 1},
-                "messages": [{"role": "user", "content": question}]}
+        body = {
+            "model": "ragkv",
+            "max_tokens": self.config.max_tokens,
+            "rag": {"top_k": 1},
+            "messages": [{"role": "user", "content": question}],
+        }
         response, error, retries = self._send(first, "POST", "/v1/chat/completions", body)
-        self._record("chat", first, error, retries, response.json()["rag"]["timings"]["ttft"] if error is None else None)
+        self._record(
+            "chat", first, error, retries, response.json()["rag"]["timings"]["ttft"] if error is None else None
+        )
         if error is not None:
             return
         session = response.json()["session_id"]
         named = time.monotonic()
-        for turn, (replica, message) in enumerate(((first, "Say that again, briefly."),
-                                                   (self.replicas.pick(avoid=first), "And once more?")), start=2):
+        for turn, (replica, message) in enumerate(
+            ((first, "Say that again, briefly."), (self.replicas.pick(avoid=first), "And once more?")), start=2
+        ):
             if not self.replicas.alive(replica):
                 return  # the session's replica was killed before it was named: nothing to continue
-            follow = {"model": "ragkv", "max_tokens": self.config.max_tokens, "session_id": session,
-                      "rag": {"enabled": False}, "messages": [{"role": "user", "content": message}]}
+            follow = {
+                "model": "ragkv",
+                "max_tokens": self.config.max_tokens,
+                "session_id": session,
+                "rag": {"enabled": False},
+                "messages": [{"role": "user", "content": message}],
+            }
             response, error, retries = self._send(replica, "POST", "/v1/chat/completions", follow)
-            if (turn == 3 and error == "http_404" and replica != first
-                    and self.replicas.overlaps_outage(named, self.named_at)):
+            if (
+                turn == 3
+                and error == "http_404"
+                and replica != first
+                and self.replicas.overlaps_outage(named, self.named_at)
+            ):
                 # Named while Redis was down, the session was kept only by its own replica (the
                 # documented degradation): reported apart from failures.
                 error = _DEGRADED
-            self._record("chat", replica, error, retries,
-                         response.json()["rag"]["timings"]["ttft"] if error is None else None)
+            self._record(
+                "chat", replica, error, retries, response.json()["rag"]["timings"]["ttft"] if error is None else None
+            )
             if error is not None:
                 return
             self.named_at = time.monotonic()
@@ -297,9 +326,16 @@ def _windows(outcomes: list[Outcome], seconds: float, count: int) -> list[Window
         start, end = index * width, (index + 1) * width
         inside = [o for o in outcomes if start <= o.finished_s < end or (index == count - 1 and o.finished_s >= end)]
         ttfts = [o.ttft_s for o in inside if o.ttft_s is not None]
-        rows.append(Window(round(start, 1), round(end, 1), len(inside), sum(o.error is not None for o in inside),
-                           round(float(np.percentile(ttfts, 50)), 4) if ttfts else None,
-                           round(float(np.percentile(ttfts, 99)), 4) if ttfts else None))
+        rows.append(
+            Window(
+                round(start, 1),
+                round(end, 1),
+                len(inside),
+                sum(o.error is not None for o in inside),
+                round(float(np.percentile(ttfts, 50)), 4) if ttfts else None,
+                round(float(np.percentile(ttfts, 99)), 4) if ttfts else None,
+            )
+        )
     return rows
 
 
@@ -339,8 +375,18 @@ def run_soak(config: SoakConfig, data_dir: Path, progress: Callable[[str], None]
     for name in ("a", "b"):
         folder = data_dir / name
         servers[name] = ServerProcess(
-            ["--data-dir", str(folder), "--store", f"tiered+lmdb://{folder}/db?redis={base}/0",
-             "--registry", f"{base}/1", "--session-store", f"{base}/2"], log_path=data_dir / f"{name}.log")
+            [
+                "--data-dir",
+                str(folder),
+                "--store",
+                f"tiered+lmdb://{folder}/db?redis={base}/0",
+                "--registry",
+                f"{base}/1",
+                "--session-store",
+                f"{base}/2",
+            ],
+            log_path=data_dir / f"{name}.log",
+        )
     try:
         errors: list[BaseException] = []
 
@@ -357,8 +403,10 @@ def run_soak(config: SoakConfig, data_dir: Path, progress: Callable[[str], None]
             thread.join()
         if errors:
             raise RuntimeError(f"a replica did not start: {errors[0]}")
-        progress(f"replicas a {servers['a'].url} and b {servers['b'].url} over redis {base}; "
-                 f"{config.clients} clients for {config.minutes:g} min")
+        progress(
+            f"replicas a {servers['a'].url} and b {servers['b'].url} over redis {base}; "
+            f"{config.clients} clients for {config.minutes:g} min"
+        )
         return _drive(config, servers, redis, progress)
     finally:
         for server in servers.values():
@@ -366,8 +414,9 @@ def run_soak(config: SoakConfig, data_dir: Path, progress: Callable[[str], None]
         redis.cleanup()
 
 
-def _drive(config: SoakConfig, servers: dict[str, ServerProcess], redis: RedisServer,
-           progress: Callable[[str], None]) -> SoakResult:
+def _drive(
+    config: SoakConfig, servers: dict[str, ServerProcess], redis: RedisServer, progress: Callable[[str], None]
+) -> SoakResult:
     replicas = _Replicas(servers)
     outcomes: list[Outcome] = []
     acknowledged: set[str] = set()
@@ -420,12 +469,20 @@ def _drive(config: SoakConfig, servers: dict[str, ServerProcess], redis: RedisSe
         if o.error is not None:
             examples.setdefault(f"{o.replica}:{o.kind}:{o.error}", o.message)
     return SoakResult(
-        minutes=config.minutes, clients=config.clients, requests=len(outcomes),
+        minutes=config.minutes,
+        clients=config.clients,
+        requests=len(outcomes),
         requests_per_s=round(len(outcomes) / elapsed, 3),
         requests_by_kind=dict(Counter(o.kind for o in outcomes)),
         retries=sum(o.retries for o in outcomes),
         errors_on_survivor=sum(_failed(o) and o.replica == "a" for o in outcomes),
         errors_on_killed=sum(_failed(o) and o.replica == "b" for o in outcomes),
-        errors_by_cause=dict(causes), error_examples=examples, documents_acknowledged=len(acknowledged), lost_documents=len(lost),
-        rss_mb=samples, rss_growth_last_half=_growth_last_half(samples, config.seconds),
-        windows=_windows(outcomes, config.seconds, config.windows), faults=faults)
+        errors_by_cause=dict(causes),
+        error_examples=examples,
+        documents_acknowledged=len(acknowledged),
+        lost_documents=len(lost),
+        rss_mb=samples,
+        rss_growth_last_half=_growth_last_half(samples, config.seconds),
+        windows=_windows(outcomes, config.seconds, config.windows),
+        faults=faults,
+    )

@@ -50,18 +50,18 @@ import torch
 
 from ragkv.app.generate import decode
 from ragkv.bench.datasets import Example
-from ragkv.engine.spec_string import split_spec
 from ragkv.bench.metrics import token_f1
 from ragkv.engine import Engine
 from ragkv.engine.generation import GenerationConfig
 from ragkv.engine.kv_cache import KVCache
+from ragkv.engine.spec_string import split_spec
 from ragkv.fusion import DEFAULT_STRATEGY, FusionConfig, FusionInput, FusionResult
 from ragkv.fusion.layout import LoadedChunk
 from ragkv.sparse import PromptState, SparseConfig
-from ragkv.sparse.wiring import sparse_attention, sparse_chunk_codes
-from ragkv.store.blob import decode_blob, encode_blob
 from ragkv.sparse.base import Selector
 from ragkv.sparse.oracle import attention_mass
+from ragkv.sparse.wiring import sparse_attention, sparse_chunk_codes
+from ragkv.store.blob import decode_blob, encode_blob
 
 QUESTION_WINDOW = 32
 
@@ -75,7 +75,9 @@ class RecallMeter:
     mass_recalls: list[float] = field(default_factory=list)
     kept: list[float] = field(default_factory=list)
 
-    def __call__(self, layer: int, q: torch.Tensor, cache: KVCache, indices: torch.Tensor, start: int, end: int) -> None:
+    def __call__(
+        self, layer: int, q: torch.Tensor, cache: KVCache, indices: torch.Tensor, start: int, end: int
+    ) -> None:
         keys, _ = cache.layer(layer)
         mass = attention_mass(q, keys, self.scale)  # [Hkv, T], rows sum to the group size
         group = q.shape[0] // keys.shape[0]
@@ -105,7 +107,9 @@ def rag_prompt(engine: Engine, example: Example) -> tuple[list[int], int, int]:
     return ids, len(segments.prefix_ids), len(segments.prefix_ids) + len(document)
 
 
-def build(config: SparseConfig | None, engine: Engine, cache: KVCache, ids, prefix_len: int, question_start: int) -> Selector | None:
+def build(
+    config: SparseConfig | None, engine: Engine, cache: KVCache, ids, prefix_len: int, question_start: int
+) -> Selector | None:
     if config is None:
         return None
     prompt = PromptState.from_prefill(engine.model, cache, ids, prefix_len, question_start)
@@ -136,8 +140,11 @@ def selector_config(spec: str, budget: float, base: SparseConfig = SparseConfig(
 def ingested_chunks(engine: Engine, example: Example) -> tuple[list[LoadedChunk], list[dict]]:
     """Each passage as the store holds it after ingestion (encoded, through the blob format),
     and as the query path loads it."""
-    stored = [decode_blob(encode_blob(engine.encode_chunk(ids))).tensors
-              for ids in (engine.tokenize(passage) for passage in example.passages) if ids]
+    stored = [
+        decode_blob(encode_blob(engine.encode_chunk(ids))).tensors
+        for ids in (engine.tokenize(passage) for passage in example.passages)
+        if ids
+    ]
     return [LoadedChunk(t["tokens"].tolist(), *engine.kv_format.unpack(t)) for t in stored], stored
 
 
@@ -148,10 +155,16 @@ class UserPrompt:
         self.engine, self.extra = engine, extra
         segments = engine.prompt.rag_segments(example.question)
         self.chunks, self.stored = ingested_chunks(engine, example)
-        fusion_input = FusionInput(segments.prefix_ids, self.chunks, segments.question_ids, len(engine.chunk_prefix_ids),
-                                   segments.question_text_span)
-        self.result: FusionResult = FusionConfig(strategy=fusion).build().fuse(
-            engine.model, fusion_input, engine.chunk_prefix_cache(), extra)
+        fusion_input = FusionInput(
+            segments.prefix_ids,
+            self.chunks,
+            segments.question_ids,
+            len(engine.chunk_prefix_ids),
+            segments.question_text_span,
+        )
+        self.result: FusionResult = (
+            FusionConfig(strategy=fusion).build().fuse(engine.model, fusion_input, engine.chunk_prefix_cache(), extra)
+        )
         self.cache, self.logits = self.result.cache, self.result.logits
 
     def attention(self, config: SparseConfig, cache: KVCache):
@@ -174,21 +187,35 @@ class PrefillPrompt:
 PATHS = ("user", "prefill")
 
 
-def run_quality(engine: Engine, examples: Sequence[Example], configs: dict[str, SparseConfig], max_new_tokens: int,
-                progress: Callable[[str], None], path: str = "user", fusion: str = DEFAULT_STRATEGY) -> dict:
+def run_quality(
+    engine: Engine,
+    examples: Sequence[Example],
+    configs: dict[str, SparseConfig],
+    max_new_tokens: int,
+    progress: Callable[[str], None],
+    path: str = "user",
+    fusion: str = DEFAULT_STRATEGY,
+) -> dict:
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     model = engine.model
-    rows: dict[str, dict[str, list[float]]] = {name: {"recall": [], "mass_recall": [], "kept_mass": [], "f1_dense": [], "f1_gold": []}
-                                               for name in configs}
+    rows: dict[str, dict[str, list[float]]] = {
+        name: {"recall": [], "mass_recall": [], "kept_mass": [], "f1_dense": [], "f1_gold": []} for name in configs
+    }
     prompt_tokens = []
     for number, example in enumerate(examples, start=1):
         progress(f"quality: example {number}/{len(examples)}: {'fusion ' + fusion if path == 'user' else 'prefill'}")
-        prompt = UserPrompt(engine, example, fusion, max_new_tokens + 1) if path == "user" else PrefillPrompt(engine, example, max_new_tokens + 1)
+        prompt = (
+            UserPrompt(engine, example, fusion, max_new_tokens + 1)
+            if path == "user"
+            else PrefillPrompt(engine, example, max_new_tokens + 1)
+        )
         cache, logits = prompt.cache, prompt.logits
         prompt_tokens.append(cache.length)
         reference = cache.clone(max_new_tokens + 1)
-        dense_answer = decode_answer(engine, reference, logits, prompt.attention(DENSE_REFERENCE, reference), max_new_tokens)
+        dense_answer = decode_answer(
+            engine, reference, logits, prompt.attention(DENSE_REFERENCE, reference), max_new_tokens
+        )
         for name, config in configs.items():
             progress(f"quality: example {number}/{len(examples)}: {name}")
             work = cache.clone(max_new_tokens + 1)
@@ -203,12 +230,19 @@ def run_quality(engine: Engine, examples: Sequence[Example], configs: dict[str, 
             row["f1_dense"].append(token_f1(answer, [dense_answer]))
             row["f1_gold"].append(token_f1(answer, example.answers))
         rows.setdefault("_dense_gold", {"f1_gold": []})["f1_gold"].append(token_f1(dense_answer, example.answers))
-    summary = {name: {key: mean([v for v in values if not math.isnan(v)]) for key, values in row.items()}
-               for name, row in rows.items() if not name.startswith("_")}
-    return {"examples": len(examples), "path": path, "fusion": fusion if path == "user" else None,
-            "prompt_tokens": mean(prompt_tokens),
-            "dense_f1_gold": mean(rows["_dense_gold"]["f1_gold"]) if "_dense_gold" in rows else float("nan"),
-            "selectors": summary}
+    summary = {
+        name: {key: mean([v for v in values if not math.isnan(v)]) for key, values in row.items()}
+        for name, row in rows.items()
+        if not name.startswith("_")
+    }
+    return {
+        "examples": len(examples),
+        "path": path,
+        "fusion": fusion if path == "user" else None,
+        "prompt_tokens": mean(prompt_tokens),
+        "dense_f1_gold": mean(rows["_dense_gold"]["f1_gold"]) if "_dense_gold" in rows else float("nan"),
+        "selectors": summary,
+    }
 
 
 def long_context_ids(engine: Engine, examples: Sequence[Example], length: int) -> list[int]:
@@ -242,8 +276,15 @@ def prefix_cache(cache: KVCache, rows: int, extra: int) -> KVCache:
     return KVCache(keys, values, rows, rows)
 
 
-def run_speed(engine: Engine, examples: Sequence[Example], configs: dict[str, SparseConfig], lengths: Sequence[int],
-              timing_steps: int, warmup_steps: int, progress: Callable[[str], None]) -> dict:
+def run_speed(
+    engine: Engine,
+    examples: Sequence[Example],
+    configs: dict[str, SparseConfig],
+    lengths: Sequence[int],
+    timing_steps: int,
+    warmup_steps: int,
+    progress: Callable[[str], None],
+) -> dict:
     """Per length, every configuration decodes the same tokens through the engine's own
     decode step (compiled where it covers the selector); steps are interleaved (step i of
     every configuration, then step i + 1) so that load drift on a shared machine hits all
@@ -275,10 +316,15 @@ def run_speed(engine: Engine, examples: Sequence[Example], configs: dict[str, Sp
                 model.decode_step(ids[length + step], cache, attention)
                 if step >= warmup_steps:
                     step_times.append(time.perf_counter() - t0)
-        per_length = {name: {"ms_per_token": 1000 * statistics.median(step_times),
-                             "ms_per_token_mean": 1000 * mean(step_times),
-                             "setup_s": setup_s, "decode_path": path}
-                      for name, (_, _, setup_s, path, step_times) in runs.items()}
+        per_length = {
+            name: {
+                "ms_per_token": 1000 * statistics.median(step_times),
+                "ms_per_token_mean": 1000 * mean(step_times),
+                "setup_s": setup_s,
+                "decode_path": path,
+            }
+            for name, (_, _, setup_s, path, step_times) in runs.items()
+        }
         runs.clear()
         dense = per_length["engine_dense"]
         for row in per_length.values():
@@ -297,35 +343,53 @@ def decode_path(model, attention: Selector | None, cache: KVCache) -> str:
 def aux_memory(engine: Engine, configs: dict[str, SparseConfig], examples: Sequence[Example]) -> dict:
     """Per-token and fixed auxiliary bytes of each selector, built on a short prompt."""
     ids, prefix_len, question_start = rag_prompt(engine, examples[0])
-    ids = ids[-min(len(ids), 512):]
+    ids = ids[-min(len(ids), 512) :]
     cache, _ = engine.prefill(ids, 1)
     kv = engine.spec.kv_bytes_per_token
     out = {}
     for name, config in configs.items():
         work = cache.clone(1)
         selector = build(config, engine, work, ids, 0, len(ids) - 1)
-        out[name] = {"aux_bytes_per_token": selector.aux_bytes_per_token,
-                     "aux_fraction_of_kv_fp16": selector.aux_bytes_per_token / kv,
-                     "fixed_bytes": selector.fixed_bytes}
+        out[name] = {
+            "aux_bytes_per_token": selector.aux_bytes_per_token,
+            "aux_fraction_of_kv_fp16": selector.aux_bytes_per_token / kv,
+            "fixed_bytes": selector.fixed_bytes,
+        }
     return {"kv_bytes_per_token_fp16": kv, "selectors": out}
 
 
-def run_sparse_bench(engine: Engine, examples: Sequence[Example], speed_examples: Sequence[Example], *, selectors: Sequence[str],
-                     budget: float, base: SparseConfig = SparseConfig(), context_lengths: Sequence[int] = (2048, 4096, 8192),
-                     max_new_tokens: int = 32, timing_steps: int = 16, warmup_steps: int = 2, path: str = "user",
-                     fusion: str = DEFAULT_STRATEGY, progress: Callable[[str], None] = lambda message: None) -> dict:
+def run_sparse_bench(
+    engine: Engine,
+    examples: Sequence[Example],
+    speed_examples: Sequence[Example],
+    *,
+    selectors: Sequence[str],
+    budget: float,
+    base: SparseConfig = SparseConfig(),
+    context_lengths: Sequence[int] = (2048, 4096, 8192),
+    max_new_tokens: int = 32,
+    timing_steps: int = 16,
+    warmup_steps: int = 2,
+    path: str = "user",
+    fusion: str = DEFAULT_STRATEGY,
+    progress: Callable[[str], None] = lambda message: None,
+) -> dict:
     configs = {name: selector_config(name, budget, base) for name in selectors}
     results = {
         "budget": budget,
         "sinks": base.sinks,
         "window": base.window,
-        "codebook": {"id": engine.codebook.id, "size": engine.codebook.size, **engine.codebook.info} if engine.codebook else None,
+        "codebook": {"id": engine.codebook.id, "size": engine.codebook.size, **engine.codebook.info}
+        if engine.codebook
+        else None,
         "memory": aux_memory(engine, configs, examples or speed_examples),
     }
     if examples:
         results["quality"] = run_quality(engine, examples, configs, max_new_tokens, progress, path, fusion)
     if context_lengths:
-        results["speed"] = run_speed(engine, speed_examples, configs, context_lengths, timing_steps, warmup_steps, progress)
+        results["speed"] = run_speed(
+            engine, speed_examples, configs, context_lengths, timing_steps, warmup_steps, progress
+        )
     return results
 
 
@@ -339,21 +403,28 @@ def format_table(results: dict) -> str:
     if speed:
         names = ["engine_dense", *names]
     width = max(12, *(len(name) for name in names))
-    header = f"{'selector':<{width}} {'recall':>6} {'mass_r':>6} {'kept':>6} {'F1 dense':>8} {'F1 gold':>7} {'aux %KV':>7}"
+    header = (
+        f"{'selector':<{width}} {'recall':>6} {'mass_r':>6} {'kept':>6} {'F1 dense':>8} {'F1 gold':>7} {'aux %KV':>7}"
+    )
     for length in lengths:
         header += f" {'ms@' + length:>8} {'x':>5}"
     if "quality" in results:
         q = results["quality"]
-        lines.append(f"budget {results['budget']} (sinks {results['sinks']} + window {results['window']} included); "
-                     f"path {q.get('path')} {q.get('fusion') or ''}; {q['examples']} examples, {q['prompt_tokens']:.0f} prompt tokens on average; dense F1 gold {q['dense_f1_gold']:.3f}")
+        lines.append(
+            f"budget {results['budget']} (sinks {results['sinks']} + window {results['window']} included); "
+            f"path {q.get('path')} {q.get('fusion') or ''}; {q['examples']} examples, "
+            f"{q['prompt_tokens']:.0f} prompt tokens on average; dense F1 gold {q['dense_f1_gold']:.3f}"
+        )
     lines.append(header)
     for name in names:
         row = quality.get(name, {})
         mem = memory.get(name)
-        line = (f"{name:<{width}} {row.get('recall', float('nan')):>6.3f} {row.get('mass_recall', float('nan')):>6.3f} "
-                f"{row.get('kept_mass', float('nan')):>6.3f} "
-                f"{row.get('f1_dense', float('nan')):>8.3f} {row.get('f1_gold', float('nan')):>7.3f} "
-                f"{(100 * mem['aux_fraction_of_kv_fp16']) if mem else 0.0:>7.2f}")
+        line = (
+            f"{name:<{width}} {row.get('recall', float('nan')):>6.3f} {row.get('mass_recall', float('nan')):>6.3f} "
+            f"{row.get('kept_mass', float('nan')):>6.3f} "
+            f"{row.get('f1_dense', float('nan')):>8.3f} {row.get('f1_gold', float('nan')):>7.3f} "
+            f"{(100 * mem['aux_fraction_of_kv_fp16']) if mem else 0.0:>7.2f}"
+        )
         for length in lengths:
             cell = speed[length].get(name)
             line += f" {cell['ms_per_token']:>8.1f} {cell['speedup']:>5.2f}" if cell else f" {'':>8} {'':>5}"

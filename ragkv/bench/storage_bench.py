@@ -39,8 +39,16 @@ from ragkv.store.lmdb_store import LMDBStore
 REFERENCE_FORMAT = "float16"
 
 
-def run_format_load_bench(spec: ModelSpec, formats: list[str], *, chunks: int, tokens_per_chunk: int,
-                          tmp_dir: str | Path, repeats: int = 3, seed: int = 0) -> dict[str, dict[str, float]]:
+def run_format_load_bench(
+    spec: ModelSpec,
+    formats: list[str],
+    *,
+    chunks: int,
+    tokens_per_chunk: int,
+    tmp_dir: str | Path,
+    repeats: int = 3,
+    seed: int = 0,
+) -> dict[str, dict[str, float]]:
     """Per format: blob bytes per token and per chunk, and ms per chunk to read and to place."""
     generator = torch.Generator().manual_seed(seed)
     shape = (spec.num_layers, spec.num_kv_heads, tokens_per_chunk, spec.head_dim)
@@ -84,9 +92,15 @@ def run_format_load_bench(spec: ModelSpec, formats: list[str], *, chunks: int, t
     return results
 
 
-def run_format_fidelity_bench(engine: Engine, examples: list[Example], formats: list[str],
-                              strategies: list[tuple[str, FusionConfig]], *, max_new_tokens: int = 32,
-                              progress: Callable[[str], None] = lambda message: None) -> dict:
+def run_format_fidelity_bench(
+    engine: Engine,
+    examples: list[Example],
+    formats: list[str],
+    strategies: list[tuple[str, FusionConfig]],
+    *,
+    max_new_tokens: int = 32,
+    progress: Callable[[str], None] = lambda message: None,
+) -> dict:
     """First-token KL, top-1 agreement and answer F1 of each format against float16 chunks."""
     tallies: dict[str, dict[str, dict[str, list[float]]]] = {
         label: {name: {"kl": [], "top1": [], "answer_f1": [], "bytes": [], "tokens": []} for name in formats}
@@ -99,17 +113,25 @@ def run_format_fidelity_bench(engine: Engine, examples: list[Example], formats: 
             ids = engine.tokenize(passage)
             raw.append((ids, *engine.model.chunk_kv(torch.tensor(ids), engine.chunk_prefix_cache())))
         segments = engine.prompt.rag_segments(example.question)
-        stored = {name: [_stored_chunk(KV_STORAGE_FORMATS[name], *chunk) for chunk in raw]
-                  for name in {REFERENCE_FORMAT, *formats}}
+        stored = {
+            name: [_stored_chunk(KV_STORAGE_FORMATS[name], *chunk) for chunk in raw]
+            for name in {REFERENCE_FORMAT, *formats}
+        }
         for label, config in strategies:
             strategy = config.build()
             outcomes = {}
             for name in {REFERENCE_FORMAT, *formats}:
-                fusion_input = FusionInput(segments.prefix_ids, [chunk for chunk, _ in stored[name]],
-                                           segments.question_ids, len(engine.chunk_prefix_ids), segments.question_text_span)
+                fusion_input = FusionInput(
+                    segments.prefix_ids,
+                    [chunk for chunk, _ in stored[name]],
+                    segments.question_ids,
+                    len(engine.chunk_prefix_ids),
+                    segments.question_text_span,
+                )
                 result = strategy.fuse(engine.model, fusion_input, engine.chunk_prefix_cache(), max_new_tokens)
-                answer = decode(engine, result.cache, result.logits,
-                                GenerationConfig(max_new_tokens=max_new_tokens)).text.strip()
+                answer = decode(
+                    engine, result.cache, result.logits, GenerationConfig(max_new_tokens=max_new_tokens)
+                ).text.strip()
                 outcomes[name] = (result.logits, answer)
             reference_logits, reference_answer = outcomes[REFERENCE_FORMAT]
             for name in formats:
@@ -120,19 +142,24 @@ def run_format_fidelity_bench(engine: Engine, examples: list[Example], formats: 
                 tally["answer_f1"].append(token_f1(answer, [reference_answer]))
                 tally["bytes"].append(sum(nbytes for _, nbytes in stored[name]))
                 tally["tokens"].append(sum(len(ids) for ids, _, _ in raw))
-                progress(f"example {number} {label} {name}: KL {tally['kl'][-1]:.5f} top1 {tally['top1'][-1]:.0f} "
-                         f"answer F1 vs {REFERENCE_FORMAT} {tally['answer_f1'][-1]:.2f}")
+                progress(
+                    f"example {number} {label} {name}: KL {tally['kl'][-1]:.5f} top1 {tally['top1'][-1]:.0f} "
+                    f"answer F1 vs {REFERENCE_FORMAT} {tally['answer_f1'][-1]:.2f}"
+                )
     return {
         "examples": len(examples),
         "passages_per_example": statistics.fmean(len(e.passages) for e in examples),
         "reference_format": REFERENCE_FORMAT,
         "strategies": {
-            label: {name: _summary(tally) for name, tally in per_format.items()} for label, per_format in tallies.items()
+            label: {name: _summary(tally) for name, tally in per_format.items()}
+            for label, per_format in tallies.items()
         },
     }
 
 
-def _stored_chunk(fmt: KVStorageFormat, ids: list[int], keys: torch.Tensor, values: torch.Tensor) -> tuple[LoadedChunk, int]:
+def _stored_chunk(
+    fmt: KVStorageFormat, ids: list[int], keys: torch.Tensor, values: torch.Tensor
+) -> tuple[LoadedChunk, int]:
     """The chunk as a query reads it back from a blob in `fmt`, and the blob's bytes."""
     blob = encode_blob({**fmt.pack(keys, values), "tokens": torch.tensor(ids, dtype=torch.int32)})
     tensors = decode_blob(blob).tensors

@@ -21,7 +21,12 @@ from ragkv.engine import Engine, EngineConfig
 from ragkv.engine.generation import GenerationConfig
 from ragkv.fusion.fidelity import TeacherForced, teacher_forced_logits
 
-REFERENCE_NUMERICS = {"dtype": "float32", "weights": "float32", "prefill_weights": "float32", "kv_cache_dtype": "float32"}
+REFERENCE_NUMERICS = {
+    "dtype": "float32",
+    "weights": "float32",
+    "prefill_weights": "float32",
+    "kv_cache_dtype": "float32",
+}
 
 
 @dataclass(frozen=True)
@@ -38,8 +43,9 @@ def weight_variants(base: EngineConfig, formats: list[str]) -> list[WeightVarian
         if name == "served":
             variants.append(WeightVariant("served", base))
         else:
-            variants.append(WeightVariant(f"weights={name}", dataclasses.replace(base, **{**REFERENCE_NUMERICS,
-                                                                                        "weights": name})))
+            variants.append(
+                WeightVariant(f"weights={name}", dataclasses.replace(base, **{**REFERENCE_NUMERICS, "weights": name}))
+            )
     return variants
 
 
@@ -50,16 +56,23 @@ def _answer(engine: Engine, prompt: list[int], max_new_tokens: int):
     return cache, logits, completion.text.strip(), forced_answer_ids(completion)
 
 
-def run_weight_fidelity(base: EngineConfig, prompts: list[list[int]], formats: list[str], *, max_new_tokens: int = 32,
-                        progress: Callable[[str], None] = lambda message: None) -> dict:
+def run_weight_fidelity(
+    base: EngineConfig,
+    prompts: list[list[int]],
+    formats: list[str],
+    *,
+    max_new_tokens: int = 32,
+    progress: Callable[[str], None] = lambda message: None,
+) -> dict:
     """Per format: the per-prompt rows and their means."""
     reference_engine = Engine(dataclasses.replace(base, **REFERENCE_NUMERICS))
     references = []
     for number, prompt in enumerate(prompts, start=1):
         progress(f"float32 reference {number}/{len(prompts)}")
         cache, logits, answer, answer_ids = _answer(reference_engine, prompt, max_new_tokens)
-        references.append((logits, answer, answer_ids,
-                           teacher_forced_logits(reference_engine.model, cache, logits, answer_ids)))
+        references.append(
+            (logits, answer, answer_ids, teacher_forced_logits(reference_engine.model, cache, logits, answer_ids))
+        )
     del reference_engine
     results = {}
     for variant in weight_variants(base, formats):
@@ -68,15 +81,18 @@ def run_weight_fidelity(base: EngineConfig, prompts: list[list[int]], formats: l
         for number, (prompt, (logits, answer, answer_ids, forced_reference)) in enumerate(zip(prompts, references), 1):
             progress(f"{variant.label} {number}/{len(prompts)}")
             cache, own_logits, own_answer, _ = _answer(engine, prompt, max_new_tokens)
-            forced = TeacherForced.compare(forced_reference,
-                                           teacher_forced_logits(engine.model, cache, own_logits, answer_ids))
-            rows.append({
-                "first_token_kl": kl_divergence(logits, own_logits),
-                "top1_equal": int(own_logits.argmax()) == int(logits.argmax()),
-                "teacher_forced_agreement": forced.agreement,
-                "teacher_forced_kl": forced.kl,
-                "answer_agreement": token_f1(own_answer, [answer]),
-            })
+            forced = TeacherForced.compare(
+                forced_reference, teacher_forced_logits(engine.model, cache, own_logits, answer_ids)
+            )
+            rows.append(
+                {
+                    "first_token_kl": kl_divergence(logits, own_logits),
+                    "top1_equal": int(own_logits.argmax()) == int(logits.argmax()),
+                    "teacher_forced_agreement": forced.agreement,
+                    "teacher_forced_kl": forced.kl,
+                    "answer_agreement": token_f1(own_answer, [answer]),
+                }
+            )
         results[variant.label] = {
             "numerics": str(engine.model.numerics),
             **{key: float(torch.tensor([float(row[key]) for row in rows]).mean()) for key in rows[0]},

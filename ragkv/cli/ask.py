@@ -22,14 +22,24 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_verbose_option(parser)
     retrieval = parser.add_argument_group("retrieval")
     retrieval.add_argument("--top-k", type=int, default=5, help="chunks retrieved (default: 5)")
-    retrieval.add_argument("--doc", action="append", default=None,
-                           help="restrict retrieval to this document id (repeatable)")
-    retrieval.add_argument("--retrieval", choices=RETRIEVAL_MODES, default=DEFAULT_RETRIEVAL,
-                           help="dense (embeddings), bm25 (words) or hybrid (both, fused by reciprocal rank) "
-                           f"(default: {DEFAULT_RETRIEVAL})")
-    retrieval.add_argument("--filter", action="append", default=None, metavar="KEY=VALUE",
-                           help="retrieve only from documents whose metadata KEY equals VALUE (repeatable: every key "
-                           "must hold; a key given twice matches either value)")
+    retrieval.add_argument(
+        "--doc", action="append", default=None, help="restrict retrieval to this document id (repeatable)"
+    )
+    retrieval.add_argument(
+        "--retrieval",
+        choices=RETRIEVAL_MODES,
+        default=DEFAULT_RETRIEVAL,
+        help="dense (embeddings), bm25 (words) or hybrid (both, fused by reciprocal rank) "
+        f"(default: {DEFAULT_RETRIEVAL})",
+    )
+    retrieval.add_argument(
+        "--filter",
+        action="append",
+        default=None,
+        metavar="KEY=VALUE",
+        help="retrieve only from documents whose metadata KEY equals VALUE (repeatable: every key "
+        "must hold; a key given twice matches either value)",
+    )
     add_config_options(parser.add_argument_group("fusion"), FusionConfig)
     generation = parser.add_argument_group("generation")
     add_config_options(generation, GenerationConfig, skip=("stop",))
@@ -76,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"[{number}] {citation.name} chunk {citation.chunk_index} (score {citation.score:.3f}): {snippet}...")
     t = answer.timings
     print(
-        f"\nstrategy {answer.strategy}: TTFT {t['ttft']:.2f} s (retrieve {t['retrieve']:.2f} s, load {t['load']:.2f} s, "
+        f"\nstrategy {answer.strategy}: TTFT {t['ttft']:.2f} s "
+        f"(retrieve {t['retrieve']:.2f} s, load {t['load']:.2f} s, "
         f"fuse {t['fuse']:.2f} s), decode {t['decode']:.2f} s; {answer.usage.cached_tokens} of "
         f"{answer.usage.prompt_tokens} prompt tokens cached, {answer.usage.recomputed_tokens} recomputed"
     )

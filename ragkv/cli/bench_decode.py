@@ -16,15 +16,27 @@ def _progress(message: str) -> None:
 def configure(decode: argparse.ArgumentParser) -> None:
     from ragkv.bench.decode_bench import PYTHON_LOOP, option_names
 
-    decode.add_argument("--model", default=None,
-                        help="GGUF file, local Hugging Face folder or cached hub id (default: packaged SmolLM2)")
+    decode.add_argument(
+        "--model",
+        default=None,
+        help="GGUF file, local Hugging Face folder or cached hub id (default: packaged SmolLM2)",
+    )
     decode.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    decode.add_argument("--options", nargs="+", default=["auto", "float32", "int8-f32kv", "int8-bf16kv"],
-                        choices=option_names(),
-                        help=f"numerics options to measure; a {PYTHON_LOOP} suffix forces the Python forward loop "
-                             "(default: auto float32 int8-f32kv int8-bf16kv)")
-    decode.add_argument("--contexts", nargs="*", type=int, default=[2048, 4096, 8192],
-                        help="cached rows for ms/token (default: 2048 4096 8192)")
+    decode.add_argument(
+        "--options",
+        nargs="+",
+        default=["auto", "float32", "int8-f32kv", "int8-bf16kv"],
+        choices=option_names(),
+        help=f"numerics options to measure; a {PYTHON_LOOP} suffix forces the Python forward loop "
+        "(default: auto float32 int8-f32kv int8-bf16kv)",
+    )
+    decode.add_argument(
+        "--contexts",
+        nargs="*",
+        type=int,
+        default=[2048, 4096, 8192],
+        help="cached rows for ms/token (default: 2048 4096 8192)",
+    )
     decode.add_argument("--batches", nargs="*", type=int, default=[1, 4, 8], help="batch sizes (default: 1 4 8)")
     decode.add_argument("--batch-context", type=int, default=2048, help="cached rows per batched request")
     decode.add_argument("--steps", type=int, default=32, help="timed greedy steps per measurement (default: 32)")

@@ -17,20 +17,37 @@ def _progress(message: str) -> None:
 def configure(parser: argparse.ArgumentParser) -> None:
     from ragkv.bench.kernel_bench import GEOMETRIES, OP_BACKENDS, STEP_MODES
 
-    parser.add_argument("--geometry", choices=sorted(GEOMETRIES), default="llama3-8b",
-                        help="model shapes, weights random (default: llama3-8b)")
+    parser.add_argument(
+        "--geometry",
+        choices=sorted(GEOMETRIES),
+        default="llama3-8b",
+        help="model shapes, weights random (default: llama3-8b)",
+    )
     parser.add_argument("--device", default="cuda", help="torch device (default: cuda)")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
-    parser.add_argument("--contexts", nargs="+", type=int, default=[8192, 16384, 32768],
-                        help="cached rows (default: 8192 16384 32768)")
-    parser.add_argument("--budget", type=float, default=0.06, help="sparse decode: fraction of rows read (default: 0.06)")
+    parser.add_argument(
+        "--contexts", nargs="+", type=int, default=[8192, 16384, 32768], help="cached rows (default: 8192 16384 32768)"
+    )
+    parser.add_argument(
+        "--budget", type=float, default=0.06, help="sparse decode: fraction of rows read (default: 0.06)"
+    )
     parser.add_argument("--codebook-size", type=int, default=1024, help="centroids per KV head (default: 1024)")
-    parser.add_argument("--recompute-ratio", type=float, default=0.15,
-                        help="selective attention: fraction of rows recomputed (default: 0.15)")
-    parser.add_argument("--ops", nargs="*", choices=list(OP_BACKENDS), default=list(OP_BACKENDS),
-                        help="ops timed (default: all)")
-    parser.add_argument("--step-modes", nargs="*", choices=list(STEP_MODES), default=list(STEP_MODES),
-                        help="attention modes of the random-weight decode step (none: skip the step)")
+    parser.add_argument(
+        "--recompute-ratio",
+        type=float,
+        default=0.15,
+        help="selective attention: fraction of rows recomputed (default: 0.15)",
+    )
+    parser.add_argument(
+        "--ops", nargs="*", choices=list(OP_BACKENDS), default=list(OP_BACKENDS), help="ops timed (default: all)"
+    )
+    parser.add_argument(
+        "--step-modes",
+        nargs="*",
+        choices=list(STEP_MODES),
+        default=list(STEP_MODES),
+        help="attention modes of the random-weight decode step (none: skip the step)",
+    )
     parser.add_argument("--note", default="", help="free text stored with the results")
     parser.add_argument("--json", type=Path, default=None, help="write all figures to this file")
     add_verbose_option(parser)

@@ -10,16 +10,28 @@ from pathlib import Path
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--chunks", type=int, default=100_000,
-                        help="synthetic 384-dim chunks in the index, 50 per document (default: 100000)")
+    parser.add_argument(
+        "--chunks",
+        type=int,
+        default=100_000,
+        help="synthetic 384-dim chunks in the index, 50 per document (default: 100000)",
+    )
     parser.add_argument("--queries", type=int, default=200, help="timed single queries (default: 200)")
-    parser.add_argument("--exact-below", type=int, default=None,
-                        help="live rows under which search scans instead of the HNSW graph (default: the index's)")
+    parser.add_argument(
+        "--exact-below",
+        type=int,
+        default=None,
+        help="live rows under which search scans instead of the HNSW graph (default: the index's)",
+    )
     parser.add_argument("--expansion-search", type=int, default=None, help="HNSW ef at search (default: the index's)")
     parser.add_argument("--expansion-add", type=int, default=None, help="HNSW ef at insertion (default: the index's)")
-    parser.add_argument("--dev", type=Path, default=None,
-                        help="instead: dense/bm25/hybrid recall on this CacheBlend-style JSON (e.g. musique_dev.json), "
-                             "every question's passages among all of the set's")
+    parser.add_argument(
+        "--dev",
+        type=Path,
+        default=None,
+        help="instead: dense/bm25/hybrid recall on this CacheBlend-style JSON (e.g. musique_dev.json), "
+        "every question's passages among all of the set's",
+    )
     parser.add_argument("--limit", type=int, default=None, help="--dev: questions (default: all)")
     parser.add_argument("--json", type=Path, default=None, help="write the figures to this file")
     parser.add_argument("--verbose", "-v", action="store_true", help="log at INFO level")
@@ -60,8 +72,10 @@ def run(args: argparse.Namespace) -> dict:
 
     if args.dev is not None:
         result = as_dict(run_dev(args.dev, args.limit))
-        print(f"{result['questions']} questions, {result['passages']} passages (recall = share of the retrieved "
-              "passages that are the question's own)")
+        print(
+            f"{result['questions']} questions, {result['passages']} passages (recall = share of the retrieved "
+            "passages that are the question's own)"
+        )
         print(f"{'mode':8} {'recall@5':>9} {'recall@10':>10} {'ms/query':>9}")
         for mode, figures in result["recall"].items():
             print(f"{mode:8} {figures['at_5']:9.3f} {figures['at_10']:10.3f} {result['search_ms'][mode]:9.2f}")

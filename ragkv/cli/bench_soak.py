@@ -18,8 +18,12 @@ def configure(soak: argparse.ArgumentParser) -> None:
     soak.add_argument("--clients", type=int, default=4, help="concurrent clients (default: 4)")
     soak.add_argument("--max-tokens", type=int, default=8, help="answer tokens per request (default: 8)")
     soak.add_argument("--seed", type=int, default=0)
-    soak.add_argument("--data-dir", type=Path, default=None,
-                      help="where the replicas' data folders and logs go (default: a scratch folder, removed)")
+    soak.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="where the replicas' data folders and logs go (default: a scratch folder, removed)",
+    )
     soak.add_argument("--json", type=Path, default=None, help="write the figures to this file")
     add_verbose_option(soak)
 
@@ -43,7 +47,23 @@ def run(args: argparse.Namespace) -> dict:
         if scratch is not None:
             scratch.cleanup()
     figures = result.to_json()
-    print(json.dumps({key: figures[key] for key in (
-        "requests", "requests_per_s", "errors_on_survivor", "errors_on_killed", "errors_by_cause",
-        "documents_acknowledged", "lost_documents", "rss_growth_last_half", "faults")}, indent=2))
+    print(
+        json.dumps(
+            {
+                key: figures[key]
+                for key in (
+                    "requests",
+                    "requests_per_s",
+                    "errors_on_survivor",
+                    "errors_on_killed",
+                    "errors_by_cause",
+                    "documents_acknowledged",
+                    "lost_documents",
+                    "rss_growth_last_half",
+                    "faults",
+                )
+            },
+            indent=2,
+        )
+    )
     return figures

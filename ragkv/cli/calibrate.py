@@ -20,19 +20,35 @@ def _progress(message: str) -> None:
 def configure(calibrate: argparse.ArgumentParser) -> None:
     from ragkv.sparse.calibrate import CalibrationConfig
 
-    calibrate.add_argument("paths", nargs="*", type=Path,
-                           help="[codebook|fusion] then calibration files or folders (codebook when not named)")
-    calibrate.add_argument("--from-store", action="store_true",
-                           help="also calibrate on the tenant's ingested documents (the default when no paths are given)")
-    calibrate.add_argument("--no-backfill", action="store_true",
-                           help="do not add codes to the tenant's chunks already in the store")
+    calibrate.add_argument(
+        "paths",
+        nargs="*",
+        type=Path,
+        help="[codebook|fusion] then calibration files or folders (codebook when not named)",
+    )
+    calibrate.add_argument(
+        "--from-store",
+        action="store_true",
+        help="also calibrate on the tenant's ingested documents (the default when no paths are given)",
+    )
+    calibrate.add_argument(
+        "--no-backfill", action="store_true", help="do not add codes to the tenant's chunks already in the store"
+    )
     add_config_options(calibrate.add_argument_group("calibration"), CalibrationConfig)
     fusion = calibrate.add_argument_group("fusion calibration (ragkv calibrate fusion)")
-    fusion.add_argument("--target-kl", type=float, default=0.05,
-                        help="mean first-token and teacher-forced KL vs full prefill a ratio must meet (default: 0.05)")
+    fusion.add_argument(
+        "--target-kl",
+        type=float,
+        default=0.05,
+        help="mean first-token and teacher-forced KL vs full prefill a ratio must meet (default: 0.05)",
+    )
     fusion.add_argument("--ratios", type=float, nargs="+", default=None, help="ratios tried (default: 0.05 ... 1)")
-    fusion.add_argument("--questions", type=Path, default=None,
-                        help="a text file of questions, one per line (default: sentences of the documents)")
+    fusion.add_argument(
+        "--questions",
+        type=Path,
+        default=None,
+        help="a text file of questions, one per line (default: sentences of the documents)",
+    )
     fusion.add_argument("--samples", type=int, default=8, help="questions measured (default: 8)")
     fusion.add_argument("--fusion-strategy", default="probe", help="strategy calibrated (default: probe)")
     add_common_options(calibrate)
@@ -46,13 +62,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_fusion(args: argparse.Namespace) -> int:
-    from ragkv.app.fusion_calibration import (DEFAULT_RATIOS, FusionCalibrationConfig, calibrate_fusion,
-                                              save_calibration)
+    from ragkv.app.fusion_calibration import DEFAULT_RATIOS, FusionCalibrationConfig, calibrate_fusion, save_calibration
     from ragkv.app.runtime import Runtime
     from ragkv.ingest.loaders import expand_paths, read_document
 
-    config = FusionCalibrationConfig(strategy=args.fusion_strategy, ratios=tuple(sorted(args.ratios or DEFAULT_RATIOS)),
-                                     target_kl=args.target_kl, samples=args.samples)
+    config = FusionCalibrationConfig(
+        strategy=args.fusion_strategy,
+        ratios=tuple(sorted(args.ratios or DEFAULT_RATIOS)),
+        target_kl=args.target_kl,
+        samples=args.samples,
+    )
     questions = None
     if args.questions is not None:
         if not args.questions.is_file():
@@ -71,14 +90,18 @@ def run_fusion(args: argparse.Namespace) -> int:
         engine = runtime.engine
         calibration = calibrate_fusion(engine, texts, config, questions, _progress)
         for ratio, figure in calibration.figures.items():
-            print(f"ratio {ratio:>5}: first-token KL {figure['first_token_kl']:.4f}, teacher-forced KL "
-                  f"{figure['teacher_forced_kl']:.4f}, agreement {figure['teacher_forced_agreement']:.3f}")
+            print(
+                f"ratio {ratio:>5}: first-token KL {figure['first_token_kl']:.4f}, teacher-forced KL "
+                f"{figure['teacher_forced_kl']:.4f}, agreement {figure['teacher_forced_agreement']:.3f}"
+            )
         if calibration.ratio is None:
             print(f"no ratio tried meets KL <= {config.target_kl}; nothing stored", file=sys.stderr)
             return 1
         save_calibration(runtime.env, engine.fingerprint, calibration)
-    print(f"{calibration.strategy}: ratio {calibration.ratio:g} meets KL <= {config.target_kl} on "
-          f"{calibration.samples} questions; stored for model {engine.fingerprint}")
+    print(
+        f"{calibration.strategy}: ratio {calibration.ratio:g} meets KL <= {config.target_kl} on "
+        f"{calibration.samples} questions; stored for model {engine.fingerprint}"
+    )
     return 0
 
 
@@ -94,7 +117,9 @@ def run_codebook(args: argparse.Namespace) -> int:
         raise ValueError("no supported files found in the given paths")
     with Runtime(runtime_config(args, show_progress=False)) as runtime:
         if args.from_store or not args.paths:
-            texts += [runtime.registry.text(args.tenant, record.doc_id) for record in runtime.registry.list(args.tenant)]
+            texts += [
+                runtime.registry.text(args.tenant, record.doc_id) for record in runtime.registry.list(args.tenant)
+            ]
         if not texts:
             raise ValueError("nothing to calibrate on: give files, or ingest documents first")
         engine = runtime.engine
@@ -102,9 +127,12 @@ def run_codebook(args: argparse.Namespace) -> int:
         save_codebook(runtime.env, engine.fingerprint, codebook)
         engine.codebook = codebook
         updated = 0 if args.no_backfill else backfill_codes(runtime, args.tenant)
-    print(f"codebook {codebook.id}: {codebook.size} centroids x {codebook.shape[0]} layers x {codebook.shape[1]} KV heads, "
-          f"b={codebook.offset}, {codebook.info['tokens']} tokens in {codebook.info['seconds']} s; "
-          f"stored for model {engine.fingerprint}; codes added to {updated} stored chunk(s)")
+    print(
+        f"codebook {codebook.id}: {codebook.size} centroids x {codebook.shape[0]} layers "
+        f"x {codebook.shape[1]} KV heads, "
+        f"b={codebook.offset}, {codebook.info['tokens']} tokens in {codebook.info['seconds']} s; "
+        f"stored for model {engine.fingerprint}; codes added to {updated} stored chunk(s)"
+    )
     return 0
 
 
@@ -131,5 +159,10 @@ def backfill_codes(runtime, tenant: str) -> int:
     return updated
 
 
-COMMAND = Command("calibrate", "calibrate for the model: the A2ATS codebook (sparse decode; `calibrate [codebook]`) "
-                              "or the fusion ratio (`calibrate fusion`)", configure, run)
+COMMAND = Command(
+    "calibrate",
+    "calibrate for the model: the A2ATS codebook (sparse decode; `calibrate [codebook]`) "
+    "or the fusion ratio (`calibrate fusion`)",
+    configure,
+    run,
+)

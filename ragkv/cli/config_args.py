@@ -48,7 +48,9 @@ def _scalar_type(annotation) -> type | None:
     return None
 
 
-def add_config_options(parser: argparse.ArgumentParser, cls: type, prefix: str = "", skip: tuple[str, ...] = ()) -> None:
+def add_config_options(
+    parser: argparse.ArgumentParser, cls: type, prefix: str = "", skip: tuple[str, ...] = ()
+) -> None:
     """Add --<prefix><field> for every scalar field of dataclass `cls`."""
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)

@@ -83,7 +83,9 @@ def option_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action
     return actions
 
 
-def apply_config(parser: argparse.ArgumentParser, values: dict, path: Path, where: str, *, strict: bool = True) -> list[str]:
+def apply_config(
+    parser: argparse.ArgumentParser, values: dict, path: Path, where: str, *, strict: bool = True
+) -> list[str]:
     """Set `parser`'s defaults from `values`; return the keys it has no option for (an error
     when `strict`)."""
     actions = option_actions(parser)
@@ -96,8 +98,10 @@ def apply_config(parser: argparse.ArgumentParser, values: dict, path: Path, wher
         defaults[action.dest] = _converted(action, value, f"{path}: {where}{key}")
     if unknown and strict:
         known = ", ".join(sorted(k for k in actions if "_" not in k))
-        raise ConfigFileError(f"{path}: {where}unknown option(s) {', '.join(map(repr, unknown))} for `ragkv "
-                              f"{parser.prog.split()[-1]}`; known: {known}")
+        raise ConfigFileError(
+            f"{path}: {where}unknown option(s) {', '.join(map(repr, unknown))} for `ragkv "
+            f"{parser.prog.split()[-1]}`; known: {known}"
+        )
     parser.set_defaults(**defaults)
     return unknown
 

@@ -32,8 +32,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("paths", nargs="+", type=Path, help="files, or folders searched recursively")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument("--no-replace", action="store_true",
-                        help="add a file whose name the tenant has as another document (default: replace that one)")
+    parser.add_argument(
+        "--no-replace",
+        action="store_true",
+        help="add a file whose name the tenant has as another document (default: replace that one)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON summary (per file and totals) on stdout")
     add_config_options(parser.add_argument_group("ingestion"), IngestConfig, skip=("show_progress",))
     add_common_options(parser)
@@ -52,15 +55,23 @@ class Summary:
     def totals(self) -> dict:
         total = self._sum
         return {
-            "files": len(self.documents) + len(self.failures), "ingested": len(self.documents),
+            "files": len(self.documents) + len(self.failures),
+            "ingested": len(self.documents),
             "already_present": sum(document["duplicate_of_existing"] for document in self.documents),
-            "failed": len(self.failures), "unsupported": len(self.unsupported), "tokens": total("tokens"),
-            "chunks": total("chunks"), "computed_chunks": total("computed_chunks"),
-            "reused_chunks": total("reused_chunks"), "stored_bytes": total("stored_bytes"),
-            "stored_tokens": total("stored_tokens"), "replaced": sum(d["replaced"] for d in self.documents),
+            "failed": len(self.failures),
+            "unsupported": len(self.unsupported),
+            "tokens": total("tokens"),
+            "chunks": total("chunks"),
+            "computed_chunks": total("computed_chunks"),
+            "reused_chunks": total("reused_chunks"),
+            "stored_bytes": total("stored_bytes"),
+            "stored_tokens": total("stored_tokens"),
+            "replaced": sum(d["replaced"] for d in self.documents),
             "encode_seconds": round(sum(d["encode_seconds"] for d in self.documents), 3),
             "encode_tokens_per_second": self._encode_rate(),
-            "bytes_per_token": round(total("stored_bytes") / total("stored_tokens"), 1) if total("stored_tokens") else 0.0,
+            "bytes_per_token": round(total("stored_bytes") / total("stored_tokens"), 1)
+            if total("stored_tokens")
+            else 0.0,
             "seconds": round(time.perf_counter() - self.started, 3),
         }
 
@@ -69,18 +80,26 @@ class Summary:
         return round(self._sum("stored_tokens") / seconds, 1) if seconds else 0.0
 
     def to_dict(self) -> dict:
-        return {"object": "ingestion", "documents": self.documents, "failures": self.failures,
-                "unsupported": self.unsupported, "totals": self.totals()}
+        return {
+            "object": "ingestion",
+            "documents": self.documents,
+            "failures": self.failures,
+            "unsupported": self.unsupported,
+            "totals": self.totals(),
+        }
 
     def total_line(self) -> str:
         t = self.totals()
         present = f" ({t['already_present']} already present)" if t["already_present"] else ""
         present += f" ({t['replaced']} replaced)" if t["replaced"] else ""
         rate = f", {t['encode_tokens_per_second']:,.0f} tokens/s encoded" if t["encode_seconds"] else ""
-        return (f"total: {t['ingested']} of {t['files']} files ingested{present}, {t['failed']} failed, "
-                f"{t['unsupported']} unsupported skipped; {t['tokens']} tokens, {t['chunks']} chunks "
-                f"({t['computed_chunks']} computed, {t['reused_chunks']} reused{rate}), "
-                f"{t['stored_bytes'] / 2**20:.1f} MiB stored ({t['bytes_per_token']:,.0f} bytes/token), {t['seconds']:.1f} s")
+        return (
+            f"total: {t['ingested']} of {t['files']} files ingested{present}, {t['failed']} failed, "
+            f"{t['unsupported']} unsupported skipped; {t['tokens']} tokens, {t['chunks']} chunks "
+            f"({t['computed_chunks']} computed, {t['reused_chunks']} reused{rate}), "
+            f"{t['stored_bytes'] / 2**20:.1f} MiB stored ({t['bytes_per_token']:,.0f} bytes/token), "
+            f"{t['seconds']:.1f} s"
+        )
 
 
 class Progress:
@@ -90,8 +109,15 @@ class Progress:
         from tqdm import tqdm
 
         sizes = [path.stat().st_size if path.is_file() else 0 for path in paths]
-        self.bar = tqdm(total=sum(sizes), unit="B", unit_scale=True, desc="ingest", disable=not enabled,
-                        file=sys.stderr, dynamic_ncols=True)
+        self.bar = tqdm(
+            total=sum(sizes),
+            unit="B",
+            unit_scale=True,
+            desc="ingest",
+            disable=not enabled,
+            file=sys.stderr,
+            dynamic_ncols=True,
+        )
         self.done = 0
 
     def start_file(self, path: Path, size: int):
@@ -161,13 +187,17 @@ def run(args: argparse.Namespace) -> int:
     ingest_config = config_from_args(IngestConfig, args, show_progress=False)
     for path in found.unsupported:
         print(f"skipped {path}: unsupported file type", file=sys.stderr)
-    usable = check_files(found.files, ingest_config.max_document_bytes, summary,
-                         lambda line: print(line, file=sys.stderr, flush=True))
+    usable = check_files(
+        found.files, ingest_config.max_document_bytes, summary, lambda line: print(line, file=sys.stderr, flush=True)
+    )
     if not usable:
         _print_summary(args, summary)
         if not found.files:
-            raise InputError("missing", "no supported files found in the given paths"
-                             + (f" ({len(found.unsupported)} unsupported)" if found.unsupported else ""))
+            raise InputError(
+                "missing",
+                "no supported files found in the given paths"
+                + (f" ({len(found.unsupported)} unsupported)" if found.unsupported else ""),
+            )
         print(f"nothing to ingest: {len(summary.failures)} file(s) refused (the model was not loaded)", file=sys.stderr)
         return 1
     _ingest(args, usable, summary)
@@ -190,9 +220,14 @@ def _ingest(args: argparse.Namespace, usable: list[Checked], summary: Summary) -
                 on_chunks = progress.start_file(path, checked.size)
                 try:
                     document = checked.document or load_path(path, config.ingest.max_document_bytes)
-                    result = runtime.ingestor.ingest_text(document.text, str(path), tenant=args.tenant,
-                                                          progress=on_chunks, pages=document.pages,
-                                                          replaces=names.get(str(path)))
+                    result = runtime.ingestor.ingest_text(
+                        document.text,
+                        str(path),
+                        tenant=args.tenant,
+                        progress=on_chunks,
+                        pages=document.pages,
+                        replaces=names.get(str(path)),
+                    )
                 except InputError as error:
                     summary.failures.append({"path": str(path), "reason": error.reason, "error": str(error)})
                     progress.write(f"failed {path}: {error}")
@@ -221,13 +256,22 @@ def _print_summary(args: argparse.Namespace, summary: Summary) -> None:
 
 
 def _document(path: Path, result) -> dict:
-    return {"id": result.doc_id, "path": str(path), "tokens": result.tokens, "chunks": result.chunks,
-            "computed_chunks": result.computed_chunks, "reused_chunks": result.reused_chunks,
-            "stored_bytes": result.stored_bytes, "stored_tokens": result.stored_tokens,
-            "bytes_per_token": round(result.bytes_per_token, 1), "seconds": round(result.seconds, 3),
-            "encode_seconds": round(result.timings.get("precompute", 0.0), 3),
-            "encode_tokens_per_second": round(result.encode_tokens_per_second, 1),
-            "duplicate_of_existing": result.duplicate_of_existing, "replaced": result.replaced}
+    return {
+        "id": result.doc_id,
+        "path": str(path),
+        "tokens": result.tokens,
+        "chunks": result.chunks,
+        "computed_chunks": result.computed_chunks,
+        "reused_chunks": result.reused_chunks,
+        "stored_bytes": result.stored_bytes,
+        "stored_tokens": result.stored_tokens,
+        "bytes_per_token": round(result.bytes_per_token, 1),
+        "seconds": round(result.seconds, 3),
+        "encode_seconds": round(result.timings.get("precompute", 0.0), 3),
+        "encode_tokens_per_second": round(result.encode_tokens_per_second, 1),
+        "duplicate_of_existing": result.duplicate_of_existing,
+        "replaced": result.replaced,
+    }
 
 
 def _document_line(document: dict) -> str:
@@ -235,11 +279,18 @@ def _document_line(document: dict) -> str:
     note += " (replaced the previous version)" if document["replaced"] else ""
     rate = document["tokens"] / document["seconds"] if document["seconds"] else 0.0
     encoded = f", {document['encode_tokens_per_second']:,.0f} tokens/s encoded" if document["encode_seconds"] else ""
-    return (f"{document['id']}  {document['path']}  {document['tokens']} tokens, {document['chunks']} chunks "
-            f"({document['computed_chunks']} computed, {document['reused_chunks']} reused), "
-            f"{document['stored_bytes'] / 2**20:.1f} MiB stored ({document['bytes_per_token']:,.0f} bytes/token), "
-            f"{rate:.0f} tokens/s{encoded}{note}")
+    return (
+        f"{document['id']}  {document['path']}  {document['tokens']} tokens, {document['chunks']} chunks "
+        f"({document['computed_chunks']} computed, {document['reused_chunks']} reused), "
+        f"{document['stored_bytes'] / 2**20:.1f} MiB stored ({document['bytes_per_token']:,.0f} bytes/token), "
+        f"{rate:.0f} tokens/s{encoded}{note}"
+    )
 
 
-COMMAND = Command("ingest", "ingest files or folders (.txt, .md, .rst, .csv, .html, .pdf, .docx, ...)", configure, run,
-                  description=__doc__)
+COMMAND = Command(
+    "ingest",
+    "ingest files or folders (.txt, .md, .rst, .csv, .html, .pdf, .docx, ...)",
+    configure,
+    run,
+    description=__doc__,
+)

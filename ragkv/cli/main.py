@@ -15,7 +15,13 @@ from ragkv.cli.command import Command, CommandParser
 from ragkv.cli.config_file import ConfigFileError, apply_config, config_path, load_config, option_actions, values_for
 
 COMMANDS: tuple[Command, ...] = (
-    ingest.COMMAND, ask.COMMAND, docs.COMMAND, serve.COMMAND, bench.COMMAND, calibrate.COMMAND, store.COMMAND,
+    ingest.COMMAND,
+    ask.COMMAND,
+    docs.COMMAND,
+    serve.COMMAND,
+    bench.COMMAND,
+    calibrate.COMMAND,
+    store.COMMAND,
 )
 
 EXIT_INPUT_ERROR = 2
@@ -25,8 +31,13 @@ EXIT_STORE_ERROR = 3
 
 
 def _add_config_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", type=Path, default=None, metavar="FILE.toml",
-                        help="option values from a TOML file (also $RAGKV_CONFIG); flags given here win over it")
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        metavar="FILE.toml",
+        help="option values from a TOML file (also $RAGKV_CONFIG); flags given here win over it",
+    )
 
 
 def build_parser(only: str | None = None, config: tuple[Path, dict] | None = None) -> argparse.ArgumentParser:
@@ -36,8 +47,12 @@ def build_parser(only: str | None = None, config: tuple[Path, dict] | None = Non
     _add_config_option(parser)
     commands = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
     for command in COMMANDS:
-        sub = commands.add_parser(command.name, help=command.help, description=command.description or command.help,
-                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+        sub = commands.add_parser(
+            command.name,
+            help=command.help,
+            description=command.description or command.help,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         sub.set_defaults(handler=command.run)
         if only is None or only == command.name:
             command.configure(sub)
@@ -58,7 +73,9 @@ def _apply_config_file(parser: argparse.ArgumentParser, command: str, path: Path
         known = set().union(*(option_actions(sub) for sub in subcommands.values()))
         strays = [key for key in unknown if key not in known]
         if strays:
-            raise ConfigFileError(f"{path}: unknown option(s) {', '.join(map(repr, strays))} (no ragkv command has them)")
+            raise ConfigFileError(
+                f"{path}: unknown option(s) {', '.join(map(repr, strays))} (no ragkv command has them)"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,7 +93,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ragkv: error: {error}", file=sys.stderr)
         return EXIT_INPUT_ERROR
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
     from ragkv.store.errors import StoreError
 
     try:

@@ -14,13 +14,19 @@ def add_store_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("store")
     group.add_argument("--data-dir", type=Path, default=None, help="data folder (default: $RAGKV_HOME or ~/.ragkv)")
     group.add_argument("--store", default=None, help="chunk store URL (default: lmdb://<data-dir>/db)")
-    group.add_argument("--registry", default=None,
-                       help="document registry URL, e.g. redis://HOST:6379/2 to share documents between hosts "
-                            "(default: $RAGKV_REGISTRY, else the data folder's LMDB)")
+    group.add_argument(
+        "--registry",
+        default=None,
+        help="document registry URL, e.g. redis://HOST:6379/2 to share documents between hosts "
+        "(default: $RAGKV_REGISTRY, else the data folder's LMDB)",
+    )
     group.add_argument("--tenant", default="default", help="tenant whose documents are used (default: default)")
-    group.add_argument("--store-secret", default=None,
-                       help="deployment secret: chunk blobs carry a MAC keyed by it instead of a CRC-32 "
-                            "(default: $RAGKV_STORE_SECRET; prefer the variable, a flag shows in `ps`)")
+    group.add_argument(
+        "--store-secret",
+        default=None,
+        help="deployment secret: chunk blobs carry a MAC keyed by it instead of a CRC-32 "
+        "(default: $RAGKV_STORE_SECRET; prefer the variable, a flag shows in `ps`)",
+    )
     from ragkv.app.storage import StorageConfig
 
     add_config_options(group, StorageConfig, skip=("store_url", "registry_url", "store_secret"))
@@ -52,8 +58,13 @@ def storage_config(args: argparse.Namespace):
     """Where the data is, for commands that do not load the model (imports no model code)."""
     from ragkv.app.storage import StorageConfig, default_data_dir
 
-    return StorageConfig(data_dir=args.data_dir or default_data_dir(), store_url=args.store,
-                         store_secret=_store_secret(args), store_capacity=args.store_capacity, **_registry(args))
+    return StorageConfig(
+        data_dir=args.data_dir or default_data_dir(),
+        store_url=args.store,
+        store_secret=_store_secret(args),
+        store_capacity=args.store_capacity,
+        **_registry(args),
+    )
 
 
 def _registry(args: argparse.Namespace) -> dict:

@@ -23,38 +23,68 @@ def configure(serve: argparse.ArgumentParser) -> None:
     from ragkv.api.config import ServeConfig
     from ragkv.ingest.pipeline import IngestConfig
 
-    serve.add_argument("action", nargs="?", choices=("bench", "followup"), default=None,
-                       help="bench: chat TTFT (turn 1 vs 2), /v1/query throughput/latency/TTFT and batched decode; "
-                            "followup: a follow-up turn sent by the openai client and LangChain as the whole history")
+    serve.add_argument(
+        "action",
+        nargs="?",
+        choices=("bench", "followup"),
+        default=None,
+        help="bench: chat TTFT (turn 1 vs 2), /v1/query throughput/latency/TTFT and batched decode; "
+        "followup: a follow-up turn sent by the openai client and LangChain as the whole history",
+    )
     add_common_options(serve)
     add_config_options(serve.add_argument_group("server"), ServeConfig)
     add_config_options(serve.add_argument_group("ingestion"), IngestConfig, skip=("show_progress",))
-    serve.add_argument("--api-keys", type=Path, default=None, dest="api_keys_file",
-                       help='JSON file {"key": "tenant", ...}; also $RAGKV_API_KEYS="key:tenant,..." (default: no keys)')
-    serve.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
-                       help="level of the server's own logs (default: info); the access log has its own switch")
+    serve.add_argument(
+        "--api-keys",
+        type=Path,
+        default=None,
+        dest="api_keys_file",
+        help='JSON file {"key": "tenant", ...}; also $RAGKV_API_KEYS="key:tenant,..." (default: no keys)',
+    )
+    serve.add_argument(
+        "--log-level",
+        default="info",
+        choices=("critical", "error", "warning", "info", "debug"),
+        help="level of the server's own logs (default: info); the access log has its own switch",
+    )
     bench = serve.add_argument_group("bench (ragkv serve bench)")
     bench.add_argument("--url", default=None, help="benchmark this running server instead of starting one")
     bench.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8], help="concurrency levels (default: 1 4 8)")
     bench.add_argument("--requests", type=int, default=None, help="requests per level (default: max(16, 2 x clients))")
     bench.add_argument("--max-tokens", type=int, default=16, help="max_tokens of each request (default: 16)")
-    bench.add_argument("--sessions", type=int, default=3, help="chat sessions for the turn-1 vs turn-2 TTFT (default: 3)")
+    bench.add_argument(
+        "--sessions", type=int, default=3, help="chat sessions for the turn-1 vs turn-2 TTFT (default: 3)"
+    )
     bench.add_argument("--corpus", type=Path, default=None, help="documents to ingest first (default: examples/corpus)")
     bench.add_argument("--bench-key", default=None, help="API key the benchmark client sends")
-    bench.add_argument("--decode-batches", type=int, nargs="+", default=[1, 8],
-                       help="requests decoding together in the decode measurement (default: 1 8)")
-    bench.add_argument("--decode-prompt-tokens", type=int, default=2048,
-                       help="prompt length of each request in the decode measurement (default: 2048)")
-    bench.add_argument("--dataset", type=Path, default=None,
-                       help="followup (required): MuSiQue-style JSON (ctxs, question); a sample's passages form a document")
+    bench.add_argument(
+        "--decode-batches",
+        type=int,
+        nargs="+",
+        default=[1, 8],
+        help="requests decoding together in the decode measurement (default: 1 8)",
+    )
+    bench.add_argument(
+        "--decode-prompt-tokens",
+        type=int,
+        default=2048,
+        help="prompt length of each request in the decode measurement (default: 2048)",
+    )
+    bench.add_argument(
+        "--dataset",
+        type=Path,
+        default=None,
+        help="followup (required): MuSiQue-style JSON (ctxs, question); a sample's passages form a document",
+    )
     bench.add_argument("--json", type=Path, default=None, help="write the figures to this file")
 
 
 def serve_config(args: argparse.Namespace):
     from ragkv.api.config import ServeConfig
 
-    return config_from_args(ServeConfig, args, runtime=runtime_config(args, show_progress=False),
-                            api_keys_file=args.api_keys_file)
+    return config_from_args(
+        ServeConfig, args, runtime=runtime_config(args, show_progress=False), api_keys_file=args.api_keys_file
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -76,8 +106,15 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(config)
     # log_config=None: uvicorn keeps the handlers set above (text or JSON); its access log
     # is off because ragkv.access logs the same requests with request id and tenant.
-    uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level, log_config=None,
-                timeout_graceful_shutdown=10, access_log=False)
+    uvicorn.run(
+        app,
+        host=config.host,
+        port=config.port,
+        log_level=args.log_level,
+        log_config=None,
+        timeout_graceful_shutdown=10,
+        access_log=False,
+    )
     return 0
 
 
@@ -95,5 +132,10 @@ def _run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMAND = Command("serve", "serve the HTTP API (FastAPI + uvicorn); `ragkv serve bench` benchmarks it", configure, run,
-                  description=__doc__)
+COMMAND = Command(
+    "serve",
+    "serve the HTTP API (FastAPI + uvicorn); `ragkv serve bench` benchmarks it",
+    configure,
+    run,
+    description=__doc__,
+)

@@ -36,10 +36,13 @@ def run(args: argparse.Namespace) -> int:
         return 0
     verb = "would remove" if args.dry_run else "removed"
     count = report.unreferenced if args.dry_run else report.removed
-    print(f"{report.scanned} chunk blobs scanned, {report.unreferenced} unreferenced: {verb} {count} "
-          f"({report.bytes / 2**20:.1f} MiB)")
+    print(
+        f"{report.scanned} chunk blobs scanned, {report.unreferenced} unreferenced: {verb} {count} "
+        f"({report.bytes / 2**20:.1f} MiB)"
+    )
     return 0
 
 
-COMMAND = Command("store", "chunk store maintenance: `ragkv store gc` removes unreferenced blobs", configure, run,
-                  description=__doc__)
+COMMAND = Command(
+    "store", "chunk store maintenance: `ragkv store gc` removes unreferenced blobs", configure, run, description=__doc__
+)

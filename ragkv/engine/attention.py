@@ -12,14 +12,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ragkv.engine.numerics import attention_compute_dtype
 from ragkv.kernels.decode_attention import decode_attention as batched_decode_attention
 from ragkv.kernels.selective_attention import reads_cache_in_place, selective_attention
 
-from ragkv.engine.numerics import attention_compute_dtype
-
 
 def causal_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, scale: float,
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
     window: int | None = None,
 ) -> torch.Tensor:
     """q [Hq, N, D] at `positions` [N] (ascending) over cache rows keys/values [Hkv, T, D]
@@ -31,8 +34,9 @@ def causal_attention(
         start = max(0, first - window + 1)
         if rows == 1 and first >= cached - 1:
             return decode_attention(q, keys[:, start:], values[:, start:], scale)
-        return windowed_attention(q, keys[:, start : last + 1], values[:, start : last + 1], positions - start, scale,
-                                  window)
+        return windowed_attention(
+            q, keys[:, start : last + 1], values[:, start : last + 1], positions - start, scale, window
+        )
     if rows == 1 and first >= cached - 1:
         return decode_attention(q, keys, values, scale)
     whole_prefix = rows == cached and first == 0 and last == cached - 1
@@ -58,8 +62,12 @@ def windowed_attention(
     offset = columns[None, :] - positions[:, None].to(keys.device)
     visible = (offset <= 0) & (offset > -window)
     out = F.scaled_dot_product_attention(
-        q[None].to(compute), keys[None].to(compute), values[None].to(compute), attn_mask=visible[None, None],
-        scale=scale, enable_gqa=True,
+        q[None].to(compute),
+        keys[None].to(compute),
+        values[None].to(compute),
+        attn_mask=visible[None, None],
+        scale=scale,
+        enable_gqa=True,
     )[0]
     return out.to(q.dtype)
 

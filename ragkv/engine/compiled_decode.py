@@ -33,7 +33,7 @@ through the compiled step too, on the decode weights: for a few rows the step's 
 kernels beat the Python loop, while past a few dozen rows the loop's GEMMs catch up."""
 
 
-def unsupported_reason(model: "CausalLM") -> str | None:
+def unsupported_reason(model: CausalLM) -> str | None:
     """Why the compiled step cannot run `model`, or None when it can."""
     weights, spec = model.weights, model.spec
     if model.device.type != "cpu":
@@ -49,8 +49,10 @@ def unsupported_reason(model: "CausalLM") -> str | None:
     if any(layer.qkv_bias is not None or layer.q_norm is not None for layer in weights.layers):
         return "q/k/v biases and q/k norms are not covered"
     if not cpu_extension.supports_heads(spec.num_heads, spec.num_kv_heads, spec.head_dim):
-        return (f"head_dim must be a multiple of 8 (<= {cpu_extension.MAX_HEAD_DIM}) and GQA groups at most "
-                f"{cpu_extension.MAX_GROUP}")
+        return (
+            f"head_dim must be a multiple of 8 (<= {cpu_extension.MAX_HEAD_DIM}) and GQA groups at most "
+            f"{cpu_extension.MAX_GROUP}"
+        )
     if cpu_extension.load() is None:
         return "the compiled CPU kernels could not be built here"
     return None
@@ -70,25 +72,42 @@ def _packed(linear) -> tuple[torch.Tensor, torch.Tensor]:
 class CompiledDecoder:
     """The compiled step bound to one model's weights (shared, not copied)."""
 
-    def __init__(self, model: "CausalLM"):
+    def __init__(self, model: CausalLM):
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the compiled decode step cannot run this model: {reason}")
         self.model = model
         layers = []
         for layer in model.weights.layers:
-            layers.append([
-                layer.input_norm, *_packed(layer.qkv), *_packed(layer.o_proj),
-                layer.post_attention_norm, *_packed(layer.gate_up), *_packed(layer.down),
-            ])
+            layers.append(
+                [
+                    layer.input_norm,
+                    *_packed(layer.qkv),
+                    *_packed(layer.o_proj),
+                    layer.post_attention_norm,
+                    *_packed(layer.gate_up),
+                    *_packed(layer.down),
+                ]
+            )
         spec, rotary = model.spec, model.rotary
         self._compiled = cpu_extension.load().DecodeModel(
-            layers, model.weights.embed.contiguous(), model.weights.final_norm, *_packed(model.weights.lm_head),
-            rotary.inv_freq.contiguous(), rotary.attention_scaling,
-            spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size, spec.rms_norm_eps, model.scale,
+            layers,
+            model.weights.embed.contiguous(),
+            model.weights.final_norm,
+            *_packed(model.weights.lm_head),
+            rotary.inv_freq.contiguous(),
+            rotary.attention_scaling,
+            spec.num_heads,
+            spec.num_kv_heads,
+            spec.head_dim,
+            spec.intermediate_size,
+            spec.rms_norm_eps,
+            model.scale,
         )
 
-    def step(self, token_ids: Sequence[int], caches: Sequence[KVCache], rows: Sequence[int], plans: Sequence = ()) -> torch.Tensor:
+    def step(
+        self, token_ids: Sequence[int], caches: Sequence[KVCache], rows: Sequence[int], plans: Sequence = ()
+    ) -> torch.Tensor:
         """Write each token's K/V at row rows[b] of caches[b] (room reserved, lengths set by
         the caller), attend over rows [0, rows[b]] and return logits [B, vocab]. plans: none,
         or one per request, None (dense) or a sparse selector's `compiled_plan`."""
@@ -105,6 +124,11 @@ class CompiledDecoder:
         # embedding and RoPE angles are computed inside the step: as a dozen torch ops their
         # Python dispatch was a visible share of a step, and a step leaves its caches cold
         return self._compiled.step(
-            list(token_ids), list(positions),
-            [cache.keys for cache in caches], [cache.values for cache in caches], list(rows), logit_rows, list(plans),
+            list(token_ids),
+            list(positions),
+            [cache.keys for cache in caches],
+            [cache.values for cache in caches],
+            list(rows),
+            logit_rows,
+            list(plans),
         )

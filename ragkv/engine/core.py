@@ -58,7 +58,9 @@ class EngineConfig:
         if self.kv_storage not in KV_STORAGE_FORMATS:
             raise ValueError(f"kv_storage must be one of {sorted(KV_STORAGE_FORMATS)}, got {self.kv_storage!r}")
         for name, allowed in (
-            ("weights", WEIGHT_FORMATS), ("prefill_weights", tuple(DTYPES)), ("kv_cache_dtype", tuple(DTYPES))
+            ("weights", WEIGHT_FORMATS),
+            ("prefill_weights", tuple(DTYPES)),
+            ("kv_cache_dtype", tuple(DTYPES)),
         ):
             if getattr(self, name) not in ("auto", *allowed):
                 raise ValueError(f"{name} must be one of {['auto', *allowed]}, got {getattr(self, name)!r}")
@@ -102,7 +104,9 @@ class Engine:
         self.codebook = None
         """A2ATS codebook (ragkv.sparse.A2ATSCodebook) of this model, when one is attached:
         encode_chunk then stores each chunk's codes with it."""
-        log.info("engine ready in %.1f s (%s; fingerprint %s)", self.load_seconds, self.model.numerics, self.fingerprint)
+        log.info(
+            "engine ready in %.1f s (%s; fingerprint %s)", self.load_seconds, self.model.numerics, self.fingerprint
+        )
 
     @property
     def spec(self):

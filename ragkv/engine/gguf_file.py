@@ -145,8 +145,12 @@ def exact_int4_rows(path: Path, config, float_weights: dict[str, torch.Tensor]) 
         if torch.equal(dequantize_int4_rows(packed, columns), float_weights[hf_name].float()):
             held[hf_name] = packed
         else:
-            log.warning("%s: the %s blocks of %s do not reproduce its weights; they will be requantised",
-                        path.name, kind, tensor.name)
+            log.warning(
+                "%s: the %s blocks of %s do not reproduce its weights; they will be requantised",
+                path.name,
+                kind,
+                tensor.name,
+            )
     return held
 
 

@@ -29,7 +29,7 @@ class KVCache:
     next_position: int = 0
 
     @classmethod
-    def allocate(cls, spec: ModelSpec, capacity: int, dtype: torch.dtype, device: torch.device | str) -> "KVCache":
+    def allocate(cls, spec: ModelSpec, capacity: int, dtype: torch.dtype, device: torch.device | str) -> KVCache:
         shape = (spec.num_layers, spec.num_kv_heads, max(capacity, 1), spec.head_dim)
         return cls(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
 
@@ -60,7 +60,7 @@ class KVCache:
         self.length = length
         self.next_position = length
 
-    def clone(self, extra_capacity: int = 0) -> "KVCache":
+    def clone(self, extra_capacity: int = 0) -> KVCache:
         """A copy of the valid rows with room for `extra_capacity` more (chat turns fork from this)."""
         rows = self.length + extra_capacity
         keys = self.keys.new_empty(self.keys.shape[:2] + (max(rows, 1),) + self.keys.shape[3:])

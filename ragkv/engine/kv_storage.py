@@ -54,8 +54,10 @@ class KVStorageFormat:
         if not self.quantized:
             return {"keys": keys.to(self.float_dtype).contiguous(), "values": values.to(self.float_dtype).contiguous()}
         tensors = {}
-        for name, quantized in (("keys", quantize(keys, self.bits, "tokens", self.key_group)),
-                                ("values", quantize(values, self.bits, "channels", self._value_group(values.shape)))):
+        for name, quantized in (
+            ("keys", quantize(keys, self.bits, "tokens", self.key_group)),
+            ("values", quantize(values, self.bits, "channels", self._value_group(values.shape))),
+        ):
             tensors.update({f"{name}.{part}": getattr(quantized, part) for part in _QUANTIZED_PARTS})
         return tensors
 
@@ -67,9 +69,15 @@ class KVStorageFormat:
                 raise ValueError(f"chunk blob is not in the {self.name} format")
             return keys, values
         try:
-            keys = QuantizedKV(*(tensors[f"keys.{part}"] for part in _QUANTIZED_PARTS), self.bits, "tokens", self.key_group)
-            values = QuantizedKV(*(tensors[f"values.{part}"] for part in _QUANTIZED_PARTS), self.bits, "channels",
-                                 self._value_group(keys.shape))
+            keys = QuantizedKV(
+                *(tensors[f"keys.{part}"] for part in _QUANTIZED_PARTS), self.bits, "tokens", self.key_group
+            )
+            values = QuantizedKV(
+                *(tensors[f"values.{part}"] for part in _QUANTIZED_PARTS),
+                self.bits,
+                "channels",
+                self._value_group(keys.shape),
+            )
         except KeyError as exc:
             raise ValueError(f"chunk blob is not in the {self.name} format: no {exc.args[0]!r}") from exc
         return keys, values

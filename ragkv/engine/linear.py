@@ -155,13 +155,17 @@ class Linear:
     head takes the numerics' `lm_head_weights` for few rows. `int4_rows`, packed rows of
     `weight` exactly, serve the int4 format instead of requantising `weight`."""
 
-    def __init__(self, weight: torch.Tensor, numerics: Numerics, lm_head: bool = False,
-                 int4_rows: torch.Tensor | None = None):
+    def __init__(
+        self, weight: torch.Tensor, numerics: Numerics, lm_head: bool = False, int4_rows: torch.Tensor | None = None
+    ):
         self.out_features = weight.shape[0]
         few_rows_format = numerics.lm_head_weights if lm_head else numerics.weights
         self.many_rows = _kernel(weight, numerics.prefill_weights)
-        self.few_rows = (self.many_rows if few_rows_format == numerics.prefill_weights
-                         else _kernel(weight, few_rows_format, int4_rows))
+        self.few_rows = (
+            self.many_rows
+            if few_rows_format == numerics.prefill_weights
+            else _kernel(weight, few_rows_format, int4_rows)
+        )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return (self.few_rows if x.shape[0] <= DECODE_ROWS else self.many_rows)(x)

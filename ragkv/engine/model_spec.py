@@ -142,7 +142,7 @@ class ModelSpec:
         }
 
     @classmethod
-    def from_hf_config(cls, config: Any) -> "ModelSpec":
+    def from_hf_config(cls, config: Any) -> ModelSpec:
         family = config.model_type
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         rope_parameters = dict(getattr(config, "rope_parameters", None) or {})
@@ -185,7 +185,7 @@ class ModelSpec:
             sliding_window=config.sliding_window if uses_window else None,
             local_rope=local_rope,
             embed_scale=math.sqrt(config.hidden_size) if gemma else 1.0,
-            attention_scale=config.query_pre_attn_scalar ** -0.5 if gemma else None,
+            attention_scale=config.query_pre_attn_scalar**-0.5 if gemma else None,
             norm_offset=1.0 if gemma else 0.0,
             sandwich_norms=gemma,
         )

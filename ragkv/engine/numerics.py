@@ -76,7 +76,7 @@ class Numerics:
             )
 
     @classmethod
-    def uniform(cls, dtype: torch.dtype) -> "Numerics":
+    def uniform(cls, dtype: torch.dtype) -> Numerics:
         """Everything in one dtype (the reference configuration tests compare against)."""
         name = next(name for name, value in DTYPES.items() if value == dtype)
         return cls(name, name, name, name)

@@ -87,6 +87,10 @@ class ChatPrompt:
         """Template text from the end of an assistant message to the start of the next user message."""
         answer, question = _SENTINEL + "A", _SENTINEL + "Q"
         rendered = self.render(
-            [{"role": "user", "content": "u"}, {"role": "assistant", "content": answer}, {"role": "user", "content": question}]
+            [
+                {"role": "user", "content": "u"},
+                {"role": "assistant", "content": answer},
+                {"role": "user", "content": question},
+            ]
         )
         return rendered[rendered.index(answer) + len(answer) : rendered.index(question)]

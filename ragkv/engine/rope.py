@@ -11,8 +11,8 @@ import math
 
 import torch
 
-from ragkv.kernels.rope import apply_rope
 from ragkv.engine.model_spec import RopeSpec
+from ragkv.kernels.rope import apply_rope
 
 
 def _default_inv_freq(spec: RopeSpec) -> torch.Tensor:

@@ -49,8 +49,11 @@ def build_from_spec(spec: str, registry: Mapping[str, type], kind: str):
 
 def spec_of(instance) -> str:
     """The spec string that rebuilds `instance`: its name plus every non-default field."""
-    options = [f"{item.name}={_format(getattr(instance, item.name))}" for item in dataclasses.fields(instance)
-               if item.init and getattr(instance, item.name) != item.default]
+    options = [
+        f"{item.name}={_format(getattr(instance, item.name))}"
+        for item in dataclasses.fields(instance)
+        if item.init and getattr(instance, item.name) != item.default
+    ]
     return instance.name + (":" + ",".join(options) if options else "")
 
 

@@ -95,11 +95,15 @@ def load_weights(model_dir: Path, spec: ModelSpec, numerics: Numerics, device: t
         parts = [raw[name].to(device=device, dtype=torch.float32) for name in names]
         weight = torch.cat(parts)
         rows = None
-        if numerics.weights == "int4" and any(name in int4_rows for name in names) \
-                and weight.shape[1] % INT4_GROUP_SIZE == 0:
+        if (
+            numerics.weights == "int4"
+            and any(name in int4_rows for name in names)
+            and weight.shape[1] % INT4_GROUP_SIZE == 0
+        ):
             # the file's own blocks where it has them, the rest rounded as Int4Kernel does
-            rows = torch.cat([int4_rows[name] if name in int4_rows else Int4Kernel(part).rows
-                              for name, part in zip(names, parts)])
+            rows = torch.cat(
+                [int4_rows[name] if name in int4_rows else Int4Kernel(part).rows for name, part in zip(names, parts)]
+            )
         return Linear(weight, numerics, lm_head=lm_head, int4_rows=rows)
 
     layers = []

@@ -14,5 +14,21 @@ from ragkv.fusion.pie import Pie
 from ragkv.fusion.probe import Probe
 from ragkv.fusion.registry import DEFAULT_STRATEGY, STRATEGIES, STRATEGY_NAMES, build_strategy
 
-__all__ = ["DEFAULT_STRATEGY", "STRATEGIES", "STRATEGY_NAMES", "FusionConfig", "FusionInput", "FusionResult",
-           "FusionStrategy", "LoadedChunk", "build_strategy", "A3", "CacheBlend", "Epic", "Full", "FullReuse", "Pie", "Probe"]
+__all__ = [
+    "DEFAULT_STRATEGY",
+    "STRATEGIES",
+    "STRATEGY_NAMES",
+    "FusionConfig",
+    "FusionInput",
+    "FusionResult",
+    "FusionStrategy",
+    "LoadedChunk",
+    "build_strategy",
+    "A3",
+    "CacheBlend",
+    "Epic",
+    "Full",
+    "FullReuse",
+    "Pie",
+    "Probe",
+]

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ragkv.fusion.layout import FusionInput, Layout
-from ragkv.kernels.place_kv import layers_of, place_keys, place_values
 from ragkv.engine.kv_cache import KVCache
 from ragkv.engine.model import CausalLM, Projection
+from ragkv.fusion.layout import FusionInput, Layout
+from ragkv.kernels.place_kv import layers_of, place_keys, place_values
 
 
 @dataclass
@@ -102,8 +102,15 @@ class FusionStrategy(ABC):
     # -- the shared procedure ------------------------------------------------------------
 
     @torch.inference_mode()
-    def fuse(self, model: CausalLM, fusion_input: FusionInput, prefix_cache: KVCache | None, extra_capacity: int = 0,
-             *, in_place: bool = False) -> FusionResult:
+    def fuse(
+        self,
+        model: CausalLM,
+        fusion_input: FusionInput,
+        prefix_cache: KVCache | None,
+        extra_capacity: int = 0,
+        *,
+        in_place: bool = False,
+    ) -> FusionResult:
         """`in_place`: build the fused cache inside `prefix_cache` (grown when needed) after
         its rows instead of copying them into a new one, so a long prefix (a cached
         conversation a follow-up fuses one new chunk into) costs nothing in proportion to
@@ -138,7 +145,9 @@ class FusionStrategy(ABC):
                 cache.keys[layer, :, rows] = projection.k
                 cache.values[layer, :, rows] = projection.v
                 rows, hidden = rows[keep], hidden[keep]
-                projection = Projection(projection.q[:, keep], projection.k[:, keep], projection.k_pre_rope[:, keep], projection.v[:, keep])
+                projection = Projection(
+                    projection.q[:, keep], projection.k[:, keep], projection.k_pre_rope[:, keep], projection.v[:, keep]
+                )
                 recomputed_after_check = rows
             else:
                 cache.keys[layer, :, rows] = projection.k
@@ -152,8 +161,18 @@ class FusionStrategy(ABC):
 
         final_rows = recomputed_after_check if recomputed_after_check is not None else rows
         document = ((final_rows >= layout.prefix_len) & (final_rows < layout.question_start)).sum()
-        return FusionResult(cache, logits, layout, int(document), layout.num_document_tokens - int(document),
-                            initial_rows, final_rows, self.check_layer, timings, report)
+        return FusionResult(
+            cache,
+            logits,
+            layout,
+            int(document),
+            layout.num_document_tokens - int(document),
+            initial_rows,
+            final_rows,
+            self.check_layer,
+            timings,
+            report,
+        )
 
     def _place_reused_kv(self, model, cache, layout, fusion_input, prefix_cache) -> None:
         if not self.reuses_stored_kv:

@@ -28,8 +28,9 @@ def next_token_kl(reference_logits: torch.Tensor, logits: torch.Tensor) -> float
 
 
 @torch.inference_mode()
-def teacher_forced_logits(model: CausalLM, cache: KVCache, first_logits: torch.Tensor,
-                          answer_ids: list[int]) -> torch.Tensor:
+def teacher_forced_logits(
+    model: CausalLM, cache: KVCache, first_logits: torch.Tensor, answer_ids: list[int]
+) -> torch.Tensor:
     """[len(answer_ids), vocab] float32: the next-token logits before each answer token,
     with the earlier answer tokens fed in. The cache is left as it was given (rows written
     past its length are forgotten)."""

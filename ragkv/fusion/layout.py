@@ -50,7 +50,7 @@ class Layout:
     question_text_span: tuple[int, int] | None = None
 
     @classmethod
-    def of(cls, fusion_input: FusionInput) -> "Layout":
+    def of(cls, fusion_input: FusionInput) -> Layout:
         ids = list(fusion_input.prefix_ids)
         spans = []
         for chunk in fusion_input.chunks:
@@ -58,7 +58,9 @@ class Layout:
             ids.extend(chunk.token_ids)
         question_start = len(ids)
         ids.extend(fusion_input.question_ids)
-        return cls(torch.tensor(ids), len(fusion_input.prefix_ids), spans, question_start, fusion_input.question_text_span)
+        return cls(
+            torch.tensor(ids), len(fusion_input.prefix_ids), spans, question_start, fusion_input.question_text_span
+        )
 
     @property
     def length(self) -> int:

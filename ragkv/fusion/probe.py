@@ -109,7 +109,11 @@ def question_attention_by_layer(model: CausalLM, cache: KVCache, layout: Layout)
 
 
 def attention_with_column_mass(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, scale: float,
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
     window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Causal attention of q [Hq, N, D] at `positions` over keys/values [Hkv, T, D] (row j

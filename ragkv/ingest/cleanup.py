@@ -48,7 +48,9 @@ class GarbageReport:
     removed: int
 
 
-def collect_garbage(registry: Registry, store: ChunkStore, journal: IngestJournal, *, dry_run: bool = False) -> GarbageReport:
+def collect_garbage(
+    registry: Registry, store: ChunkStore, journal: IngestJournal, *, dry_run: bool = False
+) -> GarbageReport:
     spared = journal.live_keys()
     scanned = unreferenced = removed = freed = 0
     for key in list(store.iter_keys(KEY_NAMESPACE)):

@@ -45,8 +45,11 @@ def pdf_pages(data: bytes, name: str) -> list[str]:
     if not pages:
         raise InputError("empty", f"{name}: the PDF has no pages")
     if not any(page.strip() for page in pages):
-        raise InputError("no_text_layer", f"{name}: the PDF has no text layer ({len(pages)} page(s) of images, e.g. "
-                                          "a scan); run OCR on it first (for example ocrmypdf) and ingest the result")
+        raise InputError(
+            "no_text_layer",
+            f"{name}: the PDF has no text layer ({len(pages)} page(s) of images, e.g. "
+            "a scan); run OCR on it first (for example ocrmypdf) and ingest the result",
+        )
     return pages
 
 

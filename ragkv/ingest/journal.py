@@ -42,11 +42,18 @@ class JournalEntry:
     keys: list[ChunkKey]
 
     def to_json(self) -> bytes:
-        return json.dumps({"pid": self.pid, "pid_start": self.pid_start, "host": self.host, "created": self.created,
-                           "keys": [key.to_bytes().decode("ascii") for key in self.keys]}).encode()
+        return json.dumps(
+            {
+                "pid": self.pid,
+                "pid_start": self.pid_start,
+                "host": self.host,
+                "created": self.created,
+                "keys": [key.to_bytes().decode("ascii") for key in self.keys],
+            }
+        ).encode()
 
     @classmethod
-    def from_json(cls, entry_id: str, raw: bytes) -> "JournalEntry":
+    def from_json(cls, entry_id: str, raw: bytes) -> JournalEntry:
         data = json.loads(raw)
         keys = [ChunkKey.from_bytes(key.encode("ascii")) for key in data["keys"]]
         return cls(entry_id, data["pid"], data["pid_start"], data["host"], data["created"], keys)
@@ -73,8 +80,9 @@ class IngestJournal:
     def begin(self, keys: Iterable[ChunkKey]) -> str:
         """Note `keys` as about to be written; returns the entry id for `end`."""
         pid = os.getpid()
-        entry = JournalEntry("ing_" + uuid.uuid4().hex, pid, process_start_time(pid), socket.gethostname(), time.time(),
-                             list(keys))
+        entry = JournalEntry(
+            "ing_" + uuid.uuid4().hex, pid, process_start_time(pid), socket.gethostname(), time.time(), list(keys)
+        )
         self.env.write(lambda txn: txn.put(entry.id.encode(), entry.to_json(), db=self._db))
         return entry.id
 

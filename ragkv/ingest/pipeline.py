@@ -20,16 +20,16 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from ragkv.ingest.cleanup import delete_document
+from ragkv.engine import Engine
+from ragkv.engine.fingerprint import KV_FORMAT_VERSION
 from ragkv.ingest.chunker import chunk_document
+from ragkv.ingest.cleanup import delete_document
 from ragkv.ingest.config import IngestConfig
 from ragkv.ingest.embedder import Embedder
 from ragkv.ingest.errors import InputError
 from ragkv.ingest.journal import IngestJournal
 from ragkv.ingest.registry import ChunkRecord, DocumentRecord, Registry, check_tenant
 from ragkv.ingest.validation import check_text
-from ragkv.engine import Engine
-from ragkv.engine.fingerprint import KV_FORMAT_VERSION
 from ragkv.store.base import ChunkStore
 from ragkv.store.keys import ChunkKey, hash_tokens
 
@@ -87,8 +87,15 @@ def _text_hash(text: str, namespace: str) -> str:
 
 
 class Ingestor:
-    def __init__(self, engine: Engine, store: ChunkStore, registry: Registry, embedder: Embedder, journal: IngestJournal,
-                 config: IngestConfig = IngestConfig()):
+    def __init__(
+        self,
+        engine: Engine,
+        store: ChunkStore,
+        registry: Registry,
+        embedder: Embedder,
+        journal: IngestJournal,
+        config: IngestConfig = IngestConfig(),
+    ):
         self.engine = engine
         self.journal = journal
         self.store = store
@@ -97,8 +104,11 @@ class Ingestor:
         self.config = config
         context = engine.spec.rope.max_position_embeddings
         if len(engine.chunk_prefix_ids) + config.chunk_tokens > context:
-            raise InputError("bad_chunk_tokens", f"chunk_tokens {config.chunk_tokens} does not fit the model's context of "
-                             f"{context} positions (with its {len(engine.chunk_prefix_ids)}-token chunk prefix)")
+            raise InputError(
+                "bad_chunk_tokens",
+                f"chunk_tokens {config.chunk_tokens} does not fit the model's context of "
+                f"{context} positions (with its {len(engine.chunk_prefix_ids)}-token chunk prefix)",
+            )
 
     def chunk_key(self, chunk_hash: str) -> ChunkKey:
         return chunk_key(self.engine, chunk_hash)
@@ -128,8 +138,10 @@ class Ingestor:
         old = self.registry.get(tenant, replaces) if replaces is not None else None  # NotFoundError first
         existing = self.registry.find_by_text(tenant, text_hash)
         if existing is not None and existing != replaces and replaces is not None:
-            raise InputError("duplicate_text", f"{name}: document {existing} already holds this exact text; delete "
-                                               f"one of the two or change the text")
+            raise InputError(
+                "duplicate_text",
+                f"{name}: document {existing} already holds this exact text; delete one of the two or change the text",
+            )
         if existing is not None:
             return self._fill_existing(self.registry.get(tenant, existing), text, namespace, started, progress)
 
@@ -158,8 +170,14 @@ class Ingestor:
                 fingerprint=self.engine.fingerprint,
                 created=time.time(),
                 chunks=[
-                    ChunkRecord(c.index, h, c.index * self.config.chunk_tokens,
-                                c.index * self.config.chunk_tokens + c.num_tokens, c.char_start, c.char_end)
+                    ChunkRecord(
+                        c.index,
+                        h,
+                        c.index * self.config.chunk_tokens,
+                        c.index * self.config.chunk_tokens + c.num_tokens,
+                        c.char_start,
+                        c.char_end,
+                    )
                     for c, h in zip(chunks, hashes)
                 ],
                 metadata=dict(metadata if metadata is not None else old.metadata if old else {}),
@@ -178,12 +196,23 @@ class Ingestor:
             if journal_entry is not None:
                 self.journal.end(journal_entry)
         computed = len(todo)
-        return IngestResult(record.doc_id, name, len(chunks), record.num_tokens, computed, len(chunks) - computed,
-                            time.perf_counter() - started, timings=timings, stored_bytes=stored_bytes,
-                            stored_tokens=stored_tokens, replaced=old is not None)
+        return IngestResult(
+            record.doc_id,
+            name,
+            len(chunks),
+            record.num_tokens,
+            computed,
+            len(chunks) - computed,
+            time.perf_counter() - started,
+            timings=timings,
+            stored_bytes=stored_bytes,
+            stored_tokens=stored_tokens,
+            replaced=old is not None,
+        )
 
-    def _fill_existing(self, record: DocumentRecord, text: str, namespace: str, started: float,
-                       progress: Progress | None) -> IngestResult:
+    def _fill_existing(
+        self, record: DocumentRecord, text: str, namespace: str, started: float, progress: Progress | None
+    ) -> IngestResult:
         """Identical text is registered already: make sure its KV is in this store (the
         registry may have been filled through another store), computing what is missing."""
         chunks = chunk_document(self.engine.tokenizer, text, record.chunk_tokens)
@@ -198,8 +227,12 @@ class Ingestor:
         timings = {"precompute": 0.0, "store_write": 0.0}
         stored_bytes = stored_tokens = 0
         if todo:
-            log.warning("%s: registered already, but %d of its %d chunks are missing from this store; computing them",
-                        record.name, len(todo), len(chunks))
+            log.warning(
+                "%s: registered already, but %d of its %d chunks are missing from this store; computing them",
+                record.name,
+                len(todo),
+                len(chunks),
+            )
             journal_entry = self.journal.begin(self.chunk_key(h) for _, h in todo)
             try:
                 stored_bytes, stored_tokens = self._precompute(record.name, todo, added, timings, progress)
@@ -208,9 +241,19 @@ class Ingestor:
                 raise
             finally:
                 self.journal.end(journal_entry)
-        return IngestResult(record.doc_id, record.name, len(record.chunks), record.num_tokens, len(todo),
-                            len(record.chunks) - len(todo), time.perf_counter() - started, duplicate_of_existing=True,
-                            timings=timings, stored_bytes=stored_bytes, stored_tokens=stored_tokens)
+        return IngestResult(
+            record.doc_id,
+            record.name,
+            len(record.chunks),
+            record.num_tokens,
+            len(todo),
+            len(record.chunks) - len(todo),
+            time.perf_counter() - started,
+            duplicate_of_existing=True,
+            timings=timings,
+            stored_bytes=stored_bytes,
+            stored_tokens=stored_tokens,
+        )
 
     def _missing(self, chunks, hashes) -> list:
         """(chunk, hash) of the chunks the store lacks, each once (a chunk can repeat)."""
@@ -220,7 +263,12 @@ class Ingestor:
     def _precompute(self, name, unique, added, timings, progress) -> tuple[int, int]:
         """Encode and store each chunk of `unique` (in batches of up to the configured tokens:
         memory stays bounded by one batch); returns the blob bytes and tokens written."""
-        bar = tqdm(total=len(unique), desc=f"precompute {name}", unit="chunk", disable=not self.config.show_progress or not unique)
+        bar = tqdm(
+            total=len(unique),
+            desc=f"precompute {name}",
+            unit="chunk",
+            disable=not self.config.show_progress or not unique,
+        )
         stored_bytes = stored_tokens = done = 0
         for batch in self._batches(unique):
             t0 = time.perf_counter()

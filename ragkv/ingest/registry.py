@@ -87,7 +87,7 @@ class DocumentRecord:
         return json.dumps(asdict(self)).encode()
 
     @classmethod
-    def from_json(cls, raw: bytes | memoryview) -> "DocumentRecord":
+    def from_json(cls, raw: bytes | memoryview) -> DocumentRecord:
         data = json.loads(bytes(raw))
         data["chunks"] = [ChunkRecord(**chunk) for chunk in data["chunks"]]
         return cls(**data)
@@ -104,9 +104,19 @@ class DocumentRecord:
 
     def detail(self) -> dict:
         """The summary plus the model fingerprint and each chunk's span (GET /v1/documents/{id})."""
-        return {**self.summary(), "fingerprint": self.fingerprint,
-                "chunks": [{"index": c.index, "tokens": c.token_end - c.token_start, "char_start": c.char_start,
-                            "char_end": c.char_end} for c in self.chunks]}
+        return {
+            **self.summary(),
+            "fingerprint": self.fingerprint,
+            "chunks": [
+                {
+                    "index": c.index,
+                    "tokens": c.token_end - c.token_start,
+                    "char_start": c.char_start,
+                    "char_end": c.char_end,
+                }
+                for c in self.chunks
+            ],
+        }
 
 
 @dataclass(frozen=True)
@@ -195,8 +205,9 @@ class Registry(ABC):
         return self._replace(record, text, np.ascontiguousarray(embeddings, dtype=np.float32))
 
     @abstractmethod
-    def _replace(self, record: DocumentRecord, text: str,
-                 embeddings: np.ndarray) -> tuple[DocumentRecord, list[str]]: ...
+    def _replace(
+        self, record: DocumentRecord, text: str, embeddings: np.ndarray
+    ) -> tuple[DocumentRecord, list[str]]: ...
 
     def close(self) -> None:
         """Release what the backend holds (connections; an environment it opened). Backends
@@ -221,7 +232,7 @@ class Registry(ABC):
         rows ordered by (doc_id, chunk index): what an index is rebuilt from."""
 
     @property
-    def index(self) -> "RetrievalIndex":
+    def index(self) -> RetrievalIndex:
         """The retrieval indexes over this registry (opened on first use)."""
         with self._lock:
             if self._index is None:
@@ -230,8 +241,9 @@ class Registry(ABC):
                 self._index = RetrievalIndex(self, self.index_folder)
             return self._index
 
-    def search(self, tenant: str, query_vector: np.ndarray, top_k: int,
-               doc_ids: set[str] | None = None) -> list[SearchHit]:
+    def search(
+        self, tenant: str, query_vector: np.ndarray, top_k: int, doc_ids: set[str] | None = None
+    ) -> list[SearchHit]:
         """Cosine top-k over the tenant's chunks (optionally only within `doc_ids`); equal
         scores keep (doc_id, chunk index) order, so every backend ranks alike."""
         hits = self.index.search_dense(tenant, np.asarray(query_vector, dtype=np.float32), top_k, doc_ids)

@@ -85,7 +85,9 @@ class LMDBRegistry(Registry):
             txn.put(key, text.encode(), db=self._texts)
             txn.put(f"{record.tenant}/{record.text_hash}".encode(), record.doc_id.encode(), db=self._by_text)
             for chunk, vector in zip(record.chunks, embeddings):
-                txn.put(f"{record.tenant}/{record.doc_id}/{chunk.index:06d}".encode(), vector.tobytes(), db=self._vectors)
+                txn.put(
+                    f"{record.tenant}/{record.doc_id}/{chunk.index:06d}".encode(), vector.tobytes(), db=self._vectors
+                )
             for chunk_hash in {chunk.chunk_hash for chunk in record.chunks}:
                 raw = txn.get(chunk_hash.encode(), db=self._refs)
                 count = int(bytes(raw)) if raw is not None else 0
@@ -207,7 +209,7 @@ class LMDBRegistry(Registry):
                     key = bytes(key)
                     if not key.startswith(prefix):
                         break
-                    found.append((int(key[len(prefix):]), bytes(value).decode()))
+                    found.append((int(key[len(prefix) :]), bytes(value).decode()))
         return found
 
     def document_vectors(self, tenant: str, doc_id: str) -> tuple[DocumentRecord, np.ndarray] | None:

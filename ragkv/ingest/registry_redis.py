@@ -123,13 +123,15 @@ def _unpack(blob: bytes) -> tuple[np.ndarray, np.ndarray]:
 class RedisRegistry(Registry):
     backend = "redis"
 
-    def __init__(self, url: str, *, prefix: str = DEFAULT_PREFIX, connect_timeout_s: float = 2.0,
-                 op_timeout_s: float = 10.0):
+    def __init__(
+        self, url: str, *, prefix: str = DEFAULT_PREFIX, connect_timeout_s: float = 2.0, op_timeout_s: float = 10.0
+    ):
         super().__init__()
         parts = urlsplit(url)
         if parts.scheme not in SCHEMES:
-            raise ValueError(f"RedisRegistry needs a redis://, rediss://, unix:// or redis+cluster:// URL; "
-                             f"got {parts.scheme}://...")
+            raise ValueError(
+                f"RedisRegistry needs a redis://, rediss://, unix:// or redis+cluster:// URL; got {parts.scheme}://..."
+            )
         self.cluster = is_cluster_url(url)
         if self.cluster and ("{" in prefix or "}" in prefix):
             raise ValueError("on a Redis Cluster the registry's key prefix must not contain braces (hash tags)")
@@ -146,10 +148,24 @@ class RedisRegistry(Registry):
         p = self.prefix
         if self.cluster:  # one slot per tenant: the scripts and the MULTI below touch these keys together
             t = hash_tag(tenant)
-            return [f"{p}docs:{t}", f"{p}texts:{t}", f"{p}bytext:{t}", f"{p}vectors:{t}", f"{p}refs:{t}",
-                    f"{p}gen:{t}", f"{p}changes:{t}"]
-        return [f"{p}docs:{tenant}", f"{p}texts:{tenant}", f"{p}bytext:{tenant}", f"{p}vectors:{tenant}",
-                f"{p}refs", f"{p}gen:{tenant}", f"{p}changes:{tenant}"]
+            return [
+                f"{p}docs:{t}",
+                f"{p}texts:{t}",
+                f"{p}bytext:{t}",
+                f"{p}vectors:{t}",
+                f"{p}refs:{t}",
+                f"{p}gen:{t}",
+                f"{p}changes:{t}",
+            ]
+        return [
+            f"{p}docs:{tenant}",
+            f"{p}texts:{tenant}",
+            f"{p}bytext:{tenant}",
+            f"{p}vectors:{tenant}",
+            f"{p}refs",
+            f"{p}gen:{tenant}",
+            f"{p}changes:{tenant}",
+        ]
 
     def _call(self, fn, *args, **kwargs):
         try:
@@ -225,8 +241,18 @@ class RedisRegistry(Registry):
                 raise NotFoundError(f"no document {record.doc_id!r}")
             old = DocumentRecord.from_json(raw)
             old_hashes = sorted({chunk.chunk_hash for chunk in old.chunks})
-            args = [record.doc_id, raw, old.text_hash, record.to_json(), text.encode(), record.text_hash, vectors,
-                    len(old_hashes), *old_hashes, *new_hashes]
+            args = [
+                record.doc_id,
+                raw,
+                old.text_hash,
+                record.to_json(),
+                text.encode(),
+                record.text_hash,
+                vectors,
+                len(old_hashes),
+                *old_hashes,
+                *new_hashes,
+            ]
             orphans = self._call(self._replace_script, keys=keys, args=args)
             if orphans is not None:  # None: changed by someone else since it was read
                 released = sorted(hash_.decode() for hash_ in orphans)

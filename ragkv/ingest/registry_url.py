@@ -27,8 +27,11 @@ from ragkv.store.lmdb_env import LMDBEnvironment
 
 REGISTRY_ENV = "RAGKV_REGISTRY"
 _PASSWORD = re.compile(r"(//[^/:@]*:)[^@/]*@")
-_REDIS_OPTIONS = {"prefix": ("prefix", str), "timeout": ("op_timeout_s", float),
-                  "connect_timeout": ("connect_timeout_s", float)}
+_REDIS_OPTIONS = {
+    "prefix": ("prefix", str),
+    "timeout": ("op_timeout_s", float),
+    "connect_timeout": ("connect_timeout_s", float),
+}
 
 
 def registry_url_from_env() -> str | None:
@@ -59,7 +62,9 @@ def _open(url: str | None, env: LMDBEnvironment) -> Registry:
         options = {}
         for name, value in parse_qsl(parts.query, keep_blank_values=True):
             if name not in _REDIS_OPTIONS:
-                raise ValueError(f"unknown parameter {name!r} in registry URL {shown!r}; allowed: {', '.join(_REDIS_OPTIONS)}")
+                raise ValueError(
+                    f"unknown parameter {name!r} in registry URL {shown!r}; allowed: {', '.join(_REDIS_OPTIONS)}"
+                )
             key, kind = _REDIS_OPTIONS[name]
             try:
                 options[key] = kind(value)
@@ -71,5 +76,7 @@ def _open(url: str | None, env: LMDBEnvironment) -> Registry:
             raise ValueError(f"registry URL {shown!r}: prefix must not be empty")
         # Our parameters are stripped: redis-py would read the query as its own.
         return RedisRegistry(urlunsplit((parts.scheme, parts.netloc, parts.path, "", "")), **options)
-    raise ValueError(f"unknown registry URL scheme {parts.scheme!r} in {shown!r}; expected lmdb:///abs/path or "
-                     "redis://host:port/db or redis+cluster://host:port,host:port/")
+    raise ValueError(
+        f"unknown registry URL scheme {parts.scheme!r} in {shown!r}; expected lmdb:///abs/path or "
+        "redis://host:port/db or redis+cluster://host:port,host:port/"
+    )

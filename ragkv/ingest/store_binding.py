@@ -37,7 +37,11 @@ def check_store(env: LMDBEnvironment, store_url: str, *, record: bool = True) ->
         env.write(lambda txn: txn.put(_KEY, current.encode(), db=db))
     if previous is None or previous == current:
         return None
-    log.warning("the document registry was last used with the chunk store %s, now with %s: chunks ingested through "
-                "the other store are not in this one (ingesting the documents again fills it; until then questions "
-                "recompute them)", previous, current)
+    log.warning(
+        "the document registry was last used with the chunk store %s, now with %s: chunks ingested through "
+        "the other store are not in this one (ingesting the documents again fills it; until then questions "
+        "recompute them)",
+        previous,
+        current,
+    )
     return previous

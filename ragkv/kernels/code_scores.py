@@ -75,9 +75,16 @@ def code_score_topk(
     valid_bytes = valid_mask.view(torch.uint8) if valid_mask is not None else scores  # unread when HAS_MASK=False
     grid = (hkv, triton.cdiv(t, _BLOCK_T))
     code_scores_kernel[grid](
-        table3, codes3, valid_bytes, scores,
-        t, codes3.shape[2],
-        *table3.stride(), *codes3.stride(), *scores.stride(),
-        HAS_MASK=valid_mask is not None, BLOCK_T=_BLOCK_T,
+        table3,
+        codes3,
+        valid_bytes,
+        scores,
+        t,
+        codes3.shape[2],
+        *table3.stride(),
+        *codes3.stride(),
+        *scores.stride(),
+        HAS_MASK=valid_mask is not None,
+        BLOCK_T=_BLOCK_T,
     )
     return torch.topk(scores, k, dim=-1, sorted=True)

@@ -27,8 +27,15 @@ log = logging.getLogger("ragkv.kernels")
 
 _FOLDER = Path(__file__).parent / "cpu"
 SOURCES = (_FOLDER / "ops.cpp",)
-HEADERS = (_FOLDER / "a2ats.h", _FOLDER / "attention.h", _FOLDER / "claimed_items.h", _FOLDER / "int4_linear.h",
-           _FOLDER / "int8_linear.h", _FOLDER / "selective_attention.h", _FOLDER / "vec.h")
+HEADERS = (
+    _FOLDER / "a2ats.h",
+    _FOLDER / "attention.h",
+    _FOLDER / "claimed_items.h",
+    _FOLDER / "int4_linear.h",
+    _FOLDER / "int8_linear.h",
+    _FOLDER / "selective_attention.h",
+    _FOLDER / "vec.h",
+)
 _MACHINES = ("x86_64", "AMD64")
 """The kernels' vector paths are AVX2; elsewhere they would compile to slow scalar loops."""
 DISABLE_VARIABLE = "RAGKV_CPU_EXTENSION"
@@ -86,8 +93,10 @@ def buildable() -> bool:
 def load() -> ModuleType | None:
     """The compiled module, building it on first call; None where it cannot be had."""
     if not buildable():
-        log.info("compiled CPU kernels not built (disabled, %s, or no compiler/ninja); torch paths run instead",
-                 platform.machine())
+        log.info(
+            "compiled CPU kernels not built (disabled, %s, or no compiler/ninja); torch paths run instead",
+            platform.machine(),
+        )
         return None
     from torch.utils import cpp_extension
 

@@ -50,13 +50,17 @@ def decode_attention(
     check_dtype("q", q, FLOAT_DTYPES)
     require(q.dim() == 3, f"q must be [B, Hq, D], got {tuple(q.shape)}")
     batch, heads, dim = q.shape
-    require(len(keys) == batch and len(values) == batch and len(lengths) == batch,
-            f"need one key, value and length per request ({batch}), got {len(keys)}, {len(values)}, {len(lengths)}")
+    require(
+        len(keys) == batch and len(values) == batch and len(lengths) == batch,
+        f"need one key, value and length per request ({batch}), got {len(keys)}, {len(values)}, {len(lengths)}",
+    )
     kv_heads, dtype = keys[0].shape[0], keys[0].dtype
     require(kv_heads > 0 and heads % kv_heads == 0, f"Hq ({heads}) must be a multiple of Hkv ({kv_heads})")
     for b, (k, v, length) in enumerate(zip(keys, values, lengths)):
-        require(k.dim() == 3 and k.shape[0] == kv_heads and k.shape[2] == dim,
-                f"keys[{b}] must be [Hkv={kv_heads}, rows, D={dim}], got {tuple(k.shape)}")
+        require(
+            k.dim() == 3 and k.shape[0] == kv_heads and k.shape[2] == dim,
+            f"keys[{b}] must be [Hkv={kv_heads}, rows, D={dim}], got {tuple(k.shape)}",
+        )
         require(v.shape == k.shape and v.stride() == k.stride(), f"values[{b}] must be laid out like keys[{b}]")
         require(k.dtype == dtype and v.dtype == dtype, "every cache must share one dtype")
         require(1 <= length <= k.shape[1], f"lengths[{b}] = {length} outside [1, {k.shape[1]}]")
@@ -66,8 +70,9 @@ def decode_attention(
     if chosen == "triton":
         from ragkv.kernels.triton.sparse_attention import launch_decode
 
-        return torch.stack([launch_decode(q[b], keys[b], values[b], None, length, None, scale)[0]
-                            for b, length in enumerate(lengths)])
+        return torch.stack(
+            [launch_decode(q[b], keys[b], values[b], None, length, None, scale)[0] for b, length in enumerate(lengths)]
+        )
     if chosen == "cpp":
         out = cpu_extension.load().decode_attention(q.float().contiguous(), keys, values, list(lengths), scale)
         return out.to(q.dtype)

@@ -48,7 +48,10 @@ class QuantizedKV:
         require(self.grouping in ("tokens", "channels"), f"unknown grouping {self.grouping!r}")
         require(self.codes.dtype == torch.uint8 and self.codes.dim() == 4, "codes must be a 4-D uint8 tensor")
         require(self.scale.shape == self.minimum.shape, "scale and minimum must have one shape")
-        require(self.scale.shape == self._group_shape(), f"scale must have shape {self._group_shape()}, got {tuple(self.scale.shape)}")
+        require(
+            self.scale.shape == self._group_shape(),
+            f"scale must have shape {self._group_shape()}, got {tuple(self.scale.shape)}",
+        )
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -68,8 +71,10 @@ class QuantizedKV:
         tokens = self.shape[2]
         if self.grouping == "channels":
             return [(slice(0, tokens), slice(0, tokens))]
-        return [(slice(start, min(start + self.group, tokens)), slice(index, index + 1))
-                for index, start in enumerate(range(0, tokens, self.group))]
+        return [
+            (slice(start, min(start + self.group, tokens)), slice(index, index + 1))
+            for index, start in enumerate(range(0, tokens, self.group))
+        ]
 
     def _group_shape(self) -> tuple[int, ...]:
         layers, heads, tokens, dim = self.shape
@@ -113,7 +118,9 @@ def quantize(x: torch.Tensor, bits: int, grouping: Grouping, group: int) -> Quan
     if bits == 4:
         half = dim // 2
         codes = codes[..., :half] | (codes[..., half:] << 4)
-    return QuantizedKV(codes.contiguous(), scale.half().contiguous(), minimum.half().contiguous(), bits, grouping, group)
+    return QuantizedKV(
+        codes.contiguous(), scale.half().contiguous(), minimum.half().contiguous(), bits, grouping, group
+    )
 
 
 def code_halves(codes: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:

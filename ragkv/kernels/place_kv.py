@@ -34,8 +34,10 @@ def place_keys(out: torch.Tensor, stored: Stored, cos: torch.Tensor, sin: torch.
         out.copy_(rotated.view(layers, heads, tokens, dim))
         return
     half = dim // 2
-    require(torch.equal(cos[:, :half], cos[:, half:]) and torch.equal(sin[:, :half], sin[:, half:]),
-            "cos/sin must repeat over the two halves (rotate-half RoPE)")
+    require(
+        torch.equal(cos[:, :half], cos[:, half:]) and torch.equal(sin[:, :half], sin[:, half:]),
+        "cos/sin must repeat over the two halves (rotate-half RoPE)",
+    )
     cos, sin = cos[:, :half].float(), sin[:, :half].float()
     stored = stored.to(out.device)
     for tokens_of, rows in stored.group_slices():
@@ -71,8 +73,9 @@ def layers_of(stored: Stored, layers: slice) -> Stored:
     with a RoPE base per layer type are placed one run of layers at a time."""
     if not isinstance(stored, QuantizedKV):
         return stored[layers]
-    return QuantizedKV(stored.codes[layers], stored.scale[layers], stored.minimum[layers], stored.bits,
-                       stored.grouping, stored.group)
+    return QuantizedKV(
+        stored.codes[layers], stored.scale[layers], stored.minimum[layers], stored.bits, stored.grouping, stored.group
+    )
 
 
 def _float32_rows(target: torch.Tensor) -> torch.Tensor:
@@ -103,6 +106,9 @@ def _dequantize_into(target: torch.Tensor, stored: QuantizedKV, tokens_of: slice
 def _check(out: torch.Tensor, stored: Stored) -> None:
     check_dtype("out", out, FLOAT_DTYPES)
     require(out.dim() == 4 and out.shape[3] % 2 == 0, f"out must be [L, H, T, D] with D even, got {tuple(out.shape)}")
-    require(tuple(stored.shape) == tuple(out.shape), f"stored K/V {tuple(stored.shape)} does not match its cache rows {tuple(out.shape)}")
+    require(
+        tuple(stored.shape) == tuple(out.shape),
+        f"stored K/V {tuple(stored.shape)} does not match its cache rows {tuple(out.shape)}",
+    )
     if not isinstance(stored, QuantizedKV):
         check_dtype("stored", stored, FLOAT_DTYPES)

@@ -114,7 +114,9 @@ def dequantize(quantized: QuantizedKV) -> torch.Tensor:
     return minimum + codes * scale
 
 
-def place_keys(stored: torch.Tensor | QuantizedKV, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def place_keys(
+    stored: torch.Tensor | QuantizedKV, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
     """Stored pre-RoPE keys [L, H, T, D] -> dequantised, rotated keys in `dtype`."""
     keys = dequantize(stored) if isinstance(stored, QuantizedKV) else stored.float()
     layers, heads, tokens, dim = keys.shape

@@ -49,9 +49,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, backend
         return out
     grid = (heads, triton.cdiv(t, _BLOCK_T))
     rope_kernel[grid](
-        x, cos, sin, out,
-        t, d // 2,
-        *x.stride(), *cos.stride(), *sin.stride(), *out.stride(),
-        BLOCK_T=_BLOCK_T, BLOCK_HALF=triton.next_power_of_2(d // 2),
+        x,
+        cos,
+        sin,
+        out,
+        t,
+        d // 2,
+        *x.stride(),
+        *cos.stride(),
+        *sin.stride(),
+        *out.stride(),
+        BLOCK_T=_BLOCK_T,
+        BLOCK_HALF=triton.next_power_of_2(d // 2),
     )
     return out

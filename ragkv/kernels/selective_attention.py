@@ -79,8 +79,10 @@ def selective_attention(
     check_shape("k_cache", k_cache, (hkv, t, d))
     check_shape("v_cache", v_cache, (hkv, t, d))
     check_shape("row_positions", row_positions, (n,))
-    require(k_cache.dtype == q_rows.dtype and v_cache.dtype == q_rows.dtype,
-            "q_rows, k_cache and v_cache must share a dtype")
+    require(
+        k_cache.dtype == q_rows.dtype and v_cache.dtype == q_rows.dtype,
+        "q_rows, k_cache and v_cache must share a dtype",
+    )
     require(hkv > 0 and t > 0 and hq % hkv == 0, f"need T > 0 and Hq ({hq}) a multiple of Hkv ({hkv})")
     device = common_device(q_rows=q_rows, k_cache=k_cache, v_cache=v_cache, row_positions=row_positions)
 
@@ -104,10 +106,24 @@ def selective_attention(
     block_m, block_n = _tile_sizes(q_rows.dtype, d)
     grid = (triton.cdiv(n, block_m), hq)
     selective_attention_kernel[grid](
-        q_rows, k_cache, v_cache, positions, out,
-        float(scale) * math.log2(math.e), n, t, d, hq // hkv,
-        *q_rows.stride(), *k_cache.stride(), *v_cache.stride(), *positions.stride(), *out.stride(),
+        q_rows,
+        k_cache,
+        v_cache,
+        positions,
+        out,
+        float(scale) * math.log2(math.e),
+        n,
+        t,
+        d,
+        hq // hkv,
+        *q_rows.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        *positions.stride(),
+        *out.stride(),
         DOT_PRECISION="ieee" if q_rows.dtype == torch.float32 else "tf32",
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=triton.next_power_of_2(d),
     )
     return out

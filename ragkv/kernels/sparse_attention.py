@@ -13,6 +13,7 @@ from ragkv.kernels import torch_cpu
 from ragkv.kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check_dtype, check_shape, common_device, require
 from ragkv.kernels.dispatch import Backend, select_backend
 
+
 def sparse_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -49,8 +50,10 @@ def sparse_decode_attention(
     check_shape("v_cache", v_cache, (hkv, t, d))
     require(k_cache.dtype == q.dtype and v_cache.dtype == q.dtype, "q, k_cache and v_cache must share a dtype")
     require(hkv > 0 and hq % hkv == 0, f"Hq ({hq}) must be a multiple of Hkv ({hkv})")
-    require(indices.dim() == 2 and indices.shape[0] == hkv and indices.shape[1] > 0,
-            f"indices must be [Hkv={hkv}, K>0], got {tuple(indices.shape)}")
+    require(
+        indices.dim() == 2 and indices.shape[0] == hkv and indices.shape[1] > 0,
+        f"indices must be [Hkv={hkv}, K>0], got {tuple(indices.shape)}",
+    )
     if lengths is not None:
         check_dtype("lengths", lengths, INDEX_DTYPES)
         check_shape("lengths", lengths, (hkv,))

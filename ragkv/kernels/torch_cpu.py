@@ -33,10 +33,16 @@ def selective_attention(
             continue
         visible = int(row_positions[end - 1]) + 1
         mask = torch.arange(visible, device=q_rows.device)[None, :] <= row_positions[start:end, None]
-        parts.append(F.scaled_dot_product_attention(
-            q_rows[None, :, start:end], k_cache[None, :, :visible], v_cache[None, :, :visible],
-            attn_mask=mask, scale=scale, enable_gqa=True,
-        )[0])
+        parts.append(
+            F.scaled_dot_product_attention(
+                q_rows[None, :, start:end],
+                k_cache[None, :, :visible],
+                v_cache[None, :, :visible],
+                attn_mask=mask,
+                scale=scale,
+                enable_gqa=True,
+            )[0]
+        )
     return torch.cat(parts, dim=1)
 
 
@@ -56,8 +62,13 @@ def gather_rows(cache: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
 
 
 def sparse_decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, indices: torch.Tensor, scale: float,
-    lengths: torch.Tensor | None, need_lse: bool = True,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    indices: torch.Tensor,
+    scale: float,
+    lengths: torch.Tensor | None,
+    need_lse: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The reference's result (out [Hq, D], lse [Hq] float32, or None without need_lse) from
     flat row lookups, in float32 (16-bit CPU matmuls are slower than the upcast). Without
@@ -68,8 +79,9 @@ def sparse_decode_attention(
     keys = gather_rows(k_cache, indices).float()
     values = gather_rows(v_cache, indices).float()
     if not need_lse and lengths is None:
-        out = F.scaled_dot_product_attention(q.view(1, hq, 1, d).float(), keys[None], values[None], scale=scale,
-                                             enable_gqa=True)
+        out = F.scaled_dot_product_attention(
+            q.view(1, hq, 1, d).float(), keys[None], values[None], scale=scale, enable_gqa=True
+        )
         return out.view(hq, d).to(q.dtype), None
     logits = torch.bmm(q.view(hkv, group, d).float(), keys.transpose(1, 2)).mul_(scale)
     if lengths is not None:

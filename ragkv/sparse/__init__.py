@@ -1,7 +1,8 @@
 """Retrieval-based sparse decode attention (one selector per file) and SnapKV eviction.
 
     from ragkv.sparse import SparseConfig, PromptState
-    attention = SparseConfig(selector="a2ats", budget=0.06).build(PromptState.from_fusion(model, result, codes), codebook)
+    state = PromptState.from_fusion(model, result, codes)
+    attention = SparseConfig(selector="a2ats", budget=0.06).build(state, codebook)
     model.decode_step(token, result.cache, attention)
 
 See config.py for the budget's definition, base.py for the shared procedure and

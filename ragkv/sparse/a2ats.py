@@ -39,12 +39,11 @@ from typing import ClassVar
 
 import torch
 
-from ragkv.kernels import code_score_topk, cpu_extension
 from ragkv.engine.kv_cache import KVCache
+from ragkv.kernels import code_score_topk, cpu_extension
 from ragkv.sparse.base import RowBuffer, Selector, SelectorOptions
 from ragkv.sparse.codebook import A2ATSCodebook
 from ragkv.sparse.prompt import PromptState, unrotate_keys
-
 
 TILE_CENTROIDS = 16
 """Centroids per tile of the compiled step's layout (kTileCentroids in a2ats.h)."""
@@ -58,6 +57,7 @@ def centroid_tiles(codebook: A2ATSCodebook, mean_key: bool) -> tuple[torch.Tenso
     (coordinate d of 16 centroids side by side, C zero-padded to a multiple of 16), so that
     a step's table streams them contiguously, and their scales [L, Hkv, C padded] float32.
     Built once per codebook and kept."""
+
     def build() -> tuple[torch.Tensor, torch.Tensor]:
         centroids = codebook.scoring_centroids(mean_key)
         layers, heads, size, dim = centroids.codes.shape
@@ -130,7 +130,8 @@ class A2ATS(Selector, options=A2ATSOptions):
             if fresh_rows.numel():
                 keys = prompt.cache.keys[layer][:, fresh_rows.to(self.model.device)]
                 codes[layer][:, fresh_rows.to(codes.device)] = self.codebook.encode_layer(
-                    layer, unrotate_keys(self.model, keys, fresh_rows))
+                    layer, unrotate_keys(self.model, keys, fresh_rows)
+                )
         self.codes = RowBuffer(codes)
         self.buffers.append(self.codes)
 
@@ -139,8 +140,10 @@ class A2ATS(Selector, options=A2ATSOptions):
         """[L, Hkv, D, C] float32 (the Python scores' table is one bmm against it), built once
         per codebook and shared by its requests."""
         mean_key = self.options.mean_key
-        return self.codebook.derived(("scoring centroids transposed", mean_key), lambda: self.codebook.scoring_centroids(
-            mean_key).values().transpose(2, 3).contiguous())
+        return self.codebook.derived(
+            ("scoring centroids transposed", mean_key),
+            lambda: self.codebook.scoring_centroids(mean_key).values().transpose(2, 3).contiguous(),
+        )
 
     def extend(self, layer: int, cache: KVCache, start: int, end: int) -> None:
         heads = self.spec.num_kv_heads
@@ -167,8 +170,11 @@ class A2ATS(Selector, options=A2ATSOptions):
         if self._plan is None or self._plan.codes is not self.codes.data or self._plan.rotary is not rotary:
             mean = self.codebook.key_mean if self.options.mean_key else self.codebook.key_mean.new_empty(0)
             tiles, scales = centroid_tiles(self.codebook, self.options.mean_key)
-            self._plan = KeptPlan(self.codes.data, rotary, module.A2atsPlan(
-                self.codes.data, tiles, scales, mean, rotary, self.config.aggregation == "logits"))
+            self._plan = KeptPlan(
+                self.codes.data,
+                rotary,
+                module.A2atsPlan(self.codes.data, tiles, scales, mean, rotary, self.config.aggregation == "logits"),
+            )
         cos, sin, row = self.wrope_rotations(cache)
         self._plan.plan.step(cos, sin, row, start, end, k, candidates)
         return self._plan.plan
@@ -196,7 +202,9 @@ class A2ATS(Selector, options=A2ATSOptions):
         first = None if self._rotation is None else self._rotation[0]
         if first is None or not 0 <= position - first < ROTATIONS_AHEAD:
             # the next ROTATIONS_AHEAD steps' rotations in one call: a call's fixed cost is a visible share of a step
-            relative = self.codebook.offset - torch.arange(position, position + ROTATIONS_AHEAD, device=self.model.device)
+            relative = self.codebook.offset - torch.arange(
+                position, position + ROTATIONS_AHEAD, device=self.model.device
+            )
             cos, sin = self.model.rotary.cos_sin(relative)
             self._rotation = (position, cos.float().contiguous(), sin.float().contiguous())
         first, cos, sin = self._rotation
@@ -218,7 +226,9 @@ class A2ATS(Selector, options=A2ATSOptions):
         """How many rows of [start, end) the codes pick for the rerank to keep k of."""
         return min(end - start, math.ceil(self.options.rerank * k))
 
-    def approximate_rows(self, layer: int, q: torch.Tensor, cache: KVCache, start: int, end: int, k: int) -> torch.Tensor:
+    def approximate_rows(
+        self, layer: int, q: torch.Tensor, cache: KVCache, start: int, end: int, k: int
+    ) -> torch.Tensor:
         """The k rows [Hkv, k] the codes score highest."""
         if self.config.aggregation == "probs" or self.options.mean_key:
             return super().select(layer, q, cache, start, end, k)

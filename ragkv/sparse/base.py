@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from ragkv.engine.kv_cache import KVCache
 from ragkv.kernels import sparse_decode_attention
 from ragkv.kernels.torch_cpu import gather_rows
-from ragkv.engine.kv_cache import KVCache
 from ragkv.sparse.prompt import PromptState, RowPositions
 
 if TYPE_CHECKING:  # config.py imports the registry, which imports every selector module
@@ -152,8 +152,9 @@ class Selector(ABC):
         exact = torch.bmm(q[:, 0].reshape(*scores.shape[:2], -1).float(), fixed.transpose(1, 2)).mul_(self.model.scale)
         return top_rows(probability_mass(scores, exact), k, start)
 
-    def exact_rerank(self, layer: int, q: torch.Tensor, cache: KVCache, start: int, end: int, candidates: torch.Tensor,
-                     k: int) -> torch.Tensor:
+    def exact_rerank(
+        self, layer: int, q: torch.Tensor, cache: KVCache, start: int, end: int, candidates: torch.Tensor, k: int
+    ) -> torch.Tensor:
         """The k of `candidates` [Hkv, c] (absolute rows) with the most exact attention mass,
         summed over the group like the oracle (the candidates' exact logits, normalised with
         the always-attended rows [0, start) and [end, rows)); reads the candidates' keys."""

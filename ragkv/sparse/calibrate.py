@@ -62,7 +62,9 @@ def uuid_text(count: int, seed: int) -> str:
     return "\n".join(str(uuid.UUID(int=rng.getrandbits(128), version=4)) for _ in range(count))
 
 
-def calibration_sequences(encode: Callable[[str], list[int]], texts: Sequence[str], config: CalibrationConfig) -> list[list[int]]:
+def calibration_sequences(
+    encode: Callable[[str], list[int]], texts: Sequence[str], config: CalibrationConfig
+) -> list[list[int]]:
     """Token sequences of at most `sequence_tokens`: the texts' tokens (cycled if short)
     up to (1 - uuid_share) of the total, then UUID strings for the rest."""
     text_budget = int(round(config.tokens * (1 - config.uuid_share)))
@@ -85,8 +87,13 @@ def calibration_sequences(encode: Callable[[str], list[int]], texts: Sequence[st
 
 
 @torch.inference_mode()
-def collect(model: CausalLM, sequences: Sequence[list[int]], prefix_ids: Sequence[int], offset: int,
-            progress: Callable[[str], None] = lambda message: None) -> tuple[list[torch.Tensor], torch.Tensor, int]:
+def collect(
+    model: CausalLM,
+    sequences: Sequence[list[int]],
+    prefix_ids: Sequence[int],
+    offset: int,
+    progress: Callable[[str], None] = lambda message: None,
+) -> tuple[list[torch.Tensor], torch.Tensor, int]:
     """Pre-RoPE keys per layer ([Hkv, N, D] each) of the sequences' tokens, and the WRoPE
     query second moments pooled over each GQA group [layers, Hkv, D, D] (sums over N
     positions, averaged over the group's heads)."""
@@ -116,8 +123,13 @@ def collect(model: CausalLM, sequences: Sequence[list[int]], prefix_ids: Sequenc
     return [torch.cat(layer_keys, dim=1) for layer_keys in keys], moments, count
 
 
-def fit_codebook(keys: list[torch.Tensor], moments: torch.Tensor, count: int, config: CalibrationConfig,
-                 progress: Callable[[str], None] = lambda message: None) -> tuple[torch.Tensor, torch.Tensor]:
+def fit_codebook(
+    keys: list[torch.Tensor],
+    moments: torch.Tensor,
+    count: int,
+    config: CalibrationConfig,
+    progress: Callable[[str], None] = lambda message: None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(centroids [layers, Hkv, C, D], transform [layers, Hkv, D, D]) by query-aware k-means."""
     generator = torch.Generator().manual_seed(config.seed)
     dim = moments.shape[-1]
@@ -138,9 +150,14 @@ def fit_codebook(keys: list[torch.Tensor], moments: torch.Tensor, count: int, co
     return torch.stack(centroids), transform
 
 
-def calibrate(model: CausalLM, encode: Callable[[str], list[int]], texts: Sequence[str], prefix_ids: Sequence[int] = (),
-              config: CalibrationConfig = CalibrationConfig(),
-              progress: Callable[[str], None] = lambda message: None) -> A2ATSCodebook:
+def calibrate(
+    model: CausalLM,
+    encode: Callable[[str], list[int]],
+    texts: Sequence[str],
+    prefix_ids: Sequence[int] = (),
+    config: CalibrationConfig = CalibrationConfig(),
+    progress: Callable[[str], None] = lambda message: None,
+) -> A2ATSCodebook:
     started = time.perf_counter()
     sequences = calibration_sequences(encode, texts, config)
     keys, moments, count = collect(model, sequences, prefix_ids, config.offset, progress)

@@ -46,7 +46,7 @@ class ScoringCentroids:
     """[layers, kv_heads, C] float32."""
 
     @classmethod
-    def rounded(cls, centroids: torch.Tensor) -> "ScoringCentroids":
+    def rounded(cls, centroids: torch.Tensor) -> ScoringCentroids:
         scales = centroids.abs().amax(-1).float() / 127
         safe = torch.where(scales > 0, scales, torch.ones_like(scales))
         codes = torch.round(centroids.float() / safe.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
@@ -119,6 +119,7 @@ class A2ATSCodebook:
         exactly (mean_key), rounded to int8 once and kept: the compiled decode step streams
         them every step (a quarter of float32's bytes), and the Python reference uses the
         same values."""
+
         def build() -> ScoringCentroids:
             centroids = self.centroids - self.key_mean.unsqueeze(2) if mean_key else self.centroids
             return ScoringCentroids.rounded(centroids)
@@ -134,16 +135,26 @@ class A2ATSCodebook:
 
     def check_model(self, spec) -> None:
         if self.shape != (spec.num_layers, spec.num_kv_heads, spec.head_dim):
-            raise ValueError(f"the A2ATS codebook was built for (layers, kv_heads, head_dim) = {self.shape}, "
-                             f"the model has {(spec.num_layers, spec.num_kv_heads, spec.head_dim)}")
+            raise ValueError(
+                f"the A2ATS codebook was built for (layers, kv_heads, head_dim) = {self.shape}, "
+                f"the model has {(spec.num_layers, spec.num_kv_heads, spec.head_dim)}"
+            )
 
-    def on(self, device: torch.device | str) -> "A2ATSCodebook":
+    def on(self, device: torch.device | str) -> A2ATSCodebook:
         """This codebook with its tensors on `device` (the copy is made once and kept)."""
         device = torch.device(device)
         if self.centroids.device == device:
             return self
-        return self.derived(("device copy", device), lambda: A2ATSCodebook(
-            self.centroids.to(device), self.transform.to(device), self.offset, self.key_mean.to(device), dict(self.info)))
+        return self.derived(
+            ("device copy", device),
+            lambda: A2ATSCodebook(
+                self.centroids.to(device),
+                self.transform.to(device),
+                self.offset,
+                self.key_mean.to(device),
+                dict(self.info),
+            ),
+        )
 
     # -- encoding ------------------------------------------------------------------------
 
@@ -183,14 +194,22 @@ class A2ATSCodebook:
 
     def to_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         metadata = {"offset": str(self.offset), "id": self.id, "info": json.dumps(self.info, sort_keys=True)}
-        tensors = {"centroids": self.centroids.cpu(), "transform": self.transform.cpu(), "key_mean": self.key_mean.cpu()}
+        tensors = {
+            "centroids": self.centroids.cpu(),
+            "transform": self.transform.cpu(),
+            "key_mean": self.key_mean.cpu(),
+        }
         return tensors, metadata
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> "A2ATSCodebook":
-        codebook = cls(tensors["centroids"].clone(), tensors["transform"].clone(), int(metadata["offset"]),
-                       tensors["key_mean"].clone() if "key_mean" in tensors else None,
-                       json.loads(metadata.get("info", "{}")))
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> A2ATSCodebook:
+        codebook = cls(
+            tensors["centroids"].clone(),
+            tensors["transform"].clone(),
+            int(metadata["offset"]),
+            tensors["key_mean"].clone() if "key_mean" in tensors else None,
+            json.loads(metadata.get("info", "{}")),
+        )
         if codebook.id != metadata.get("id"):
             raise ValueError("stored codebook id does not match its content")
         return codebook

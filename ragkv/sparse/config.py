@@ -89,8 +89,10 @@ class SparseConfig:
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"sparse decode runs in float32, bfloat16 or float16, not {dtype}")
         if self.backend == "flashinfer" and dtype == torch.float32:
-            raise ValueError("the flashinfer backend decodes float16/bfloat16 caches only; use --dtype bfloat16 "
-                             "or backend auto/torch/triton for float32")
+            raise ValueError(
+                "the flashinfer backend decodes float16/bfloat16 caches only; use --dtype bfloat16 "
+                "or backend auto/torch/triton for float32"
+            )
 
     def budget_rows(self, rows: int) -> int:
         """Rows attended per KV head when `rows` are cached (before sinks/window are forced in)."""

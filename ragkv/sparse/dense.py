@@ -21,7 +21,6 @@ class DenseOptions(SelectorOptions):
 
 
 class Dense(Selector, options=DenseOptions):
-
     def select(self, layer, q, cache, start, end, k):  # pragma: no cover - never reached
         raise AssertionError("dense attends to every row")
 

@@ -54,8 +54,9 @@ def kmeans_plus_plus(points: torch.Tensor, clusters: int, generator: torch.Gener
     return centroids
 
 
-def kmeans(points: torch.Tensor, clusters: int, iterations: int, generator: torch.Generator | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+def kmeans(
+    points: torch.Tensor, clusters: int, iterations: int, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Fit `clusters` centroids to each of B point sets [B, N, d].
 
     k-means++ seeding (from at most 8 C random points), then `iterations` Lloyd steps; a cluster that empties keeps its

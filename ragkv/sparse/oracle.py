@@ -29,7 +29,6 @@ class OracleOptions(SelectorOptions):
 
 
 class Oracle(Selector, options=OracleOptions):
-
     def select(self, layer: int, q: torch.Tensor, cache: KVCache, start: int, end: int, k: int) -> torch.Tensor:
         keys, _ = cache.layer(layer)
         mass = attention_mass(q, keys, self.model.scale)

@@ -17,8 +17,8 @@ from typing import ClassVar
 
 import torch
 
-from ragkv.kernels import code_score_topk
 from ragkv.engine.kv_cache import KVCache
+from ragkv.kernels import code_score_topk
 from ragkv.sparse.base import RowBuffer, Selector, SelectorOptions
 from ragkv.sparse.kmeans import kmeans, nearest
 from ragkv.sparse.prompt import PromptState

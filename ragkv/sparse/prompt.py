@@ -47,19 +47,28 @@ class PromptState:
         return self.cache.length
 
     @classmethod
-    def from_prefill(cls, model: CausalLM, cache: KVCache, token_ids, prefix_len: int = 0,
-                     question_start: int | None = None) -> "PromptState":
+    def from_prefill(
+        cls, model: CausalLM, cache: KVCache, token_ids, prefix_len: int = 0, question_start: int | None = None
+    ) -> PromptState:
         """A plain prefill: every row computed fresh; the question window defaults to the last row."""
         ids = torch.as_tensor(token_ids).flatten()
         start = ids.numel() - 1 if question_start is None else question_start
         return cls(model, cache, ids, prefix_len, start)
 
     @classmethod
-    def from_fusion(cls, model: CausalLM, result, chunk_codes: Sequence[torch.Tensor | None] = ()) -> "PromptState":
+    def from_fusion(cls, model: CausalLM, result, chunk_codes: Sequence[torch.Tensor | None] = ()) -> PromptState:
         """A fused prompt (ragkv.fusion.FusionResult): rows a layer did not recompute may use stored codes."""
         layout = result.layout
-        return cls(model, result.cache, layout.token_ids, layout.prefix_len, layout.question_start,
-                   list(layout.chunk_spans), list(chunk_codes), result.recomputed_rows)
+        return cls(
+            model,
+            result.cache,
+            layout.token_ids,
+            layout.prefix_len,
+            layout.question_start,
+            list(layout.chunk_spans),
+            list(chunk_codes),
+            result.recomputed_rows,
+        )
 
     def question_queries(self) -> list[torch.Tensor]:
         """Post-RoPE queries [Hq, Nq, D] of the question rows at every layer (computed once).
@@ -70,7 +79,9 @@ class PromptState:
         is read, never written).
         """
         if self._queries is None:
-            self._queries = probe_queries(self.model, self.cache, self.token_ids, torch.arange(self.question_start, self.length))
+            self._queries = probe_queries(
+                self.model, self.cache, self.token_ids, torch.arange(self.question_start, self.length)
+            )
         return self._queries
 
 

@@ -55,7 +55,9 @@ class SnapKV:
         if self.capacity >= rows:
             return torch.arange(rows).expand(spec.num_layers, spec.num_kv_heads, rows).clone()
         if self.capacity < fixed:
-            raise ValueError(f"SnapKV capacity {self.capacity} is below the prefix + question rows ({fixed}) it must keep")
+            raise ValueError(
+                f"SnapKV capacity {self.capacity} is below the prefix + question rows ({fixed}) it must keep"
+            )
         budget = self.capacity - fixed
         prefix = torch.arange(prompt.prefix_len).expand(spec.num_kv_heads, -1)
         tail = torch.arange(prompt.question_start, rows).expand(spec.num_kv_heads, -1)

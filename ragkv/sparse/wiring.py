@@ -9,7 +9,9 @@ from ragkv.sparse.config import SparseConfig
 from ragkv.sparse.prompt import PromptState
 
 
-def sparse_chunk_codes(engine, config: SparseConfig | None, chunks, stored: list[dict] | None) -> list[torch.Tensor] | None:
+def sparse_chunk_codes(
+    engine, config: SparseConfig | None, chunks, stored: list[dict] | None
+) -> list[torch.Tensor] | None:
     """Per retrieved chunk, its A2ATS codes under the engine's codebook: the stored codes
     when their codebook id matches the active codebook, else computed now from the
     chunk's stored pre-RoPE keys (never stale). None unless the selector needs the codebook."""
@@ -17,8 +19,9 @@ def sparse_chunk_codes(engine, config: SparseConfig | None, chunks, stored: list
         return None
     codebook = engine.codebook
     if codebook is None:
-        raise ValueError(f"the {config.name} selector needs an A2ATS codebook for this model: "
-                         "run `ragkv calibrate` first")
+        raise ValueError(
+            f"the {config.name} selector needs an A2ATS codebook for this model: run `ragkv calibrate` first"
+        )
     stored = stored or [None] * len(chunks)
     codes = []
     for chunk, tensors in zip(chunks, stored):

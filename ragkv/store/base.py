@@ -39,9 +39,9 @@ logger = logging.getLogger("ragkv.store")
 
 Tensors = dict[str, torch.Tensor]
 RawBlob = bytes | bytearray | memoryview
-PutItem = tuple[ChunkKey, Mapping[str, torch.Tensor]] | tuple[
-    ChunkKey, Mapping[str, torch.Tensor], Mapping[str, str] | None
-]
+PutItem = (
+    tuple[ChunkKey, Mapping[str, torch.Tensor]] | tuple[ChunkKey, Mapping[str, torch.Tensor], Mapping[str, str] | None]
+)
 """An item for :meth:`ChunkStore.put_many`: ``(key, tensors)`` or ``(key, tensors, metadata)``."""
 
 _T = TypeVar("_T")

@@ -55,8 +55,14 @@ def run_store_bench(
     cache before each cold read when ``/proc/sys/vm/drop_caches`` is writable
     (root); it affects the whole machine, so it is off by default.
     """
-    for name, value in (("chunks", chunks), ("tokens_per_chunk", tokens_per_chunk), ("layers", layers),
-                        ("kv_heads", kv_heads), ("head_dim", head_dim), ("batch_size", batch_size)):
+    for name, value in (
+        ("chunks", chunks),
+        ("tokens_per_chunk", tokens_per_chunk),
+        ("layers", layers),
+        ("kv_heads", kv_heads),
+        ("head_dim", head_dim),
+        ("batch_size", batch_size),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int; got {value!r}")
     if RAW_FILE in stores:

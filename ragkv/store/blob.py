@@ -197,9 +197,7 @@ def _parse_header(view: memoryview) -> tuple[int, dict, dict[str, str]]:
     if not isinstance(header, dict):
         raise CorruptBlobError("blob header is not a JSON object")
     meta = header.pop("__metadata__", None)
-    if not isinstance(meta, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
-    ):
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise CorruptBlobError("blob metadata is missing or not a str -> str mapping")
     return header_len, header, meta
 

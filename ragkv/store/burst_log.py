@@ -35,12 +35,18 @@ class BurstLog:
         if first:
             self._logger.warning(
                 "%s unavailable (%s: %s: %s); treating as a cache miss, further errors suppressed",
-                self._subject, operation, type(exc).__name__, exc,
+                self._subject,
+                operation,
+                type(exc).__name__,
+                exc,
             )
         else:
             self._logger.warning(
                 "%s still unavailable: %d failed operations so far (last: %s: %s)",
-                self._subject, failures, operation, exc,
+                self._subject,
+                failures,
+                operation,
+                exc,
             )
 
     def success(self) -> None:

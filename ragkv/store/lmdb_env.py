@@ -134,9 +134,7 @@ class LMDBEnvironment:
         with _registry_lock:
             shared = _registry.get(real)
             if shared is not None and shared.pid != os.getpid():
-                raise RuntimeError(
-                    f"LMDB environment {real} was opened before fork(); open it in the child process"
-                )
+                raise RuntimeError(f"LMDB environment {real} was opened before fork(); open it in the child process")
             if shared is None:
                 if not create and not os.path.isfile(os.path.join(real, "data.mdb")):
                     raise FileNotFoundError(f"no LMDB database at {real}")

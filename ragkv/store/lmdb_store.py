@@ -46,8 +46,9 @@ class LMDBStore(BlobStore):
         mac_key: bytes | None = None,
         capacity_bytes: int | None = None,
     ) -> None:
-        if capacity_bytes is not None and (isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int)
-                                           or capacity_bytes < 1):
+        if capacity_bytes is not None and (
+            isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 1
+        ):
             raise ValueError(f"capacity_bytes must be a positive int or None; got {capacity_bytes!r}")
         self._capacity = capacity_bytes
         self._env = LMDBEnvironment(path, map_size=map_size, create=create)
@@ -122,8 +123,9 @@ class LMDBStore(BlobStore):
             evicted += bool(txn.delete(key, db=self._db))
             if self._bytes_in(txn) <= self._capacity:
                 return evicted
-        logger.warning("LMDB store %s holds more than its capacity of %d bytes: the rest is in use",
-                       self._env.path, self._capacity)
+        logger.warning(
+            "LMDB store %s holds more than its capacity of %d bytes: the rest is in use", self._env.path, self._capacity
+        )
         return evicted
 
     def _bytes_in(self, txn) -> int:

@@ -55,7 +55,7 @@ class ClusterAddress:
     tls: bool = False
 
     @classmethod
-    def parse(cls, url: str) -> "ClusterAddress":
+    def parse(cls, url: str) -> ClusterAddress:
         parts = urlsplit(url)
         if parts.scheme not in CLUSTER_SCHEMES:
             raise ValueError(f"not a Redis Cluster URL (redis+cluster://HOST:PORT,...): {parts.scheme}://...")
@@ -99,8 +99,11 @@ class LazyCluster:
                 try:
                     self._client = RedisCluster(
                         startup_nodes=[ClusterNode(host, port) for host, port in self._address.nodes],
-                        username=self._address.username, password=self._address.password, ssl=self._address.tls,
-                        **self._options)
+                        username=self._address.username,
+                        password=self._address.password,
+                        ssl=self._address.tls,
+                        **self._options,
+                    )
                 except ERRORS as error:
                     raise redis.ConnectionError(f"redis {self._address.where()}: {error}") from error
             return self._client
@@ -120,10 +123,13 @@ def redis_client(url: str, *, connect_timeout_s: float, op_timeout_s: float, ret
     often a command is retried after a connection error (0: fail fast, the caller backs off)."""
     retry = Retry(NoBackoff(), retries)
     if is_cluster_url(url):
-        return LazyCluster(ClusterAddress.parse(url), socket_connect_timeout=connect_timeout_s,
-                           socket_timeout=op_timeout_s, retry=retry)
-    return redis.Redis.from_url(url, socket_connect_timeout=connect_timeout_s, socket_timeout=op_timeout_s,
-                                retry=retry)
+        return LazyCluster(
+            ClusterAddress.parse(url),
+            socket_connect_timeout=connect_timeout_s,
+            socket_timeout=op_timeout_s,
+            retry=retry,
+        )
+    return redis.Redis.from_url(url, socket_connect_timeout=connect_timeout_s, socket_timeout=op_timeout_s, retry=retry)
 
 
 def where(url: str) -> str:

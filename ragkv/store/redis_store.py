@@ -80,8 +80,9 @@ class RedisStore(BlobStore):
         _check_positive("retry_after_s", retry_after_s)
         self._ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
         self._where = where(url)
-        self._link = RedisLink(url, connect_timeout_s=connect_timeout_s, op_timeout_s=op_timeout_s,
-                               retry_after_s=retry_after_s)
+        self._link = RedisLink(
+            url, connect_timeout_s=connect_timeout_s, op_timeout_s=op_timeout_s, retry_after_s=retry_after_s
+        )
         self._client = self._link.client
         super().__init__(mac_key=mac_key)
 
@@ -134,8 +135,10 @@ class RedisStore(BlobStore):
             if self._link.cluster:
                 masters = RedisCluster.PRIMARIES
                 memory = self._client.info("memory", target_nodes=masters)
-                return Usage(entries=self._client.dbsize(target_nodes=masters),
-                             bytes=sum(info["used_memory"] for info in memory.values()))
+                return Usage(
+                    entries=self._client.dbsize(target_nodes=masters),
+                    bytes=sum(info["used_memory"] for info in memory.values()),
+                )
             return Usage(entries=self._client.dbsize(), bytes=self._client.info("memory")["used_memory"])
 
     def _iter_raw_keys(self, prefix: bytes) -> Iterator[bytes]:

@@ -67,7 +67,17 @@ class StoreStats:
         """JSON-ready form; ``lru``/``tiers`` appear only for composite stores."""
         out: dict[str, object] = {
             name: getattr(self, name)
-            for name in ("backend", "entries", "bytes", "hits", "misses", "corrupt", "errors", "evictions", "capacity_bytes")
+            for name in (
+                "backend",
+                "entries",
+                "bytes",
+                "hits",
+                "misses",
+                "corrupt",
+                "errors",
+                "evictions",
+                "capacity_bytes",
+            )
         }
         if self.lru is not None:
             out["lru"] = self.lru.to_dict()

@@ -39,8 +39,9 @@ class TieredStore(ChunkStore):
     backend = "tiered"
     _transient_errors = (StoreUnavailableError,)
 
-    def __init__(self, tiers: Sequence[ChunkStore], *, lru_bytes: int = DEFAULT_LRU_BYTES,
-                 mac_key: bytes | None = None) -> None:
+    def __init__(
+        self, tiers: Sequence[ChunkStore], *, lru_bytes: int = DEFAULT_LRU_BYTES, mac_key: bytes | None = None
+    ) -> None:
         tiers = tuple(tiers)
         if not tiers:
             raise ValueError("TieredStore needs at least one tier")

@@ -161,8 +161,13 @@ def _open_lmdb(url: str, netloc: str, path: str, params: _Params, create: bool, 
     if not location or location == "/":
         raise ValueError(f"store URL {_redact(url)} names no LMDB directory")
     try:
-        return LMDBStore(os.path.expanduser(location), map_size=params.get("map_size", DEFAULT_MAP_SIZE), create=create,
-                         mac_key=mac_key, capacity_bytes=params.get("capacity"))
+        return LMDBStore(
+            os.path.expanduser(location),
+            map_size=params.get("map_size", DEFAULT_MAP_SIZE),
+            create=create,
+            mac_key=mac_key,
+            capacity_bytes=params.get("capacity"),
+        )
     except FileNotFoundError:
         raise FileNotFoundError(f"no chunk store at {_redact(url)} (nothing was created)") from None
 
@@ -171,7 +176,8 @@ def _open_redis(url: str, options: dict[str, object], mac_key: bytes | None) -> 
     parts = urlsplit(url)
     params = _params(url, parts.query, options, _REDIS_PARAMS)
     timeouts = {
-        key: params[name] for name, key in (("connect_timeout", "connect_timeout_s"), ("timeout", "op_timeout_s"))
+        key: params[name]
+        for name, key in (("connect_timeout", "connect_timeout_s"), ("timeout", "op_timeout_s"))
         if name in params
     }
     # Our parameters are stripped: redis-py would treat the query as its own.

@@ -36,8 +36,14 @@ from ragkv.api.openapi import errors, sse_or
 from ragkv.api.responses_schema import ChatCompletion, Deleted, Model, ModelList, SessionList
 from ragkv.api.routes.completions import EMBEDDING_MODEL_ID
 from ragkv.api.routes.query import SSE_HEADERS
-from ragkv.api.schemas import (DEFAULT_MAX_TOKENS, SESSION_ID_PATTERN, ChatRag, ChatRequest, generation_config,
-                               query_config)
+from ragkv.api.schemas import (
+    DEFAULT_MAX_TOKENS,
+    SESSION_ID_PATTERN,
+    ChatRag,
+    ChatRequest,
+    generation_config,
+    query_config,
+)
 from ragkv.api.sessions import check_session_id
 from ragkv.api.sources import sources_block
 from ragkv.api.state import app_state
@@ -64,22 +70,36 @@ def _messages(body: ChatRequest) -> list[dict[str, str]]:
 
 def _rag_extension(completion: Completion, session_id: str) -> dict:
     info: ChatInfo = completion.info
-    return {"session_id": session_id, "turn": info.turn, "strategy": completion.strategy,
-            "new_chunks": info.new_chunks, "context_tokens": info.context_tokens,
-            "citations": [c.to_dict() for c in completion.citations],
-            "timings": completion.timings.to_dict(), "session": info.session}
+    return {
+        "session_id": session_id,
+        "turn": info.turn,
+        "strategy": completion.strategy,
+        "new_chunks": info.new_chunks,
+        "context_tokens": info.context_tokens,
+        "citations": [c.to_dict() for c in completion.citations],
+        "timings": completion.timings.to_dict(),
+        "session": info.session,
+    }
 
 
-@router.post("/v1/chat/completions", responses={
-    **sse_or(ChatCompletion, "the completion, or with stream: true chat.completion.chunk events then [DONE]"),
-    **errors(400, 401, 404, 409, 413, 503)})
+@router.post(
+    "/v1/chat/completions",
+    responses={
+        **sse_or(ChatCompletion, "the completion, or with stream: true chat.completion.chunk events then [DONE]"),
+        **errors(400, 401, 404, 409, 413, 503),
+    },
+)
 async def chat_completions(request: Request, body: ChatRequest):
     state = app_state(request)
     tenant = tenant_of(request)
     body.refuse_unsupported()
     if body.model not in (state.model_id, "ragkv"):
-        raise ApiError(404, "model_not_found", f"the model {body.model!r} does not exist; this server serves {state.model_id!r}",
-                       param="model")
+        raise ApiError(
+            404,
+            "model_not_found",
+            f"the model {body.model!r} does not exist; this server serves {state.model_id!r}",
+            param="model",
+        )
     messages = _messages(body)
     rag = body.rag or ChatRag()
     if body.session_id and rag.session_id and body.session_id != rag.session_id:
@@ -87,11 +107,13 @@ async def chat_completions(request: Request, body: ChatRequest):
     named = body.session_id or rag.session_id
     session_id = check_session_id(named) if named else new_context_id()
     max_tokens = body.max_completion_tokens or body.max_tokens or DEFAULT_MAX_TOKENS
-    generation = generation_config(max_tokens, body.temperature, body.top_p, body.seed, body.stop, state.config,
-                                   logprobs=body.logprobs_count)
+    generation = generation_config(
+        max_tokens, body.temperature, body.top_p, body.seed, body.stop, state.config, logprobs=body.logprobs_count
+    )
     config = query_config(rag, generation, state.config)
-    work = state.service.chat_stream(ChatTurn(tenant, messages, session_id if named else None, rag.enabled, config),
-                                     session_id)
+    work = state.service.chat_stream(
+        ChatTurn(tenant, messages, session_id if named else None, rag.enabled, config), session_id
+    )
     completion_id = "chatcmpl-" + uuid.uuid4().hex[:24]
     created = int(time.time())
     headers = {"X-Session-Id": session_id}
@@ -103,12 +125,25 @@ async def chat_completions(request: Request, body: ChatRequest):
         [outcome] = await run_requests(request, state.worker, work)
         content = outcome.text + (sources(outcome) if body.sources else "")
         return JSONResponse(
-            {"id": completion_id, "object": "chat.completion", "created": created, "model": state.model_id,
-             "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
-                          "finish_reason": outcome.finish_reason.openai,
-                          "logprobs": chat_logprobs(outcome.logprobs) if body.logprobs else None}],
-             "usage": outcome.usage.to_openai(), "session_id": session_id, "rag": _rag_extension(outcome, session_id)},
-            headers=headers)
+            {
+                "id": completion_id,
+                "object": "chat.completion",
+                "created": created,
+                "model": state.model_id,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": content},
+                        "finish_reason": outcome.finish_reason.openai,
+                        "logprobs": chat_logprobs(outcome.logprobs) if body.logprobs else None,
+                    }
+                ],
+                "usage": outcome.usage.to_openai(),
+                "session_id": session_id,
+                "rag": _rag_extension(outcome, session_id),
+            },
+            headers=headers,
+        )
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     stream = await EventStream.start(request, state.worker, work)
@@ -120,9 +155,14 @@ async def chat_completions(request: Request, body: ChatRequest):
         if pending_logprobs and "content" in delta:
             logprobs = chat_logprobs(pending_logprobs)
             pending_logprobs.clear()
-        return {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": state.model_id,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}],
-                **extra}
+        return {
+            "id": completion_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": state.model_id,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}],
+            **extra,
+        }
 
     def render(event):
         if event.kind == "logprob":
@@ -134,11 +174,20 @@ async def chat_completions(request: Request, body: ChatRequest):
         events = [chunk({"content": sources(outcome)})] if body.sources else []
         if pending_logprobs:  # tokens of a stop string: never sent as text
             events.append(chunk({"content": ""}))
-        events += [chunk({}, outcome.finish_reason.openai, session_id=session_id,
-                        rag=_rag_extension(outcome, session_id))]
+        events += [
+            chunk({}, outcome.finish_reason.openai, session_id=session_id, rag=_rag_extension(outcome, session_id))
+        ]
         if include_usage:
-            events.append({"id": completion_id, "object": "chat.completion.chunk", "created": created,
-                           "model": state.model_id, "choices": [], "usage": outcome.usage.to_openai()})
+            events.append(
+                {
+                    "id": completion_id,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": state.model_id,
+                    "choices": [],
+                    "usage": outcome.usage.to_openai(),
+                }
+            )
         return events
 
     async def events():
@@ -156,17 +205,32 @@ async def chat_completions(request: Request, body: ChatRequest):
 def list_models(request: Request):
     state = app_state(request)
     tenant_of(request)
-    return {"object": "list", "data": [{"id": model_id, "object": "model", "created": int(state.started), "owned_by": "ragkv",
-                                        **(_fusion_entry(state) if model_id == state.model_id else {})}
-                                       for model_id in (state.model_id, EMBEDDING_MODEL_ID)]}
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": model_id,
+                "object": "model",
+                "created": int(state.started),
+                "owned_by": "ragkv",
+                **(_fusion_entry(state) if model_id == state.model_id else {}),
+            }
+            for model_id in (state.model_id, EMBEDDING_MODEL_ID)
+        ],
+    }
 
 
 def _fusion_entry(state) -> dict:
     """The default fusion strategy and the ratio requests that name none get (calibrated
     for this model by `ragkv calibrate fusion`, or the strategy's default)."""
     strategy = FusionConfig().build(state.runtime.engine.fusion_ratios)
-    return {"fusion": {"strategy": strategy.name, "ratio": strategy.ratio,
-                       "calibrated": strategy.name in state.runtime.engine.fusion_ratios}}
+    return {
+        "fusion": {
+            "strategy": strategy.name,
+            "ratio": strategy.ratio,
+            "calibrated": strategy.name in state.runtime.engine.fusion_ratios,
+        }
+    }
 
 
 @router.get("/v1/models/{model_id}", responses={200: {"model": Model}, **errors(401, 404)})
@@ -176,8 +240,13 @@ def get_model(request: Request, model_id: str):
     if model_id not in (state.model_id, "ragkv", EMBEDDING_MODEL_ID):
         raise ApiError(404, "model_not_found", f"the model {model_id!r} does not exist")
     served = EMBEDDING_MODEL_ID if model_id == EMBEDDING_MODEL_ID else state.model_id
-    return {"id": served, "object": "model", "created": int(state.started), "owned_by": "ragkv",
-            **(_fusion_entry(state) if served == state.model_id else {})}
+    return {
+        "id": served,
+        "object": "model",
+        "created": int(state.started),
+        "owned_by": "ragkv",
+        **(_fusion_entry(state) if served == state.model_id else {}),
+    }
 
 
 @router.get("/v1/sessions", responses={200: {"model": SessionList}, **errors(401)})

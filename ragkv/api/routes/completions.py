@@ -46,8 +46,9 @@ def _prompts(prompt) -> list[str | list[int]]:
 
 def _refuse_unsupported(body: CompletionRequest) -> None:
     if body.echo:
-        raise ApiError(400, "unsupported_parameter", "echo is not supported: the answer holds only the completion",
-                       param="echo")
+        raise ApiError(
+            400, "unsupported_parameter", "echo is not supported: the answer holds only the completion", param="echo"
+        )
     for name in ("suffix",):
         if getattr(body, name) is not None:
             raise ApiError(400, "unsupported_parameter", f"{name} is not supported by this server", param=name)
@@ -59,9 +60,13 @@ def _usage(completions: list[AppCompletion]) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-@router.post("/v1/completions", responses={
-    **sse_or(Completion, "the completion, or with stream: true text_completion chunks then [DONE]"),
-    **errors(400, 401, 404, 413, 503)})
+@router.post(
+    "/v1/completions",
+    responses={
+        **sse_or(Completion, "the completion, or with stream: true text_completion chunks then [DONE]"),
+        **errors(400, 401, 404, 413, 503),
+    },
+)
 async def completions(request: Request, body: CompletionRequest):
     """OpenAI completions: the prompt is continued as it is (no chat template), or with
     rag.enabled answered from the tenant's documents."""
@@ -69,43 +74,66 @@ async def completions(request: Request, body: CompletionRequest):
     tenant = tenant_of(request)
     _refuse_unsupported(body)
     if body.model not in (state.model_id, "ragkv"):
-        raise ApiError(404, "model_not_found", f"the model {body.model!r} does not exist; this server serves {state.model_id!r}",
-                       param="model")
+        raise ApiError(
+            404,
+            "model_not_found",
+            f"the model {body.model!r} does not exist; this server serves {state.model_id!r}",
+            param="model",
+        )
     prompts = _prompts(body.prompt)
-    generation = generation_config(body.max_tokens, body.temperature, body.top_p, body.seed, body.stop, state.config,
-                                   logprobs=body.logprobs)
+    generation = generation_config(
+        body.max_tokens, body.temperature, body.top_p, body.seed, body.stop, state.config, logprobs=body.logprobs
+    )
     rag = body.rag
     config = query_config(rag, generation, state.config) if rag is not None else None  # validated even when disabled
     with_citations = rag is not None and rag.enabled
     if with_citations:
         if len(prompts) != 1 or not isinstance(prompts[0], str):
-            raise ApiError(400, "unsupported_prompt", "with rag.enabled the prompt is one question, as a string",
-                           param="prompt")
+            raise ApiError(
+                400, "unsupported_prompt", "with rag.enabled the prompt is one question, as a string", param="prompt"
+            )
         work = state.service.query_stream(prompts[0], tenant, config)
     else:
         work = state.service.completion_stream(prompts, generation)
     completion_id = "cmpl-" + uuid.uuid4().hex[:24]
     created = int(time.time())
 
-    def choice(index: int, text: str, finish_reason: str | None, citations: list | None = None,
-               logprobs: dict | None = None) -> dict:
+    def choice(
+        index: int, text: str, finish_reason: str | None, citations: list | None = None, logprobs: dict | None = None
+    ) -> dict:
         out = {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
         if citations is not None:
             out["rag"] = {"citations": citations}
         return out
 
     def envelope(choices: list[dict], **extra) -> dict:
-        return {"id": completion_id, "object": "text_completion", "created": created, "model": state.model_id,
-                "choices": choices, **extra}
+        return {
+            "id": completion_id,
+            "object": "text_completion",
+            "created": created,
+            "model": state.model_id,
+            "choices": choices,
+            **extra,
+        }
 
     def citations(completion: AppCompletion) -> list | None:
         return [c.to_dict() for c in completion.citations] if with_citations else None
 
     if not body.stream:
         completions = await run_requests(request, state.worker, work)
-        return envelope([choice(i, c.text, c.finish_reason.openai, citations(c),
-                                completion_logprobs(c.logprobs) if c.logprobs is not None else None)
-                         for i, c in enumerate(completions)], usage=_usage(completions))
+        return envelope(
+            [
+                choice(
+                    i,
+                    c.text,
+                    c.finish_reason.openai,
+                    citations(c),
+                    completion_logprobs(c.logprobs) if c.logprobs is not None else None,
+                )
+                for i, c in enumerate(completions)
+            ],
+            usage=_usage(completions),
+        )
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     stream = await EventStream.start(request, state.worker, work)
@@ -129,8 +157,20 @@ async def completions(request: Request, body: CompletionRequest):
         return [envelope([choice(event.index, event.value, None, logprobs=logprobs_of(event.index))])]
 
     def finish(completions: list[AppCompletion]):
-        events = [envelope([choice(i, "", c.finish_reason.openai, citations(c),  # a stop string's tokens: never sent
-                                   logprobs=logprobs_of(i))]) for i, c in enumerate(completions)]
+        events = [
+            envelope(
+                [
+                    choice(
+                        i,
+                        "",
+                        c.finish_reason.openai,
+                        citations(c),  # a stop string's tokens: never sent
+                        logprobs=logprobs_of(i),
+                    )
+                ]
+            )
+            for i, c in enumerate(completions)
+        ]
         if include_usage:
             events.append(envelope([], usage=_usage(completions)))
         return events
@@ -151,12 +191,20 @@ async def embeddings(request: Request, body: EmbeddingRequest):
     state = app_state(request)
     tenant_of(request)
     if body.model != EMBEDDING_MODEL_ID:
-        raise ApiError(404, "model_not_found", f"the embedding model {body.model!r} does not exist; this server serves "
-                       f"{EMBEDDING_MODEL_ID!r}", param="model")
+        raise ApiError(
+            404,
+            "model_not_found",
+            f"the embedding model {body.model!r} does not exist; this server serves {EMBEDDING_MODEL_ID!r}",
+            param="model",
+        )
     dimension = state.runtime.embedder.dimension
     if body.dimensions is not None and body.dimensions != dimension:
-        raise ApiError(400, "unsupported_parameter", f"dimensions must be {dimension} (or absent): this model's vectors "
-                       "are not truncated", param="dimensions")
+        raise ApiError(
+            400,
+            "unsupported_parameter",
+            f"dimensions must be {dimension} (or absent): this model's vectors are not truncated",
+            param="dimensions",
+        )
     texts = [body.input] if isinstance(body.input, str) else list(body.input)
     vectors, tokens = await run_task(request, state.worker, Task("embedding", state.service.embeddings_body(texts)))
 
@@ -165,6 +213,9 @@ async def embeddings(request: Request, body: EmbeddingRequest):
             return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
         return vector.tolist()
 
-    return {"object": "list", "model": EMBEDDING_MODEL_ID,
-            "data": [{"object": "embedding", "index": i, "embedding": encoded(v)} for i, v in enumerate(vectors)],
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+    return {
+        "object": "list",
+        "model": EMBEDDING_MODEL_ID,
+        "data": [{"object": "embedding", "index": i, "embedding": encoded(v)} for i, v in enumerate(vectors)],
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }

@@ -20,8 +20,15 @@ from ragkv.api.auth import tenant_of
 from ragkv.api.errors import ApiError, as_api_error
 from ragkv.api.ingest_records import CANCELLED, FAILED, SUCCEEDED, IngestRecord
 from ragkv.api.openapi import errors
-from ragkv.api.responses_schema import (Deleted, DocumentCreated, DocumentDetail, DocumentList, JobAccepted, JobList,
-                                        JobStatus)
+from ragkv.api.responses_schema import (
+    Deleted,
+    DocumentCreated,
+    DocumentDetail,
+    DocumentList,
+    JobAccepted,
+    JobList,
+    JobStatus,
+)
 from ragkv.api.schemas import DOC_ID_PATTERN, DocumentCreate, check_metadata
 from ragkv.api.state import AppState, app_state
 from ragkv.api.streaming import run_task
@@ -38,11 +45,18 @@ DocumentId = Annotated[str, Path(pattern=DOC_ID_PATTERN, description="1-128 char
 
 
 def ingest_summary(result: IngestResult) -> dict:
-    return {"chunks": result.chunks, "tokens": result.tokens, "computed_chunks": result.computed_chunks,
-            "reused_chunks": result.reused_chunks, "seconds": round(result.seconds, 3),
-            "stored_bytes": result.stored_bytes, "bytes_per_token": round(result.bytes_per_token, 1),
-            "encode_tokens_per_second": round(result.encode_tokens_per_second, 1),
-            "duplicate_of_existing": result.duplicate_of_existing, "replaced": result.replaced}
+    return {
+        "chunks": result.chunks,
+        "tokens": result.tokens,
+        "computed_chunks": result.computed_chunks,
+        "reused_chunks": result.reused_chunks,
+        "seconds": round(result.seconds, 3),
+        "stored_bytes": result.stored_bytes,
+        "bytes_per_token": round(result.bytes_per_token, 1),
+        "encode_tokens_per_second": round(result.encode_tokens_per_second, 1),
+        "duplicate_of_existing": result.duplicate_of_existing,
+        "replaced": result.replaced,
+    }
 
 
 @dataclass(frozen=True)
@@ -82,19 +96,29 @@ async def _read_document(request: Request, state: AppState) -> Upload:
         form = await request.form(max_files=1, max_fields=16)
         upload = form.get("file")
         if not isinstance(upload, UploadFile):
-            raise ApiError(400, "missing_file", "multipart uploads need a 'file' field holding the document", param="file")
+            raise ApiError(
+                400, "missing_file", "multipart uploads need a 'file' field holding the document", param="file"
+            )
         given = form.get("name") or upload.filename
         name = str(given or "upload.txt")
         data = await upload.read()
         document = load_document(data, name, limit)
-        return Upload(document.text, str(given) if given else None, check_metadata(form.get("metadata")),
-                      _form_flag(form.get("background"), "background"), document.pages)
+        return Upload(
+            document.text,
+            str(given) if given else None,
+            check_metadata(form.get("metadata")),
+            _form_flag(form.get("background"), "background"),
+            document.pages,
+        )
     if content_type not in ("application/json", ""):
-        raise ApiError(415, "unsupported_media_type",
-                       "send the document as JSON {\"text\": ..., \"name\": ...} or as multipart/form-data with a 'file' field")
+        raise ApiError(
+            415,
+            "unsupported_media_type",
+            'send the document as JSON {"text": ..., "name": ...} or as multipart/form-data with a \'file\' field',
+        )
     raw = await request.body()
     if not raw:
-        raise ApiError(400, "empty_body", "the request body is empty; send {\"text\": ..., \"name\": ...}")
+        raise ApiError(400, "empty_body", 'the request body is empty; send {"text": ..., "name": ...}')
     try:
         payload = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
@@ -104,31 +128,45 @@ async def _read_document(request: Request, state: AppState) -> Upload:
     except ValidationError as error:
         raise ApiError(400, "invalid_parameters", _pydantic_message(error)) from None
     named = document.name if "name" in document.model_fields_set else None
-    return Upload(check_text(document.text, document.name, limit), named, check_metadata(document.metadata),
-                  document.background)
+    return Upload(
+        check_text(document.text, document.name, limit), named, check_metadata(document.metadata), document.background
+    )
 
 
 _DOCUMENT_BODY = {
     "required": True,
     "content": {
         "application/json": {"schema": {"$ref": "#/components/schemas/DocumentCreate"}},
-        "multipart/form-data": {"schema": {
-            "type": "object", "required": ["file"],
-            "properties": {
-                "file": {"type": "string", "format": "binary",
-                         "description": "the document: .txt, .md, .html, .pdf, .docx, ..."},
-                "name": {"type": "string", "description": "its name (default: the file name)"},
-                "metadata": {"type": "string", "description": "a JSON object, as text"},
-                "background": {"type": "boolean", "description": "force (true) or refuse (false) a background job"},
-            }}},
+        "multipart/form-data": {
+            "schema": {
+                "type": "object",
+                "required": ["file"],
+                "properties": {
+                    "file": {
+                        "type": "string",
+                        "format": "binary",
+                        "description": "the document: .txt, .md, .html, .pdf, .docx, ...",
+                    },
+                    "name": {"type": "string", "description": "its name (default: the file name)"},
+                    "metadata": {"type": "string", "description": "a JSON object, as text"},
+                    "background": {"type": "boolean", "description": "force (true) or refuse (false) a background job"},
+                },
+            }
+        },
     },
 }
 
 
-@router.post("/v1/documents", status_code=201, openapi_extra={"requestBody": _DOCUMENT_BODY},
-             responses={201: {"model": DocumentCreated, "description": "ingested"},
-                        202: {"model": JobAccepted, "description": "ingesting in the background: poll status_url"},
-                        **errors(400, 401, 413, 415, 503)})
+@router.post(
+    "/v1/documents",
+    status_code=201,
+    openapi_extra={"requestBody": _DOCUMENT_BODY},
+    responses={
+        201: {"model": DocumentCreated, "description": "ingested"},
+        202: {"model": JobAccepted, "description": "ingesting in the background: poll status_url"},
+        **errors(400, 401, 413, 415, 503),
+    },
+)
 async def create_document(request: Request):
     """Ingest a document (JSON {text, name, metadata} or a multipart 'file' upload). Small
     documents answer 201 when ingested; large ones (or background=true) answer 202 with a
@@ -138,10 +176,16 @@ async def create_document(request: Request):
     return await _ingest(request, state, upload, upload.name or "document.txt", None, 201)
 
 
-@router.put("/v1/documents/{doc_id}", status_code=200, openapi_extra={"requestBody": _DOCUMENT_BODY},
-            responses={200: {"model": DocumentCreated, "description": "replaced"},
-                       202: {"model": JobAccepted, "description": "replacing in the background: poll status_url"},
-                       **errors(400, 401, 404, 413, 415, 503)})
+@router.put(
+    "/v1/documents/{doc_id}",
+    status_code=200,
+    openapi_extra={"requestBody": _DOCUMENT_BODY},
+    responses={
+        200: {"model": DocumentCreated, "description": "replaced"},
+        202: {"model": JobAccepted, "description": "replacing in the background: poll status_url"},
+        **errors(400, 401, 404, 413, 415, 503),
+    },
+)
 async def replace_document(request: Request, doc_id: DocumentId):
     """Replace a document by a new version, keeping its id (same body as POST). Its old
     chunks leave retrieval when the new ones enter, in one step; chunks the versions share
@@ -153,8 +197,15 @@ async def replace_document(request: Request, doc_id: DocumentId):
     return await _ingest(request, state, upload, upload.name or old.name, doc_id, 200, metadata)
 
 
-async def _ingest(request: Request, state: AppState, upload: Upload, name: str, replaces: str | None, status: int,
-                  metadata: dict | None = None):
+async def _ingest(
+    request: Request,
+    state: AppState,
+    upload: Upload,
+    name: str,
+    replaces: str | None,
+    status: int,
+    metadata: dict | None = None,
+):
     tenant = tenant_of(request)
     metadata = upload.metadata if metadata is None else metadata
     background = upload.background
@@ -163,20 +214,33 @@ async def _ingest(request: Request, state: AppState, upload: Upload, name: str, 
     service = state.service
     options = {"pages": upload.pages, "replaces": replaces}
     if not background:
-        task = Task("ingest", service.ingest_body(upload.text, name, tenant, metadata,
-                                                  checkpoint=state.worker.checkpoint, **options), interactive=False)
+        task = Task(
+            "ingest",
+            service.ingest_body(upload.text, name, tenant, metadata, checkpoint=state.worker.checkpoint, **options),
+            interactive=False,
+        )
         result: IngestResult = await run_task(request, state.worker, task)
         record = state.runtime.registry.get(tenant, result.doc_id)
-        return JSONResponse(status_code=status,
-                            content={"document": record.summary(), "ingest": ingest_summary(result)})
+        return JSONResponse(
+            status_code=status, content={"document": record.summary(), "ingest": ingest_summary(result)}
+        )
 
     record = state.ingest_records.create(tenant, "ingest", name)
-    body = service.ingest_body(upload.text, name, tenant, metadata,
-                               progress=lambda done, total: state.ingest_records.progress(record, done, total),
-                               checkpoint=state.worker.checkpoint, **options)
+    body = service.ingest_body(
+        upload.text,
+        name,
+        tenant,
+        metadata,
+        progress=lambda done, total: state.ingest_records.progress(record, done, total),
+        checkpoint=state.worker.checkpoint,
+        **options,
+    )
     state.worker.submit(Task("ingest", _tracked(state, record, body), interactive=False))
-    return JSONResponse(status_code=202, content={"job": record.to_dict(), "status_url": f"/v1/jobs/{record.id}"},
-                        headers={"Location": f"/v1/jobs/{record.id}"})
+    return JSONResponse(
+        status_code=202,
+        content={"job": record.to_dict(), "status_url": f"/v1/jobs/{record.id}"},
+        headers={"Location": f"/v1/jobs/{record.id}"},
+    )
 
 
 def _tracked(state: AppState, record: IngestRecord, body):
@@ -187,8 +251,9 @@ def _tracked(state: AppState, record: IngestRecord, body):
         try:
             result = yield from body(task)
         except RequestCancelled:
-            state.ingest_records.finish(record, CANCELLED,
-                                        error={"code": "cancelled", "message": "the job was cancelled"})
+            state.ingest_records.finish(
+                record, CANCELLED, error={"code": "cancelled", "message": "the job was cancelled"}
+            )
             raise
         except Exception as error:
             mapped = as_api_error(error)
@@ -216,9 +281,19 @@ def get_document(request: Request, doc_id: DocumentId, include_text: bool = Fals
     state = app_state(request)
     tenant = tenant_of(request)
     record = state.runtime.registry.get(tenant, doc_id)
-    out = {**record.summary(), "fingerprint": record.fingerprint,
-           "chunks": [{"index": c.index, "tokens": c.token_end - c.token_start, "char_start": c.char_start,
-                       "char_end": c.char_end} for c in record.chunks]}
+    out = {
+        **record.summary(),
+        "fingerprint": record.fingerprint,
+        "chunks": [
+            {
+                "index": c.index,
+                "tokens": c.token_end - c.token_start,
+                "char_start": c.char_start,
+                "char_end": c.char_end,
+            }
+            for c in record.chunks
+        ],
+    }
     if include_text:
         out["text"] = state.runtime.registry.text(tenant, record.doc_id)
     return out

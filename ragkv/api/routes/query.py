@@ -12,9 +12,9 @@ from ragkv.api.auth import tenant_of
 from ragkv.api.openapi import errors, sse_or
 from ragkv.api.responses_schema import QueryResponse
 from ragkv.api.schemas import QueryRequest, generation_config, query_config
-from ragkv.app.request import Completion
 from ragkv.api.state import app_state
 from ragkv.api.streaming import EventStream, run_requests, sse, sse_events
+from ragkv.app.request import Completion
 
 router = APIRouter(tags=["query"])
 
@@ -22,14 +22,25 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def outcome_body(query_id: str, completion: Completion) -> dict:
-    return {"id": query_id, "object": "query", "answer": completion.text,
-            "finish_reason": completion.finish_reason.value,
-            "strategy": completion.strategy, "citations": [c.to_dict() for c in completion.citations],
-            "usage": completion.usage.to_dict(), "timings": completion.timings.to_dict()}
+    return {
+        "id": query_id,
+        "object": "query",
+        "answer": completion.text,
+        "finish_reason": completion.finish_reason.value,
+        "strategy": completion.strategy,
+        "citations": [c.to_dict() for c in completion.citations],
+        "usage": completion.usage.to_dict(),
+        "timings": completion.timings.to_dict(),
+    }
 
 
-@router.post("/v1/query", responses={**sse_or(QueryResponse, "the answer, or with stream: true server-sent events"),
-                                     **errors(400, 401, 404, 413, 503)})
+@router.post(
+    "/v1/query",
+    responses={
+        **sse_or(QueryResponse, "the answer, or with stream: true server-sent events"),
+        **errors(400, 401, 404, 413, 503),
+    },
+)
 async def query(request: Request, body: QueryRequest):
     """Retrieve, fuse and answer. With `stream: true` the answer comes as server-sent events:
     {"type": "retrieval", citations, timings}, then {"type": "token", "text"} per token, then
@@ -64,8 +75,15 @@ async def query(request: Request, body: QueryRequest):
         try:
             first = stream.first.value
             citations = [c.to_dict() for c in first.citations]
-            yield sse({"type": "retrieval", "id": query_id, "citations": citations, "strategy": first.strategy,
-                       "timings": first.timings.to_dict()})
+            yield sse(
+                {
+                    "type": "retrieval",
+                    "id": query_id,
+                    "citations": citations,
+                    "strategy": first.strategy,
+                    "timings": first.timings.to_dict(),
+                }
+            )
             async for chunk in sse_events(request, stream, render, finish):
                 yield chunk
         finally:

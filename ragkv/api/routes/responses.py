@@ -44,9 +44,13 @@ router = APIRouter(tags=["openai"])
 
 def _usage(completion: Completion) -> dict:
     usage = completion.usage
-    return {"input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": usage.cached_tokens},
-            "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": usage.total_tokens}
+    return {
+        "input_tokens": usage.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "output_tokens": usage.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": usage.total_tokens,
+    }
 
 
 def _text_part(text: str) -> dict:
@@ -57,16 +61,26 @@ def _named_sse(event: dict) -> str:
     return f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n"
 
 
-@router.post("/v1/responses", responses={
-    **sse_or(ResponseObject, "the response, or with stream: true its events (response.created ... response.completed)"),
-    **errors(400, 401, 404, 409, 413, 503)})
+@router.post(
+    "/v1/responses",
+    responses={
+        **sse_or(
+            ResponseObject, "the response, or with stream: true its events (response.created ... response.completed)"
+        ),
+        **errors(400, 401, 404, 409, 413, 503),
+    },
+)
 async def create_response(request: Request, body: ResponseRequest):
     state = app_state(request)
     tenant = tenant_of(request)
     body.refuse_unsupported()
     if body.model not in (state.model_id, "ragkv"):
-        raise ApiError(404, "model_not_found", f"the model {body.model!r} does not exist; this server serves "
-                       f"{state.model_id!r}", param="model")
+        raise ApiError(
+            404,
+            "model_not_found",
+            f"the model {body.model!r} does not exist; this server serves {state.model_id!r}",
+            param="model",
+        )
     messages = body.messages()
     rag = body.rag or ChatRag()
     if body.session_id and rag.session_id and body.session_id != rag.session_id:
@@ -76,8 +90,9 @@ async def create_response(request: Request, body: ResponseRequest):
     max_tokens = body.max_output_tokens or DEFAULT_MAX_TOKENS
     generation = generation_config(max_tokens, body.temperature, body.top_p, body.seed, None, state.config)
     config = query_config(rag, generation, state.config)
-    work = state.service.chat_stream(ChatTurn(tenant, messages, session_id if named else None, rag.enabled, config),
-                                     session_id)
+    work = state.service.chat_stream(
+        ChatTurn(tenant, messages, session_id if named else None, rag.enabled, config), session_id
+    )
     response_id = "resp_" + uuid.uuid4().hex
     message_id = "msg_" + uuid.uuid4().hex
     created = int(time.time())
@@ -85,19 +100,37 @@ async def create_response(request: Request, body: ResponseRequest):
 
     def envelope(status: str, output: list, completion: Completion | None = None) -> dict:
         incomplete = completion is not None and completion.finish_reason is FinishReason.LENGTH
-        return {"id": response_id, "object": "response", "created_at": created, "status": status,
-                "model": state.model_id, "output": output, "error": None,
-                "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-                "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-                "temperature": body.temperature if body.temperature is not None else 0.0,
-                "top_p": body.top_p if body.top_p is not None else 1.0, "parallel_tool_calls": False,
-                "tool_choice": "none", "tools": [], "text": {"format": {"type": "text"}}, "metadata": {},
-                "usage": _usage(completion) if completion is not None else None, "session_id": session_id,
-                **({"rag": _rag_extension(completion, session_id)} if completion is not None else {})}
+        return {
+            "id": response_id,
+            "object": "response",
+            "created_at": created,
+            "status": status,
+            "model": state.model_id,
+            "output": output,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens,
+            "temperature": body.temperature if body.temperature is not None else 0.0,
+            "top_p": body.top_p if body.top_p is not None else 1.0,
+            "parallel_tool_calls": False,
+            "tool_choice": "none",
+            "tools": [],
+            "text": {"format": {"type": "text"}},
+            "metadata": {},
+            "usage": _usage(completion) if completion is not None else None,
+            "session_id": session_id,
+            **({"rag": _rag_extension(completion, session_id)} if completion is not None else {}),
+        }
 
     def message(text: str, status: str) -> dict:
-        return {"type": "message", "id": message_id, "status": status, "role": "assistant",
-                "content": [_text_part(text)] if status != "in_progress" else []}
+        return {
+            "type": "message",
+            "id": message_id,
+            "status": status,
+            "role": "assistant",
+            "content": [_text_part(text)] if status != "in_progress" else [],
+        }
 
     def final_status(completion: Completion) -> str:
         return "incomplete" if completion.finish_reason is FinishReason.LENGTH else "completed"
@@ -105,8 +138,10 @@ async def create_response(request: Request, body: ResponseRequest):
     if not body.stream:
         [outcome] = await run_requests(request, state.worker, work)
         status = final_status(outcome)
-        return JSONResponse(envelope(status, [message(outcome.text, "completed" if status == "completed" else status)],
-                                     outcome), headers=headers)
+        return JSONResponse(
+            envelope(status, [message(outcome.text, "completed" if status == "completed" else status)], outcome),
+            headers=headers,
+        )
 
     stream = await EventStream.start(request, state.worker, work)
     sequence = itertools.count()
@@ -118,9 +153,12 @@ async def create_response(request: Request, body: ResponseRequest):
 
     def opening() -> list[dict]:
         started = envelope("in_progress", [])
-        return [event("response.created", response=started), event("response.in_progress", response=started),
-                event("response.output_item.added", output_index=0, item=message("", "in_progress")),
-                event("response.content_part.added", **where, part=_text_part(""))]
+        return [
+            event("response.created", response=started),
+            event("response.in_progress", response=started),
+            event("response.output_item.added", output_index=0, item=message("", "in_progress")),
+            event("response.content_part.added", **where, part=_text_part("")),
+        ]
 
     def render(item):
         if item.kind != "token":
@@ -134,10 +172,12 @@ async def create_response(request: Request, body: ResponseRequest):
         text = outcome.text
         status = final_status(outcome)
         item = message(text, "completed" if status == "completed" else status)
-        return [event("response.output_text.done", **where, text=text, logprobs=[]),
-                event("response.content_part.done", **where, part=_text_part(text)),
-                event("response.output_item.done", output_index=0, item=item),
-                event(f"response.{status}", response=envelope(status, [item], outcome))]
+        return [
+            event("response.output_text.done", **where, text=text, logprobs=[]),
+            event("response.content_part.done", **where, part=_text_part(text)),
+            event("response.output_item.done", output_index=0, item=item),
+            event(f"response.{status}", response=envelope(status, [item], outcome)),
+        ]
 
     async def events():
         try:

@@ -12,8 +12,13 @@ from ragkv.api.state import app_state
 router = APIRouter(tags=["system"])
 
 
-@router.get("/health", responses={200: {"model": Health, "description": "ok or degraded"},
-                                   503: {"model": Health, "description": "unavailable: the model worker has stopped"}})
+@router.get(
+    "/health",
+    responses={
+        200: {"model": Health, "description": "ok or degraded"},
+        503: {"model": Health, "description": "unavailable: the model worker has stopped"},
+    },
+)
 @router.head("/health", include_in_schema=False)
 def health(request: Request):
     """200 with status "ok" or "degraded" (answering, with a fallback in use: Redis gone),
@@ -22,9 +27,16 @@ def health(request: Request):
     return JSONResponse(report, status_code=503 if report["status"] == "unavailable" else 200)
 
 
-@router.get("/metrics", response_class=Response, responses={200: {
-    "description": "Prometheus text exposition format",
-    "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}})
+@router.get(
+    "/metrics",
+    response_class=Response,
+    responses={
+        200: {
+            "description": "Prometheus text exposition format",
+            "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}},
+        }
+    },
+)
 def metrics(request: Request):
     """Prometheus metrics: requests, latency, TTFT, chunk hits, token reuse, store and sessions."""
     return Response(generate_latest(app_state(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)

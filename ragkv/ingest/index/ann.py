@@ -39,8 +39,14 @@ class Graph:
 
     def __init__(self, dim: int, config: GraphConfig = GraphConfig()):
         self.config = config
-        self._index = Index(ndim=dim, metric="ip", dtype=config.dtype, connectivity=config.connectivity,
-                            expansion_add=config.expansion_add, expansion_search=config.expansion_search)
+        self._index = Index(
+            ndim=dim,
+            metric="ip",
+            dtype=config.dtype,
+            connectivity=config.connectivity,
+            expansion_add=config.expansion_add,
+            expansion_search=config.expansion_search,
+        )
 
     def __len__(self) -> int:
         return len(self._index)
@@ -59,7 +65,7 @@ class Graph:
         return np.frombuffer(bytes(self._index.save()), dtype=np.uint8)
 
     @classmethod
-    def from_bytes(cls, dim: int, blob: np.ndarray, config: GraphConfig = GraphConfig()) -> "Graph":
+    def from_bytes(cls, dim: int, blob: np.ndarray, config: GraphConfig = GraphConfig()) -> Graph:
         graph = cls(dim, config)
         graph._index.load(blob.tobytes())
         graph._index.expansion_search = config.expansion_search

@@ -36,8 +36,9 @@ class Bm25Index:
     def __init__(self, path: Path | None, identity: str):
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(":memory:" if path is None else str(path), check_same_thread=False,
-                                   isolation_level=None, timeout=30.0)
+        self._db = sqlite3.connect(
+            ":memory:" if path is None else str(path), check_same_thread=False, isolation_level=None, timeout=30.0
+        )
         self._lock = threading.Lock()
         with self._lock:
             if path is not None:
@@ -45,8 +46,9 @@ class Bm25Index:
             self._db.executescript(_SCHEMA)
             if self._state("identity") not in (None, identity):
                 # Another registry's index: start over.
-                self._db.executescript("BEGIN IMMEDIATE; DELETE FROM chunks; DELETE FROM rows; DELETE FROM state; "
-                                       "COMMIT;")
+                self._db.executescript(
+                    "BEGIN IMMEDIATE; DELETE FROM chunks; DELETE FROM rows; DELETE FROM state; COMMIT;"
+                )
             self._db.execute("INSERT OR IGNORE INTO state VALUES ('identity', ?)", (identity,))
             self._db.execute("INSERT OR IGNORE INTO state VALUES ('generation', '-1')")
 
@@ -105,16 +107,19 @@ class Bm25Index:
         expression = match_expression(text)
         if expression is None or top_k < 1 or (allowed is not None and not allowed):
             return []
-        sql = ("SELECT rows.doc_id, rows.chunk, bm25(chunks) AS rank FROM chunks JOIN rows ON rows.id = chunks.rowid "
-               "WHERE chunks MATCH ?")
+        sql = (
+            "SELECT rows.doc_id, rows.chunk, bm25(chunks) AS rank FROM chunks JOIN rows ON rows.id = chunks.rowid "
+            "WHERE chunks MATCH ?"
+        )
         with self._lock:
             if allowed is not None:
                 self._db.execute("CREATE TEMP TABLE IF NOT EXISTS allowed (doc_id TEXT PRIMARY KEY)")
                 self._db.execute("DELETE FROM allowed")
                 self._db.executemany("INSERT OR IGNORE INTO allowed VALUES (?)", [(doc,) for doc in allowed])
                 sql += " AND rows.doc_id IN (SELECT doc_id FROM allowed)"
-            found = self._db.execute(sql + " ORDER BY rank, rows.doc_id, rows.chunk LIMIT ?",
-                                     (expression, top_k)).fetchall()
+            found = self._db.execute(
+                sql + " ORDER BY rank, rows.doc_id, rows.chunk LIMIT ?", (expression, top_k)
+            ).fetchall()
         return [(doc_id, int(chunk), -float(rank)) for doc_id, chunk, rank in found]
 
     def close(self) -> None:

@@ -161,7 +161,7 @@ class DenseIndex:
         self._graph = graph
 
     @classmethod
-    def build(cls, dim: int, documents, config: DenseConfig = DenseConfig(), generation: int = 0) -> "DenseIndex":
+    def build(cls, dim: int, documents, config: DenseConfig = DenseConfig(), generation: int = 0) -> DenseIndex:
         """An index of (doc_id, metadata, vectors) documents, its graph built once at the end."""
         index = cls(dim, config, generation)
         for doc_id, metadata, vectors in documents:
@@ -230,8 +230,10 @@ class DenseIndex:
             kth = np.partition(scores, len(scores) - top_k)[len(scores) - top_k]
             keep = scores >= kth  # ties at the cut stay, so the order below decides them
             rows, scores = rows[keep], scores[keep]
-        hits = [DenseHit(self._docs[self._doc[row]], int(self._chunk[row]), float(score))
-                for row, score in zip(rows.tolist(), scores.tolist())]
+        hits = [
+            DenseHit(self._docs[self._doc[row]], int(self._chunk[row]), float(score))
+            for row, score in zip(rows.tolist(), scores.tolist())
+        ]
         hits.sort(key=lambda hit: (-hit.score, hit.doc_id, hit.chunk_index))
         return hits[:top_k]
 
@@ -240,9 +242,15 @@ class DenseIndex:
     def save(self, path: Path, identity: str) -> None:
         """Write the index to `path` atomically (a temporary file renamed over it)."""
         live_docs = [doc for doc in self._docs if doc is not None]
-        meta = {"version": SNAPSHOT_VERSION, "identity": identity, "generation": self.generation, "dim": self.dim,
-                "docs": live_docs, "metadata": [self.metadata[doc] for doc in live_docs],
-                "graph": self._graph is not None}
+        meta = {
+            "version": SNAPSHOT_VERSION,
+            "identity": identity,
+            "generation": self.generation,
+            "dim": self.dim,
+            "docs": live_docs,
+            "metadata": [self.metadata[doc] for doc in live_docs],
+            "graph": self._graph is not None,
+        }
         rows = [self._rows[doc] for doc in live_docs]
         counts = np.asarray([len(r) for r in rows], dtype=np.int64)
         vectors = self._vectors[np.concatenate(rows)] if rows else np.zeros((0, self.dim), dtype=np.float32)
@@ -258,7 +266,7 @@ class DenseIndex:
         os.replace(temporary, path)
 
     @classmethod
-    def load(cls, path: Path, identity: str, config: DenseConfig = DenseConfig()) -> "DenseIndex | None":
+    def load(cls, path: Path, identity: str, config: DenseConfig = DenseConfig()) -> DenseIndex | None:
         """The snapshot at `path`, or None when there is none usable (missing, unreadable,
         another registry's or another format's): the caller rebuilds."""
         try:
@@ -273,7 +281,7 @@ class DenseIndex:
         bounds = np.concatenate([[0], np.cumsum(counts)])
         index = cls(int(meta["dim"]), config, int(meta["generation"]))
         for i, (doc_id, metadata) in enumerate(zip(meta["docs"], meta["metadata"])):
-            index._append(doc_id, metadata, vectors[bounds[i]: bounds[i + 1]])
+            index._append(doc_id, metadata, vectors[bounds[i] : bounds[i + 1]])
         if index._wants_graph():
             try:
                 if graph is None:

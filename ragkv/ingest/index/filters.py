@@ -18,8 +18,12 @@ from dataclasses import dataclass
 
 from ragkv.ingest.errors import InputError
 
-_RANGES = {"$gt": lambda a, b: a > b, "$gte": lambda a, b: a >= b, "$lt": lambda a, b: a < b,
-           "$lte": lambda a, b: a <= b}
+_RANGES = {
+    "$gt": lambda a, b: a > b,
+    "$gte": lambda a, b: a >= b,
+    "$lt": lambda a, b: a < b,
+    "$lte": lambda a, b: a <= b,
+}
 OPERATORS = ("$eq", "$ne", "$in", *_RANGES)
 MAX_KEYS = 32
 MAX_VALUES = 1024
@@ -74,7 +78,7 @@ class MetadataFilter:
     conditions: tuple[Condition, ...]
 
     @classmethod
-    def parse(cls, raw: object) -> "MetadataFilter":
+    def parse(cls, raw: object) -> MetadataFilter:
         """The filter a JSON object describes; InputError("bad_filter") naming what is wrong."""
         if not isinstance(raw, dict) or not raw:
             raise _bad("filter must be a non-empty JSON object of metadata key -> value or {operator: value}")
@@ -106,7 +110,7 @@ class MetadataFilter:
         raise _bad(f"filter {key!r}: unknown operator {op!r}; use one of {', '.join(OPERATORS)}")
 
     @classmethod
-    def from_pairs(cls, pairs: list[str]) -> "MetadataFilter":
+    def from_pairs(cls, pairs: list[str]) -> MetadataFilter:
         """`key=value` strings (the CLI's repeatable --filter): equality each. A value that
         reads as a JSON number or boolean matches it as that or as the text itself; a key
         given twice means either value."""

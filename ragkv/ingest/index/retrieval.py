@@ -61,7 +61,7 @@ class FollowStats:
 
 
 class RetrievalIndex:
-    def __init__(self, registry: "Registry", folder: Path | None, config: IndexConfig = IndexConfig()):
+    def __init__(self, registry: Registry, folder: Path | None, config: IndexConfig = IndexConfig()):
         self.registry = registry
         self.folder = Path(folder) if folder is not None else None
         self.config = config
@@ -191,12 +191,11 @@ class RetrievalIndex:
         except NotFoundError:
             return None
         self.stats.documents_read += 1
-        return [text[chunk.char_start: chunk.char_end] for chunk in record.chunks]
+        return [text[chunk.char_start : chunk.char_end] for chunk in record.chunks]
 
     # -- search -----------------------------------------------------------------------
 
-    def allowed(self, tenant: str, metadata_filter: MetadataFilter | None,
-                doc_ids: set[str] | None) -> set[str] | None:
+    def allowed(self, tenant: str, metadata_filter: MetadataFilter | None, doc_ids: set[str] | None) -> set[str] | None:
         """The documents a search may return from (None: all of the tenant's)."""
         if metadata_filter is None:
             return doc_ids
@@ -212,8 +211,9 @@ class RetrievalIndex:
     def search_bm25(self, tenant: str, text: str, top_k: int, allowed: set[str] | None) -> list[DenseHit]:
         return [DenseHit(doc, chunk, score) for doc, chunk, score in self.bm25(tenant).search(text, top_k, allowed)]
 
-    def search(self, tenant: str, mode: str, vector: np.ndarray | None, text: str, top_k: int,
-               allowed: set[str] | None) -> list[DenseHit]:
+    def search(
+        self, tenant: str, mode: str, vector: np.ndarray | None, text: str, top_k: int, allowed: set[str] | None
+    ) -> list[DenseHit]:
         """The top_k chunks of `allowed` documents (None: all) by `mode`: dense (cosine of
         `vector`), bm25 (of `text`) or hybrid (both fused by reciprocal rank)."""
         check_mode(mode)

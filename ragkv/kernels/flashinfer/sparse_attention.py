@@ -91,20 +91,38 @@ class PlannedDecode:
         self.last_page_len = torch.ones(heads, dtype=torch.int32, device=device)
         workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            workspace, "NHD", use_cuda_graph=True, paged_kv_indptr_buffer=self.indptr,
-            paged_kv_indices_buffer=self.indices, paged_kv_last_page_len_buffer=self.last_page_len,
+            workspace,
+            "NHD",
+            use_cuda_graph=True,
+            paged_kv_indptr_buffer=self.indptr,
+            paged_kv_indices_buffer=self.indices,
+            paged_kv_last_page_len_buffer=self.last_page_len,
         )
         self.signature: PlanSignature | None = None
         self.plans = 0
 
-    def run(self, q: torch.Tensor, pages: tuple[torch.Tensor, torch.Tensor], kv_indices: torch.Tensor,
-            lengths: torch.Tensor | None, num_sel: int, signature: PlanSignature) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(
+        self,
+        q: torch.Tensor,
+        pages: tuple[torch.Tensor, torch.Tensor],
+        kv_indices: torch.Tensor,
+        lengths: torch.Tensor | None,
+        num_sel: int,
+        signature: PlanSignature,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if signature.rows is None or signature != self.signature:
             indptr, last_page_len = page_counts(signature.heads, num_sel, lengths, q.device)
             self.wrapper.plan(
-                indptr, kv_indices, last_page_len,
-                signature.group, 1, signature.head_dim, 1,
-                pos_encoding_mode="NONE", q_data_type=signature.q_dtype, kv_data_type=signature.kv_dtype,
+                indptr,
+                kv_indices,
+                last_page_len,
+                signature.group,
+                1,
+                signature.head_dim,
+                1,
+                pos_encoding_mode="NONE",
+                q_data_type=signature.q_dtype,
+                kv_data_type=signature.kv_dtype,
                 sm_scale=signature.scale,
             )
             self.signature = signature

@@ -6,12 +6,22 @@ import triton.language as tl
 
 @triton.jit
 def code_scores_kernel(
-    table_ptr, codes_ptr, valid_ptr, out_ptr,
-    T, M,
-    s_bh, s_bm, s_bc,
-    s_ch, s_ct, s_cm,
-    s_oh, s_ot,
-    HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr,
+    table_ptr,
+    codes_ptr,
+    valid_ptr,
+    out_ptr,
+    T,
+    M,
+    s_bh,
+    s_bm,
+    s_bc,
+    s_ch,
+    s_ct,
+    s_cm,
+    s_oh,
+    s_ot,
+    HAS_MASK: tl.constexpr,
+    BLOCK_T: tl.constexpr,
 ):
     """One program scores BLOCK_T tokens of one KV head.
 

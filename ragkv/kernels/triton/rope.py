@@ -6,13 +6,24 @@ import triton.language as tl
 
 @triton.jit
 def rope_kernel(
-    x_ptr, cos_ptr, sin_ptr, out_ptr,
-    T, HALF,
-    s_xh, s_xt, s_xd,
-    s_ct, s_cd,
-    s_st, s_sd,
-    s_oh, s_ot, s_od,
-    BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    T,
+    HALF,
+    s_xh,
+    s_xt,
+    s_xd,
+    s_ct,
+    s_cd,
+    s_st,
+    s_sd,
+    s_oh,
+    s_ot,
+    s_od,
+    BLOCK_T: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
 ):
     """One program rotates BLOCK_T tokens of one head.
 

@@ -18,14 +18,34 @@ import triton.language as tl
 
 @triton.jit
 def decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, idx_ptr, len_ptr, part_out_ptr, part_lse_ptr,
-    scale, K, D, GROUP, ROWS_PER_SPLIT,
-    s_qh, s_qd,
-    s_kh, s_kt, s_kd,
-    s_vh, s_vt, s_vd,
-    s_ih, s_ik,
-    HAS_INDICES: tl.constexpr, HAS_LENGTHS: tl.constexpr, USE_DOT: tl.constexpr,
-    GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    idx_ptr,
+    len_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    scale,
+    K,
+    D,
+    GROUP,
+    ROWS_PER_SPLIT,
+    s_qh,
+    s_qd,
+    s_kh,
+    s_kt,
+    s_kd,
+    s_vh,
+    s_vt,
+    s_vd,
+    s_ih,
+    s_ik,
+    HAS_INDICES: tl.constexpr,
+    HAS_LENGTHS: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """Program (KV head, split): its GROUP query heads over rows [split * ROWS_PER_SPLIT, +ROWS_PER_SPLIT)
     of the head's list (``indices[h]``, or rows 0.. when HAS_INDICES is false), cut at K or lengths[h].
@@ -93,10 +113,17 @@ def decode_split_kernel(
 
 @triton.jit
 def merge_splits_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, lse_ptr,
-    NUM_SPLITS, D, GROUP,
-    s_oh, s_od,
-    GROUP_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    lse_ptr,
+    NUM_SPLITS,
+    D,
+    GROUP,
+    s_oh,
+    s_od,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """Program per KV head: softmax-weighted sum of its splits' outputs. Split 0 always holds
     rows (every head reads at least one), so the running max is finite from the start."""
@@ -150,8 +177,13 @@ def split_count(heads: int, rows: int, device: torch.device) -> int:
 
 
 def launch_decode(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, indices: torch.Tensor | None, rows: int,
-    lengths: torch.Tensor | None, scale: float,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    indices: torch.Tensor | None,
+    rows: int,
+    lengths: torch.Tensor | None,
+    scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [Hq, D] in q's dtype, lse [Hq] float32) of q [Hq, D] over rows of k/v_cache [Hkv, T, D]:
     each head's indices[h, :lengths[h]] (or its first `rows` rows when indices is None)."""
@@ -179,13 +211,39 @@ def launch_decode(
     # int32 lengths keep the kernel's loop bound the same type as its counter.
     lengths32 = lengths.int() if lengths is not None else part_lse  # unread when HAS_LENGTHS=False
     decode_split_kernel[(hkv, splits)](
-        q, k_cache, v_cache, index_args[0], lengths32, part_out, part_lse,
-        float(scale), rows, d, group, rows_per_split,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *index_args[1:],
-        HAS_INDICES=indices is not None, HAS_LENGTHS=lengths is not None, USE_DOT=use_dot,
-        GROUP_PAD=group_pad, BLOCK_N=block_n, BLOCK_D=block_d,
+        q,
+        k_cache,
+        v_cache,
+        index_args[0],
+        lengths32,
+        part_out,
+        part_lse,
+        float(scale),
+        rows,
+        d,
+        group,
+        rows_per_split,
+        *q.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        *index_args[1:],
+        HAS_INDICES=indices is not None,
+        HAS_LENGTHS=lengths is not None,
+        USE_DOT=use_dot,
+        GROUP_PAD=group_pad,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
     )
     merge_splits_kernel[(hkv,)](
-        part_out, part_lse, out, lse, splits, d, group, *out.stride(), GROUP_PAD=group_pad, BLOCK_D=block_d,
+        part_out,
+        part_lse,
+        out,
+        lse,
+        splits,
+        d,
+        group,
+        *out.stride(),
+        GROUP_PAD=group_pad,
+        BLOCK_D=block_d,
     )
     return out, lse
