@@ -19,10 +19,9 @@ import torch
 
 from ragkv.app.chat import ChatTurn, ChatTurns
 from ragkv.app.contexts import ContextCache
-from ragkv.app.query import CollectingSink
+from ragkv.app.generate import run_alone
 from ragkv.app.rag import QueryConfig
 from ragkv.app.runtime import Runtime
-from ragkv.app.scheduler import Scheduler
 from ragkv.bench.datasets import Example
 from ragkv.engine.generation import GenerationConfig
 from ragkv.fusion import FusionConfig, FusionInput, LoadedChunk, build_strategy
@@ -79,18 +78,10 @@ def _turn(
     fusion: FusionConfig,
     max_new_tokens: int,
 ):
-    sink = CollectingSink()
     config = QueryConfig(
         top_k=top_k, doc_ids=(doc_id,), fusion=fusion, generation=GenerationConfig(max_new_tokens=max_new_tokens)
     )
-    request = turns.request(ChatTurn(TENANT, messages, None, True, config))
-    request.sink = sink
-    scheduler = Scheduler(runtime.engine.model, runtime.engine.tokenizer, runtime.engine.eos_token_ids)
-    scheduler.add(request)
-    scheduler.run_until_done()
-    if sink.error is not None:
-        raise sink.error
-    return sink.completion
+    return run_alone(runtime.engine, turns.request(ChatTurn(TENANT, messages, None, True, config)))
 
 
 def run_conversation_bench(
