@@ -122,8 +122,8 @@ def run_conversation_bench(
                 "fuse_s": timings.fuse or 0.0,
                 "prompt_tokens": completion.usage.prompt_tokens,
                 "cached_tokens": completion.usage.cached_tokens,
-                "new_chunks": completion.info.get("new_chunks"),
-                "context_tokens": completion.info.get("context_tokens"),
+                "new_chunks": completion.info.new_chunks,
+                "context_tokens": completion.info.context_tokens,
             }
             rows.append(row)
             progress(
