@@ -13,7 +13,7 @@ import torch
 
 from ragkv.app.chat import ChatTurn, ChatTurns
 from ragkv.app.contexts import ContextCache, SessionNotFoundError
-from ragkv.app.generate import CollectingSink, complete
+from ragkv.app.generate import CollectingSink, complete, run_alone
 from ragkv.app.rag import QueryConfig
 from ragkv.app.scheduler import Scheduler
 from ragkv.engine.generation import GenerationConfig
@@ -29,15 +29,7 @@ def turns(engine):
 
 
 def _turn(engine, turns: ChatTurns, messages, tenant="default", session_id=None):
-    sink = CollectingSink()
-    request = turns.request(ChatTurn(tenant, messages, session_id, False, CONFIG))
-    request.sink = sink
-    scheduler = Scheduler(engine.model, engine.tokenizer, engine.eos_token_ids)
-    scheduler.add(request)
-    scheduler.run_until_done()
-    if sink.error is not None:
-        raise sink.error
-    return sink.completion
+    return run_alone(engine, turns.request(ChatTurn(tenant, messages, session_id, False, CONFIG)))
 
 
 def test_resent_history_reuses_the_longest_prefix_and_decodes_like_a_full_prefill(engine, turns):
