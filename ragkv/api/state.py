@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 
 from ragkv.api.config import ServeConfig
+from ragkv.api.errors import ApiError
 from ragkv.api.ingest_records import IngestRecords
 from ragkv.api.metrics import Metrics
 from ragkv.api.service import Service
@@ -34,6 +35,16 @@ class AppState:
     service: Service
     model_id: str
     started: float = field(default_factory=time.time)
+
+    def check_model(self, model: str) -> None:
+        """A generation request names the served model (or the alias "ragkv"), else 404."""
+        if model not in (self.model_id, "ragkv"):
+            raise ApiError(
+                404,
+                "model_not_found",
+                f"the model {model!r} does not exist; this server serves {self.model_id!r}",
+                param="model",
+            )
 
     def redis_stores(self) -> list[RedisStore]:
         return redis_tiers(self.runtime.store)

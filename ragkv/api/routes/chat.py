@@ -93,13 +93,7 @@ async def chat_completions(request: Request, body: ChatRequest):
     state = app_state(request)
     tenant = tenant_of(request)
     body.refuse_unsupported()
-    if body.model not in (state.model_id, "ragkv"):
-        raise ApiError(
-            404,
-            "model_not_found",
-            f"the model {body.model!r} does not exist; this server serves {state.model_id!r}",
-            param="model",
-        )
+    state.check_model(body.model)
     messages = _messages(body)
     rag = body.rag or ChatRag()
     if body.session_id and rag.session_id and body.session_id != rag.session_id:

@@ -73,13 +73,7 @@ async def completions(request: Request, body: CompletionRequest):
     state = app_state(request)
     tenant = tenant_of(request)
     _refuse_unsupported(body)
-    if body.model not in (state.model_id, "ragkv"):
-        raise ApiError(
-            404,
-            "model_not_found",
-            f"the model {body.model!r} does not exist; this server serves {state.model_id!r}",
-            param="model",
-        )
+    state.check_model(body.model)
     prompts = _prompts(body.prompt)
     generation = generation_config(
         body.max_tokens, body.temperature, body.top_p, body.seed, body.stop, state.config, logprobs=body.logprobs
