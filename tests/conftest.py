@@ -18,9 +18,9 @@ import pytest  # noqa: E402
 from redis_server import RedisServer  # noqa: E402  pytest puts tests/ on sys.path (no tests/__init__.py)
 
 
-def _started_server() -> RedisServer:
+def _started_server(appendonly: bool = False) -> RedisServer:
     try:
-        server = RedisServer()
+        server = RedisServer(appendonly=appendonly)
     except FileNotFoundError as exc:
         pytest.fail(str(exc), pytrace=False)
     server.start()
@@ -55,6 +55,14 @@ def redis_cluster_url() -> Iterator[str]:
 def killable_redis() -> Iterator[RedisServer]:
     """A private redis-server for this test, which it may ``stop()`` and ``start()`` again."""
     server = _started_server()
+    yield server
+    server.cleanup()
+
+
+@pytest.fixture
+def durable_redis() -> Iterator[RedisServer]:
+    """Like `killable_redis`, with the append-only file on: a restart keeps what was written."""
+    server = _started_server(appendonly=True)
     yield server
     server.cleanup()
 

@@ -1,5 +1,6 @@
 """`ragkv --help` imports nothing heavy: the top-level parser lists the commands without
-building their options, which is where torch, transformers and fastapi come in."""
+building their options, which is where torch, transformers and fastapi come in; and
+`ragkv ingest` refuses unusable files before any of them is imported."""
 
 from __future__ import annotations
 
@@ -36,3 +37,13 @@ def test_a_command_help_still_builds_its_options():
     # the reference: a command's own help builds its options, which import the engine
     _, modules = _imported_after(["ask", "--help"])
     assert "torch" in modules
+
+
+def test_refusing_unusable_files_imports_no_model_library(tmp_path):
+    """`ragkv ingest` on files it cannot use answers in about a second: the checks, the
+    options and the refusal import neither torch nor transformers."""
+    (tmp_path / "empty.txt").write_text("  \n")
+    (tmp_path / "fake.pdf").write_bytes(b"not a pdf at all")
+    (tmp_path / "photo.jpg").write_bytes(b"\xff\xd8\xff\xe0")
+    _, modules = _imported_after(["ingest", str(tmp_path), "--no-progress"])
+    assert modules == "[]"

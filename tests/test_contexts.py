@@ -20,6 +20,7 @@ from ragkv.app.contexts import (
     Insertion,
     SessionBusyError,
     SessionNotFoundError,
+    SessionStoreUnavailableError,
     block_hashes,
 )
 from ragkv.engine.kv_cache import KVCache
@@ -164,6 +165,85 @@ def test_redis_sessions_are_shared_locked_and_survive_redis_loss(killable_redis)
     assert replica_a.healthy() is False and replica_a.stats()["redis_up"] is False
     assert replica_a.checkout("t1", "s").turns == 3
     assert time.perf_counter() - started < 5
+    replica_a.close()
+    replica_b.close()
+
+
+def test_a_session_kept_in_memory_during_an_outage_is_published_when_redis_returns(durable_redis):
+    """While Redis is away: a replica without a copy answers retry-later (the session may exist),
+    never not-found; a session named meanwhile says it is not shared, and the heartbeat
+    publishes it when Redis answers again, so the other replica then continues it."""
+    replica_a = _redis_sessions(durable_redis.url, lock_ttl_s=0.6)  # heartbeat every 0.2 s
+    replica_b = _redis_sessions(durable_redis.url, lock_ttl_s=0.6)
+    replica_b.put(_context("before", _ids(8)))
+    named = replica_b.checkout("t1", "before")
+    named.explicit = True
+    replica_b.release("t1", "before", named)
+    assert replica_b.shared(named)
+
+    durable_redis.stop()
+    with pytest.raises(SessionStoreUnavailableError):
+        replica_a.checkout("t1", "before")  # in Redis, which cannot be asked: 503, not 404
+    assert not replica_a.memory.is_busy("t1", "before")  # the refused checkout holds nothing
+    replica_b.put(_context("during", _ids(8, 100)))
+    held = replica_b.checkout("t1", "during")
+    held.explicit = True
+    replica_b.release("t1", "during", held)
+    assert not replica_b.shared(held) and replica_b.stats()["unpublished"] == 1
+
+    durable_redis.start()
+    deadline = time.monotonic() + 10
+    while replica_b.stats()["unpublished"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert replica_b.shared(held)
+    assert replica_a.healthy()  # ends A's back-off (a client's retry after Retry-After does the same)
+    seen = replica_a.checkout("t1", "during")
+    assert seen.conversation_ids == _ids(8, 100)
+    replica_a.release("t1", "during", seen)
+    assert replica_a.checkout("t1", "before").conversation_ids == _ids(8)  # kept by the append-only file
+    replica_a.close()
+    replica_b.close()
+
+
+def test_a_late_publish_never_overwrites_a_newer_turn(durable_redis):
+    replica_a, replica_b = _redis_sessions(durable_redis.url), _redis_sessions(durable_redis.url)
+    replica_b.put(_context("s", _ids(8)))
+    held = replica_b.checkout("t1", "s")
+    held.explicit = True
+    replica_b.release("t1", "s", held)
+    durable_redis.stop()
+    stale = replica_b.checkout("t1", "s")  # B's memory copy answers a turn while Redis is away
+    stale.turns, stale.version = 2, "b2"
+    replica_b.release("t1", "s", stale)
+    durable_redis.start()
+    assert replica_a.healthy()
+    newer = replica_a.checkout("t1", "s")  # A continues from Redis' copy, twice, meanwhile
+    newer.turns, newer.version = 3, "a3"
+    replica_a.release("t1", "s", newer)
+    replica_b._link.healthy()  # end B's back-off now rather than after it
+    replica_b._publish_pending()
+    assert replica_b.stats()["unpublished"] == 0
+    assert replica_a.checkout("t1", "s").version == "a3"
+    replica_a.close()
+    replica_b.close()
+
+
+def test_a_lock_whose_release_missed_redis_is_freed_when_redis_returns(durable_redis):
+    client = redis.Redis.from_url(durable_redis.url)
+    replica_a, replica_b = _redis_sessions(durable_redis.url), _redis_sessions(durable_redis.url, lock_ttl_s=60)
+    replica_b.put(_context("s", _ids(8)))
+    held = replica_b.checkout("t1", "s")  # the turn takes the Redis lock ...
+    held.explicit = True
+    durable_redis.stop()
+    replica_b.release("t1", "s", held)  # ... and ends while Redis is away
+    durable_redis.start()
+    assert client.get("ragkv:session:t1:s:lock") is not None  # kept by the append-only file
+    with pytest.raises(SessionBusyError):
+        replica_a.checkout("t1", "s")
+    replica_b._link.healthy()  # end B's back-off now
+    replica_b._publish_pending()  # what B's heartbeat does once Redis answers
+    assert client.get("ragkv:session:t1:s:lock") is None  # freed, not left for its 60 s TTL
+    assert replica_a.checkout("t1", "s").conversation_ids == _ids(8)
     replica_a.close()
     replica_b.close()
 

@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from ragkv.api.responses import SafeJSONResponse
-from ragkv.app.contexts import SessionBusyError
+from ragkv.app.contexts import SessionBusyError, SessionStoreUnavailableError
 from ragkv.app.request import RequestCancelled
 from ragkv.ingest.errors import InputError, NotFoundError, RegistryUnavailableError
 from ragkv.store.errors import StoreUnavailableError
@@ -86,7 +86,9 @@ def as_api_error(error: BaseException) -> ApiError | None:
     if isinstance(error, NotFoundError):
         return ApiError(404, getattr(error, "code", "not_found"), str(error))
     if isinstance(error, SessionBusyError):
-        return ApiError(409, "session_busy", str(error), param="session_id")
+        return ApiError(409, "session_busy", str(error), param="session_id", headers={"Retry-After": "1"})
+    if isinstance(error, SessionStoreUnavailableError):
+        return ApiError(503, "session_store_unavailable", str(error), param="session_id", headers={"Retry-After": "1"})
     if isinstance(error, InputError):
         status = 413 if error.reason == "too_large" else 400
         return ApiError(status, error.reason, str(error))

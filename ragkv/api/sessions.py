@@ -13,7 +13,11 @@ A turn holds its session's Redis lock, which expires after `lock_ttl_s` unless r
 heartbeat thread renews the locks this process holds, so a process killed mid-turn
 leaves the session locked for at most `lock_ttl_s`; DELETE /v1/sessions/ID removes the
 lock with the session. If Redis fails, sessions fall back to memory (/health says
-degraded).
+degraded): a session this process holds keeps answering here, one it does not hold is a 503
+with Retry-After (it may well exist in Redis), never a 404. A session whose write to Redis
+was skipped or failed is remembered and published by the heartbeat once Redis answers again,
+unless Redis holds a newer turn of it by then; until then the chat response says
+`session.shared: false`, so a client knows the session continues only on this replica.
 
 With a Redis Cluster URL (redis+cluster://...) a session's three keys carry the hash tag
 {tenant:session_id}, so they share a slot and the lock script may name them together;
@@ -31,7 +35,15 @@ import uuid
 import torch
 
 from ragkv.api.errors import ApiError
-from ragkv.app.contexts import Context, ContextCache, Insertion, Match, SessionBusyError, SessionNotFoundError
+from ragkv.app.contexts import (
+    Context,
+    ContextCache,
+    Insertion,
+    Match,
+    SessionBusyError,
+    SessionNotFoundError,
+    SessionStoreUnavailableError,
+)
 from ragkv.engine.kv_cache import KVCache
 from ragkv.store.blob import decode_blob, encode_blob
 from ragkv.store.errors import CorruptBlobError
@@ -42,6 +54,21 @@ log = logging.getLogger("ragkv.api.sessions")
 
 _SESSION_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+# Publish a session kept in memory while Redis was away: not over a newer turn written by
+# another replica meanwhile (0), not while another process's turn holds its lock (-1: later),
+# else written (1).
+_PUBLISH = """
+local meta = redis.call('get', KEYS[2])
+if meta then
+    local turns = cjson.decode(meta)['turns']
+    if turns and turns > tonumber(ARGV[3]) then return 0 end
+end
+local holder = redis.call('get', KEYS[3])
+if holder and holder ~= ARGV[5] then return -1 end
+redis.call('set', KEYS[1], ARGV[1], 'px', ARGV[4])
+redis.call('set', KEYS[2], ARGV[2], 'px', ARGV[4])
+return 1
+"""
 _RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
 
 
@@ -136,6 +163,8 @@ class RedisSessions:
         self._logged_down = False
         self._lock = threading.Lock()
         self._held: set[str] = set()
+        self._unpublished: set[tuple[str, str]] = set()  # (tenant, session id) held only in memory
+        self._unreleased: set[str] = set()  # locks a turn took whose release could not reach Redis
         self._stop = threading.Event()
         self._heartbeat = threading.Thread(target=self._renew_locks, name="ragkv-session-locks", daemon=True)
         self._heartbeat.start()
@@ -195,9 +224,13 @@ class RedisSessions:
     def checkout(self, tenant: str, session_id: str) -> Context:
         context = self.memory.checkout(tenant, session_id, missing_ok=True)  # local busy check first
         if not self._available():
-            return self._found(tenant, session_id, context)
+            return self._held_here(tenant, session_id, context)
         lock_key = self._key(tenant, session_id, "lock")
         try:
+            with self._lock:
+                stale = lock_key in self._unreleased
+            if stale:  # this process's own lock, left while Redis was away
+                self._free_own_lock(lock_key)
             if not self._client.set(lock_key, self._owner, nx=True, px=self.lock_ms):
                 self.memory.release(tenant, session_id, context)
                 raise SessionBusyError(session_id)
@@ -218,7 +251,7 @@ class RedisSessions:
             raise
         except (*ERRORS, ValueError) as error:
             self._failed("read", error)
-            return self._found(tenant, session_id, context)
+            return self._held_here(tenant, session_id, context)
         if blob is None:
             return self._found(tenant, session_id, context)
         try:
@@ -236,28 +269,92 @@ class RedisSessions:
             raise SessionNotFoundError(f"no session {session_id!r} (unknown, deleted or expired)")
         return context
 
+    def _held_here(self, tenant: str, session_id: str, context: Context | None) -> Context:
+        """Redis could not be asked: the memory copy if this process has one, else a retry-later."""
+        if context is None:
+            self.release(tenant, session_id, None)
+            raise SessionStoreUnavailableError(session_id)
+        return context
+
     def release(self, tenant: str, session_id: str, context: Context | None) -> None:
         kept = self.memory.release(tenant, session_id, context)
         lock_key = self._key(tenant, session_id, "lock")
+        publish = kept and context is not None and context.explicit
         with self._lock:
             self._held.discard(lock_key)
+            if publish:
+                self._unpublished.add((tenant, session_id))  # until the write below succeeds
+            elif context is not None or not kept:
+                self._unpublished.discard((tenant, session_id))
         if not self._available():
+            with self._lock:
+                self._unreleased.add(lock_key)
             return
         try:
             pipe = self._client.pipeline(transaction=False)
-            if kept and context is not None and context.explicit:
+            if publish:
                 pipe.set(self._key(tenant, session_id, "kv"), encode_context(context), px=self.ttl_ms)
                 pipe.set(self._key(tenant, session_id, "meta"), json.dumps(context_meta(context)), px=self.ttl_ms)
             self._release_lock(pipe, lock_key)
+            with self._lock:
+                self._unreleased.discard(lock_key)
+                if publish:
+                    self._unpublished.discard((tenant, session_id))
             self._succeeded()
         except ERRORS as error:
+            with self._lock:
+                self._unreleased.add(lock_key)
             self._failed("write", error)
+
+    def _free_own_lock(self, lock_key: str) -> None:
+        self._client.eval(_RELEASE, 1, lock_key, self._owner)
+        with self._lock:
+            self._unreleased.discard(lock_key)
+
+    def shared(self, context: Context) -> bool:
+        """Whether another replica can continue `context` by its id now (it is in Redis)."""
+        with self._lock:
+            return context.explicit and (context.tenant, context.id) not in self._unpublished
+
+    def _publish_pending(self) -> None:
+        """Once Redis answers again (heartbeat thread): free the locks whose release did not
+        reach it, so other replicas need not wait for their expiry, then write the sessions
+        kept only in memory meanwhile."""
+        with self._lock:
+            unreleased = [key for key in self._unreleased if key not in self._held]
+        for lock_key in unreleased:
+            self._free_own_lock(lock_key)
+        with self._lock:
+            pending = list(self._unpublished)
+        for tenant, session_id in pending:
+            if self.memory.is_busy(tenant, session_id):
+                continue  # its turn's release writes it
+            context = self.memory.get(tenant, session_id)
+            if context is None:  # evicted, expired or deleted: nothing left to publish
+                with self._lock:
+                    self._unpublished.discard((tenant, session_id))
+                continue
+            keys = [self._key(tenant, session_id, part) for part in ("kv", "meta", "lock")]
+            meta = json.dumps(context_meta(context))
+            blob = encode_context(context)
+            done = self._client.eval(_PUBLISH, 3, *keys, blob, meta, context.turns, self.ttl_ms, self._owner)
+            if done != -1:
+                with self._lock:
+                    if self.memory.get(tenant, session_id) is context:  # not replaced by a turn meanwhile
+                        self._unpublished.discard((tenant, session_id))
 
     def _renew_locks(self) -> None:
         while not self._stop.wait(self.lock_ms / 3000):
+            if not self._available():
+                continue
+            try:
+                self._publish_pending()
+            except ERRORS as error:
+                self._failed("publish", error)
+                continue
             with self._lock:
                 held = list(self._held)
-            if not held or not self._available():
+            if not held:
                 continue
             try:
                 if self._link.cluster:  # no scripts in a cluster pipeline
@@ -277,6 +374,8 @@ class RedisSessions:
         """Forget a session everywhere and free its lock (a turn still running on it
         keeps nothing when it ends)."""
         found = self.memory.delete(tenant, session_id)
+        with self._lock:
+            self._unpublished.discard((tenant, session_id))
         if self._available():
             try:
                 keys = [self._key(tenant, session_id, part) for part in ("kv", "meta", "lock")]
@@ -294,6 +393,8 @@ class RedisSessions:
         stats["backend"] = self.backend
         stats["redis_errors"] = self.errors
         stats["redis_up"] = self.healthy()
+        with self._lock:
+            stats["unpublished"] = len(self._unpublished)
         return stats
 
     def close(self) -> None:

@@ -366,7 +366,7 @@ class _TurnState:
             if self.base.held:
                 contexts.release(base.tenant, base.id, None)
             contexts.put(context)
-        completion.info.session = context.summary()
+        completion.info.session = {**context.summary(), "shared": contexts.shared(context)}
         if self._on_finished is not None:
             self._on_finished(request, completion)
 

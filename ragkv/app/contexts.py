@@ -41,6 +41,15 @@ class SessionNotFoundError(NotFoundError):
     code = "session_not_found"
 
 
+class SessionStoreUnavailableError(Exception):
+    """The shared session store cannot be asked now and this process holds no copy of the
+    session: it may well exist, so this is not a 404 but a retry-later."""
+
+    def __init__(self, session_id: str):
+        super().__init__(f"the session store is unreachable and session {session_id!r} is not held here; retry shortly")
+        self.session_id = session_id
+
+
 class SessionBusyError(Exception):
     """The session is answering another request."""
 
@@ -220,6 +229,10 @@ class ContextCache:
             if context is not None:
                 self._put(key, context)
             return True
+
+    def shared(self, context: Context) -> bool:
+        """Whether another replica can continue `context` by its id now: never from process memory."""
+        return False
 
     def is_busy(self, tenant: str, context_id: str) -> bool:
         with self._lock:

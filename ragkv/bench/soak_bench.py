@@ -4,8 +4,9 @@ Two `ragkv serve` processes share one real redis-server (chunk tier, registry, s
 replicas on two hosts would. N clients send ingestions, questions and three-turn chats (the
 third turn on the other replica, by session id) round-robin over the live replicas. During
 the run Redis is killed and restarted (append-only file, so acknowledged writes survive), and
-later replica B is killed with SIGKILL. A client retries a 503 for as long as the server's
-Retry-After asks, within a bound, as an OpenAI client with retries would.
+later replica B is killed with SIGKILL. A client retries a 503 or a 409 (a session busy
+with another turn) after the server's Retry-After, within a bound, as the OpenAI client's
+retries do.
 
 What it reports: requests and requests/s, errors by cause and by replica (the goal is none
 on the surviving replica A), documents acknowledged with 201 that A no longer lists (lost
@@ -44,7 +45,7 @@ class SoakConfig:
     replica_kill_at: float = 0.6
     windows: int = 10
     sample_every_s: float = 2.0
-    # How long a client keeps retrying a 503 before the request counts as failed.
+    # How long a client keeps retrying a 503 or 409 before the request counts as failed.
     retry_budget_s: float = 30.0
     start_timeout_s: float = 600.0
     seed_documents: int = 4
@@ -145,7 +146,6 @@ class _Replicas:
         self._alive = list(servers)
         self._next = 0
         self._lock = threading.Lock()
-        self.outages: list[list[float]] = []  # [start, end] of each Redis outage (monotonic)
 
     def pick(self, avoid: str | None = None) -> str:
         with self._lock:
@@ -157,17 +157,6 @@ class _Replicas:
         with self._lock:
             self._alive.remove(name)
         self.servers[name].process.kill()
-
-    def redis_down(self, down: bool) -> None:
-        with self._lock:
-            if down:
-                self.outages.append([time.monotonic(), float("inf")])
-            else:
-                self.outages[-1][1] = time.monotonic()
-
-    def overlaps_outage(self, start: float, end: float) -> bool:
-        with self._lock:
-            return any(begin <= end and start <= finish for begin, finish in self.outages)
 
     def alive(self, name: str) -> bool:
         with self._lock:
@@ -198,7 +187,6 @@ class _Client:
         self.http = {name: httpx.Client(base_url=server.url, timeout=120) for name, server in replicas.servers.items()}
         self.serial = 0
         self.message = ""
-        self.named_at = 0.0  # when the last naming turn ended
 
     def run(self, deadline: float) -> None:
         try:
@@ -227,7 +215,8 @@ class _Client:
             except httpx.TransportError as error:
                 self.message = repr(error)
                 return None, "connection", retries
-            if response.status_code == 503 and time.monotonic() < give_up and self.replicas.alive(replica):
+            retryable = response.status_code in (409, 503)
+            if retryable and time.monotonic() < give_up and self.replicas.alive(replica):
                 retries += 1
                 time.sleep(min(float(response.headers.get("Retry-After", "1")), 2.0))
                 continue
@@ -280,7 +269,7 @@ class _Client:
         if error is not None:
             return
         session = response.json()["session_id"]
-        named = time.monotonic()
+        shared = True  # whether the server said the session was in Redis after the last turn
         for turn, (replica, message) in enumerate(
             ((first, "Say that again, briefly."), (self.replicas.pick(avoid=first), "And once more?")), start=2
         ):
@@ -294,21 +283,17 @@ class _Client:
                 "messages": [{"role": "user", "content": message}],
             }
             response, error, retries = self._send(replica, "POST", "/v1/chat/completions", follow)
-            if (
-                turn == 3
-                and error == "http_404"
-                and replica != first
-                and self.replicas.overlaps_outage(named, self.named_at)
-            ):
-                # Named while Redis was down, the session was kept only by its own replica (the
-                # documented degradation): reported apart from failures.
+            if turn == 3 and error == "http_404" and not shared:
+                # Named while Redis was away, the session was kept only by its own replica, and
+                # the naming turn's response said so (session.shared false): the documented
+                # degradation, reported apart from failures.
                 error = _DEGRADED
             self._record(
                 "chat", replica, error, retries, response.json()["rag"]["timings"]["ttft"] if error is None else None
             )
             if error is not None:
                 return
-            self.named_at = time.monotonic()
+            shared = response.json()["rag"]["session"]["shared"]
 
 
 _DEGRADED = "session_named_during_redis_outage"
@@ -440,12 +425,10 @@ def _drive(
         if pending and now >= pending[0][0]:
             _, what = pending.pop(0)
             if what == "redis":
-                replicas.redis_down(True)
                 redis.stop()
                 faults.append(Fault(round(now, 1), "redis killed"))
                 time.sleep(config.redis_down_s)
                 redis.start()
-                replicas.redis_down(False)
                 faults.append(Fault(round(time.monotonic() - started, 1), "redis restarted"))
             else:
                 replicas.kill("b")

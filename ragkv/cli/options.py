@@ -27,7 +27,7 @@ def add_store_options(parser: argparse.ArgumentParser) -> None:
         help="deployment secret: chunk blobs carry a MAC keyed by it instead of a CRC-32 "
         "(default: $RAGKV_STORE_SECRET; prefer the variable, a flag shows in `ps`)",
     )
-    from ragkv.app.storage import StorageConfig
+    from ragkv.app.storage_config import StorageConfig
 
     add_config_options(group, StorageConfig, skip=("store_url", "registry_url", "store_secret"))
 
@@ -37,7 +37,7 @@ def _store_secret(args: argparse.Namespace) -> str | None:
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
-    from ragkv.engine import EngineConfig
+    from ragkv.engine.config import EngineConfig
 
     add_config_options(parser.add_argument_group("engine/model"), EngineConfig, skip=("device", "system_prompt"))
 
@@ -56,7 +56,7 @@ def add_common_options(parser: argparse.ArgumentParser, *, engine: bool = True) 
 
 def storage_config(args: argparse.Namespace):
     """Where the data is, for commands that do not load the model (imports no model code)."""
-    from ragkv.app.storage import StorageConfig, default_data_dir
+    from ragkv.app.storage_config import StorageConfig, default_data_dir
 
     return StorageConfig(
         data_dir=args.data_dir or default_data_dir(),
@@ -74,8 +74,8 @@ def _registry(args: argparse.Namespace) -> dict:
 
 def runtime_config(args: argparse.Namespace, **ingest_overrides):
     from ragkv.app.runtime import RuntimeConfig
-    from ragkv.app.storage import default_data_dir
-    from ragkv.engine import EngineConfig
+    from ragkv.app.storage_config import default_data_dir
+    from ragkv.engine.config import EngineConfig
     from ragkv.ingest.pipeline import IngestConfig
 
     return RuntimeConfig(

@@ -7,70 +7,19 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 from transformers import AutoTokenizer
 
+from ragkv.engine.config import EngineConfig
 from ragkv.engine.fingerprint import model_fingerprint
 from ragkv.engine.kv_cache import KVCache
 from ragkv.engine.kv_storage import KV_STORAGE_FORMATS
 from ragkv.engine.model import CausalLM
 from ragkv.engine.model_files import resolve_model_dir, served_name
-from ragkv.engine.numerics import DTYPES, WEIGHT_FORMATS, Numerics, resolve_numerics
-from ragkv.engine.prompt import DEFAULT_SYSTEM_PROMPT, ChatPrompt
+from ragkv.engine.prompt import ChatPrompt
 
 log = logging.getLogger("ragkv.engine")
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    model: str | None = None
-    """A GGUF file, a local Hugging Face folder or a hub id in the local Hugging Face cache, of
-    Llama, Mistral, Qwen2 or Qwen3 (ragkv.engine.model_files); None = packaged SmolLM2."""
-    dtype: str = "float32"
-    """dtype of the residual stream (embeddings, norms, MLP activations)."""
-    weights: str = "auto"
-    """Linear-layer format for decode rows: float32, bfloat16, float16, int8 (per-channel) or
-    int4 (groups of 32, float16 scale and minimum); auto = int4 on a CPU where the compiled
-    kernels build, int8 on other CPUs, `dtype` elsewhere (ragkv.engine.numerics)."""
-    prefill_weights: str = "auto"
-    """Linear-layer format for prefill, chunk KV and recompute (a dense dtype); auto =
-    bfloat16 on a CPU with bf16 units, else `dtype`."""
-    kv_cache_dtype: str = "auto"
-    """dtype of q/k/v, attention and the runtime KV cache (bfloat16 halves the bytes a
-    decode step reads at long context); auto = bfloat16 on a CPU with bf16 units, else `dtype`."""
-    kv_storage: str = "int4"
-    """Format of chunk K/V in the store: float32, float16, bfloat16, int8 or int4 (KIVI-style
-    integer codes, dequantised while placed); part of the model fingerprint. int4 costs a
-    quarter of float16's bytes for a first-token KL of a few thousandths (BENCHMARKS.md)."""
-    device: str = "cpu"
-    system_prompt: str = DEFAULT_SYSTEM_PROMPT
-    precompute_prefix: bool = True
-    """Compute each chunk's KV after the RAG prefix (system prompt + instruction), so the
-    chunk's first token is not an attention sink; the prefix is then stripped."""
-    threads: int | None = None
-    """torch intra-op threads; None keeps torch's default (all cores)."""
-
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.kv_storage not in KV_STORAGE_FORMATS:
-            raise ValueError(f"kv_storage must be one of {sorted(KV_STORAGE_FORMATS)}, got {self.kv_storage!r}")
-        for name, allowed in (
-            ("weights", WEIGHT_FORMATS),
-            ("prefill_weights", tuple(DTYPES)),
-            ("kv_cache_dtype", tuple(DTYPES)),
-        ):
-            if getattr(self, name) not in ("auto", *allowed):
-                raise ValueError(f"{name} must be one of {['auto', *allowed]}, got {getattr(self, name)!r}")
-        self.numerics()
-        if self.threads is not None and self.threads < 1:
-            raise ValueError("threads must be >= 1")
-
-    def numerics(self) -> Numerics:
-        """The formats the model runs in, each "auto" resolved for this machine."""
-        return resolve_numerics(self.dtype, self.kv_cache_dtype, self.weights, self.prefill_weights, self.device)
 
 
 class Engine:

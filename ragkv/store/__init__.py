@@ -2,37 +2,38 @@
 
 A leaf package: it knows keys, bytes and tensors, never a model.  Start with
 :func:`open_store` and the :class:`ChunkStore` contract.
+
+Names are imported on first use (PEP 562), so `ragkv.store.errors` alone, which the
+ingestion checks need before any model or tensor code, does not import torch.
 """
 
-from ragkv.store.base import ChunkEntry, ChunkStore
-from ragkv.store.blob import decode_blob, encode_blob
-from ragkv.store.errors import CorruptBlobError, StoreError, StoreUnavailableError
-from ragkv.store.keys import ChunkKey, hash_tokens, key_prefix
-from ragkv.store.lmdb_env import LMDBEnvironment
-from ragkv.store.lmdb_store import LMDBStore
-from ragkv.store.lru import ByteLRU
-from ragkv.store.redis_store import RedisStore
-from ragkv.store.stats import LRUStats, StoreStats
-from ragkv.store.tiered import TieredStore
-from ragkv.store.url import open_store
+from importlib import import_module
 
-__all__ = [
-    "ByteLRU",
-    "ChunkEntry",
-    "ChunkKey",
-    "ChunkStore",
-    "CorruptBlobError",
-    "LMDBEnvironment",
-    "LMDBStore",
-    "LRUStats",
-    "RedisStore",
-    "StoreError",
-    "StoreStats",
-    "StoreUnavailableError",
-    "TieredStore",
-    "decode_blob",
-    "encode_blob",
-    "hash_tokens",
-    "key_prefix",
-    "open_store",
-]
+_WHERE = {
+    "ChunkEntry": "base",
+    "ChunkStore": "base",
+    "decode_blob": "blob",
+    "encode_blob": "blob",
+    "CorruptBlobError": "errors",
+    "StoreError": "errors",
+    "StoreUnavailableError": "errors",
+    "ChunkKey": "keys",
+    "hash_tokens": "keys",
+    "key_prefix": "keys",
+    "LMDBEnvironment": "lmdb_env",
+    "LMDBStore": "lmdb_store",
+    "ByteLRU": "lru",
+    "RedisStore": "redis_store",
+    "LRUStats": "stats",
+    "StoreStats": "stats",
+    "TieredStore": "tiered",
+    "open_store": "url",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'ragkv.store' has no attribute {name!r}")
+    return getattr(import_module(f"ragkv.store.{_WHERE[name]}"), name)

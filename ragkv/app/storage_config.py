@@ -1,0 +1,45 @@
+"""Where a deployment keeps its data: the settings only, importable without the stores
+(a command builds its options from them before anything is opened)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ragkv.ingest.registry_url import registry_url_from_env
+
+
+def default_data_dir() -> Path:
+    """$RAGKV_HOME, else ~/.ragkv: the LMDB environment and job state live here."""
+    return Path(os.environ.get("RAGKV_HOME", Path.home() / ".ragkv"))
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    data_dir: Path = field(default_factory=default_data_dir)
+    """Folder of the embedded LMDB environment (chunks, documents, embeddings)."""
+    store_url: str | None = None
+    """Chunk store URL; None = lmdb://<data_dir>/db, sharing the registry's environment.
+    Also redis://HOST:PORT/DB or a tiered URL (see store.url)."""
+    registry_url: str | None = field(default_factory=registry_url_from_env)
+    """Document registry URL ($RAGKV_REGISTRY); None = the data folder's LMDB. redis://HOST:PORT/DB
+    shares documents between replicas on several hosts (see ingest.registry_url)."""
+    store_secret: str | None = field(default=None, repr=False)
+    """Deployment secret: chunk blobs carry a MAC keyed by it instead of a CRC-32, so a
+    party that can write to a shared store cannot plant KV (store.blob). None = CRC-32."""
+    store_capacity: int | None = None
+    """Bytes of chunk KV the LMDB store keeps; beyond it the least recently used chunks are
+    evicted (and recomputed from their text when next retrieved). None = unbounded."""
+
+    def __post_init__(self) -> None:
+        if self.store_capacity is not None and self.store_capacity < 1:
+            raise ValueError(f"store_capacity must be a positive number of bytes, got {self.store_capacity}")
+
+    @property
+    def lmdb_path(self) -> Path:
+        return Path(self.data_dir) / "db"
+
+    @property
+    def resolved_store_url(self) -> str:
+        return self.store_url or f"lmdb://{self.lmdb_path.resolve()}"
