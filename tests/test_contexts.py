@@ -12,7 +12,7 @@ import pytest
 import redis
 import torch
 
-from ragkv.api.sessions import RedisSessions, decode_context, encode_context
+from ragkv.app.context_blob import decode_context, encode_context
 from ragkv.app.contexts import (
     BLOCK_TOKENS,
     Context,
@@ -23,6 +23,8 @@ from ragkv.app.contexts import (
     SessionStoreUnavailableError,
     block_hashes,
 )
+from ragkv.app.session_store import RedisSessions
+from ragkv.app.shared_contexts import SharedContextConfig
 from ragkv.engine.kv_cache import KVCache
 from ragkv.store.errors import CorruptBlobError
 
@@ -246,6 +248,72 @@ def test_a_lock_whose_release_missed_redis_is_freed_when_redis_returns(durable_r
     assert replica_a.checkout("t1", "s").conversation_ids == _ids(8)
     replica_a.close()
     replica_b.close()
+
+
+def _published(sessions: RedisSessions, count: int) -> None:
+    deadline = time.monotonic() + 10
+    while sessions.shared_contexts.stats.published < count and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sessions.shared_contexts.stats.published == count
+
+
+def _sharing(url: str, budget: int = 1 << 20, mac_key: bytes | None = None) -> RedisSessions:
+    memory = ContextCache(1 << 20, 1 << 20, 60)
+    return RedisSessions(url, memory, ttl_s=60, shared=SharedContextConfig(budget, 60), mac_key=mac_key)
+
+
+def test_an_anonymous_context_published_by_one_replica_is_continued_by_another(redis_url):
+    """The follow-up a client resends whole lands on replica B: B finds A's context by the
+    conversation's prefix in Redis and gets A's rows bit for bit (a 16-bit cache travels as is)."""
+    redis.Redis.from_url(redis_url).flushdb()
+    replica_a, replica_b = _sharing(redis_url), _sharing(redis_url)
+    other_secret = _sharing(redis_url, mac_key=b"k" * 32)
+    try:
+        context = _context("ctx1", _ids(100))
+        context.cache = KVCache(
+            context.cache.keys.to(torch.bfloat16), context.cache.values.to(torch.bfloat16), 100, 100
+        )
+        replica_a.put(context)
+        _published(replica_a, 1)
+        follow_up = _ids(100) + [7, 7, 7]
+        assert replica_b.memory.match("t1", "fp", follow_up) is None  # not in B's own memory
+        found = replica_b.match("t1", "fp", follow_up)
+        assert found is not None and found.conversation_tokens == 100 and found.context.id == "ctx1"
+        assert torch.equal(found.context.cache.keys, context.cache.keys[:, :, :100])
+        assert torch.equal(found.context.cache.values, context.cache.values[:, :, :100])
+        assert found.context.row_ids == context.row_ids and not found.context.explicit
+        assert replica_b.match("t2", "fp", follow_up) is None  # tenants never share
+        assert replica_b.match("t1", "other model", follow_up) is None  # nor models
+        assert other_secret.match("t1", "fp", follow_up) is None  # a blob failing its MAC is not used
+        local = replica_a.match("t1", "fp", follow_up)  # A's own copy: no fetch from Redis
+        assert local.context is context and replica_a.shared_contexts.stats.lookups == 0
+        short = _context("short", _ids(20))
+        replica_a.put(short)  # under min_tokens: recomputing it costs less than a fetch
+        time.sleep(0.2)
+        assert replica_a.shared_contexts.stats.published == 1
+    finally:
+        for sessions in (replica_a, replica_b, other_secret):
+            sessions.close()
+
+
+def test_each_tenant_keeps_its_shared_contexts_within_its_budget(redis_url):
+    redis.Redis.from_url(redis_url).flushdb()
+    one = len(encode_context(_context("probe", _ids(100))))  # float32 in the test, float16 in Redis: a bound
+    replica_a, replica_b = _sharing(redis_url, budget=int(one * 1.2)), _sharing(redis_url)
+    try:
+        for n in range(3):
+            replica_a.put(_context(f"c{n}", _ids(100, start=1000 * n)))
+            _published(replica_a, n + 1)
+        replica_a.put(_context("other tenant", _ids(100), tenant="t2"))
+        _published(replica_a, 4)
+        assert replica_a.shared_contexts.stats.evicted == 1  # 2 of t1's 3 fit at float16; t2 has its own budget
+        assert replica_b.match("t1", "fp", _ids(100) + [1]) is None  # the oldest was dropped
+        for n in (1, 2):
+            assert replica_b.match("t1", "fp", _ids(100, start=1000 * n) + [1]).context.id == f"c{n}"
+        assert replica_b.match("t2", "fp", _ids(100) + [1]).context.id == "other tenant"
+    finally:
+        replica_a.close()
+        replica_b.close()
 
 
 def test_redis_keeps_sessions_only_with_ttls(redis_url):

@@ -236,3 +236,66 @@ def test_chunk_tokens_are_checked(make_ingestor):
             IngestConfig(chunk_tokens=bad)
     with pytest.raises(InputError, match="does not fit the model's context"):
         make_ingestor(chunk_tokens=8192)
+
+
+def test_the_ingestion_benchmark_counts_what_it_ingested_and_reads_the_peers_timings(ingestor, tmp_path):
+    """`ragkv bench ingest` over two small documents, beside a stand-in llama-server that
+    answers /completion with llama.cpp's timings fields."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from ragkv.bench.ingest_bench import IngestBenchConfig, documents, run_ingest_bench
+
+    data = tmp_path / "dev.json"
+    data.write_text(
+        json.dumps(
+            [
+                {
+                    "question": "q1",
+                    "answers": ["a"],
+                    "ctxs": [{"title": "", "text": LIGHTHOUSE}, {"title": "", "text": ORCHARD}],
+                },
+                {
+                    "question": "q2",
+                    "answers": ["b"],
+                    "ctxs": [{"title": "", "text": ORCHARD}, {"title": "", "text": "Tides."}],
+                },
+            ]
+        )
+    )
+    prompts = []
+
+    class PeerStandIn(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (http.server's name)
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            prompts.append(body)
+            tokens = len(body["prompt"].split())
+            reply = json.dumps(
+                {"content": "x", "timings": {"prompt_n": tokens, "prompt_ms": tokens * 2.0, "prompt_per_second": 500.0}}
+            )
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(reply.encode())
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), PeerStandIn)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        config = IngestBenchConfig(data, limit=2, passages=2, peer=f"http://127.0.0.1:{server.server_address[1]}")
+        result = run_ingest_bench(ingestor, config, progress=lambda line: None)
+    finally:
+        server.shutdown()
+    docs = documents(config)
+    assert [text for _, text in docs] == [LIGHTHOUSE.strip() + "\n\n" + ORCHARD.strip(), ORCHARD.strip() + "\n\nTides."]
+    assert [p["prompt"] for p in prompts] == [text for _, text in docs] and all(not p["cache_prompt"] for p in prompts)
+    registered = ingestor.registry.list("default")
+    assert result.documents == 2 and result.tokens == sum(record.num_tokens for record in registered)
+    assert result.chunks == sum(len(record.chunks) for record in registered) and result.stored_tokens > 0
+    assert result.encode_tokens_per_second > 0 and result.end_to_end_tokens_per_second > 0
+    words = sum(len(text.split()) for _, text in docs)
+    assert result.peer.prompt_tokens == words and result.peer.prompt_tokens_per_second == 500.0
+    assert result.ratio_vs_peer == round(result.encode_tokens_per_second / 500.0, 3)

@@ -15,8 +15,8 @@ import pytest
 import torch
 from redis_cluster import RedisClusterServers
 
-from ragkv.api.sessions import RedisSessions
 from ragkv.app.contexts import Context, ContextCache, SessionNotFoundError, SessionStoreUnavailableError
+from ragkv.app.session_store import RedisSessions
 from ragkv.engine.kv_cache import KVCache
 from ragkv.ingest.errors import RegistryUnavailableError
 from ragkv.ingest.registry import ChunkRecord, DocumentRecord

@@ -11,7 +11,9 @@ so its access lines are checked too.
 from __future__ import annotations
 
 import json
+import re
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -49,6 +51,13 @@ def _replica(root: Path, name: str, redis_url: str) -> ServerProcess:
         ],
         log_path=root / f"{name}.log",
     )
+
+
+def _counter(http: httpx.Client, name: str) -> float:
+    """A sample's value on /metrics (a missing one fails the test)."""
+    found = re.search(rf"^{name} (\S+)$", http.get("/metrics").text, re.MULTILINE)
+    assert found is not None, f"{name} is not exported"
+    return float(found.group(1))
 
 
 def _json_log(server: ServerProcess) -> list[dict]:
@@ -141,6 +150,38 @@ def test_a_chat_session_started_on_one_replica_continues_on_the_other(replicas):
     assert third.session_id == first.session_id and third.rag["turn"] == 3
     cached = third.usage.prompt_tokens_details.cached_tokens
     assert cached >= second.usage.prompt_tokens  # turns 1-2's KV, from the shared session store
+
+
+def test_an_openai_follow_up_on_the_other_replica_reuses_the_first_turns_kv(replicas):
+    """No session id, as an OpenAI client behind a round-robin balancer: turn 1 on A, the whole
+    history resent to B. B finds A's published context by the conversation's prefix."""
+    (a, b), _ = replicas
+    with httpx.Client(base_url=a.url, timeout=180) as http:
+        assert http.post("/v1/documents", json={"text": TEXT, "name": "ferry.txt"}).status_code == 201
+    history = [
+        {"role": "system", "content": "You answer questions about ferries, harbours and islands. " * 25},
+        {"role": "user", "content": QUESTION},
+    ]
+    first = openai.OpenAI(base_url=a.url + "/v1", api_key="unused", max_retries=0).chat.completions.create(
+        model="ragkv", max_tokens=8, messages=history
+    )
+    history += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "Say that again, briefly."},
+    ]
+    with httpx.Client(base_url=a.url, timeout=60) as http:  # A publishes after the turn, off its path
+        deadline = time.monotonic() + 30
+        while _counter(http, "ragkv_shared_context_published_total") < 1:
+            assert time.monotonic() < deadline, "replica A never published the context"
+            time.sleep(0.1)
+    follow_up = openai.OpenAI(base_url=b.url + "/v1", api_key="unused", max_retries=0).chat.completions.create(
+        model="ragkv", max_tokens=8, messages=history
+    )
+    cached, prompt = follow_up.usage.prompt_tokens_details.cached_tokens, follow_up.usage.prompt_tokens
+    assert cached >= 0.9 * prompt, (cached, prompt)
+    assert follow_up.choices[0].message.content
+    with httpx.Client(base_url=b.url, timeout=60) as http:
+        assert _counter(http, "ragkv_shared_context_hits_total") == 1
 
 
 def test_registry_down_is_a_503_and_a_degraded_health(replicas):

@@ -28,12 +28,13 @@ from ragkv.api.openapi import install_docs
 from ragkv.api.responses import SafeJSONResponse
 from ragkv.api.routes import chat, completions, documents, query, responses, system
 from ragkv.api.service import Service
-from ragkv.api.sessions import RedisSessions, open_sessions
 from ragkv.api.state import AppState, redis_tiers
 from ragkv.api.vllm_metrics import scheduler_reading
 from ragkv.api.worker import ModelWorker
 from ragkv.app.runtime import Runtime
 from ragkv.app.scheduler import Scheduler, SchedulerConfig
+from ragkv.app.session_store import open_sessions
+from ragkv.store.blob import mac_key_of
 
 log = logging.getLogger("ragkv.api")
 
@@ -97,7 +98,7 @@ def _readings(state: AppState) -> Iterator[Reading]:
     if redis_up:
         yield "gauge", "ragkv_redis_up", "1 if Redis answers PING", {"role": "chunks"}, float(all(redis_up))
     sessions = state.sessions.stats()
-    if isinstance(state.sessions, RedisSessions):
+    if state.sessions.backend == "redis":
         yield "gauge", "ragkv_redis_up", "1 if Redis answers PING", {"role": "sessions"}, float(sessions["redis_up"])
     yield "gauge", "ragkv_sessions", "Chat sessions in this process's memory", {}, sessions["sessions"]
     yield "gauge", "ragkv_session_bytes", "Bytes of session KV in this process's memory", {}, sessions["bytes"]
@@ -116,6 +117,15 @@ def _readings(state: AppState) -> Iterator[Reading]:
         {},
         sessions["anonymous_bytes"],
     )
+    shared = sessions.get("shared_contexts")
+    if shared is not None:
+        for name, help_text in (
+            ("published", "Anonymous contexts published to Redis for other replicas"),
+            ("dropped", "Anonymous-context snapshots not published (queue full or Redis failed)"),
+            ("hits", "Turns that continued a context another replica published"),
+            ("hit_tokens", "Conversation tokens reused from contexts other replicas published"),
+        ):
+            yield "counter", f"ragkv_shared_context_{name}", help_text, {}, shared[name]
     registry_up = state.runtime.registry.healthy()
     if registry_up is not None:
         yield "gauge", "ragkv_redis_up", "1 if Redis answers PING", {"role": "registry"}, float(registry_up)
@@ -139,6 +149,8 @@ def _build_state(config: ServeConfig, metrics: Metrics) -> AppState:
             int(config.anonymous_memory_mb * (1 << 20)),
             config.session_ttl_s,
             config.session_lock_ttl_s,
+            shared_bytes=int(config.shared_context_mb * (1 << 20)),
+            mac_key=mac_key_of(config.runtime.store_secret) if config.runtime.store_secret else None,
         )
         engine = runtime.engine
         scheduler = Scheduler(
@@ -202,8 +214,7 @@ def create_app(config: ServeConfig = ServeConfig()) -> FastAPI:
             yield
         finally:
             await asyncio.to_thread(state.worker.stop)
-            if isinstance(state.sessions, RedisSessions):
-                state.sessions.close()
+            state.sessions.close()
             state.runtime.close()
 
     app = FastAPI(

@@ -33,8 +33,12 @@ class ServeConfig:
     """MiB of session KV kept in process memory (least recently used are dropped); a 6K-token
     context of the packaged model is ~290 MiB in float32."""
     anonymous_memory_mb: float = 1024.0
-    """MiB of KV of anonymous contexts (turns without a session id, found again by prefix),
-    a budget apart from the sessions'; kept in process memory only, never in Redis."""
+    """MiB of KV of anonymous contexts (turns without a session id, found again by prefix)
+    in process memory, a budget apart from the sessions'."""
+    shared_context_mb: float = 1024.0
+    """With a Redis session store: MiB of anonymous-context KV each tenant may keep there
+    (16-bit, least recently used dropped), so a follow-up resent whole to another replica
+    finds its cached prefix; 0 keeps anonymous contexts in process memory only."""
     session_lock_ttl_s: float = 10.0
     """Seconds a session's Redis lock outlives a process that died mid-turn (renewed while
     the turn runs)."""
@@ -83,6 +87,8 @@ class ServeConfig:
         for name in ("max_new_tokens", "max_input_tokens", "max_top_k", "max_active", "max_queued", "token_budget"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.shared_context_mb < 0:
+            raise ValueError("shared_context_mb must be >= 0")
         if self.background_ingest_bytes < 0:
             raise ValueError("background_ingest_bytes must be >= 0")
         if self.retrieval not in RETRIEVAL_MODES:

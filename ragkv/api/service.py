@@ -17,12 +17,11 @@ from ragkv.api.config import ServeConfig
 from ragkv.api.errors import as_api_error
 from ragkv.api.metrics import Metrics
 from ragkv.api.request_stream import RequestStream
-from ragkv.api.sessions import RedisSessions
 from ragkv.api.task import Task
 from ragkv.api.vllm_metrics import RequestRecord
 from ragkv.app.chat import ChatInfo, ChatTurn, ChatTurns
 from ragkv.app.completion import completion_request, prompt_ids
-from ragkv.app.contexts import ContextCache
+from ragkv.app.contexts import ContextStore
 from ragkv.app.query import QueryInfo, query_request
 from ragkv.app.rag import QueryConfig
 from ragkv.app.request import Completion, Request
@@ -32,7 +31,7 @@ from ragkv.ingest.errors import InputError
 
 
 class Service:
-    def __init__(self, runtime: Runtime, config: ServeConfig, metrics: Metrics, sessions: ContextCache | RedisSessions):
+    def __init__(self, runtime: Runtime, config: ServeConfig, metrics: Metrics, sessions: ContextStore):
         self.runtime = runtime
         self.rag = runtime.rag
         self.config = config

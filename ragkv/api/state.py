@@ -13,9 +13,8 @@ from ragkv.api.errors import ApiError
 from ragkv.api.ingest_records import IngestRecords
 from ragkv.api.metrics import Metrics
 from ragkv.api.service import Service
-from ragkv.api.sessions import RedisSessions
 from ragkv.api.worker import ModelWorker
-from ragkv.app.contexts import ContextCache
+from ragkv.app.contexts import ContextStore
 from ragkv.app.runtime import Runtime
 from ragkv.store.base import ChunkStore
 from ragkv.store.redis_store import RedisStore
@@ -29,7 +28,7 @@ class AppState:
     config: ServeConfig
     runtime: Runtime
     worker: ModelWorker
-    sessions: ContextCache | RedisSessions
+    sessions: ContextStore
     ingest_records: IngestRecords
     metrics: Metrics
     service: Service
@@ -52,7 +51,7 @@ class AppState:
     def health(self) -> dict:
         """Component status; pings Redis (blocking: call from a thread)."""
         store_redis = [tier.healthy() for tier in self.redis_stores()]
-        sessions_redis = self.sessions.healthy() if isinstance(self.sessions, RedisSessions) else None
+        sessions_redis = self.sessions.healthy()
         registry_up = self.runtime.registry.healthy()
         problems = []
         if not self.worker.alive:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ragkv.app.contexts import Context, ContextCache, Insertion, new_context_id
+from ragkv.app.contexts import Context, ContextStore, Insertion, new_context_id
 from ragkv.app.conversation import Conversation, common_prefix, continue_conversation, render_conversation
 from ragkv.app.limits import check_context_length
 from ragkv.app.query import CHUNK_TOKENS_ESTIMATE, check_input_tokens
@@ -135,7 +135,7 @@ class _Saved:
 class ChatTurns:
     """Builds chat-turn requests over one pipeline and one context cache."""
 
-    def __init__(self, rag: RagPipeline, contexts: ContextCache, max_input_tokens: int | None = None):
+    def __init__(self, rag: RagPipeline, contexts: ContextStore, max_input_tokens: int | None = None):
         self.rag = rag
         self.engine = rag.engine
         self.contexts = contexts

@@ -27,6 +27,7 @@ import uuid
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from ragkv.app.conversation import common_prefix
 from ragkv.engine.kv_cache import KVCache
@@ -147,6 +148,37 @@ class Match:
 Key = tuple[str, str]
 
 
+class ContextStore(Protocol):
+    """Where chat turns find and leave their contexts: `ContextCache` (this process) or
+    `ragkv.app.session_store.RedisSessions` (sessions shared by replicas through Redis)."""
+
+    backend: str
+
+    def match(self, tenant: str, fingerprint: str, conversation_ids: list[int]) -> Match | None: ...
+
+    def take(self, context: Context) -> bool: ...
+
+    def put(self, context: Context) -> None: ...
+
+    def checkout(self, tenant: str, session_id: str) -> Context: ...
+
+    def release(self, tenant: str, session_id: str, context: Context | None) -> None: ...
+
+    def shared(self, context: Context) -> bool: ...
+
+    def delete(self, tenant: str, session_id: str) -> bool: ...
+
+    def list(self, tenant: str) -> list[Context]: ...
+
+    def stats(self) -> dict: ...
+
+    def healthy(self) -> bool | None:
+        """Whether the remote store answers; None when there is none."""
+        ...
+
+    def close(self) -> None: ...
+
+
 class ContextCache:
     """In-process contexts: sessions and anonymous contexts in separate LRU byte budgets,
     both with an idle TTL, indexed by chained block hashes."""
@@ -233,6 +265,12 @@ class ContextCache:
     def shared(self, context: Context) -> bool:
         """Whether another replica can continue `context` by its id now: never from process memory."""
         return False
+
+    def healthy(self) -> bool | None:
+        return None  # nothing remote to ask
+
+    def close(self) -> None:
+        pass
 
     def is_busy(self, tenant: str, context_id: str) -> bool:
         with self._lock:

@@ -1,6 +1,6 @@
-"""`ragkv bench store | fusion | sparse | decode | kernels | retrieval`: argument parsing and result tables (sparse:
-ragkv.cli.bench_sparse, decode: ragkv.cli.bench_decode, kernels: ragkv.cli.bench_kernels, retrieval:
-ragkv.cli.bench_retrieval)."""
+"""`ragkv bench store | fusion | sparse | decode | kernels | retrieval | ingest | soak`: argument parsing and
+result tables (sparse: ragkv.cli.bench_sparse, decode: ragkv.cli.bench_decode, kernels: ragkv.cli.bench_kernels,
+retrieval: ragkv.cli.bench_retrieval, ingest: ragkv.cli.bench_ingest, soak: ragkv.cli.bench_soak)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ragkv.cli import bench_decode, bench_kernels, bench_retrieval, bench_soak, bench_sparse
+from ragkv.cli import bench_decode, bench_ingest, bench_kernels, bench_retrieval, bench_soak, bench_sparse
 from ragkv.cli.command import Command, CommandParser
 from ragkv.cli.options import add_common_options, runtime_config
 
@@ -133,6 +133,12 @@ def configure(bench: argparse.ArgumentParser) -> None:
     )
     bench_retrieval.configure(retrieval)
 
+    ingest = kinds.add_parser(
+        "ingest",
+        help="ingestion tokens/s on dev documents, beside a llama-server's prompt processing of the same text (--peer)",
+    )
+    bench_ingest.configure(ingest)
+
 
 def run(args: argparse.Namespace) -> int:
     handlers = {
@@ -144,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
         "kernels": bench_kernels.run,
         "retrieval": bench_retrieval.run,
         "soak": bench_soak.run,
+        "ingest": bench_ingest.run,
     }
     results = handlers[args.bench](args)
     if args.json:

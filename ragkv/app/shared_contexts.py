@@ -1,0 +1,224 @@
+"""Anonymous chat contexts published to Redis, so that a follow-up an OpenAI client resends
+whole (no session id) finds its cached prefix on whichever replica a load balancer sends it.
+
+After a turn the replica snapshots the context's rows (in the cache's 16-bit dtype, or
+float16 for a wider cache) and a background thread publishes them: the blob
+(app.context_blob, with the deployment's MAC when a store secret is set) and, per full
+16-token block of the conversation, a key from the block's chained hash (rooted in tenant
+and model fingerprint, as the in-process prefix index) to the context's id. A turn whose
+conversation this process does not hold asks Redis for all its block keys in one MGET,
+takes the context of the longest run found, and reuses its rows as it would a local one.
+
+Each tenant has its own byte budget in Redis, kept by a Lua script as a least recently used
+list (a hit renews a context); a tenant's keys share one hash tag, so the script runs on a
+Redis Cluster too. Everything expires with the idle TTL of sessions. Publishing never delays
+a turn (a full queue drops the oldest snapshot), and a failed Redis call marks the link down
+like every other Redis user in ragkv: the turn then works from this process's memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from ragkv.app.context_blob import compact_dtype, decode_context, encode_context
+from ragkv.app.contexts import BLOCK_TOKENS, Context, Match, block_hashes
+from ragkv.app.conversation import common_prefix
+from ragkv.engine.kv_cache import KVCache
+from ragkv.store.errors import CorruptBlobError
+from ragkv.store.redis_client import ERRORS, hash_tag
+from ragkv.store.redis_link import RedisLink
+
+log = logging.getLogger("ragkv.app.shared_contexts")
+
+# KEYS: the tenant's LRU (zset id -> last use) and sizes (hash id -> bytes).
+# ARGV: id, size, now, budget, blob key prefix. Adds the context, then drops the least
+# recently used until the tenant is within its budget; returns how many were dropped.
+_ACCOUNT = """
+redis.call('zadd', KEYS[1], ARGV[3], ARGV[1])
+redis.call('hset', KEYS[2], ARGV[1], ARGV[2])
+local total = 0
+for _, size in ipairs(redis.call('hvals', KEYS[2])) do total = total + tonumber(size) end
+local dropped = 0
+while total > tonumber(ARGV[4]) do
+    local oldest = redis.call('zpopmin', KEYS[1])
+    if #oldest == 0 then break end
+    local size = tonumber(redis.call('hget', KEYS[2], oldest[1]) or '0')
+    redis.call('hdel', KEYS[2], oldest[1])
+    redis.call('del', ARGV[5] .. oldest[1])
+    total = total - size
+    dropped = dropped + 1
+end
+return dropped
+"""
+
+
+@dataclass(frozen=True)
+class SharedContextConfig:
+    budget_bytes: int
+    """Bytes of context KV each tenant may keep in Redis."""
+    ttl_s: float
+    """Idle seconds after which a published context expires."""
+    min_tokens: int = 4 * BLOCK_TOKENS
+    """Shorter conversations are not published: recomputing them costs less than a fetch."""
+    queue: int = 4
+    """Snapshots waiting to be published; a full queue drops the oldest."""
+
+    def __post_init__(self) -> None:
+        if self.budget_bytes < 1 or self.ttl_s <= 0 or self.min_tokens < BLOCK_TOKENS or self.queue < 1:
+            raise ValueError("budget_bytes >= 1, ttl_s > 0, min_tokens >= one block and queue >= 1")
+
+
+@dataclass
+class SharedContextStats:
+    published: int = 0
+    dropped: int = 0
+    """Snapshots not published: the queue was full or Redis failed."""
+    evicted: int = 0
+    """Contexts the tenants' budgets pushed out of Redis."""
+    lookups: int = 0
+    hits: int = 0
+    hit_tokens: int = 0
+
+
+class SharedContexts:
+    def __init__(self, link: RedisLink, config: SharedContextConfig, *, mac_key: bytes | None, on_error):
+        self._link = link
+        self._client = link.client
+        self.config = config
+        self._mac_key = mac_key
+        self._on_error = on_error  # (operation, error): the owner marks the link down and logs once
+        self.stats = SharedContextStats()
+        self._queue: queue.Queue[Context | None] = queue.Queue(maxsize=config.queue)
+        self._ttl_ms = max(1, int(config.ttl_s * 1000))
+        self._account = self._client.register_script(_ACCOUNT)
+        self._thread = threading.Thread(target=self._publish_loop, name="ragkv-context-publisher", daemon=True)
+        self._thread.start()
+
+    def _prefix(self, tenant: str) -> str:
+        return f"ragkv:context:{hash_tag(tenant)}:"
+
+    # -- publishing (after a turn) ------------------------------------------------------
+
+    def offer(self, context: Context) -> None:
+        """Queue a snapshot of `context` for publishing. Runs on the turn's thread: the copy
+        is taken now, since a later turn on this replica may write into the context's rows."""
+        if context.explicit or len(context.conversation_ids) < self.config.min_tokens or not self._link.available():
+            return
+        rows = context.length
+        dtype = compact_dtype(context.cache.keys.dtype)
+        keys = context.cache.keys[:, :, :rows].to(dtype, copy=True)
+        values = context.cache.values[:, :, :rows].to(dtype, copy=True)
+        snapshot = Context(
+            context.id,
+            context.tenant,
+            context.fingerprint,
+            list(context.conversation_ids),
+            list(context.row_ids),
+            KVCache(keys, values, rows, rows),
+            list(context.insertions),
+            explicit=False,
+            turns=context.turns,
+            created=context.created,
+            updated=context.updated,
+            version=context.version,
+        )
+        while True:
+            try:
+                self._queue.put_nowait(snapshot)
+                return
+            except queue.Full:
+                try:
+                    self._queue.get_nowait()
+                    self.stats.dropped += 1
+                except queue.Empty:
+                    pass
+
+    def _publish_loop(self) -> None:
+        while True:
+            context = self._queue.get()
+            if context is None:
+                return
+            if not self._link.available():
+                self.stats.dropped += 1
+                continue
+            try:
+                self._publish(context)
+                self.stats.published += 1
+            except ERRORS as error:
+                self.stats.dropped += 1
+                self._on_error("context publish", error)
+
+    def _publish(self, context: Context) -> None:
+        prefix = self._prefix(context.tenant)
+        blob = encode_context(context, mac_key=self._mac_key)
+        hashes = block_hashes(context.tenant, context.fingerprint, context.conversation_ids)
+        pipe = self._client.pipeline(transaction=False)
+        pipe.set(prefix + "kv:" + context.id, blob, px=self._ttl_ms)
+        for digest in hashes:
+            pipe.set(prefix + "block:" + digest.hex(), context.id, px=self._ttl_ms)
+        pipe.pexpire(prefix + "lru", self._ttl_ms)
+        pipe.pexpire(prefix + "sizes", self._ttl_ms)
+        pipe.execute()
+        dropped = self._account(
+            keys=[prefix + "lru", prefix + "sizes"],
+            args=[context.id, len(blob), time.time(), self.config.budget_bytes, prefix + "kv:"],
+        )
+        self.stats.evicted += int(dropped)
+
+    # -- finding (before a turn) --------------------------------------------------------
+
+    def find(self, tenant: str, fingerprint: str, conversation_ids: list[int], at_least: int) -> Match | None:
+        """The published context sharing the longest prefix with `conversation_ids`, when it
+        shares more than `at_least` tokens (what this process already holds); None otherwise."""
+        if not self._link.available():
+            return None
+        hashes = block_hashes(tenant, fingerprint, conversation_ids)
+        first = at_least // BLOCK_TOKENS  # blocks this process holds already
+        if first >= len(hashes):
+            return None
+        prefix = self._prefix(tenant)
+        self.stats.lookups += 1
+        try:
+            owners = self._client.mget([prefix + "block:" + digest.hex() for digest in hashes[first:]])
+            tried = set()
+            for owner in reversed(owners):
+                if owner is None or owner in tried:
+                    continue
+                tried.add(owner)
+                context_id = owner.decode() if isinstance(owner, bytes) else owner
+                blob = self._client.get(prefix + "kv:" + context_id)
+                if blob is None:  # evicted or expired: its block keys outlive it until their TTL
+                    continue
+                match = self._match(blob, tenant, fingerprint, conversation_ids, at_least)
+                if match is not None:
+                    self._client.zadd(prefix + "lru", {context_id: time.time()})
+                    self.stats.hits += 1
+                    self.stats.hit_tokens += match.conversation_tokens
+                    return match
+                if len(tried) >= 2:
+                    break
+        except ERRORS as error:
+            self._on_error("context lookup", error)
+        return None
+
+    def _match(self, blob, tenant: str, fingerprint: str, conversation_ids: list[int], at_least: int) -> Match | None:
+        try:
+            context = decode_context(bytearray(blob), mac_key=self._mac_key)
+        except CorruptBlobError as error:
+            log.warning("ignoring a shared context that fails its check: %s", error)
+            return None
+        if context.tenant != tenant or context.fingerprint != fingerprint or context.explicit:
+            return None
+        shared = common_prefix(context.conversation_ids, conversation_ids)
+        return Match(context, shared) if shared > at_least else None
+
+    def close(self) -> None:
+        try:
+            self._queue.put(None, timeout=1)
+        except queue.Full:
+            pass
+        self._thread.join(timeout=10)
