@@ -259,7 +259,8 @@ def _published(sessions: RedisSessions, count: int) -> None:
 
 def _sharing(url: str, budget: int = 1 << 20, mac_key: bytes | None = None) -> RedisSessions:
     memory = ContextCache(1 << 20, 1 << 20, 60)
-    return RedisSessions(url, memory, ttl_s=60, shared=SharedContextConfig(budget, 60), mac_key=mac_key)
+    shared = SharedContextConfig(budget, 60, min_rows=64, min_gain=16)
+    return RedisSessions(url, memory, ttl_s=60, shared=shared, mac_key=mac_key)
 
 
 def test_an_anonymous_context_published_by_one_replica_is_continued_by_another(redis_url):
@@ -285,10 +286,13 @@ def test_an_anonymous_context_published_by_one_replica_is_continued_by_another(r
         assert replica_b.match("t2", "fp", follow_up) is None  # tenants never share
         assert replica_b.match("t1", "other model", follow_up) is None  # nor models
         assert other_secret.match("t1", "fp", follow_up) is None  # a blob failing its MAC is not used
-        local = replica_a.match("t1", "fp", follow_up)  # A's own copy: no fetch from Redis
+        local = replica_a.match("t1", "fp", follow_up)  # A's own copy covers all but 3 tokens: no fetch
         assert local.context is context and replica_a.shared_contexts.stats.lookups == 0
+        replica_b.put(_context("ctx2", _ids(130)))  # B's longer turn, published
+        _published(replica_b, 1)
+        assert replica_a.match("t1", "fp", _ids(130) + [7]).context.id == "ctx2"  # 30 more tokens: fetched
         short = _context("short", _ids(20))
-        replica_a.put(short)  # under min_tokens: recomputing it costs less than a fetch
+        replica_a.put(short)  # under min_rows: recomputing it costs less than a fetch
         time.sleep(0.2)
         assert replica_a.shared_contexts.stats.published == 1
     finally:

@@ -62,14 +62,19 @@ class SharedContextConfig:
     """Bytes of context KV each tenant may keep in Redis."""
     ttl_s: float
     """Idle seconds after which a published context expires."""
-    min_tokens: int = 4 * BLOCK_TOKENS
-    """Shorter conversations are not published: recomputing them costs less than a fetch."""
+    min_rows: int = 256
+    """Contexts of fewer KV rows (documents and conversation) are not published: recomputing
+    them costs less than a fetch."""
+    min_gain: int = 256
+    """A turn that holds a context of its own asks Redis only when more than this many of
+    its tokens are not covered by it: a fetch moves every row of a context, so saving a few
+    tokens of compute with it is a loss."""
     queue: int = 4
     """Snapshots waiting to be published; a full queue drops the oldest."""
 
     def __post_init__(self) -> None:
-        if self.budget_bytes < 1 or self.ttl_s <= 0 or self.min_tokens < BLOCK_TOKENS or self.queue < 1:
-            raise ValueError("budget_bytes >= 1, ttl_s > 0, min_tokens >= one block and queue >= 1")
+        if self.budget_bytes < 1 or self.ttl_s <= 0 or self.min_rows < 1 or self.min_gain < 0 or self.queue < 1:
+            raise ValueError("budget_bytes >= 1, ttl_s > 0, min_rows >= 1, min_gain >= 0 and queue >= 1")
 
 
 @dataclass
@@ -106,8 +111,10 @@ class SharedContexts:
     def offer(self, context: Context) -> None:
         """Queue a snapshot of `context` for publishing. Runs on the turn's thread: the copy
         is taken now, since a later turn on this replica may write into the context's rows."""
-        if context.explicit or len(context.conversation_ids) < self.config.min_tokens or not self._link.available():
+        if context.explicit or context.length < self.config.min_rows or not self._link.available():
             return
+        if len(context.conversation_ids) < BLOCK_TOKENS:
+            return  # no full block to find it by
         rows = context.length
         dtype = compact_dtype(context.cache.keys.dtype)
         keys = context.cache.keys[:, :, :rows].to(dtype, copy=True)
@@ -173,9 +180,12 @@ class SharedContexts:
 
     def find(self, tenant: str, fingerprint: str, conversation_ids: list[int], at_least: int) -> Match | None:
         """The published context sharing the longest prefix with `conversation_ids`, when it
-        shares more than `at_least` tokens (what this process already holds); None otherwise."""
+        covers more than `at_least` tokens (what this process holds already) by more than
+        `min_gain` (any amount when this process holds nothing); None otherwise."""
         if not self._link.available():
             return None
+        if at_least > 0 and len(conversation_ids) - at_least <= self.config.min_gain:
+            return None  # what a fetch could add is cheaper to compute
         hashes = block_hashes(tenant, fingerprint, conversation_ids)
         first = at_least // BLOCK_TOKENS  # blocks this process holds already
         if first >= len(hashes):
@@ -214,7 +224,8 @@ class SharedContexts:
         if context.tenant != tenant or context.fingerprint != fingerprint or context.explicit:
             return None
         shared = common_prefix(context.conversation_ids, conversation_ids)
-        return Match(context, shared) if shared > at_least else None
+        enough = at_least + self.config.min_gain if at_least > 0 else 0
+        return Match(context, shared) if shared > enough else None
 
     def close(self) -> None:
         try:

@@ -3,6 +3,7 @@
     ragkv serve [--host 127.0.0.1] [--port 8000] [--store URL] [--data-dir DIR] [--api-keys keys.json] ...
     ragkv serve bench [--url http://HOST:PORT] [--clients 1 4 8] [--requests 32] [--max-tokens 16] [--json out.json]
     ragkv serve followup [--url http://HOST:PORT] [--dataset musique_dev.json] [--max-tokens 16] [--json out.json]
+    ragkv serve followup --replicas --dataset musique_dev.json   (turn 2 on the other of two replicas)
 
 Every ServeConfig field is an option (its docstring is the help).
 """
@@ -76,6 +77,11 @@ def configure(serve: argparse.ArgumentParser) -> None:
         default=None,
         help="followup (required): MuSiQue-style JSON (ctxs, question); a sample's passages form a document",
     )
+    bench.add_argument(
+        "--replicas",
+        action="store_true",
+        help="followup: start two replicas over one redis-server and send turn 2 to both (same replica vs other)",
+    )
     bench.add_argument("--json", type=Path, default=None, help="write the figures to this file")
 
 
@@ -122,8 +128,18 @@ def _run_bench(args: argparse.Namespace) -> int:
     from ragkv.bench.followup_bench import run_followup_bench
     from ragkv.bench.serve_bench import run_serve_bench
 
-    bench = run_followup_bench if args.action == "followup" else run_serve_bench
-    results = bench(args, progress=lambda message: print(message, file=sys.stderr, flush=True))
+    def progress(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    if args.action == "followup" and args.replicas:
+        from ragkv.bench.replica_followup_bench import run_replica_followup
+
+        if args.dataset is None:
+            raise SystemExit("ragkv serve followup --replicas needs --dataset (MuSiQue-style JSON: ctxs, question)")
+        results = run_replica_followup(args.dataset, args.max_tokens, progress)
+    else:
+        bench = run_followup_bench if args.action == "followup" else run_serve_bench
+        results = bench(args, progress=progress)
     print(json.dumps(results, indent=2))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
