@@ -4,6 +4,7 @@
     ragkv serve bench [--url http://HOST:PORT] [--clients 1 4 8] [--requests 32] [--max-tokens 16] [--json out.json]
     ragkv serve followup [--url http://HOST:PORT] [--dataset musique_dev.json] [--max-tokens 16] [--json out.json]
     ragkv serve followup --replicas --dataset musique_dev.json   (turn 2 on the other of two replicas)
+    ragkv serve bench --target http://127.0.0.1:8080 --dataset musique_dev.json   (ragkv beside another server)
 
 Every ServeConfig field is an option (its docstring is the help).
 """
@@ -78,6 +79,18 @@ def configure(serve: argparse.ArgumentParser) -> None:
         help="followup (required): MuSiQue-style JSON (ctxs, question); a sample's passages form a document",
     )
     bench.add_argument(
+        "--target",
+        default=None,
+        metavar="URL",
+        help="bench: instead, the same RAG workload (--dataset questions with their passages) on ragkv and on "
+        "this OpenAI-compatible server (passages in the prompt), side by side at each --clients level",
+    )
+    bench.add_argument("--target-key", default=None, help="API key sent to --target")
+    bench.add_argument("--passages", type=int, default=3, help="bench --target: passages per question (default: 3)")
+    bench.add_argument(
+        "--examples", type=int, default=16, help="bench --target: questions in the workload (default: 16)"
+    )
+    bench.add_argument(
         "--replicas",
         action="store_true",
         help="followup: start two replicas over one redis-server and send turn 2 to both (same replica vs other)",
@@ -124,6 +137,35 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_peer_bench(args: argparse.Namespace, progress) -> dict:
+    import tempfile
+
+    from ragkv.api.launcher import ServerProcess
+    from ragkv.bench.peer_bench import PeerBenchConfig, run_peer_bench
+
+    if args.dataset is None:
+        raise SystemExit("ragkv serve bench --target needs --dataset (MuSiQue-style JSON: ctxs, question)")
+    config = PeerBenchConfig(
+        args.dataset, args.examples, args.passages, tuple(args.clients), args.requests, args.max_tokens
+    )
+    headers = {"Authorization": f"Bearer {args.bench_key}"} if args.bench_key else {}
+    target_headers = {"Authorization": f"Bearer {args.target_key}"} if args.target_key else {}
+    server = scratch = None
+    url = args.url
+    try:
+        if url is None:
+            scratch = tempfile.TemporaryDirectory(prefix="ragkv-peer-bench-")
+            progress(f"starting ragkv serve over {scratch.name} ...")
+            server = ServerProcess(["--data-dir", scratch.name, "--max-queued", "256"]).start()
+            url = server.url
+        return run_peer_bench(url, args.target, config, progress, headers, target_headers)
+    finally:
+        if server is not None:
+            server.stop()
+        if scratch is not None:
+            scratch.cleanup()
+
+
 def _run_bench(args: argparse.Namespace) -> int:
     from ragkv.bench.followup_bench import run_followup_bench
     from ragkv.bench.serve_bench import run_serve_bench
@@ -131,7 +173,9 @@ def _run_bench(args: argparse.Namespace) -> int:
     def progress(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
-    if args.action == "followup" and args.replicas:
+    if args.action == "bench" and args.target:
+        results = _run_peer_bench(args, progress)
+    elif args.action == "followup" and args.replicas:
         from ragkv.bench.replica_followup_bench import run_replica_followup
 
         if args.dataset is None:
