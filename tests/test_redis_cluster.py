@@ -17,6 +17,7 @@ from redis_cluster import RedisClusterServers
 
 from ragkv.app.contexts import Context, ContextCache, SessionNotFoundError, SessionStoreUnavailableError
 from ragkv.app.session_store import RedisSessions
+from ragkv.app.shared_contexts import SharedContextConfig
 from ragkv.engine.kv_cache import KVCache
 from ragkv.ingest.errors import RegistryUnavailableError
 from ragkv.ingest.registry import ChunkRecord, DocumentRecord
@@ -108,7 +109,8 @@ def _context(context_id: str, n: int, tenant: str = "t1") -> Context:
 
 
 def _sessions(url: str) -> RedisSessions:
-    return RedisSessions(url, ContextCache(1 << 20, 1 << 20, 60), ttl_s=60, lock_ttl_s=10.0)
+    shared = SharedContextConfig(1 << 20, 60, min_rows=16, min_gain=0)  # what a server builds, smaller
+    return RedisSessions(url, ContextCache(1 << 20, 1 << 20, 60), ttl_s=60, lock_ttl_s=10.0, shared=shared)
 
 
 def _save(sessions: RedisSessions, session_id: str, n: int) -> None:
@@ -150,6 +152,26 @@ def test_sessions_share_a_slot_per_session_spread_over_masters_and_survive_a_dea
         with pytest.raises(SessionStoreUnavailableError):  # a 503 with Retry-After, not a 404: it exists
             replica_b.checkout("t1", ids[1])  # B never had it in memory and cannot reach its master
         assert time.perf_counter() - started < 5
+    finally:
+        client.close()
+        replica_a.close()
+        replica_b.close()
+
+
+def test_anonymous_contexts_are_shared_through_the_cluster_one_slot_per_tenant(cluster):
+    replica_a, replica_b = _sessions(cluster.url), _sessions(cluster.url)
+    client = redis_client(cluster.url, connect_timeout_s=1, op_timeout_s=1)
+    try:
+        for tenant in ("t1", "t2", "t3"):
+            replica_a.put(_context(f"ctx-{tenant}", 64, tenant))
+        deadline = time.monotonic() + 10
+        while replica_a.shared_contexts.stats.published < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for tenant in ("t1", "t2", "t3"):
+            found = replica_b.match(tenant, "fp", list(range(64)) + [1])
+            assert found is not None and found.context.id == f"ctx-{tenant}" and found.conversation_tokens == 64
+            keys = client.keys(f"ragkv:context:{hash_tag(tenant)}:*", target_nodes="all")
+            assert len({client.keyslot(key) for key in keys}) == 1 and len(keys) > 4  # blob, blocks, LRU, sizes
     finally:
         client.close()
         replica_a.close()

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -22,6 +20,7 @@ import pytest
 from redis_server import RedisServer
 
 from ragkv.api.launcher import ServerProcess
+from ragkv.bench.replicas import replica, start_all
 
 pytestmark = [pytest.mark.model, pytest.mark.redis]
 
@@ -31,26 +30,6 @@ TEXT = (
     "forty minutes and the ferry carries twelve cars."
 )
 QUESTION = "Who was the captain of the Tidewater Ferry?"
-
-
-def _replica(root: Path, name: str, redis_url: str) -> ServerProcess:
-    base = redis_url.rsplit("/", 1)[0]
-    data = root / name
-    return ServerProcess(
-        [
-            "--data-dir",
-            str(data),
-            "--store",
-            f"tiered+lmdb://{data}/db?redis={base}/0",
-            "--registry",
-            f"{base}/1",
-            "--session-store",
-            f"{base}/2",
-            "--log-format",
-            "json",
-        ],
-        log_path=root / f"{name}.log",
-    )
 
 
 def _counter(http: httpx.Client, name: str) -> float:
@@ -69,23 +48,9 @@ def replicas(tmp_path_factory):
     root = tmp_path_factory.mktemp("replicas")
     redis_server = RedisServer()
     redis_server.start()
-    servers = [_replica(root, name, redis_server.url) for name in ("a", "b")]
-    errors: list[BaseException] = []
-
-    def start(server: ServerProcess) -> None:
-        try:
-            server.start()
-        except BaseException as error:  # reported below, after both have finished starting
-            errors.append(error)
-
-    threads = [threading.Thread(target=start, args=(server,)) for server in servers]  # load the model in parallel
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    servers = [replica(root, name, redis_server.url, ("--log-format", "json")) for name in ("a", "b")]
     try:
-        if errors:
-            raise errors[0]
+        start_all(servers)
         yield servers, redis_server
     finally:
         for server in servers:

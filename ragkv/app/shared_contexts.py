@@ -99,7 +99,6 @@ class SharedContexts:
         self.stats = SharedContextStats()
         self._queue: queue.Queue[Context | None] = queue.Queue(maxsize=config.queue)
         self._ttl_ms = max(1, int(config.ttl_s * 1000))
-        self._account = self._client.register_script(_ACCOUNT)
         self._thread = threading.Thread(target=self._publish_loop, name="ragkv-context-publisher", daemon=True)
         self._thread.start()
 
@@ -170,9 +169,17 @@ class SharedContexts:
         pipe.pexpire(prefix + "lru", self._ttl_ms)
         pipe.pexpire(prefix + "sizes", self._ttl_ms)
         pipe.execute()
-        dropped = self._account(
-            keys=[prefix + "lru", prefix + "sizes"],
-            args=[context.id, len(blob), time.time(), self.config.budget_bytes, prefix + "kv:"],
+        # EVAL, not a registered script: registering would reach a cluster at construction
+        dropped = self._client.eval(
+            _ACCOUNT,
+            2,
+            prefix + "lru",
+            prefix + "sizes",
+            context.id,
+            len(blob),
+            time.time(),
+            self.config.budget_bytes,
+            prefix + "kv:",
         )
         self.stats.evicted += int(dropped)
 

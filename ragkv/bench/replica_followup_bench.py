@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import re
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,51 +22,12 @@ from pathlib import Path
 import httpx
 
 from ragkv.bench.followup_bench import FOLLOW_UP, _ingest, _openai_turn, _samples
+from ragkv.bench.replicas import replica, start_all
 
 
 def _counter(http: httpx.Client, name: str) -> float:
     found = re.search(rf"^{name} (\S+)$", http.get("/metrics").text, re.MULTILINE)
     return float(found.group(1)) if found else 0.0
-
-
-def _start_replicas(root: Path, redis_url: str) -> dict:
-    from ragkv.api.launcher import ServerProcess
-
-    base = redis_url.rsplit("/", 1)[0]
-    servers = {}
-    for name in ("a", "b"):
-        data = root / name
-        servers[name] = ServerProcess(
-            [
-                "--data-dir",
-                str(data),
-                "--store",
-                f"tiered+lmdb://{data}/db?redis={base}/0",
-                "--registry",
-                f"{base}/1",
-                "--session-store",
-                f"{base}/2",
-            ],
-            log_path=root / f"{name}.log",
-        )
-    errors: list[BaseException] = []
-
-    def start(server) -> None:
-        try:
-            server.start(timeout_s=600)
-        except BaseException as error:  # reported once both have finished starting
-            errors.append(error)
-
-    threads = [threading.Thread(target=start, args=(server,)) for server in servers.values()]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        for server in servers.values():
-            server.stop()
-        raise RuntimeError(f"a replica did not start: {errors[0]}")
-    return servers
 
 
 def run_replica_followup(dataset: Path, max_tokens: int, progress: Callable[[str], None] = print) -> dict:
@@ -80,7 +40,8 @@ def run_replica_followup(dataset: Path, max_tokens: int, progress: Callable[[str
     scratch = tempfile.TemporaryDirectory(prefix="ragkv-replica-followup-")
     servers = {}
     try:
-        servers = _start_replicas(Path(scratch.name), redis.url)
+        servers = {name: replica(Path(scratch.name), name, redis.url) for name in ("a", "b")}
+        start_all(list(servers.values()))
         a, b = servers["a"].url, servers["b"].url
         progress(f"replicas a {a} and b {b} over redis {redis.url}")
         text, question = _samples(dataset, 1)[0]

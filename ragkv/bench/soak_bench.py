@@ -28,6 +28,7 @@ import httpx
 import numpy as np
 
 from ragkv.api.launcher import ServerProcess
+from ragkv.bench import replicas as replica_processes
 from ragkv.bench.redis_process import RedisServer
 
 _CITIES = ["Marsh Harbor", "Eel Island", "Gull Point", "Stormhead", "Linden Hill", "Quill Bay", "Ashford", "Brindle"]
@@ -356,38 +357,9 @@ def run_soak(config: SoakConfig, data_dir: Path, progress: Callable[[str], None]
     redis = RedisServer(appendonly=True)
     redis.start()
     base = redis.url.rsplit("/", 1)[0]
-    servers: dict[str, ServerProcess] = {}
-    for name in ("a", "b"):
-        folder = data_dir / name
-        servers[name] = ServerProcess(
-            [
-                "--data-dir",
-                str(folder),
-                "--store",
-                f"tiered+lmdb://{folder}/db?redis={base}/0",
-                "--registry",
-                f"{base}/1",
-                "--session-store",
-                f"{base}/2",
-            ],
-            log_path=data_dir / f"{name}.log",
-        )
+    servers = {name: replica_processes.replica(data_dir, name, redis.url) for name in ("a", "b")}
     try:
-        errors: list[BaseException] = []
-
-        def start(server: ServerProcess) -> None:
-            try:
-                server.start(timeout_s=config.start_timeout_s)
-            except BaseException as error:  # reported below, once both have finished starting
-                errors.append(error)
-
-        starters = [threading.Thread(target=start, args=(server,)) for server in servers.values()]  # load in parallel
-        for thread in starters:
-            thread.start()
-        for thread in starters:
-            thread.join()
-        if errors:
-            raise RuntimeError(f"a replica did not start: {errors[0]}")
+        replica_processes.start_all(list(servers.values()), config.start_timeout_s)
         progress(
             f"replicas a {servers['a'].url} and b {servers['b'].url} over redis {base}; "
             f"{config.clients} clients for {config.minutes:g} min"
