@@ -1,10 +1,14 @@
 """`ragkv bench retrieval`: the dense index at scale, and dense / BM25 / hybrid recall on a
 question set with distractors.
 
-Synthetic: `chunks` unit vectors of 384 dimensions drawn around random centres, one per 50
-chunks by default (real sentence embeddings cluster by topic; uniform random vectors at
-this dimension are all nearly orthogonal, so their "nearest" neighbours are a tie no index
-can rank and no corpus has), in 50-chunk documents. Figures: search
+Synthetic: `chunks` unit vectors of 384 dimensions drawn around cluster centres, one per 50
+chunks by default, in 50-chunk documents (uniform random vectors at this dimension are all
+nearly orthogonal, so their "nearest" neighbours are a tie no index can rank and no corpus
+has). Real sentence embeddings cluster by topic, and related topics lie near each other: by
+default the cluster centres are themselves drawn around topic centres (one per 5,000
+chunks). `--topics 0` draws them independently instead ("flat"): with many clusters no two
+are nearer than any other, a structure no graph index can route through (at 1M chunks,
+20,000 unrelated clusters of 50) and no corpus has. Figures: search
 p50/p99 of single queries, recall@10 against an exact scan, the time to add one 50-chunk
 document and to delete it, the first query after the add, build time and resident memory.
 
@@ -36,10 +40,17 @@ class SyntheticConfig:
     """Clusters the vectors are drawn around; None: one per 50 chunks."""
     spread: float = 0.08
     """Noise around a centre, per dimension (relative to a centre's norm of about 1)."""
+    topics: int | None = None
+    """Topic centres the cluster centres are drawn around (None: one per 5,000 chunks); 0:
+    flat, independent cluster centres."""
+    topic_spread: float = 0.7
+    """Norm of a cluster centre's offset from its topic's centre (a topic centre's norm is about 1)."""
     seed: int = 0
     top_k: int = 10
     adds: int = 5
     """50-chunk documents added one at a time, each followed by a query (medians reported)."""
+    expansion_sweep: tuple[int, ...] = ()
+    """Also recall@10 and search p50/p99 at these HNSW search expansions, on the same build."""
     dense: DenseConfig = field(default_factory=DenseConfig)
 
     def __post_init__(self) -> None:
@@ -67,6 +78,8 @@ class SyntheticResult:
     """The whole process: the index and the benchmark's own copy of the vectors."""
     uses_graph: bool
     machine: str = ""
+    sweep: list[dict] = field(default_factory=list)
+    """{expansion_search, recall_at_10, search_p50_ms, search_p99_ms} for each swept value."""
 
 
 def _rss_mb() -> float:
@@ -95,6 +108,10 @@ def run_synthetic(config: SyntheticConfig) -> SyntheticResult:
     rng = np.random.default_rng(config.seed)
     count = config.centres or max(config.chunks // DOC_CHUNKS, 1)
     centres = rng.standard_normal((count, config.dim), dtype=np.float32) / np.sqrt(config.dim)
+    topics = max(config.chunks // 5000, 1) if config.topics is None else config.topics
+    if topics > 0:  # each cluster centre near one topic's centre
+        tops = rng.standard_normal((topics, config.dim), dtype=np.float32) / np.sqrt(config.dim)
+        centres = tops[rng.integers(0, topics, count)] + centres * config.topic_spread
     documents = config.chunks // DOC_CHUNKS
     vectors = np.empty((documents * DOC_CHUNKS, config.dim), dtype=np.float32)
     for start in range(0, len(vectors), 100_000):  # bounded temporaries
@@ -113,20 +130,41 @@ def run_synthetic(config: SyntheticConfig) -> SyntheticResult:
     def owner(row: int) -> tuple[str, int]:
         return f"doc_{row // DOC_CHUNKS:07d}", row % DOC_CHUNKS
 
-    recalls, exact_times = [], []
+    truths, exact_times = [], []
     for query in queries[: min(len(queries), 100)]:
         t0 = time.perf_counter()
         scores = np.einsum("ij,j->i", vectors, query)  # as the index scans (see dense._scores)
-        truth = {owner(int(row)) for row in np.argpartition(-scores, config.top_k)[: config.top_k]}
+        truths.append({owner(int(row)) for row in np.argpartition(-scores, config.top_k)[: config.top_k]})
         exact_times.append((time.perf_counter() - t0) * 1e3)
-        found = {(hit.doc_id, hit.chunk_index) for hit in index.search(query, config.top_k)}
-        recalls.append(len(found & truth) / config.top_k)
-    times = []
-    for query in queries:
-        t0 = time.perf_counter()
-        index.search(query, config.top_k)
-        times.append((time.perf_counter() - t0) * 1e3)
-    p50, p99 = _percentiles(times)
+
+    def measure() -> tuple[float, float, float]:
+        """recall@k against the exact scan, search p50 and p99 ms."""
+        recalls = []
+        for query, truth in zip(queries, truths):
+            found = {(hit.doc_id, hit.chunk_index) for hit in index.search(query, config.top_k)}
+            recalls.append(len(found & truth) / config.top_k)
+        times = []
+        for query in queries:
+            t0 = time.perf_counter()
+            index.search(query, config.top_k)
+            times.append((time.perf_counter() - t0) * 1e3)
+        return (float(np.mean(recalls)), *_percentiles(times))
+
+    recall, p50, p99 = measure()
+    sweep = []
+    if index.uses_graph:
+        for expansion in config.expansion_sweep:
+            index.set_expansion_search(expansion)
+            swept = measure()
+            sweep.append(
+                {
+                    "expansion_search": expansion,
+                    "recall_at_10": round(swept[0], 4),
+                    "search_p50_ms": round(swept[1], 3),
+                    "search_p99_ms": round(swept[2], 3),
+                }
+            )
+        index.set_expansion_search(config.dense.graph.expansion_search)
 
     adds, firsts, deletes = [], [], []
     for number, rows in enumerate(extra):
@@ -149,13 +187,14 @@ def run_synthetic(config: SyntheticConfig) -> SyntheticResult:
         round(build_s, 2),
         round(p50, 3),
         round(p99, 3),
-        round(float(np.mean(recalls)), 4),
+        round(recall, 4),
         round(add_ms, 2),
         round(first_ms, 3),
         round(delete_ms, 3),
         round(float(np.median(exact_times)), 2),
         round(_rss_mb(), 1),
         index.uses_graph,
+        sweep=sweep,
     )
 
 

@@ -18,12 +18,26 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--queries", type=int, default=200, help="timed single queries (default: 200)")
     parser.add_argument(
+        "--topics",
+        type=int,
+        default=None,
+        help="topic centres the synthetic clusters are drawn around (default: one per 5000 chunks); "
+        "0: flat, independent clusters",
+    )
+    parser.add_argument(
         "--exact-below",
         type=int,
         default=None,
         help="live rows under which search scans instead of the HNSW graph (default: the index's)",
     )
     parser.add_argument("--expansion-search", type=int, default=None, help="HNSW ef at search (default: the index's)")
+    parser.add_argument(
+        "--expansion-sweep",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also recall and latency at these HNSW search expansions, on the same build",
+    )
     parser.add_argument("--expansion-add", type=int, default=None, help="HNSW ef at insertion (default: the index's)")
     parser.add_argument(
         "--dev",
@@ -81,7 +95,13 @@ def run(args: argparse.Namespace) -> dict:
             print(f"{mode:8} {figures['at_5']:9.3f} {figures['at_10']:10.3f} {result['search_ms'][mode]:9.2f}")
         print(f"HNSW graph vs exact scan on these embeddings: recall@10 {result['dense_graph_recall_at_10']:.3f}")
     else:
-        config = SyntheticConfig(chunks=args.chunks, queries=args.queries, dense=_dense_config(args))
+        config = SyntheticConfig(
+            chunks=args.chunks,
+            queries=args.queries,
+            topics=args.topics,
+            expansion_sweep=tuple(args.expansion_sweep),
+            dense=_dense_config(args),
+        )
         result = as_dict(run_synthetic(config))
         result["machine"] = _machine()
         print(json.dumps(result, indent=2))

@@ -17,11 +17,12 @@ from usearch.index import Index
 
 @dataclass(frozen=True)
 class GraphConfig:
-    connectivity: int = 16
-    """Neighbours per node (HNSW's M)."""
-    expansion_add: int = 64
+    connectivity: int = 32
+    """Neighbours per node (HNSW's M). With 16, a tenant of tight 50-chunk documents became
+    nearly a set of cliques that searches could not route between (recall, BENCHMARKS.md)."""
+    expansion_add: int = 128
     """Candidate list while inserting (efConstruction)."""
-    expansion_search: int = 96
+    expansion_search: int = 192
     """Candidate list while searching (ef): recall against time."""
     dtype: str = "f16"
     """How the graph keeps its copy of the vectors (f32, f16, i8); candidates are rescored
@@ -60,6 +61,9 @@ class Graph:
     def search(self, vector: np.ndarray, count: int) -> np.ndarray:
         """Row numbers of up to `count` nearest rows, nearest first."""
         return self._index.search(vector, count, threads=1).keys.astype(np.int64)
+
+    def set_expansion_search(self, expansion: int) -> None:
+        self._index.expansion_search = expansion
 
     def to_bytes(self) -> np.ndarray:
         return np.frombuffer(bytes(self._index.save()), dtype=np.uint8)

@@ -86,6 +86,11 @@ class DenseIndex:
     def uses_graph(self) -> bool:
         return self._graph is not None
 
+    def set_expansion_search(self, expansion: int) -> None:
+        """The graph's search expansion (HNSW's ef) from now on: recall against time."""
+        if self._graph is not None:
+            self._graph.set_expansion_search(expansion)
+
     # -- changes ----------------------------------------------------------------------
 
     def add_document(self, doc_id: str, metadata: dict, vectors: np.ndarray) -> None:
@@ -93,7 +98,7 @@ class DenseIndex:
         self.remove_document(doc_id)
         rows, vectors = self._append(doc_id, metadata, vectors)
         if self._graph is not None:
-            self._graph.add(rows, vectors)
+            self._graph.add(rows, vectors, threads=min(os.cpu_count() or 1, len(rows)))
         elif self._wants_graph():
             self._build_graph()
 
