@@ -67,19 +67,20 @@ def test_both_sides_get_the_same_questions_and_passages_and_are_timed_at_the_cli
             "answers": ["x"],
             "ctxs": [{"title": f"T{n}{i}", "text": f"Passage {i} of example {n}."} for i in range(3)],
         }
-        for n in range(6)
+        for n in range(14)
     ]
     data = tmp_path / "dev.json"
     data.write_text(json.dumps(examples))
-    config = PeerBenchConfig(data, examples=6, passages=2, clients=(1, 2), requests=2, max_tokens=8)
+    # levels of 4, 4 and 6 requests (at least 4 each): 14 prompts, as many as there are examples
+    config = PeerBenchConfig(data, examples=14, passages=2, clients=(1, 4, 6), max_tokens=8)
     result = run_peer_bench(stand_in, stand_in, config, progress=lambda line: None)
 
     ingested = [seen for seen in StandIn.seen if seen["path"] == "/v1/documents"]
-    assert len(ingested) == 12 and ingested[0]["text"] == "T00\nPassage 0 of example 0."
+    assert len(ingested) == 28 and ingested[0]["text"] == "T00\nPassage 0 of example 0."
     chats = [seen for seen in StandIn.seen if seen["path"] == "/v1/chat/completions"]
     ours = [c for c in chats if c["model"] == "ragkv" and c.get("rag", {}).get("enabled", True)]
     theirs = [c for c in chats if c["model"] == "peer-model" and c["max_tokens"] == 8]
-    assert len(ours) == len(theirs) == 4  # 2 levels x 2 requests a side, warm-ups apart
+    assert len(ours) == len(theirs) == 14  # warm-ups apart
     for body in ours:
         n = int(body["messages"][0]["content"].split()[1].rstrip("?"))
         assert body["rag"]["document_ids"] == [f"doc-peer-bench-{n}-{i}.txt" for i in range(2)]
@@ -89,11 +90,12 @@ def test_both_sides_get_the_same_questions_and_passages_and_are_timed_at_the_cli
         assert f"Passage 0 of example {n}." in prompt and f"Passage 1 of example {n}." in prompt
         assert "Passage 2" not in prompt and body["temperature"] == 0 and body["stream"]
     asked = [c["messages"][-1]["content"] for c in theirs]
-    assert len(set(asked)) == 4  # no prompt repeats across levels: a prompt cache cannot flatter the target
+    assert len(set(asked)) == 14  # no prompt repeats across levels: no prompt cache can flatter either side
+    assert len({body["messages"][0]["content"] for body in ours}) == 14
     for row in result["levels"]:
         for side in ("ragkv", "target"):
             figures = row[side]
-            assert figures["errors"] == 0 and figures["requests"] == 2
+            assert figures["errors"] == 0 and figures["requests"] == max(4, row["clients"])
             assert 0.8 * CHUNK_GAP_S * 1000 <= figures["decode_ms_per_token"] <= 3 * CHUNK_GAP_S * 1000
             assert figures["ttft_p50_s"] < figures["latency_p50_s"]
     assert result["target_model"] == "peer-model"

@@ -177,13 +177,16 @@ def run_peer_bench(
     asyncio.run(_level(ragkv_url, [{**warm_up, "model": "ragkv", "rag": {"enabled": False}}], 1, 1, headers))
     asyncio.run(_level(target_url, [{**warm_up, "model": model}], 1, 1, target_headers))  # none of the prompts
     rows = []
+    used = 0  # requests sent so far: each level starts past them, so no prompt repeats
     for clients in config.clients:
         requests = config.requests or max(4, clients)
         row = {"clients": clients}
+        offset = used % len(work)
+        used += requests
+        if used > len(work):
+            progress(f"note: {used} requests over {len(work)} examples: prompts repeat (raise --examples)")
         for name, (url, bodies, side_headers) in sides.items():
-            # each level starts at another example, so no prompt is repeated across levels
-            offset = len(rows) * requests
-            rotated = bodies[offset % len(bodies) :] + bodies[: offset % len(bodies)]
+            rotated = bodies[offset:] + bodies[:offset]
             row[name] = asyncio.run(_level(url, rotated, clients, requests, side_headers))
             figures = row[name]
             progress(
