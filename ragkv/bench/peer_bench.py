@@ -95,17 +95,20 @@ async def _one(http: httpx.AsyncClient, body: dict) -> dict | None:
     """Client-side timings of one streamed chat completion; None on an error."""
     started = time.perf_counter()
     stamps = []
-    async with http.stream("POST", "/v1/chat/completions", json=body) as response:
-        if response.status_code != 200:
-            await response.aread()
-            return None
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            choices = chunk.get("choices") or []
-            if choices and (choices[0].get("delta") or {}).get("content"):
-                stamps.append(time.perf_counter() - started)
+    try:
+        async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            if response.status_code != 200:
+                await response.aread()
+                return None
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                choices = chunk.get("choices") or []
+                if choices and (choices[0].get("delta") or {}).get("content"):
+                    stamps.append(time.perf_counter() - started)
+    except httpx.TransportError:
+        return None
     if not stamps:
         return None
     decode = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None
@@ -120,7 +123,9 @@ async def _level(url: str, bodies: list[dict], clients: int, requests: int, head
     results: list[dict] = []
     errors = 0
     counter = iter(range(requests))
-    limits = httpx.Limits(max_connections=clients + 2)
+    # a connection per request: a server closing a kept-alive connection between two requests
+    # (llama-server does) would otherwise fail the second
+    limits = httpx.Limits(max_connections=clients + 2, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=1800, limits=limits) as http:
 
         async def client_loop() -> None:
