@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 class EngineConfig:
     model: str | None = None
     """A GGUF file, a local Hugging Face folder or a hub id in the local Hugging Face cache, of
-    Llama, Mistral, Qwen2 or Qwen3 (ragkv.engine.model_files); None = packaged SmolLM2."""
+    Llama, Mistral, Qwen2, Qwen3 or Gemma 3 (ragkv.engine.model_files); None = packaged SmolLM2."""
     dtype: str = "float32"
     """dtype of the residual stream (embeddings, norms, MLP activations)."""
     weights: str = "auto"
