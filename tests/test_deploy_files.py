@@ -61,5 +61,6 @@ def test_the_deployed_config_file_is_one_serve_accepts():
     assert "redis-cache" in config.runtime.store_url
     assert config.runtime.registry_url.startswith("redis://redis-registry")
     assert config.session_store.startswith("redis://redis-sessions")
+    assert config.shared_context_mb * 2**20 < 0.5 * 2**30  # under half of the sessions Redis's 1 GB
     mounted = {v.split(":")[1] for v in compose()["services"]["api"]["volumes"] if v.startswith("./deploy/")}
     assert compose()["services"]["api"]["environment"]["RAGKV_CONFIG"] in mounted

@@ -51,6 +51,8 @@ class SoakConfig:
     start_timeout_s: float = 600.0
     seed_documents: int = 4
     seed: int = 0
+    serve_options: tuple[str, ...] = ()
+    """More `ragkv serve` options for both replicas (e.g. memory budgets)."""
 
     def __post_init__(self) -> None:
         if self.minutes <= 0:
@@ -357,7 +359,7 @@ def run_soak(config: SoakConfig, data_dir: Path, progress: Callable[[str], None]
     redis = RedisServer(appendonly=True)
     redis.start()
     base = redis.url.rsplit("/", 1)[0]
-    servers = {name: replica_processes.replica(data_dir, name, redis.url) for name in ("a", "b")}
+    servers = {name: replica_processes.replica(data_dir, name, redis.url, config.serve_options) for name in ("a", "b")}
     try:
         replica_processes.start_all(list(servers.values()), config.start_timeout_s)
         progress(

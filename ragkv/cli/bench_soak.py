@@ -19,6 +19,13 @@ def configure(soak: argparse.ArgumentParser) -> None:
     soak.add_argument("--max-tokens", type=int, default=8, help="answer tokens per request (default: 8)")
     soak.add_argument("--seed", type=int, default=0)
     soak.add_argument(
+        "--serve-option",
+        action="append",
+        default=[],
+        metavar="OPTION",
+        help="a `ragkv serve` option for both replicas, repeatable: --serve-option=--session-memory-mb=256",
+    )
+    soak.add_argument(
         "--data-dir",
         type=Path,
         default=None,
@@ -31,7 +38,13 @@ def configure(soak: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict:
     from ragkv.bench.soak_bench import SoakConfig, run_soak
 
-    config = SoakConfig(minutes=args.minutes, clients=args.clients, max_tokens=args.max_tokens, seed=args.seed)
+    config = SoakConfig(
+        minutes=args.minutes,
+        clients=args.clients,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        serve_options=tuple(args.serve_option),
+    )
     if shutil.which("redis-server") is None:
         raise ValueError("the soak starts its own redis-server: install it (Debian: apt-get install redis-server)")
     scratch = None
