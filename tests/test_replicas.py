@@ -11,7 +11,6 @@ so its access lines are checked too.
 from __future__ import annotations
 
 import json
-import re
 import time
 
 import httpx
@@ -20,6 +19,7 @@ import pytest
 from redis_server import RedisServer
 
 from ragkv.api.launcher import ServerProcess
+from ragkv.bench.replica_followup_bench import metric_value
 from ragkv.bench.replicas import replica, start_all
 
 pytestmark = [pytest.mark.model, pytest.mark.redis]
@@ -34,9 +34,9 @@ QUESTION = "Who was the captain of the Tidewater Ferry?"
 
 def _counter(http: httpx.Client, name: str) -> float:
     """A sample's value on /metrics (a missing one fails the test)."""
-    found = re.search(rf"^{name} (\S+)$", http.get("/metrics").text, re.MULTILINE)
-    assert found is not None, f"{name} is not exported"
-    return float(found.group(1))
+    value = metric_value(http, name)
+    assert value is not None, f"{name} is not exported"
+    return value
 
 
 def _json_log(server: ServerProcess) -> list[dict]:

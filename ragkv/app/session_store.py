@@ -70,8 +70,9 @@ _RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpi
 
 
 class RedisSessions:
-    """Sessions in Redis (shared by replicas) with the memory cache in front; anonymous
-    contexts and, while Redis is down, sessions too stay in memory."""
+    """Sessions in Redis (shared by replicas) with the memory cache in front; while Redis is
+    down, sessions stay in memory. Anonymous contexts live in memory, and are published for
+    other replicas when `shared` is given."""
 
     backend = "redis"
 

@@ -25,9 +25,14 @@ from ragkv.bench.followup_bench import FOLLOW_UP, _ingest, _openai_turn, _sample
 from ragkv.bench.replicas import replica, start_all
 
 
-def _counter(http: httpx.Client, name: str) -> float:
+def metric_value(http: httpx.Client, name: str) -> float | None:
+    """A sample's value on the server's /metrics, or None when it is not exported."""
     found = re.search(rf"^{name} (\S+)$", http.get("/metrics").text, re.MULTILINE)
-    return float(found.group(1)) if found else 0.0
+    return float(found.group(1)) if found else None
+
+
+def _counter(http: httpx.Client, name: str) -> float:
+    return metric_value(http, name) or 0.0
 
 
 def run_replica_followup(dataset: Path, max_tokens: int, progress: Callable[[str], None] = print) -> dict:
