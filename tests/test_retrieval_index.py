@@ -101,6 +101,65 @@ def test_a_filter_inside_the_search_still_returns_k_hits(exact_below):
     assert len(index.search(query, 50, allowed)) == 24  # only 24 exist
 
 
+def test_rows_waiting_for_the_graph_are_searched_exactly(monkeypatch):
+    """Once a graph exists, an added document is searchable before its rows enter the
+    graph (they are scanned); a removed waiting document never reaches the graph, and a
+    flush or a snapshot puts every waiting row in it."""
+    rng = np.random.default_rng(5)
+    index = DenseIndex(DIM, DenseConfig(exact_below=200))
+    vectors = {f"doc_{d:02d}": unit(rng, 10) for d in range(30)}
+    for doc, rows in vectors.items():
+        index.add_document(doc, {}, rows)
+    index.wait_indexed()
+    assert index.uses_graph and index.pending == 0
+    monkeypatch.setattr(index, "_start_inserter", lambda: None)  # the background thread held back
+    for d in range(30, 36):
+        vectors[f"doc_{d:02d}"] = unit(rng, 10)
+        index.add_document(f"doc_{d:02d}", {}, vectors[f"doc_{d:02d}"])
+    assert index.pending == 60 and len(index._graph) == 300
+    for doc in ("doc_31", "doc_33"):
+        index.remove_document(doc)
+        del vectors[doc]
+    assert index.pending == 40 and len(index._graph) == 300
+    for query in [vectors["doc_34"][3], *unit(rng, 5)]:
+        got = [(hit.doc_id, hit.chunk_index) for hit in index.search(query, 10)]
+        expected = exact_top(vectors, query, 10)
+        assert got[0] == expected[0] and len(set(got) & set(expected)) >= 9
+    index.flush()
+    assert index.pending == 0 and len(index._graph) == index.live == 340
+
+
+def test_background_inserts_race_searches_and_removals():
+    rng = np.random.default_rng(6)
+    index = DenseIndex(DIM, DenseConfig(exact_below=100, insert_batch=1))
+    vectors = {}
+    for d in range(80):
+        vectors[f"doc_{d:02d}"] = unit(rng, 10)
+        index.add_document(f"doc_{d:02d}", {}, vectors[f"doc_{d:02d}"])
+        if d % 3 == 0 and d:
+            index.remove_document(f"doc_{d // 2:02d}")
+            vectors.pop(f"doc_{d // 2:02d}", None)
+        query = vectors[f"doc_{d:02d}"][0]
+        assert index.search(query, 1)[0].doc_id == f"doc_{d:02d}"  # found at once, graph or not
+    index.wait_indexed()
+    assert index.pending == 0 and len(index._graph) == index.live
+    query = unit(rng, 1)[0]
+    expected = exact_top(vectors, query, 10)
+    assert len({(h.doc_id, h.chunk_index) for h in index.search(query, 10)} & set(expected)) >= 9
+
+
+def test_a_snapshot_holds_the_waiting_rows_in_its_graph(tmp_path, monkeypatch):
+    rng = np.random.default_rng(7)
+    index = DenseIndex(DIM, DenseConfig(exact_below=100))
+    monkeypatch.setattr(index, "_start_inserter", lambda: None)
+    for d in range(30):
+        index.add_document(f"doc_{d}", {}, unit(rng, 5))
+    assert index.pending > 0
+    index.save(tmp_path / "t.dense.npz", "r")
+    loaded = DenseIndex.load(tmp_path / "t.dense.npz", "r", DenseConfig(exact_below=100))
+    assert loaded.pending == 0 and len(loaded._graph) == loaded.live == 150
+
+
 def test_dense_snapshot_round_trips_and_refuses_another_registry(tmp_path):
     rng = np.random.default_rng(4)
     index = DenseIndex(DIM, DenseConfig(exact_below=100), generation=7)

@@ -6,12 +6,19 @@ and dropped from the graph) until holes outnumber live rows, when the rows are c
 (amortised: each compaction follows as many removals as rows it keeps). Scores are always
 exact (the graph only proposes candidates, rescored from the float32 rows), and equal
 scores rank by (document id, chunk index), as the registry's contract asks.
+
+Adding to a graph costs far more than appending a row, so a document that arrives once the
+graph exists is searchable at once and enters the graph later: its rows wait past the
+graph's frontier (`_indexed`), where every search scans them exactly, while a background
+thread inserts them a few at a time (each insertion holds the index's lock only briefly,
+so a search waits at most for one). Every change and search takes that lock.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,10 +36,15 @@ class DenseConfig:
     oversample: int = 2
     """A graph search asks for this many times top_k (more for a filter), rescored exactly."""
     graph: GraphConfig = field(default_factory=GraphConfig)
+    background_insert: bool = True
+    """Insert a new document's rows into the graph on a background thread (searches scan
+    them exactly until then); False: inside `add_document`."""
+    insert_batch: int = 4
+    """Rows the background thread inserts per hold of the index's lock."""
 
     def __post_init__(self) -> None:
-        if self.exact_below < 0 or self.oversample < 1:
-            raise ValueError("exact_below must be >= 0 and oversample >= 1")
+        if self.exact_below < 0 or self.oversample < 1 or self.insert_batch < 1:
+            raise ValueError("exact_below must be >= 0, oversample >= 1 and insert_batch >= 1")
 
 
 def _scores(rows: np.ndarray, query: np.ndarray) -> np.ndarray:
@@ -64,6 +76,9 @@ class DenseIndex:
         self._rows: dict[str, np.ndarray] = {}
         self.metadata: dict[str, dict] = {}
         self._graph: Graph | None = None
+        self._indexed = 0  # rows below this are in the graph (or holes); the rest wait for it
+        self._lock = threading.RLock()
+        self._inserter: threading.Thread | None = None
 
     # -- size -------------------------------------------------------------------------
 
@@ -86,38 +101,92 @@ class DenseIndex:
     def uses_graph(self) -> bool:
         return self._graph is not None
 
+    @property
+    def pending(self) -> int:
+        """Live rows that wait to enter the graph (searched exactly meanwhile)."""
+        with self._lock:
+            if self._graph is None:
+                return 0
+            return int(np.count_nonzero(self._doc[self._indexed : self._size] >= 0))
+
     def set_expansion_search(self, expansion: int) -> None:
         """The graph's search expansion (HNSW's ef) from now on: recall against time."""
-        if self._graph is not None:
-            self._graph.set_expansion_search(expansion)
+        with self._lock:
+            if self._graph is not None:
+                self._graph.set_expansion_search(expansion)
 
     # -- changes ----------------------------------------------------------------------
 
     def add_document(self, doc_id: str, metadata: dict, vectors: np.ndarray) -> None:
-        """Add (or replace) a document's rows, one per chunk in chunk order."""
-        self.remove_document(doc_id)
-        rows, vectors = self._append(doc_id, metadata, vectors)
-        if self._graph is not None:
-            self._graph.add(rows, vectors, threads=min(os.cpu_count() or 1, len(rows)))
-        elif self._wants_graph():
-            self._build_graph()
+        """Add (or replace) a document's rows, one per chunk in chunk order. Searchable on
+        return; with a graph, its rows enter the graph in the background (see the module)."""
+        with self._lock:
+            self.remove_document(doc_id)
+            self._append(doc_id, metadata, vectors)
+            if self._graph is None:
+                if self._wants_graph():
+                    self._build_graph()
+            elif self.config.background_insert:
+                self._start_inserter()
+            else:
+                self.flush()
 
     def remove_document(self, doc_id: str) -> bool:
-        slot = self._slot.pop(doc_id, None)
-        if slot is None:
-            return False
-        rows = self._rows.pop(doc_id)
-        self.metadata.pop(doc_id, None)
-        self._docs[slot] = None
-        self._doc[rows] = -1
-        self._live -= len(rows)
-        if self._graph is not None:
-            self._graph.remove(rows)
-            if self._live < self.config.exact_below // 2:
-                self._graph = None  # small again: a scan is faster
-        if self._size - self._live > max(self._live, 1024):
-            self._compact()
-        return True
+        with self._lock:
+            slot = self._slot.pop(doc_id, None)
+            if slot is None:
+                return False
+            rows = self._rows.pop(doc_id)
+            self.metadata.pop(doc_id, None)
+            self._docs[slot] = None
+            self._doc[rows] = -1
+            self._live -= len(rows)
+            if self._graph is not None:
+                self._graph.remove(rows[rows < self._indexed])  # the others never entered it
+                if self._live < self.config.exact_below // 2:
+                    self._graph = None  # small again: a scan is faster
+            if self._size - self._live > max(self._live, 1024):
+                self._compact()
+            return True
+
+    def flush(self, threads: int | None = None) -> None:
+        """Insert every waiting row into the graph now (snapshots, benchmarks, tests)."""
+        with self._lock:
+            if self._graph is None:
+                return
+            rows = np.arange(self._indexed, self._size)
+            rows = rows[self._doc[rows] >= 0]
+            if len(rows):
+                self._graph.add(rows, self._vectors[rows], threads=threads or os.cpu_count() or 1)
+            self._indexed = self._size
+
+    def wait_indexed(self) -> None:
+        """Block until the background thread has put every waiting row into the graph."""
+        while True:
+            inserter = self._inserter
+            if inserter is None:
+                return
+            inserter.join()
+
+    def _start_inserter(self) -> None:
+        if self._inserter is None and self._indexed < self._size:
+            self._inserter = threading.Thread(target=self._insert_waiting, name="ragkv-graph-insert", daemon=True)
+            self._inserter.start()
+
+    def _insert_waiting(self) -> None:
+        """The background thread: a few rows per hold of the lock until none wait; it ends
+        then (a later add starts another), so an index that is dropped leaves no thread."""
+        while True:
+            with self._lock:
+                if self._graph is None or self._indexed >= self._size:
+                    self._inserter = None
+                    return
+                end = min(self._indexed + self.config.insert_batch, self._size)
+                rows = np.arange(self._indexed, end)
+                rows = rows[self._doc[rows] >= 0]
+                if len(rows):
+                    self._graph.add(rows, self._vectors[rows], threads=1)
+                self._indexed = end
 
     def _wants_graph(self) -> bool:
         return self.config.exact_below > 0 and self._live >= self.config.exact_below
@@ -153,9 +222,11 @@ class DenseIndex:
             setattr(self, name, grown)
 
     def _compact(self) -> None:
-        """Drop the holes: rows renumbered, the graph rebuilt over them."""
+        """Drop the holes: rows renumbered, the graph rebuilt over them (with every row:
+        a background thread that wakes up afterwards finds nothing waiting)."""
         documents = [(doc, self.metadata[doc], self._vectors[self._rows[doc]]) for doc in self._slot]
         fresh = DenseIndex.build(self.dim, documents, self.config, self.generation)
+        del fresh.__dict__["_lock"], fresh.__dict__["_inserter"]  # this index's own stay
         self.__dict__.update(fresh.__dict__)
 
     def _build_graph(self, threads: int | None = None) -> None:
@@ -164,6 +235,7 @@ class DenseIndex:
         if len(live):
             graph.add(live, self._vectors[live], threads=threads or os.cpu_count() or 1)
         self._graph = graph
+        self._indexed = self._size
 
     @classmethod
     def build(cls, dim: int, documents, config: DenseConfig = DenseConfig(), generation: int = 0) -> DenseIndex:
@@ -182,9 +254,12 @@ class DenseIndex:
         """The top_k rows by inner product (cosine on unit vectors), only rows of `allowed`
         documents when given: the filter is part of the search, so k hits come back
         whenever the allowed documents hold k chunks."""
-        if top_k < 1 or not self._slot:
-            return []
-        query = np.ascontiguousarray(query, dtype=np.float32).reshape(self.dim)
+        with self._lock:
+            if top_k < 1 or not self._slot:
+                return []
+            return self._search(np.ascontiguousarray(query, dtype=np.float32).reshape(self.dim), top_k, allowed)
+
+    def _search(self, query: np.ndarray, top_k: int, allowed: set[str] | None) -> list[DenseHit]:
         if allowed is not None:
             docs = [doc for doc in allowed if doc in self._rows]
             if not docs:
@@ -214,13 +289,19 @@ class DenseIndex:
         if allowed_rows is not None:
             mask = np.zeros(self._size, dtype=bool)
             mask[allowed_rows] = True
+        waiting = np.arange(self._indexed, self._size)  # not in the graph yet: scanned
+        waiting = waiting[self._doc[waiting] >= 0]
+        in_graph = max(live - len(waiting), 1)
+        if mask is not None:
+            waiting = waiting[mask[waiting]]
         while True:
-            found = self._graph.search(query, min(count, live))
-            found = found[(found >= 0) & (found < self._size)]
+            found = self._graph.search(query, min(count, in_graph))
+            found = found[(found >= 0) & (found < self._indexed)]
             found = found[self._doc[found] >= 0]
             if mask is not None:
                 found = found[mask[found]]
-            if len(found) >= top_k or count >= live:
+            found = np.concatenate([found, waiting])
+            if len(found) >= top_k or count >= in_graph:
                 break
             count *= 4  # too few of the filter's rows near the query: look wider
         if len(found) < top_k:
@@ -245,7 +326,13 @@ class DenseIndex:
     # -- snapshot ---------------------------------------------------------------------
 
     def save(self, path: Path, identity: str) -> None:
-        """Write the index to `path` atomically (a temporary file renamed over it)."""
+        """Write the index to `path` atomically (a temporary file renamed over it), every
+        waiting row put into the graph first."""
+        with self._lock:
+            self.flush()
+            self._save(path, identity)
+
+    def _save(self, path: Path, identity: str) -> None:
         live_docs = [doc for doc in self._docs if doc is not None]
         meta = {
             "version": SNAPSHOT_VERSION,
@@ -292,6 +379,7 @@ class DenseIndex:
                 if graph is None:
                     raise ValueError("no graph in the snapshot")
                 index._graph = Graph.from_bytes(index.dim, graph, config.graph)
+                index._indexed = index._size
             except (RuntimeError, ValueError):
                 index._build_graph()
         return index
