@@ -2,7 +2,7 @@
 
 The Python forward loop issues ~20 torch ops per layer; for one decode row each costs
 more in dispatch than in arithmetic, and torch's packed int8 kernel runs well below the
-memory limit on CPUs without bf16 units. The compiled step (`ragkv/kernels/cpu/ops.cpp`)
+memory limit on CPUs without bf16 units. The compiled step (`ragkv/kernels/cpu/decode_model.cpp`)
 runs norms, int8 projections, RoPE, the cache append, batched attention and the MLP of
 every layer without returning to Python. It covers Llama-style models (no q/k/v bias, no
 q/k norms) with int8 or int4 decode weights, a float32 residual stream and a float32 or
@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ragkv.engine.decode_weights import DecodeLayerWeights, PackedWeight
 from ragkv.engine.kv_cache import KVCache
 from ragkv.engine.linear import Int4Kernel, Int8Kernel
 from ragkv.kernels import cpu_extension
@@ -58,14 +59,14 @@ def unsupported_reason(model: CausalLM) -> str | None:
     return None
 
 
-def _packed(linear) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weight, scales) as the compiled step takes them: int8 with a scale per channel, or
-    int4 rows (their scales inside) with empty scales."""
+def _packed(linear) -> PackedWeight:
+    """The decode kernel's tensors as the compiled step takes them: int8 with a scale per
+    channel, or int4 rows (their scales inside) with empty scales."""
     kernel = linear.few_rows
     if isinstance(kernel, Int8Kernel):
-        return kernel.weight, kernel.scales
+        return PackedWeight(kernel.weight, kernel.scales)
     if isinstance(kernel, Int4Kernel):
-        return kernel.rows, kernel.rows.new_empty(0)
+        return PackedWeight(kernel.rows, kernel.rows.new_empty(0))
     raise TypeError(f"expected an int8 or int4 decode kernel, got {type(kernel).__name__}")
 
 
@@ -77,32 +78,31 @@ class CompiledDecoder:
         if reason is not None:
             raise ValueError(f"the compiled decode step cannot run this model: {reason}")
         self.model = model
-        layers = []
-        for layer in model.weights.layers:
-            layers.append(
-                [
-                    layer.input_norm,
-                    *_packed(layer.qkv),
-                    *_packed(layer.o_proj),
-                    layer.post_attention_norm,
-                    *_packed(layer.gate_up),
-                    *_packed(layer.down),
-                ]
+        self.layers = [
+            DecodeLayerWeights(
+                input_norm=layer.input_norm,
+                qkv=_packed(layer.qkv),
+                o_proj=_packed(layer.o_proj),
+                post_attention_norm=layer.post_attention_norm,
+                gate_up=_packed(layer.gate_up),
+                down=_packed(layer.down),
             )
-        spec, rotary = model.spec, model.rotary
-        self._compiled = cpu_extension.load().DecodeModel(
-            layers,
-            model.weights.embed.contiguous(),
-            model.weights.final_norm,
-            *_packed(model.weights.lm_head),
-            rotary.inv_freq.contiguous(),
-            rotary.attention_scaling,
-            spec.num_heads,
-            spec.num_kv_heads,
-            spec.head_dim,
-            spec.intermediate_size,
-            spec.rms_norm_eps,
-            model.scale,
+            for layer in model.weights.layers
+        ]
+        spec, rotary, module = model.spec, model.rotary, cpu_extension.load()
+        self._compiled = module.DecodeModel(
+            layers=[layer.compiled(module) for layer in self.layers],
+            embed=model.weights.embed.contiguous(),
+            final_norm=model.weights.final_norm,
+            lm_head=_packed(model.weights.lm_head).compiled(module),
+            inv_freq=rotary.inv_freq.contiguous(),
+            attention_scaling=rotary.attention_scaling,
+            heads=spec.num_heads,
+            kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            intermediate=spec.intermediate_size,
+            eps=spec.rms_norm_eps,
+            scale=model.scale,
         )
 
     def step(

@@ -1,4 +1,4 @@
-"""The compiled CPU kernels (`ragkv/kernels/cpu/*.cpp`), built once per machine.
+"""The compiled CPU kernels (`ragkv/kernels/cpu/`), built once per machine.
 
 torch's C++ extension builder compiles them on first use with the machine's compiler
 (gcc is part of the supported platform; `scripts/install.sh` builds them once), tuned for
@@ -26,15 +26,25 @@ import torch
 log = logging.getLogger("ragkv.kernels")
 
 _FOLDER = Path(__file__).parent / "cpu"
-SOURCES = (_FOLDER / "ops.cpp",)
-HEADERS = (
-    _FOLDER / "a2ats.h",
-    _FOLDER / "attention.h",
-    _FOLDER / "claimed_items.h",
-    _FOLDER / "int4_linear.h",
-    _FOLDER / "int8_linear.h",
-    _FOLDER / "selective_attention.h",
-    _FOLDER / "vec.h",
+SOURCES = tuple(_FOLDER / name for name in ("bindings.cpp", "tensor_ops.cpp", "a2ats_plan.cpp", "decode_model.cpp"))
+"""The translation units: the pybind11 module, the per-op tensor entry points, the A2ATS
+plan and the compiled decode step."""
+HEADERS = tuple(
+    _FOLDER / name
+    for name in (
+        "a2ats.h",
+        "a2ats_plan.h",
+        "attention.h",
+        "cache_views.h",
+        "claimed_items.h",
+        "decode_model.h",
+        "int4_linear.h",
+        "int8_linear.h",
+        "packed_linear.h",
+        "selective_attention.h",
+        "tensor_ops.h",
+        "vec.h",
+    )
 )
 _MACHINES = ("x86_64", "AMD64")
 """The kernels' vector paths are AVX2; elsewhere they would compile to slow scalar loops."""
