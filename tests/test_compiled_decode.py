@@ -164,7 +164,7 @@ def test_a_long_or_first_prefill_keeps_the_python_loop(folder, monkeypatch):
 )
 def test_models_it_does_not_cover_keep_the_python_loop(tmp_path, family, numerics, reason):
     model = CausalLM.load(make_tiny_model(family, tmp_path), numerics=numerics)
-    assert reason in unsupported_reason(model)
+    assert reason in unsupported_reason(model.spec, model.weights, model.numerics, model.device)
     assert model.compiled_decoder() is None
     cache = model.new_cache(8)
     model.prefill(torch.tensor([3, 4, 5]), cache)

@@ -40,5 +40,16 @@ class DecodeLayerWeights:
         return module.DecodeLayerWeights(**{name: _compiled(value, module) for name, value in values.items()})
 
 
+@dataclass(frozen=True)
+class DecodeWeights:
+    """A whole model as the compiled step reads it: float32 embeddings [vocab, hidden]
+    (contiguous), its layers, the final norm and the LM head's packed decode weights."""
+
+    embed: torch.Tensor
+    layers: tuple[DecodeLayerWeights, ...]
+    final_norm: torch.Tensor
+    lm_head: PackedWeight
+
+
 def _compiled(value: torch.Tensor | PackedWeight, module: ModuleType):
     return value.compiled(module) if isinstance(value, PackedWeight) else value

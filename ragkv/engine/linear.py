@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ragkv.engine.decode_weights import PackedWeight
 from ragkv.engine.numerics import DTYPES, Numerics
 from ragkv.kernels import cpu_extension
 
@@ -48,6 +49,10 @@ class Int8Kernel:
         self.scales = scales
         self.weight = torch.round(weight / scales.float()[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
 
+    def packed(self) -> PackedWeight:
+        """The weights as the compiled decode step takes them (shared, not copied)."""
+        return PackedWeight(self.weight, self.scales)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x.to(self.dtype), self.weight, self.scales).to(x.dtype)
 
@@ -80,6 +85,10 @@ class Int4Kernel:
         kernel = cls.__new__(cls)
         kernel.in_features, kernel.rows, kernel._torch_packed = in_features, rows.contiguous(), None
         return kernel
+
+    def packed(self) -> PackedWeight:
+        """The rows as the compiled decode step takes them (their scales inside, so none apart)."""
+        return PackedWeight(self.rows, self.rows.new_empty(0))
 
     def dequantized(self) -> torch.Tensor:
         """The weight [out, in] float32 the packed rows hold."""
@@ -166,6 +175,10 @@ class Linear:
             if few_rows_format == numerics.prefill_weights
             else _kernel(weight, few_rows_format, int4_rows)
         )
+
+    def packed_decode_weight(self) -> PackedWeight | None:
+        """The few-row kernel's packed int8/int4 weights; None when it is a dense matrix."""
+        return self.few_rows.packed() if isinstance(self.few_rows, (Int8Kernel, Int4Kernel)) else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return (self.few_rows if x.shape[0] <= DECODE_ROWS else self.many_rows)(x)
