@@ -31,7 +31,7 @@ from ragkv.engine.model_spec import ModelSpec
 from ragkv.engine.numerics import Numerics
 from ragkv.engine.rope import Rotary
 from ragkv.engine.weights import ModelWeights
-from ragkv.kernels import cpu_extension
+from ragkv.kernels import cpu_extension, dispatch
 
 log = logging.getLogger("ragkv.engine")
 
@@ -63,7 +63,7 @@ def unsupported_reason(
             f"head_dim must be a multiple of 8 (<= {cpu_extension.MAX_HEAD_DIM}) and GQA groups at most "
             f"{cpu_extension.MAX_GROUP}"
         )
-    if cpu_extension.load() is None:
+    if dispatch.compiled() is None:
         return "the compiled CPU kernels could not be built here"
     return None
 
@@ -108,7 +108,7 @@ class CompiledDecoder:
     `choose_decoder`, which checks that the step covers the model."""
 
     def __init__(self, spec: ModelSpec, weights: DecodeWeights):
-        module = cpu_extension.load()
+        module = dispatch.compiled()
         if module is None:
             raise ValueError("the compiled CPU kernels could not be built here")
         self.spec, self.weights = spec, weights

@@ -13,7 +13,7 @@ import torch
 
 from ragkv.engine.decode_weights import PackedWeight
 from ragkv.engine.numerics import DTYPES, Numerics
-from ragkv.kernels import cpu_extension
+from ragkv.kernels import dispatch
 
 DECODE_ROWS = 16
 """Row counts up to this use the decode kernel (decode steps and batches); more use the dense one."""
@@ -96,7 +96,7 @@ class Int4Kernel:
         return (codes.float() * scale.float()[..., None] + low.float()[..., None]).flatten(1)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        module = cpu_extension.load()
+        module = dispatch.compiled()
         if module is not None:
             return module.int4_linear(x.float().contiguous(), self.rows, self.in_features).to(x.dtype)
         packed, scale_and_zero = self._torch_kernel()
