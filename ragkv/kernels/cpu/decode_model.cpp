@@ -10,9 +10,7 @@
 #include "attention.h"
 #include "cache_views.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
-#endif
 
 namespace ragkv {
 namespace {
@@ -21,7 +19,6 @@ namespace {
 // vectorised: a scalar libm exp per element is a visible share of a decode step.
 void silu_gate(const float* gate, const float* up, int64_t n, float* out) {
   int64_t i = 0;
-#if defined(__AVX2__) && defined(__FMA__)
   const __m256 sign = _mm256_set1_ps(-0.f), one = _mm256_set1_ps(1.f);
   for (; i + 8 <= n; i += 8) {
     const __m256 g = _mm256_loadu_ps(gate + i);
@@ -29,7 +26,6 @@ void silu_gate(const float* gate, const float* up, int64_t n, float* out) {
     const __m256 sigmoid = _mm256_div_ps(_mm256_blendv_ps(one, e, g), _mm256_add_ps(one, e));  // g < 0: e / (1 + e)
     _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(g, sigmoid), _mm256_loadu_ps(up + i)));
   }
-#endif
   for (; i < n; ++i) {
     const float e = exp_nonpositive(-std::fabs(gate[i]));
     out[i] = gate[i] * ((gate[i] < 0.f ? e : 1.f) / (1.f + e)) * up[i];
