@@ -18,9 +18,11 @@ from ragkv.kernels import cpu_extension
 
 
 def required() -> bool:
-    """Whether this machine must build the compiled kernels: x86_64 Linux, not disabled."""
+    """Whether this machine must build the compiled kernels: x86_64 Linux with AVX2 and FMA,
+    not disabled."""
     disabled = os.environ.get(cpu_extension.DISABLE_VARIABLE, "1").strip() == "0"
-    return platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64") and not disabled
+    vector = cpu_extension.REQUIRED_FLAGS <= cpu_extension.cpu_flags()
+    return platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64") and vector and not disabled
 
 
 def run_compiled_tests() -> bool:

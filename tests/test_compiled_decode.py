@@ -6,14 +6,18 @@ tests/test_int4_linear.py."""
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import pytest
 import torch
 from compiled_kernels import SKIP_REASON, run_compiled_tests  # tests/ is on sys.path
 from tiny_models import make_tiny_model
 
 from ragkv.engine.compiled_decode import COMPILED_PREFILL_ROWS, unsupported_reason
+from ragkv.engine.decode_weights import DecodeLayerWeights, PackedWeight
 from ragkv.engine.model import CausalLM
 from ragkv.engine.numerics import Numerics
+from ragkv.kernels import cpu_extension
 
 pytestmark = pytest.mark.skipif(not run_compiled_tests(), reason=SKIP_REASON)
 
@@ -160,8 +164,17 @@ def test_a_long_or_first_prefill_keeps_the_python_loop(folder, monkeypatch):
 )
 def test_models_it_does_not_cover_keep_the_python_loop(tmp_path, family, numerics, reason):
     model = CausalLM.load(make_tiny_model(family, tmp_path), numerics=numerics)
-    assert reason in unsupported_reason(model)
+    assert reason in unsupported_reason(model.spec, model.weights, model.numerics, model.device)
     assert model.compiled_decoder() is None
     cache = model.new_cache(8)
     model.prefill(torch.tensor([3, 4, 5]), cache)
     assert model.decode_step(6, cache).shape == (model.spec.vocab_size,)
+
+
+@pytest.mark.parametrize("python_type", [PackedWeight, DecodeLayerWeights], ids=lambda t: t.__name__)
+def test_the_weight_structs_mirror_the_compiled_ones_field_for_field(python_type):
+    """The layers cross into C++ by name: every field of the Python mirror is an attribute
+    of the bound struct, and the struct has no other."""
+    compiled_type = getattr(cpu_extension.load(), python_type.__name__)
+    bound = {name for name in dir(compiled_type) if not name.startswith("_")}
+    assert bound == {field.name for field in fields(python_type)}

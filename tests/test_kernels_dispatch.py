@@ -1,5 +1,6 @@
 """Backend selection rules and the package's independence from triton/flashinfer."""
 
+import ast
 import os
 import subprocess
 import sys
@@ -74,3 +75,45 @@ print("ok")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+DISPATCH_POINT = {"ragkv/kernels/dispatch.py", "ragkv/kernels/cpu_extension.py"}
+
+
+def compiled_module_loads(source: str) -> int:
+    """Calls of cpu_extension.load (or a bare `load` imported from it) in `source`."""
+    tree = ast.parse(source)
+    bare = {
+        alias.asname or alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and (node.module or "").endswith("cpu_extension")
+        for alias in node.names
+        if alias.name == "load"
+    }
+    count = 0
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        named = isinstance(func, ast.Attribute) and func.attr == "load"
+        if named and ast.unparse(func.value).endswith("cpu_extension"):
+            count += 1
+        elif isinstance(func, ast.Name) and func.id in bare:
+            count += 1
+    return count
+
+
+def test_only_the_dispatch_point_obtains_the_compiled_module():
+    """Every op and the compiled decode step ask `dispatch.compiled()`; none loads the module itself."""
+    loaders = [
+        str(path.relative_to(REPO))
+        for path in sorted((REPO / "ragkv").rglob("*.py"))
+        if str(path.relative_to(REPO)) not in DISPATCH_POINT and compiled_module_loads(path.read_text())
+    ]
+    assert loaders == []
+
+
+def test_the_load_scan_sees_a_load():
+    assert compiled_module_loads("from ragkv.kernels import cpu_extension\nm = cpu_extension.load()\n") == 1
+    assert compiled_module_loads("from ragkv.kernels.cpu_extension import load as get\nm = get()\n") == 1
+    assert compiled_module_loads("from ragkv.kernels import dispatch\nm = dispatch.compiled()\n") == 0

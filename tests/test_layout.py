@@ -126,3 +126,36 @@ def test_wheel_installs_no_top_level_name_but_ragkv(tmp_path):
     with zipfile.ZipFile(wheel) as archive:
         top_level = {name.split("/")[0] for name in archive.namelist()}
     assert {name for name in top_level if not name.endswith(".dist-info")} == {"ragkv"}
+
+
+def import_cycles(prefix: str) -> list[set[str]]:
+    """Groups of modules under `prefix` that import each other in a ring (any import, those
+    under TYPE_CHECKING and inside functions included)."""
+    modules = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+    modules = {name: path for name, path in modules.items() if within(name, (prefix,)) and name != prefix}
+    graph = {
+        name: {other for other in ragkv_imports(path) if other in modules and other != name}
+        for name, path in modules.items()
+    }
+
+    def reachable(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for other in graph[todo.pop()] - seen:
+                seen.add(other)
+                todo.append(other)
+        return seen
+
+    reach = {name: reachable(name) for name in graph}
+    cycles = {
+        frozenset({name} | {other for other in reach[name] if name in reach[other]})
+        for name in graph
+        if name in reach[name]
+    }
+    return [set(cycle) for cycle in cycles]
+
+
+def test_engine_modules_import_without_cycles():
+    """The forward loop (model.py) picks its decode backend; the compiled step is built from
+    the spec and weights and never reads the loop's model back."""
+    assert import_cycles("ragkv.engine") == []

@@ -2,7 +2,7 @@
 
 The Python forward loop issues ~20 torch ops per layer; for one decode row each costs
 more in dispatch than in arithmetic, and torch's packed int8 kernel runs well below the
-memory limit on CPUs without bf16 units. The compiled step (`ragkv/kernels/cpu/ops.cpp`)
+memory limit on CPUs without bf16 units. The compiled step (`ragkv/kernels/cpu/decode_model.cpp`)
 runs norms, int8 projections, RoPE, the cache append, batched attention and the MLP of
 every layer without returning to Python. It covers Llama-style models (no q/k/v bias, no
 q/k norms) with int8 or int4 decode weights, a float32 residual stream and a float32 or
@@ -11,21 +11,29 @@ sparse attention (its selector's `compiled_plan`; other selectors run the Python
 Several rows of one request may share a cache in a step, each attending causally to the
 rows before it: that is how a chat turn's few new tokens are prefilled (`extend`). The
 Python loop is its reference (tests/test_compiled_decode.py).
+
+The step is built from the model's spec and its weights (`DecodeWeights`, taken once from
+the loaded `ModelWeights`), not from the forward loop's model object, and
+`choose_decoder` is the one place that decides whether a model decodes through it.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
+from ragkv.engine.decode_weights import DecodeLayerWeights, DecodeWeights, PackedWeight
 from ragkv.engine.kv_cache import KVCache
-from ragkv.engine.linear import Int4Kernel, Int8Kernel
-from ragkv.kernels import cpu_extension
+from ragkv.engine.linear import Linear
+from ragkv.engine.model_spec import ModelSpec
+from ragkv.engine.numerics import Numerics
+from ragkv.engine.rope import Rotary
+from ragkv.engine.weights import ModelWeights
+from ragkv.kernels import cpu_extension, dispatch
 
-if TYPE_CHECKING:
-    from ragkv.engine.model import CausalLM
+log = logging.getLogger("ragkv.engine")
 
 COMPILED_PREFILL_ROWS = 32
 """Prefills of up to this many rows after a cached prefix (a chat turn's new tokens) run
@@ -33,14 +41,16 @@ through the compiled step too, on the decode weights: for a few rows the step's 
 kernels beat the Python loop, while past a few dozen rows the loop's GEMMs catch up."""
 
 
-def unsupported_reason(model: CausalLM) -> str | None:
-    """Why the compiled step cannot run `model`, or None when it can."""
-    weights, spec = model.weights, model.spec
-    if model.device.type != "cpu":
-        return f"it runs on the CPU, the model is on {model.device.type}"
-    if model.numerics.weights not in ("int8", "int4"):
-        return f"it runs int8 or int4 decode weights, the model's are {model.numerics.weights}"
-    if model.hidden_dtype != torch.float32 or model.dtype not in cpu_extension.CACHE_DTYPES:
+def unsupported_reason(
+    spec: ModelSpec, weights: ModelWeights, numerics: Numerics, device: torch.device | str
+) -> str | None:
+    """Why the compiled step cannot run this model, or None when it can."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        return f"it runs on the CPU, the model is on {device.type}"
+    if numerics.weights not in ("int8", "int4"):
+        return f"it runs int8 or int4 decode weights, the model's are {numerics.weights}"
+    if numerics.hidden_dtype != torch.float32 or numerics.kv_dtype not in cpu_extension.CACHE_DTYPES:
         return "it needs a float32 residual stream and a float32 or bfloat16 cache"
     if spec.sandwich_norms or spec.layer_types or spec.embed_scale != 1.0 or spec.hidden_act != "silu":
         # Gemma 3: its step would need q/k norms, four norms a layer, GELU, scaled
@@ -53,56 +63,69 @@ def unsupported_reason(model: CausalLM) -> str | None:
             f"head_dim must be a multiple of 8 (<= {cpu_extension.MAX_HEAD_DIM}) and GQA groups at most "
             f"{cpu_extension.MAX_GROUP}"
         )
-    if cpu_extension.load() is None:
+    if dispatch.compiled() is None:
         return "the compiled CPU kernels could not be built here"
     return None
 
 
-def _packed(linear) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weight, scales) as the compiled step takes them: int8 with a scale per channel, or
-    int4 rows (their scales inside) with empty scales."""
-    kernel = linear.few_rows
-    if isinstance(kernel, Int8Kernel):
-        return kernel.weight, kernel.scales
-    if isinstance(kernel, Int4Kernel):
-        return kernel.rows, kernel.rows.new_empty(0)
-    raise TypeError(f"expected an int8 or int4 decode kernel, got {type(kernel).__name__}")
+def _packed(linear: Linear) -> PackedWeight:
+    packed = linear.packed_decode_weight()
+    if packed is None:
+        raise TypeError("the compiled step needs int8 or int4 decode weights")
+    return packed
+
+
+def decode_weights(weights: ModelWeights) -> DecodeWeights:
+    """The compiled step's view of loaded weights (every tensor shared, not copied)."""
+    layers = tuple(
+        DecodeLayerWeights(
+            input_norm=layer.input_norm,
+            qkv=_packed(layer.qkv),
+            o_proj=_packed(layer.o_proj),
+            post_attention_norm=layer.post_attention_norm,
+            gate_up=_packed(layer.gate_up),
+            down=_packed(layer.down),
+        )
+        for layer in weights.layers
+    )
+    return DecodeWeights(weights.embed.contiguous(), layers, weights.final_norm, _packed(weights.lm_head))
+
+
+def choose_decoder(
+    spec: ModelSpec, weights: ModelWeights, numerics: Numerics, device: torch.device | str
+) -> CompiledDecoder | None:
+    """The decode backend of a model: the compiled step where it covers the model, else
+    None (the Python loop), saying why once in the log."""
+    reason = unsupported_reason(spec, weights, numerics, device)
+    if reason is not None:
+        log.info("decode runs the Python loop: the compiled step does not apply (%s)", reason)
+        return None
+    return CompiledDecoder(spec, decode_weights(weights))
 
 
 class CompiledDecoder:
-    """The compiled step bound to one model's weights (shared, not copied)."""
+    """The compiled step bound to one model's weights (shared, not copied); build it through
+    `choose_decoder`, which checks that the step covers the model."""
 
-    def __init__(self, model: CausalLM):
-        reason = unsupported_reason(model)
-        if reason is not None:
-            raise ValueError(f"the compiled decode step cannot run this model: {reason}")
-        self.model = model
-        layers = []
-        for layer in model.weights.layers:
-            layers.append(
-                [
-                    layer.input_norm,
-                    *_packed(layer.qkv),
-                    *_packed(layer.o_proj),
-                    layer.post_attention_norm,
-                    *_packed(layer.gate_up),
-                    *_packed(layer.down),
-                ]
-            )
-        spec, rotary = model.spec, model.rotary
-        self._compiled = cpu_extension.load().DecodeModel(
-            layers,
-            model.weights.embed.contiguous(),
-            model.weights.final_norm,
-            *_packed(model.weights.lm_head),
-            rotary.inv_freq.contiguous(),
-            rotary.attention_scaling,
-            spec.num_heads,
-            spec.num_kv_heads,
-            spec.head_dim,
-            spec.intermediate_size,
-            spec.rms_norm_eps,
-            model.scale,
+    def __init__(self, spec: ModelSpec, weights: DecodeWeights):
+        module = dispatch.compiled()
+        if module is None:
+            raise ValueError("the compiled CPU kernels could not be built here")
+        self.spec, self.weights = spec, weights
+        rotary = Rotary(spec.rope)  # float32 inv_freq, as the Python loop's float32 stream uses
+        self._compiled = module.DecodeModel(
+            layers=[layer.compiled(module) for layer in weights.layers],
+            embed=weights.embed,
+            final_norm=weights.final_norm,
+            lm_head=weights.lm_head.compiled(module),
+            inv_freq=rotary.inv_freq.contiguous(),
+            attention_scaling=rotary.attention_scaling,
+            heads=spec.num_heads,
+            kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            intermediate=spec.intermediate_size,
+            eps=spec.rms_norm_eps,
+            scale=spec.softmax_scale,
         )
 
     def step(

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from ragkv.engine.decode_weights import PackedWeight
 from ragkv.engine.numerics import DTYPES, Numerics
-from ragkv.kernels import cpu_extension
+from ragkv.kernels import dispatch
 
 DECODE_ROWS = 16
 """Row counts up to this use the decode kernel (decode steps and batches); more use the dense one."""
@@ -48,6 +49,10 @@ class Int8Kernel:
         self.scales = scales
         self.weight = torch.round(weight / scales.float()[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
 
+    def packed(self) -> PackedWeight:
+        """The weights as the compiled decode step takes them (shared, not copied)."""
+        return PackedWeight(self.weight, self.scales)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x.to(self.dtype), self.weight, self.scales).to(x.dtype)
 
@@ -81,13 +86,17 @@ class Int4Kernel:
         kernel.in_features, kernel.rows, kernel._torch_packed = in_features, rows.contiguous(), None
         return kernel
 
+    def packed(self) -> PackedWeight:
+        """The rows as the compiled decode step takes them (their scales inside, so none apart)."""
+        return PackedWeight(self.rows, self.rows.new_empty(0))
+
     def dequantized(self) -> torch.Tensor:
         """The weight [out, in] float32 the packed rows hold."""
         codes, scale, low = unpack_int4_rows(self.rows, self.in_features)
         return (codes.float() * scale.float()[..., None] + low.float()[..., None]).flatten(1)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        module = cpu_extension.load()
+        module = dispatch.compiled()
         if module is not None:
             return module.int4_linear(x.float().contiguous(), self.rows, self.in_features).to(x.dtype)
         packed, scale_and_zero = self._torch_kernel()
@@ -166,6 +175,10 @@ class Linear:
             if few_rows_format == numerics.prefill_weights
             else _kernel(weight, few_rows_format, int4_rows)
         )
+
+    def packed_decode_weight(self) -> PackedWeight | None:
+        """The few-row kernel's packed int8/int4 weights; None when it is a dense matrix."""
+        return self.few_rows.packed() if isinstance(self.few_rows, (Int8Kernel, Int4Kernel)) else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return (self.few_rows if x.shape[0] <= DECODE_ROWS else self.many_rows)(x)

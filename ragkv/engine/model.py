@@ -7,7 +7,6 @@ attention that reads selected cache rows). Nothing here patches transformers.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,7 @@ import torch.nn.functional as F
 from transformers import AutoConfig
 
 from ragkv.engine.attention import causal_attention
-from ragkv.engine.compiled_decode import COMPILED_PREFILL_ROWS, CompiledDecoder, unsupported_reason
+from ragkv.engine.compiled_decode import COMPILED_PREFILL_ROWS, CompiledDecoder, choose_decoder
 from ragkv.engine.kv_cache import KVCache
 from ragkv.engine.model_spec import ModelSpec
 from ragkv.engine.numerics import Numerics
@@ -26,8 +25,6 @@ from ragkv.engine.rope import Rotary
 from ragkv.engine.weights import ModelWeights, load_weights
 from ragkv.kernels.decode_attention import decode_attention as batched_decode_attention
 from ragkv.kernels.rope import apply_rope
-
-log = logging.getLogger("ragkv.engine")
 
 
 @dataclass
@@ -341,11 +338,7 @@ class CausalLM:
             return None
         if not self._compiled_decoder_checked:
             self._compiled_decoder_checked = True
-            reason = unsupported_reason(self)
-            if reason is None:
-                self._compiled_decoder = CompiledDecoder(self)
-            else:
-                log.info("decode runs the Python loop: the compiled step does not apply (%s)", reason)
+            self._compiled_decoder = choose_decoder(self.spec, self.weights, self.numerics, self.device)
         return self._compiled_decoder
 
     def _dense_decode(

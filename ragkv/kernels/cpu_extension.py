@@ -1,4 +1,4 @@
-"""The compiled CPU kernels (`ragkv/kernels/cpu/*.cpp`), built once per machine.
+"""The compiled CPU kernels (`ragkv/kernels/cpu/`), built once per machine.
 
 torch's C++ extension builder compiles them on first use with the machine's compiler
 (gcc is part of the supported platform; `scripts/install.sh` builds them once), tuned for
@@ -26,18 +26,30 @@ import torch
 log = logging.getLogger("ragkv.kernels")
 
 _FOLDER = Path(__file__).parent / "cpu"
-SOURCES = (_FOLDER / "ops.cpp",)
-HEADERS = (
-    _FOLDER / "a2ats.h",
-    _FOLDER / "attention.h",
-    _FOLDER / "claimed_items.h",
-    _FOLDER / "int4_linear.h",
-    _FOLDER / "int8_linear.h",
-    _FOLDER / "selective_attention.h",
-    _FOLDER / "vec.h",
+SOURCES = tuple(_FOLDER / name for name in ("bindings.cpp", "tensor_ops.cpp", "a2ats_plan.cpp", "decode_model.cpp"))
+"""The translation units: the pybind11 module, the per-op tensor entry points, the A2ATS
+plan and the compiled decode step."""
+HEADERS = tuple(
+    _FOLDER / name
+    for name in (
+        "a2ats.h",
+        "a2ats_plan.h",
+        "attention.h",
+        "cache_views.h",
+        "claimed_items.h",
+        "decode_model.h",
+        "int4_linear.h",
+        "int8_linear.h",
+        "packed_linear.h",
+        "selective_attention.h",
+        "tensor_ops.h",
+        "vec.h",
+    )
 )
 _MACHINES = ("x86_64", "AMD64")
-"""The kernels' vector paths are AVX2; elsewhere they would compile to slow scalar loops."""
+REQUIRED_FLAGS = frozenset({"avx2", "fma"})
+"""The kernels are written for AVX2 with FMA only (no scalar fallback): other x86_64 CPUs,
+and other machines, run the torch paths."""
 DISABLE_VARIABLE = "RAGKV_CPU_EXTENSION"
 """Set to 0 to never build or use the compiled CPU kernels (the torch paths run instead)."""
 CACHE_VARIABLE = "RAGKV_KERNEL_CACHE"
@@ -82,9 +94,11 @@ def build_directory() -> Path:
 
 
 def buildable() -> bool:
-    """Whether `load()` can be expected to succeed here (not disabled, a supported machine,
-    a C++ compiler and ninja present), without building anything."""
+    """Whether `load()` can be expected to succeed here (not disabled, an x86_64 CPU with
+    AVX2 and FMA, a C++ compiler and ninja present), without building anything."""
     if os.environ.get(DISABLE_VARIABLE, "1").strip() == "0" or platform.machine() not in _MACHINES:
+        return False
+    if not REQUIRED_FLAGS <= cpu_flags():
         return False
     return shutil.which(os.environ.get("CXX", "c++")) is not None and importlib.util.find_spec("ninja") is not None
 
@@ -94,7 +108,7 @@ def load() -> ModuleType | None:
     """The compiled module, building it on first call; None where it cannot be had."""
     if not buildable():
         log.info(
-            "compiled CPU kernels not built (disabled, %s, or no compiler/ninja); torch paths run instead",
+            "compiled CPU kernels not built (disabled, %s without AVX2/FMA, or no compiler/ninja); torch paths run",
             platform.machine(),
         )
         return None

@@ -15,7 +15,7 @@ import torch
 
 from ragkv.kernels import cpu_extension, reference, torch_cpu
 from ragkv.kernels.checks import FLOAT_DTYPES, check_dtype, require
-from ragkv.kernels.dispatch import Backend, select_backend
+from ragkv.kernels.dispatch import Backend, compiled, select_backend
 
 
 def _cpp_supports(q: torch.Tensor, keys: list[torch.Tensor]) -> bool:
@@ -74,7 +74,7 @@ def decode_attention(
             [launch_decode(q[b], keys[b], values[b], None, length, None, scale)[0] for b, length in enumerate(lengths)]
         )
     if chosen == "cpp":
-        out = cpu_extension.load().decode_attention(q.float().contiguous(), keys, values, list(lengths), scale)
+        out = compiled().decode_attention(q.float().contiguous(), keys, values, list(lengths), scale)
         return out.to(q.dtype)
     if device.type == "cpu":
         return torch_cpu.decode_attention(q, keys, values, lengths, scale)

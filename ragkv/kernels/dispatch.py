@@ -23,9 +23,12 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+from types import ModuleType
 from typing import Literal
 
 import torch
+
+from ragkv.kernels import cpu_extension
 
 Backend = Literal["auto", "torch", "triton", "flashinfer", "cpp"]
 BACKENDS: tuple[str, ...] = ("auto", "torch", "triton", "flashinfer", "cpp")
@@ -34,6 +37,12 @@ BACKENDS: tuple[str, ...] = ("auto", "torch", "triton", "flashinfer", "cpp")
 # it is the path the test-suite verifies (under the interpreter); the device decides
 # between the GPU ones and "cpp".
 _AUTO_ORDER: tuple[str, ...] = ("triton", "flashinfer", "cpp")
+
+
+def compiled() -> ModuleType | None:
+    """The compiled CPU kernels' module, built on first call; None where they cannot be had.
+    The one place that obtains it: every op and the compiled decode step ask here."""
+    return cpu_extension.load()
 
 
 class BackendUnavailableError(RuntimeError):
@@ -68,9 +77,7 @@ def _unusable_reason(backend: str, device: torch.device, forced: bool) -> str | 
     if backend == "cpp":
         if device.type != "cpu":
             return f"the compiled CPU kernels need CPU tensors, got {device.type}"
-        from ragkv.kernels import cpu_extension
-
-        if cpu_extension.load() is None:
+        if compiled() is None:
             return "the compiled CPU kernels could not be built here (see the log)"
         return None
     if backend == "flashinfer":

@@ -13,7 +13,7 @@ import torch
 
 from ragkv.kernels import cpu_extension, torch_cpu
 from ragkv.kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check_dtype, check_shape, common_device, require
-from ragkv.kernels.dispatch import Backend, select_backend
+from ragkv.kernels.dispatch import Backend, compiled, select_backend
 
 
 def _tile_sizes(dtype: torch.dtype, head_dim: int) -> tuple[int, int]:
@@ -91,7 +91,7 @@ def selective_attention(
         return torch_cpu.selective_attention(q_rows, k_cache, v_cache, row_positions, scale)
     if chosen == "cpp":
         limits = (row_positions.long() + 1).tolist()
-        out = cpu_extension.load().selective_attention(q_rows.transpose(0, 1), k_cache, v_cache, limits, scale)
+        out = compiled().selective_attention(q_rows.transpose(0, 1), k_cache, v_cache, limits, scale)
         return out.transpose(0, 1).to(q_rows.dtype)
 
     import triton

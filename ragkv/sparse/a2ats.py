@@ -40,7 +40,7 @@ from typing import ClassVar
 import torch
 
 from ragkv.engine.kv_cache import KVCache
-from ragkv.kernels import code_score_topk, cpu_extension
+from ragkv.kernels import code_score_topk, dispatch
 from ragkv.sparse.base import RowBuffer, Selector, SelectorOptions
 from ragkv.sparse.codebook import A2ATSCodebook
 from ragkv.sparse.prompt import PromptState, unrotate_keys
@@ -158,7 +158,7 @@ class A2ATS(Selector, options=A2ATSOptions):
         applies (an observer, SnapKV-evicted rows)."""
         if self.observer is not None or self.positions.table is not None or self.model.device.type != "cpu":
             return None
-        module = cpu_extension.load()
+        module = dispatch.compiled()
         if module is None:
             return None
         spans = self.compiled_spans(cache)

@@ -98,14 +98,12 @@ constexpr int64_t kHalfTile = kTileRows / 2;
 inline void rotate_coefficients(const float* coef, const float* rotary_row, int64_t dim, float* out) {
   const int64_t half = dim / 2;
   int64_t i = 0;
-#if defined(__AVX2__) && defined(__FMA__)
   for (; i + 8 <= half; i += 8) {
     const __m256 a = _mm256_loadu_ps(coef + i), b = _mm256_loadu_ps(coef + half + i);
     const __m256 c = _mm256_loadu_ps(rotary_row + i), s = _mm256_loadu_ps(rotary_row + half + i);
     _mm256_storeu_ps(out + i, _mm256_fmadd_ps(a, c, _mm256_mul_ps(b, s)));
     _mm256_storeu_ps(out + half + i, _mm256_fmsub_ps(b, c, _mm256_mul_ps(a, s)));
   }
-#endif
   for (; i < half; ++i) {
     const float a = coef[i], b = coef[half + i], c = rotary_row[i], s = rotary_row[half + i];
     out[i] = a * c + b * s;
@@ -122,7 +120,6 @@ inline void rotate(const float* x, const float* cos, const float* sin, int64_t d
   }
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
 // table[g][16 t + j] = rotated[g] . centroid 16 t + j, for Group query vectors and Tiles
 // consecutive tiles of 16 centroids ([D][16] int8 each, times scales[16 t + j]).
 template <int Group, int Tiles>
@@ -202,7 +199,6 @@ inline void lookup64(const float* table, const int16_t* codes, float* out, bool 
     _mm256_storeu_ps(out + 8 * v, accumulate ? _mm256_add_ps(_mm256_loadu_ps(out + 8 * v), looked) : looked);
   }
 }
-#endif
 
 // table[g][c] for the `group` query vectors of one KV head and centroids [c0, c1), both
 // multiples of kTileCentroids; tiles [C / kTileCentroids][D][kTileCentroids] int8, scales [C].
@@ -210,7 +206,6 @@ inline void table_block(const float* rotated, const int8_t* tiles, const float* 
                         int64_t c1, int64_t group, int64_t dim, float* table) {
   int64_t tile = c0 / kTileCentroids;
   const int64_t last = c1 / kTileCentroids, tile_size = dim * kTileCentroids;
-#if defined(__AVX2__) && defined(__FMA__)
   // tiles per pass so that group x 2 x tiles FMA chains hide the FMA latency
   for (int64_t g0 = 0; g0 < group; g0 += 3) {
     const float* r = rotated + g0 * dim;
@@ -230,7 +225,6 @@ inline void table_block(const float* rotated, const int8_t* tiles, const float* 
       }
   }
   tile = last;
-#endif
   for (; tile < last; ++tile)
     for (int64_t j = 0; j < kTileCentroids; ++j)
       for (int64_t g = 0; g < group; ++g) {
@@ -247,7 +241,6 @@ inline void score_block(const float* table, const float* coef, int64_t C, const 
                         const float* offsets, const float* half_turn, int64_t position, int64_t rows, int64_t group,
                         int64_t dim, float* scores, int64_t scores_stride, bool mean_key) {
   int64_t t = 0;
-#if defined(__AVX2__) && defined(__FMA__)
   alignas(32) float at_row[kMaxDim], middle[2][kMaxDim];
   const float* middles[2] = {middle[0], middle[1]};
   for (int64_t g = 0; g < group; ++g)
@@ -268,7 +261,6 @@ inline void score_block(const float* table, const float* coef, int64_t C, const 
       for (int i = 0; i < tiles; ++i) lookup64(table + g * C, codes + t + i * kTileRows, out + i * kTileRows, mean_key);
       t += tiles * kTileRows;
     }
-#endif
   for (; t < rows; ++t)
     for (int64_t g = 0; g < group; ++g) {
       float s = table[g * C + codes[t]];
@@ -291,7 +283,6 @@ inline uint32_t digit(int32_t key, int shift, uint32_t mask) {
   return (static_cast<uint32_t>(key) ^ 0x80000000u) >> shift & mask;
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
 inline __m256i order_keys8(const float* values) {
   const __m256i bits = _mm256_castps_si256(_mm256_loadu_ps(values));
   return _mm256_xor_si256(bits, _mm256_and_si256(_mm256_srai_epi32(bits, 31), _mm256_set1_epi32(0x7FFFFFFF)));
@@ -316,7 +307,6 @@ inline int64_t append_selected(__m256i items, int mask, int32_t* out, int64_t co
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + count), _mm256_permutevar8x32_epi32(items, order));
   return count + __builtin_popcount(mask);
 }
-#endif
 
 // The k-th largest of n order keys, how many keys equal to it are among the k largest, and
 // how many keys equal it. Radix select, kRadixBits (kNarrowRadixBits when few keys are left)
@@ -354,14 +344,12 @@ inline Threshold radix_threshold(const int32_t* keys, int64_t n, int64_t k) {
     // keep the keys of the boundary bin, [lowest, highest] as signed keys
     const int32_t lowest = static_cast<int32_t>(prefix ^ 0x80000000u), highest = lowest + ((1 << shift) - 1);
     int64_t kept = 0, t = 0;
-#if defined(__AVX2__) && defined(__FMA__)
     const __m256i below = _mm256_set1_epi32(lowest - 1), above = _mm256_set1_epi32(highest);
     for (; t + 8 <= count; t += 8) {
       const __m256i key = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(level_keys + t));
       const __m256i inside = _mm256_andnot_si256(_mm256_cmpgt_epi32(key, above), _mm256_cmpgt_epi32(key, below));
       kept = append_selected(key, _mm256_movemask_ps(_mm256_castsi256_ps(inside)), narrowed, kept);
     }
-#endif
     for (; t < count; ++t) {
       narrowed[kept] = level_keys[t];
       kept += level_keys[t] >= lowest && level_keys[t] <= highest;
@@ -376,7 +364,6 @@ inline Threshold radix_threshold(const int32_t* keys, int64_t n, int64_t k) {
 // (both buffers need 7 spare entries); returns how many.
 inline int64_t keys_at_least(const float* values, int64_t n, int32_t bound, int32_t* keys, int32_t* positions) {
   int64_t count = 0, j = 0;
-#if defined(__AVX2__) && defined(__FMA__)
   const __m256i floor = _mm256_set1_epi32(bound), step = _mm256_set1_epi32(8);
   __m256i position = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   for (; j + 8 <= n; j += 8, position = _mm256_add_epi32(position, step)) {
@@ -385,7 +372,6 @@ inline int64_t keys_at_least(const float* values, int64_t n, int32_t bound, int3
     append_selected(key, below ^ 0xFF, keys, count);
     count = append_selected(position, below ^ 0xFF, positions, count);
   }
-#endif
   for (; j < n; ++j) {
     keys[count] = order_key(values[j]);
     positions[count] = static_cast<int32_t>(j);
@@ -435,7 +421,6 @@ inline void top_k(const float* values, int64_t n, int64_t k, int64_t offset, int
   }
   // every value >= the k-th is kept: exactly k of them
   int32_t* kept = scratch<31, int32_t>(k + 8);
-#if defined(__AVX2__) && defined(__FMA__)
   const __m256i floor = _mm256_set1_epi32(threshold.key);
   for (; j + 8 <= count; j += 8) {
     const __m256i key = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(keys + j));
@@ -443,7 +428,6 @@ inline void top_k(const float* values, int64_t n, int64_t k, int64_t offset, int
     taken = append_selected(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(positions + j)), below ^ 0xFF, kept,
                             taken);
   }
-#endif
   for (; j < count; ++j) {
     kept[taken] = positions[j];
     taken += keys[j] >= threshold.key;
@@ -456,11 +440,9 @@ template <typename T>
 inline void copy_row(const T* row, int64_t dim, T* out) {
   const int64_t bytes = dim * static_cast<int64_t>(sizeof(T));
   int64_t offset = 0;
-#if defined(__AVX2__) && defined(__FMA__)
   for (; offset + 32 <= bytes; offset += 32)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(reinterpret_cast<char*>(out) + offset),
                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(reinterpret_cast<const char*>(row) + offset)));
-#endif
   if (offset < bytes)  // only for a tail: a memcpy call per row costs a visible share of a scattered row's read
     std::memcpy(reinterpret_cast<char*>(out) + offset, reinterpret_cast<const char*>(row) + offset, bytes - offset);
 }
@@ -732,14 +714,12 @@ void a2ats_attention(const float* q, const CacheView<T>& view, const A2atsLayer&
   // stream the tiles from DRAM (its linears' weights pass through L2 in between; the
   // tiles then wait in L3).
   auto warm_next_tiles = [&](int64_t h, int64_t block) {
-#if defined(__AVX2__) && defined(__FMA__)
     if (plan.next_centroid_tiles == nullptr) return;
     const int64_t items = kv_heads * kept_blocks, item = h * kept_blocks + block;
     const int64_t lines = (plan.next_tiles_bytes + 63) / 64;
     const char* tiles = reinterpret_cast<const char*>(plan.next_centroid_tiles);
     for (int64_t line = lines * item / items; line < lines * (item + 1) / items; ++line)
       _mm_prefetch(tiles + 64 * line, _MM_HINT_T1);
-#endif
   };
 
   // (4) one block of head h's kept rows

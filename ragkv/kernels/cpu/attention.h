@@ -23,9 +23,7 @@
 #include "claimed_items.h"
 #include "vec.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
-#endif
 
 namespace ragkv {
 
@@ -71,7 +69,6 @@ constexpr int64_t kMaxDim = 256;
 template <typename T>
 inline void prefetch_rows(const T* base, int64_t row, int64_t count, int64_t row_stride, int64_t dim,
                           bool l2_only = false) {
-#if defined(__AVX2__) && defined(__FMA__)
   const int64_t bytes = dim * static_cast<int64_t>(sizeof(T));
   for (int64_t j = 0; j < count; ++j) {
     const char* line = reinterpret_cast<const char*>(base + (row + j) * row_stride);
@@ -82,10 +79,8 @@ inline void prefetch_rows(const T* base, int64_t row, int64_t count, int64_t row
         _mm_prefetch(line + offset, _MM_HINT_T0);
     }
   }
-#endif
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 
 inline __m256 load8(const at::BFloat16* p) {
@@ -236,38 +231,6 @@ inline std::pair<float, float> block_softmax(float* scores, int64_t rows) {
   }
   return {m, sum};
 }
-#else
-inline std::pair<float, float> block_softmax(float* scores, int64_t rows) {
-  float m = -std::numeric_limits<float>::infinity();
-  for (int64_t r = 0; r < rows; ++r) m = std::max(m, scores[r]);
-  float sum = 0.f;
-  for (int64_t r = 0; r < rows; ++r) {
-    scores[r] = exp_nonpositive(scores[r] - m);
-    sum += scores[r];
-  }
-  return {m, sum};
-}
-template <typename T>
-void block_scores(const float* q, const T* keys, const T* values, int64_t row_stride, int64_t rows, int64_t group,
-                  int64_t dim, float* scores, int64_t scores_stride, bool /*streaming*/ = false) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t g = 0; g < group; ++g) {
-      float s = 0.f;
-      for (int64_t d = 0; d < dim; ++d) s += q[g * dim + d] * load_float(keys + r * row_stride, d);
-      scores[g * scores_stride + r] = s;
-    }
-}
-
-template <typename T>
-void block_values(const float* p, const T* values, int64_t row_stride, int64_t rows, int64_t group, int64_t dim,
-                  int64_t p_stride, float* partial) {
-  for (int64_t g = 0; g < group; ++g) std::fill(partial + g * (dim + 2), partial + g * (dim + 2) + dim, 0.f);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t g = 0; g < group; ++g)
-      for (int64_t d = 0; d < dim; ++d)
-        partial[g * (dim + 2) + d] += p[g * p_stride + r] * load_float(values + r * row_stride, d);
-}
-#endif
 
 // One block of rows of one KV head: for each of its `group` query heads the block's score
 // max, exp-sum and exp-weighted value sum, written to `partial` = [group][dim + 2].

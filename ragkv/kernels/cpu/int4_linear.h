@@ -25,9 +25,7 @@
 #include "claimed_items.h"
 #include "vec.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
-#endif
 
 namespace ragkv {
 
@@ -57,21 +55,6 @@ T* scratch(int64_t size) {
   return thread_buffer<Scratch, Slot, T>(size);
 }
 
-inline float quantize_group(const float* x, int8_t* codes, int64_t* code_sum) {
-  float peak = 0.f;
-  for (int i = 0; i < kInt4Group; ++i) peak = std::max(peak, std::fabs(x[i]));
-  const float inverse = peak > 0.f ? 127.f / peak : 0.f;
-  int64_t sum = 0;
-  for (int i = 0; i < kInt4Group; ++i) {
-    const int code = static_cast<int>(std::nearbyint(x[i] * inverse));
-    codes[i] = static_cast<int8_t>(code);
-    sum += code;
-  }
-  *code_sum = sum;
-  return peak / 127.f;
-}
-
-#if defined(__AVX2__) && defined(__FMA__)
 inline float quantize_group_avx2(const float* x, int8_t* codes, int64_t* code_sum) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 v[4], peak = _mm256_setzero_ps();
@@ -95,9 +78,7 @@ inline float quantize_group_avx2(const float* x, int8_t* codes, int64_t* code_su
   *code_sum = _mm_cvtsi128_si32(total);
   return top / 127.f;
 }
-#endif
 
-#if defined(__AVX2__) && defined(__FMA__)
 constexpr int64_t kNearTiles = 4;  // tiles ahead fetched into L1 (a tile: 2 channels, 768 bytes for SmolLM2)
 constexpr int64_t kFarTiles = 64;  // and into L2
 
@@ -114,10 +95,8 @@ inline void group_scales(const QuantizedRows& x, const uint8_t* row, int64_t slo
     minimums[r][j] = _mm256_fmadd_ps(m, _mm256_loadu_ps(x.code_sum + r * x.scale_stride + group), minimums[r][j]);
   }
 }
-#endif
 
 // Rows x[0:Rows] (quantized) against output channels [o, o + Outs).
-#if defined(__AVX2__) && defined(__FMA__)
 template <int Rows, int Outs>
 inline void int4_tile(const QuantizedRows& x, const uint8_t* w, int64_t in, int64_t o, float* y, int64_t y_stride) {
   const int64_t stride = int4_row_bytes(in), pairs = int4_pairs(in), slots = int4_scale_slots(in);
@@ -221,26 +200,6 @@ inline void int4_rows(const QuantizedRows& x, const uint8_t* w, int64_t in, int6
   for (; o < end; ++o) int4_tile<Rows, 1>(x, w, in, o, y, y_stride);
 #endif
 }
-#endif
-
-// The portable path: the same integer dot products per group, one weight at a time.
-inline void int4_row_portable(const QuantizedRows& x, int64_t r, const uint8_t* row, int64_t in, float* out) {
-  const int64_t pairs = int4_pairs(in), slots = int4_scale_slots(in);
-  const at::Half* d = reinterpret_cast<const at::Half*>(row + 32 * pairs);
-  const at::Half* m = d + slots;
-  const int8_t* codes = x.codes + r * x.codes_stride;
-  float sum = 0.f;
-  for (int64_t block = 0; block < 2 * pairs; ++block) {
-    int32_t dot = 0;
-    for (int64_t i = 0; i < kInt4Group; ++i) {
-      const uint8_t byte = row[32 * (block / 2) + i];
-      dot += (block % 2 ? byte >> 4 : byte & 0x0F) * codes[kInt4Group * block + i];
-    }
-    sum += static_cast<float>(d[block]) * x.scale[r * x.scale_stride + block] * static_cast<float>(dot) +
-           static_cast<float>(m[block]) * x.code_sum[r * x.scale_stride + block];
-  }
-  *out = sum;
-}
 
 }  // namespace int4_detail
 
@@ -261,11 +220,7 @@ inline QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t in) {
       const float* group = x + r * in + block * kInt4Group;
       int8_t* group_codes = codes + r * codes_stride + block * kInt4Group;
       int64_t sum = 0;
-#if defined(__AVX2__) && defined(__FMA__)
       const float d = quantize_group_avx2(group, group_codes, &sum);
-#else
-      const float d = quantize_group(group, group_codes, &sum);
-#endif
       scale[r * slots + block] = d;
       code_sum[r * slots + block] = d * static_cast<float>(sum);
     }
@@ -281,7 +236,6 @@ inline void int4_linear(const float* x, int64_t rows, int64_t in, const uint8_t*
   const int64_t blocks = (out + kChannelBlock - 1) / kChannelBlock, stride = int4_row_bytes(in);
   for_each_claimed(blocks, [&](int64_t index) {
     const int64_t block = index * kChannelBlock, block_end = std::min(block + kChannelBlock, out);
-#if defined(__AVX2__) && defined(__FMA__)
     for (int64_t r = 0; r < rows; r += 4) {
       QuantizedRows tile = quantized;
       tile.codes += r * quantized.codes_stride;
@@ -295,10 +249,6 @@ inline void int4_linear(const float* x, int64_t rows, int64_t in, const uint8_t*
         default: int4_detail::int4_rows<4>(tile, w, in, block, block_end, yr, out); break;
       }
     }
-#else
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t o = block; o < block_end; ++o) int4_detail::int4_row_portable(quantized, r, w + o * stride, in, y + r * out + o);
-#endif
   });
 }
 

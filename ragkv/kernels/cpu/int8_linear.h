@@ -17,13 +17,10 @@
 #include "claimed_items.h"
 #include "vec.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
-#endif
 
 namespace ragkv {
 
-#if defined(__AVX2__) && defined(__FMA__)
 constexpr int64_t kInt8NearTiles = 1;  // tiles ahead fetched into L1 (a tile: 8 channels, 4.6 KB for SmolLM2's head)
 constexpr int64_t kInt8FarTiles = 64;  // and into L2
 
@@ -60,7 +57,6 @@ inline void int8_rows(const float* x, int64_t x_stride, const int8_t* w, int64_t
   for (; o + Outs <= end; o += Outs) int8_tile<Rows, Outs>(x, x_stride, w, in, o, scales, y, y_stride);
   for (; o < end; ++o) int8_tile<Rows, 1>(x, x_stride, w, in, o, scales, y, y_stride);
 }
-#endif
 
 // x [rows, in] and y [rows, out], both float32 and row-major; `in` a multiple of 8 on AVX2.
 // The threads claim blocks of output channels one at a time (claimed_items.h).
@@ -73,7 +69,6 @@ inline void int8_linear(const float* x, int64_t rows, int64_t in, const int8_t* 
   const int64_t blocks = (out + block_channels - 1) / block_channels;
   for_each_claimed(blocks, [&](int64_t index) {
     const int64_t block = index * block_channels, block_end = std::min(block + block_channels, out);
-#if defined(__AVX2__) && defined(__FMA__)
     for (int64_t r = 0; r < rows; r += 4) {
       const float* xr = x + r * in;
       float* yr = y + r * out;
@@ -84,14 +79,6 @@ inline void int8_linear(const float* x, int64_t rows, int64_t in, const int8_t* 
         default: int8_rows<4>(xr, in, w, in, block, block_end, scales, yr, out); break;
       }
     }
-#else
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t o = block; o < block_end; ++o) {
-        float s = 0.f;
-        for (int64_t i = 0; i < in; ++i) s += x[r * in + i] * static_cast<float>(w[o * in + i]);
-        y[r * out + o] = s * load_float(scales, o);
-      }
-#endif
   });
 }
 

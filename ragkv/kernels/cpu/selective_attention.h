@@ -36,7 +36,6 @@ struct LaneTile {
   std::vector<float> max, sum;   // [kLanes] running score max and exp-sum
 };
 
-#if defined(__AVX2__) && defined(__FMA__)
 // scores[j][lane] = keys[j] . q[:, lane] for `rows` (a multiple of 4) rows and Vectors
 // 8-lane groups: each key element is broadcast once and multiplies every lane vector.
 template <int Vectors>
@@ -146,30 +145,6 @@ void attend_tile(const T* keys, const T* values, int64_t row_stride, int64_t dim
     }
   }
 }
-#else
-template <typename T>
-void attend_tile(const T* keys, const T* values, int64_t row_stride, int64_t dim, LaneTile& tile) {
-  for (int64_t lane = 0; lane < tile.lanes; ++lane) {
-    const int64_t visible = static_cast<int64_t>(tile.limit[lane]);
-    std::vector<float> scores(visible);
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t j = 0; j < visible; ++j) {
-      float s = 0.f;
-      for (int64_t d = 0; d < dim; ++d) s += tile.q[d * kLanes + lane] * load_float(keys + j * row_stride, d);
-      scores[j] = s;
-      m = std::max(m, s);
-    }
-    float total = 0.f;
-    for (int64_t j = 0; j < visible; ++j) {
-      const float e = std::exp(scores[j] - m);
-      total += e;
-      for (int64_t d = 0; d < dim; ++d) tile.acc[d * kLanes + lane] += e * load_float(values + j * row_stride, d);
-    }
-    tile.max[lane] = m;
-    tile.sum[lane] = total;
-  }
-}
-#endif
 
 // q [n][heads][dim] float32, pre-scaled by the softmax scale; keys/values one cache layer
 // (`head_stride` elements between KV heads, `row_stride` between rows); limits[i] >= 1 the

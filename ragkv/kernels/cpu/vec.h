@@ -1,4 +1,4 @@
-// Scalar and AVX2 helpers shared by the CPU kernels: per-thread scratch buffers, widening
+// AVX2 helpers shared by the CPU kernels: per-thread scratch buffers, widening
 // bf16 to float32, fetching a linear's weights ahead and reducing a vector's lanes.
 #pragma once
 
@@ -8,8 +8,12 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+
+// The kernels are written for AVX2 with FMA only (cpu_extension.buildable() builds them on
+// no other CPU; there the torch paths run), so no untested scalar fallback exists.
+#if !defined(__AVX2__) || !defined(__FMA__)
+#error "the compiled CPU kernels need AVX2 and FMA (-march=native on a CPU that has them)"
 #endif
 
 namespace ragkv {
@@ -32,7 +36,6 @@ inline float load_float(const at::BFloat16* p, int64_t i) {
   return out;
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
 // The weight tile `near` tiles on from `tile` into L1 and the one `far` tiles on into L2 (a
 // tile is `bytes` long), for a few-row linear that streams its weights once: the hardware
 // prefetcher follows a thread's interleaved rows too late, and with L1 fetches alone one
@@ -51,6 +54,5 @@ inline float sum_lanes(__m256 v) {
   s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
   return _mm_cvtss_f32(s);
 }
-#endif
 
 }  // namespace ragkv
