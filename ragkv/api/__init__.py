@@ -4,5 +4,5 @@ Routes in api/routes, request schemas in api/schemas.py, the model worker that o
 engine in api/worker.py (requests reach the scheduler through api/request_stream.py, other
 work is an api/task.py Task), what it runs in api/service.py, the session id check in
 api/sessions.py (the session store is ragkv.app.session_store), ingestion task records
-(GET /v1/jobs) in api/ingest_records.py, API keys in api/auth.py, metrics in api/metrics.py.
+(GET /v1/jobs) in app/ingest_records.py, API keys in api/auth.py, metrics in api/metrics.py.
 """
