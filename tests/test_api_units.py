@@ -15,11 +15,13 @@ import pytest
 from ragkv.api.auth import Authenticator, load_api_keys
 from ragkv.api.config import ServeConfig
 from ragkv.api.errors import ApiError, QueueFullError
-from ragkv.api.ingest_records import SUCCEEDED, IngestRecords
+from ragkv.api.protocol.documents import JobProgress
 from ragkv.api.request_stream import RequestStream
 from ragkv.api.schemas import ChatRequest, QueryRequest, generation_config, query_config
+from ragkv.api.serving.documents import job_status
 from ragkv.api.task import Task
 from ragkv.api.worker import ModelWorker
+from ragkv.app.ingest_records import SUCCEEDED, IngestRecords
 from ragkv.app.request import Request, RequestCancelled
 from ragkv.app.scheduler import Scheduler, SchedulerConfig
 from ragkv.engine.generation import GenerationConfig
@@ -107,10 +109,12 @@ def test_job_registry_is_per_tenant(tmp_path):
     jobs = IngestRecords(LMDBEnvironment(tmp_path / "db"))
     record = jobs.create("alpha", "ingest", "doc.txt")
     jobs.progress(record, 1, 4)
-    assert jobs.get("alpha", record.id).to_dict()["progress"] == {"chunks_done": 1, "chunks_total": 4, "fraction": 0.25}
+    assert job_status(jobs.get("alpha", record.id)).progress == JobProgress(
+        chunks_done=1, chunks_total=4, fraction=0.25
+    )
     assert jobs.get("beta", record.id) is None
-    jobs.finish(record, SUCCEEDED, result={"ok": True})
-    assert jobs.get("alpha", record.id).to_dict()["status"] == SUCCEEDED
+    jobs.finish(record, SUCCEEDED)
+    assert job_status(jobs.get("alpha", record.id)).status == SUCCEEDED
 
 
 def test_a_job_whose_process_died_reads_as_failed(tmp_path):
@@ -119,7 +123,7 @@ def test_a_job_whose_process_died_reads_as_failed(tmp_path):
             sys.executable,
             "-c",
             (
-                "import os, sys; from ragkv.api.ingest_records import IngestRecords\n"
+                "import os, sys; from ragkv.app.ingest_records import IngestRecords\n"
                 "from ragkv.store.lmdb_env import LMDBEnvironment\n"
                 "jobs = IngestRecords(LMDBEnvironment(sys.argv[1]))\n"
                 "record = jobs.create('alpha', 'ingest', 'big.txt')\n"
@@ -135,9 +139,9 @@ def test_a_job_whose_process_died_reads_as_failed(tmp_path):
     assert killed.returncode == -9, killed.stderr
     job_id = killed.stdout.strip()
     jobs = IngestRecords(LMDBEnvironment(tmp_path / "db"))
-    shown = jobs.get("alpha", job_id).to_dict()
-    assert shown["status"] == "failed" and shown["error"]["code"] == "interrupted"
-    assert shown["progress"]["chunks_done"] == 3 and jobs.get("beta", job_id) is None
+    shown = job_status(jobs.get("alpha", job_id))
+    assert shown.status == "failed" and shown.error.code == "interrupted"
+    assert shown.progress.chunks_done == 3 and jobs.get("beta", job_id) is None
     assert [record.id for record in jobs.list("alpha")] == [job_id]
 
 

@@ -23,6 +23,10 @@ ENGINE = ("ragkv.engine", "ragkv.fusion", "ragkv.sparse")
 LEAVES = ("ragkv.kernels", "ragkv.store")
 APPLICATION = ("ragkv.app", "ragkv.ingest", "ragkv.api", "ragkv.cli", "ragkv.bench")
 
+# Error types every layer may raise and the API maps to statuses: the API may import these
+# modules of lower layers, and nothing else of them.
+SHARED_ERRORS = ("ragkv.ingest.errors", "ragkv.store.errors")
+
 # What each layer may import from ragkv; anything else of ragkv is a violation.
 ALLOWED = {
     "ragkv.kernels": ("ragkv.kernels",),
@@ -32,7 +36,8 @@ ALLOWED = {
     "ragkv.sparse": ENGINE + ("ragkv.kernels",),
     "ragkv.ingest": ENGINE + LEAVES + ("ragkv.ingest",),
     "ragkv.app": ENGINE + LEAVES + ("ragkv.ingest", "ragkv.app"),
-    "ragkv.api": ENGINE + LEAVES + ("ragkv.ingest", "ragkv.app", "ragkv.api"),
+    # The API converts requests and responses: it composes nothing below the application.
+    "ragkv.api": ("ragkv.app", "ragkv.api") + SHARED_ERRORS,
 }
 
 
@@ -101,6 +106,14 @@ def test_the_checker_sees_a_violation(tmp_path):
         assert not within("ragkv.store.blob", ALLOWED["ragkv.engine"])
     finally:
         fake.unlink()
+
+
+def test_the_api_may_import_only_the_application_and_shared_errors():
+    api = ALLOWED["ragkv.api"]
+    assert within("ragkv.app.request_types", api) and within("ragkv.store.errors", api)
+    below_the_application = ("ragkv.engine.generation", "ragkv.fusion", "ragkv.sparse", "ragkv.ingest.registry")
+    for below in below_the_application + ("ragkv.store.url",):
+        assert not within(below, api), below
 
 
 @pytest.mark.slow

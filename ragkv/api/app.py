@@ -13,7 +13,6 @@ import logging
 import threading
 from collections.abc import Iterator
 from contextlib import asynccontextmanager
-from urllib.parse import parse_qsl, urlsplit
 
 from fastapi import FastAPI
 
@@ -21,38 +20,21 @@ from ragkv.api.access_log import AccessLogMiddleware
 from ragkv.api.auth import Authenticator, load_api_keys
 from ragkv.api.config import ServeConfig
 from ragkv.api.errors import install_error_handlers
-from ragkv.api.ingest_records import IngestRecords
 from ragkv.api.metrics import Metrics, Reading
 from ragkv.api.middleware import ServingMiddleware
 from ragkv.api.openapi import install_docs
 from ragkv.api.responses import SafeJSONResponse
 from ragkv.api.routes import chat, completions, documents, query, responses, system
 from ragkv.api.service import Service
-from ragkv.api.state import AppState, redis_tiers
+from ragkv.api.state import AppState
 from ragkv.api.vllm_metrics import scheduler_reading
 from ragkv.api.worker import ModelWorker
+from ragkv.app.ingest_records import IngestRecords
 from ragkv.app.runtime import Runtime
 from ragkv.app.scheduler import Scheduler, SchedulerConfig
-from ragkv.app.session_store import open_sessions
-from ragkv.store.blob import mac_key_of
+from ragkv.app.session_store import open_sessions, session_mac_key, sessions_url
 
 log = logging.getLogger("ragkv.api")
-
-
-def redis_url_of_store(store_url: str | None) -> str | None:
-    """The Redis server (or cluster) a chunk store URL names (redis://..., redis+cluster://...
-    or tiered+lmdb://...?redis=...)."""
-    if not store_url:
-        return None
-    parts = urlsplit(store_url)
-    if parts.scheme in ("redis", "rediss", "redis+cluster", "rediss+cluster"):
-        return f"{parts.scheme}://{parts.netloc}{parts.path}"
-    if parts.scheme == "tiered+lmdb":
-        nested = dict(parse_qsl(parts.query.replace("+", "%2B"))).get("redis")  # '+' of redis+cluster:// kept
-        if nested:
-            inner = urlsplit(nested)
-            return f"{inner.scheme}://{inner.netloc}{inner.path}"
-    return None
 
 
 def _readings(state: AppState) -> Iterator[Reading]:
@@ -94,9 +76,9 @@ def _readings(state: AppState) -> Iterator[Reading]:
         )
     if stats.lru is not None:
         yield "gauge", "ragkv_store_lru_bytes", "Bytes in the in-process chunk LRU", {}, stats.lru.bytes
-    redis_up = [tier.healthy() for tier in redis_tiers(state.runtime.store)]
-    if redis_up:
-        yield "gauge", "ragkv_redis_up", "1 if Redis answers PING", {"role": "chunks"}, float(all(redis_up))
+    store_redis_up = state.runtime.store_status().redis_up
+    if store_redis_up is not None:
+        yield "gauge", "ragkv_redis_up", "1 if Redis answers PING", {"role": "chunks"}, float(store_redis_up)
     sessions = state.sessions.stats()
     if state.sessions.backend == "redis":
         yield "gauge", "ragkv_redis_up", "1 if Redis answers PING", {"role": "sessions"}, float(sessions["redis_up"])
@@ -129,7 +111,7 @@ def _readings(state: AppState) -> Iterator[Reading]:
     registry_up = state.runtime.registry.healthy()
     if registry_up is not None:
         yield "gauge", "ragkv_redis_up", "1 if Redis answers PING", {"role": "registry"}, float(registry_up)
-    degraded = (redis_up and not all(redis_up)) or sessions.get("redis_up") is False or registry_up is False
+    degraded = store_redis_up is False or sessions.get("redis_up") is False or registry_up is False
     yield "gauge", "ragkv_degraded", "1 while a fallback is in use (Redis unreachable)", {}, float(bool(degraded))
     for status, count in state.ingest_records.counts().items():
         yield "gauge", "ragkv_ingest_jobs", "Ingestion jobs by status", {"status": status}, count
@@ -142,7 +124,7 @@ def _readings(state: AppState) -> Iterator[Reading]:
 def _build_state(config: ServeConfig, metrics: Metrics) -> AppState:
     runtime = Runtime(config.runtime)
     try:
-        session_url = config.session_store or redis_url_of_store(config.runtime.store_url)
+        session_url = sessions_url(config.session_store, config.runtime.store_url)
         sessions = open_sessions(
             session_url,
             int(config.session_memory_mb * (1 << 20)),
@@ -150,7 +132,7 @@ def _build_state(config: ServeConfig, metrics: Metrics) -> AppState:
             config.session_ttl_s,
             config.session_lock_ttl_s,
             shared_bytes=int(config.shared_context_mb * (1 << 20)),
-            mac_key=mac_key_of(config.runtime.store_secret) if config.runtime.store_secret else None,
+            mac_key=session_mac_key(config.runtime.store_secret),
         )
         engine = runtime.engine
         scheduler = Scheduler(

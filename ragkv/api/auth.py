@@ -17,8 +17,8 @@ from pathlib import Path
 from fastapi import Request
 
 from ragkv.api.errors import ApiError
+from ragkv.app.request_types import check_tenant
 from ragkv.ingest.errors import InputError
-from ragkv.ingest.registry import check_tenant
 
 DEFAULT_TENANT = "default"
 ENV_VAR = "RAGKV_API_KEYS"

@@ -16,7 +16,7 @@ from ragkv.api.schemas import (
     StreamOptions,
     UnicodeText,
 )
-from ragkv.engine.generation import MAX_LOGPROBS
+from ragkv.app.request_types import MAX_LOGPROBS
 
 MAX_PROMPTS = 16
 MAX_EMBEDDING_INPUTS = 256  # OpenAI takes 2048; one request must not hold the CPU worker long

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ragkv.app.request_types import DEFAULT_RETRIEVAL, RETRIEVAL_MODES
 from ragkv.app.runtime import RuntimeConfig
-from ragkv.ingest.index.hybrid import DEFAULT_RETRIEVAL, RETRIEVAL_MODES
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000

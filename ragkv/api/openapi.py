@@ -17,7 +17,7 @@ from fastapi.responses import HTMLResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 from ragkv.api.config import ServeConfig
-from ragkv.api.responses_schema import ErrorResponse
+from ragkv.api.protocol.common import ErrorResponse
 from ragkv.api.schemas import DocumentCreate
 
 SWAGGER_ASSETS = Path(__file__).resolve().parent / "static" / "swagger-ui"

@@ -17,17 +17,19 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, f
 from ragkv.api.config import ServeConfig
 from ragkv.api.errors import ApiError
 from ragkv.app.rag import QueryConfig
-from ragkv.engine.generation import MAX_LOGPROBS, GenerationConfig
-from ragkv.engine.sampling import SamplingConfig
-from ragkv.fusion import DEFAULT_STRATEGY, STRATEGY_NAMES, FusionConfig
+from ragkv.app.request_types import (
+    DEFAULT_STRATEGY,
+    MAX_LOGPROBS,
+    RETRIEVAL_MODES,
+    SELECTOR_NAMES,
+    STRATEGY_NAMES,
+    FusionConfig,
+    GenerationConfig,
+    MetadataFilter,
+    SamplingConfig,
+    SparseConfig,
+)
 from ragkv.ingest.errors import InputError
-from ragkv.ingest.index.filters import MetadataFilter
-from ragkv.ingest.index.hybrid import RETRIEVAL_MODES
-
-try:  # sparse decode (ragkv.sparse) is optional in this layer: without it only dense decode is served
-    from ragkv.sparse import SELECTOR_NAMES, SparseConfig
-except ImportError:  # pragma: no cover - depends on the engine build
-    SELECTOR_NAMES, SparseConfig = ("dense",), None
 
 MAX_METADATA_BYTES = 16 * 1024
 DEFAULT_MAX_TOKENS = 128

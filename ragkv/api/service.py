@@ -25,8 +25,8 @@ from ragkv.app.contexts import ContextStore
 from ragkv.app.query import QueryInfo, query_request
 from ragkv.app.rag import QueryConfig
 from ragkv.app.request import Completion, Request
+from ragkv.app.request_types import GenerationConfig
 from ragkv.app.runtime import Runtime
-from ragkv.engine.generation import GenerationConfig
 from ragkv.ingest.errors import InputError
 
 

@@ -17,13 +17,12 @@ The block is not part of the session: the next turn re-reads the answer without 
 
 from __future__ import annotations
 
+from ragkv.api.protocol.common import Citation
 
-def sources_block(citations: list[dict], session_id: str) -> str:
+
+def sources_block(citations: list[Citation], session_id: str) -> str:
     if not citations:
         return f"\n\nSources: none\n\nSession: {session_id}"
     markers = "".join(f"[{number}]" for number in range(1, len(citations) + 1))
-    lines = [
-        f"[{number}] {c['name']}, chunk {c['chunk_index']} ({c['document_id']})"
-        for number, c in enumerate(citations, 1)
-    ]
+    lines = [f"[{number}] {c.name}, chunk {c.chunk_index} ({c.document_id})" for number, c in enumerate(citations, 1)]
     return f" {markers}\n\nSources:\n" + "\n".join(lines) + f"\n\nSession: {session_id}"

@@ -93,18 +93,6 @@ class Answer:
     timings: dict[str, float]
     strategy: str
 
-    def to_dict(self) -> dict:
-        """The fields and names of the API's /v1/query answer."""
-        return {
-            "object": "query",
-            "answer": self.text,
-            "finish_reason": self.finish_reason.value,
-            "strategy": self.strategy,
-            "citations": [citation.to_dict() for citation in self.citations],
-            "usage": self.usage.to_dict(),
-            "timings": self.timings,
-        }
-
 
 def ask(rag: RagPipeline, question: str, tenant: str = "default", config: QueryConfig = QueryConfig()) -> Answer:
     """Answer one question through the same scheduler path the server uses."""

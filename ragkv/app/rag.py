@@ -64,19 +64,6 @@ class Citation:
     page: int | None = None
     """1-based page where the chunk starts, for documents with pages (PDF)."""
 
-    def to_dict(self) -> dict:
-        """The API's citation fields (POST /v1/query)."""
-        return {
-            "document_id": self.doc_id,
-            "name": self.name,
-            "chunk_index": self.chunk_index,
-            "char_start": self.char_start,
-            "char_end": self.char_end,
-            "score": self.score,
-            "text": self.text,
-            "page": self.page,
-        }
-
 
 @dataclass
 class PreparedQuery:

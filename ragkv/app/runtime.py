@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from ragkv.app.codebooks import attach_codebook
 from ragkv.app.fusion_calibration import attach_calibration
 from ragkv.app.rag import RagPipeline
+from ragkv.app.status import DefaultFusion, StoreStatus, default_fusion, store_status
 from ragkv.app.storage import Storage, StorageConfig
 from ragkv.engine import Engine, EngineConfig
 from ragkv.ingest.embedder import Embedder
@@ -46,6 +47,13 @@ class Runtime:
             self.engine, self.store, self.registry, self.embedder, self.storage.journal, config.ingest
         )
         self.rag = RagPipeline(self.engine, self.store, self.registry, self.embedder)
+
+    def store_status(self) -> StoreStatus:
+        """The chunk store's health; pings Redis (blocking: call from a thread)."""
+        return store_status(self.store)
+
+    def default_fusion(self) -> DefaultFusion:
+        return default_fusion(self.engine)
 
     def close(self) -> None:
         self.storage.close()

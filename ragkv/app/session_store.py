@@ -44,9 +44,11 @@ from ragkv.app.contexts import (
     SessionStoreUnavailableError,
 )
 from ragkv.app.shared_contexts import SharedContextConfig, SharedContexts
+from ragkv.store.blob import mac_key_of
 from ragkv.store.errors import CorruptBlobError
 from ragkv.store.redis_client import ERRORS, hash_tag
 from ragkv.store.redis_link import RedisLink
+from ragkv.store.url import redis_url_of_store
 
 log = logging.getLogger("ragkv.app.session_store")
 
@@ -374,3 +376,14 @@ def open_sessions(
         return memory
     shared = SharedContextConfig(shared_bytes, ttl_s) if shared_bytes > 0 else None
     return RedisSessions(url, memory, ttl_s, lock_ttl_s=lock_ttl_s, shared=shared, mac_key=mac_key)
+
+
+def sessions_url(session_store: str | None, store_url: str | None) -> str | None:
+    """Where sessions live: `session_store` when given, else the Redis of the chunk store's
+    URL (sessions are shared by the replicas that share chunks), else process memory."""
+    return session_store or redis_url_of_store(store_url)
+
+
+def session_mac_key(store_secret: str | None) -> bytes | None:
+    """The key that authenticates session blobs: the chunk store's, when it has a secret."""
+    return mac_key_of(store_secret) if store_secret else None

@@ -52,21 +52,6 @@ class Usage:
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
 
-    def to_dict(self) -> dict[str, int]:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.total_tokens,
-            "cached_tokens": self.cached_tokens,
-            "computed_tokens": self.computed_tokens,
-            "recomputed_tokens": self.recomputed_tokens,
-            "document_tokens": self.document_tokens,
-        }
-
-    def to_openai(self) -> dict:
-        """OpenAI's usage object, ragkv's counts beside it."""
-        return {**self.to_dict(), "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
-
 
 @dataclass
 class Timings:

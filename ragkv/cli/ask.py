@@ -77,7 +77,9 @@ def run(args: argparse.Namespace) -> int:
     with Runtime(runtime_config(args, show_progress=False), read_only=True) as runtime:
         answer = ask(runtime.rag, args.question, args.tenant, query)
     if args.json:
-        print(json.dumps(answer.to_dict(), indent=2))
+        from ragkv.api.serving.query import answer_fields
+
+        print(json.dumps(answer_fields(answer), indent=2))
         return 0
     print(answer.text)
     print()

@@ -183,3 +183,19 @@ def _open_redis(url: str, options: dict[str, object], mac_key: bytes | None) -> 
     # Our parameters are stripped: redis-py would treat the query as its own.
     base_url = urlunsplit((parts.scheme, parts.netloc, parts.path, "", ""))
     return RedisStore(base_url, ttl_s=params.get("ttl"), mac_key=mac_key, **timeouts)
+
+
+def redis_url_of_store(store_url: str | None) -> str | None:
+    """The Redis server (or cluster) a chunk store URL names (redis://..., redis+cluster://...
+    or tiered+lmdb://...?redis=...)."""
+    if not store_url:
+        return None
+    parts = urlsplit(store_url)
+    if parts.scheme in ("redis", "rediss", "redis+cluster", "rediss+cluster"):
+        return f"{parts.scheme}://{parts.netloc}{parts.path}"
+    if parts.scheme == "tiered+lmdb":
+        nested = dict(parse_qsl(parts.query.replace("+", "%2B"))).get("redis")  # '+' of redis+cluster:// kept
+        if nested:
+            inner = urlsplit(nested)
+            return f"{inner.scheme}://{inner.netloc}{inner.path}"
+    return None

@@ -26,14 +26,15 @@ import time
 import uuid
 from typing import Annotated
 
-from fastapi import APIRouter, Path, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import APIRouter, Path, Request, Response
+from fastapi.responses import StreamingResponse
 
 from ragkv.api.auth import tenant_of
 from ragkv.api.errors import ApiError
-from ragkv.api.logprobs import chat_logprobs
 from ragkv.api.openapi import errors, sse_or
-from ragkv.api.responses_schema import ChatCompletion, Deleted, Model, ModelList, SessionList
+from ragkv.api.protocol.chat import ChatCompletion, Model, ModelList, SessionList
+from ragkv.api.protocol.common import Deleted
+from ragkv.api.responses import SafeJSONResponse
 from ragkv.api.routes.completions import EMBEDDING_MODEL_ID
 from ragkv.api.routes.query import SSE_HEADERS
 from ragkv.api.schemas import (
@@ -44,16 +45,18 @@ from ragkv.api.schemas import (
     generation_config,
     query_config,
 )
+from ragkv.api.serving.chat import chat_completion, model_entry, session_list
+from ragkv.api.serving.common import citations_of, openai_usage_of, rag_extension_of
+from ragkv.api.serving.logprobs import chat_logprobs
 from ragkv.api.sessions import check_session_id
 from ragkv.api.sources import sources_block
-from ragkv.api.state import app_state
+from ragkv.api.state import AppState, app_state
 from ragkv.api.streaming import EventStream, run_requests, sse, sse_events
-from ragkv.app.chat import ChatInfo, ChatTurn
+from ragkv.app.chat import ChatTurn
 from ragkv.app.contexts import new_context_id
 from ragkv.app.request import Completion
-from ragkv.fusion import FusionConfig
 
-router = APIRouter(tags=["chat"])
+router = APIRouter(tags=["chat"], default_response_class=SafeJSONResponse)
 
 
 def _messages(body: ChatRequest) -> list[dict[str, str]]:
@@ -68,28 +71,15 @@ def _messages(body: ChatRequest) -> list[dict[str, str]]:
     return messages
 
 
-def _rag_extension(completion: Completion, session_id: str) -> dict:
-    info: ChatInfo = completion.info
-    return {
-        "session_id": session_id,
-        "turn": info.turn,
-        "strategy": completion.strategy,
-        "new_chunks": info.new_chunks,
-        "context_tokens": info.context_tokens,
-        "citations": [c.to_dict() for c in completion.citations],
-        "timings": completion.timings.to_dict(),
-        "session": info.session,
-    }
-
-
 @router.post(
     "/v1/chat/completions",
+    response_model=ChatCompletion,
     responses={
         **sse_or(ChatCompletion, "the completion, or with stream: true chat.completion.chunk events then [DONE]"),
         **errors(400, 401, 404, 409, 413, 503),
     },
 )
-async def chat_completions(request: Request, body: ChatRequest):
+async def chat_completions(request: Request, response: Response, body: ChatRequest):
     state = app_state(request)
     tenant = tenant_of(request)
     body.refuse_unsupported()
@@ -113,30 +103,14 @@ async def chat_completions(request: Request, body: ChatRequest):
     headers = {"X-Session-Id": session_id}
 
     def sources(outcome: Completion) -> str:
-        return sources_block([c.to_dict() for c in outcome.citations], session_id)
+        return sources_block(citations_of(outcome.citations), session_id)
 
     if not body.stream:
         [outcome] = await run_requests(request, state.worker, work)
         content = outcome.text + (sources(outcome) if body.sources else "")
-        return JSONResponse(
-            {
-                "id": completion_id,
-                "object": "chat.completion",
-                "created": created,
-                "model": state.model_id,
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": content},
-                        "finish_reason": outcome.finish_reason.openai,
-                        "logprobs": chat_logprobs(outcome.logprobs) if body.logprobs else None,
-                    }
-                ],
-                "usage": outcome.usage.to_openai(),
-                "session_id": session_id,
-                "rag": _rag_extension(outcome, session_id),
-            },
-            headers=headers,
+        response.headers.update(headers)
+        return chat_completion(
+            completion_id, created, state.model_id, outcome, content, session_id, logprobs=bool(body.logprobs)
         )
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -147,7 +121,7 @@ async def chat_completions(request: Request, body: ChatRequest):
     def chunk(delta: dict, finish_reason: str | None = None, **extra) -> dict:
         logprobs = None
         if pending_logprobs and "content" in delta:
-            logprobs = chat_logprobs(pending_logprobs)
+            logprobs = chat_logprobs(pending_logprobs).model_dump(mode="json")
             pending_logprobs.clear()
         return {
             "id": completion_id,
@@ -169,7 +143,12 @@ async def chat_completions(request: Request, body: ChatRequest):
         if pending_logprobs:  # tokens of a stop string: never sent as text
             events.append(chunk({"content": ""}))
         events += [
-            chunk({}, outcome.finish_reason.openai, session_id=session_id, rag=_rag_extension(outcome, session_id))
+            chunk(
+                {},
+                outcome.finish_reason.openai,
+                session_id=session_id,
+                rag=rag_extension_of(outcome, session_id).model_dump(mode="json"),
+            )
         ]
         if include_usage:
             events.append(
@@ -179,7 +158,7 @@ async def chat_completions(request: Request, body: ChatRequest):
                     "created": created,
                     "model": state.model_id,
                     "choices": [],
-                    "usage": outcome.usage.to_openai(),
+                    "usage": openai_usage_of(outcome.usage).model_dump(),
                 }
             )
         return events
@@ -195,64 +174,37 @@ async def chat_completions(request: Request, body: ChatRequest):
     return StreamingResponse(events(), media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
 
 
-@router.get("/v1/models", responses={200: {"model": ModelList}, **errors(401)})
+def _model(state: AppState, model_id: str) -> Model:
+    fusion = state.runtime.default_fusion() if model_id == state.model_id else None
+    return model_entry(model_id, state.started, fusion)
+
+
+@router.get("/v1/models", response_model=ModelList, responses=errors(401))
 def list_models(request: Request):
     state = app_state(request)
     tenant_of(request)
-    return {
-        "object": "list",
-        "data": [
-            {
-                "id": model_id,
-                "object": "model",
-                "created": int(state.started),
-                "owned_by": "ragkv",
-                **(_fusion_entry(state) if model_id == state.model_id else {}),
-            }
-            for model_id in (state.model_id, EMBEDDING_MODEL_ID)
-        ],
-    }
+    return ModelList(data=[_model(state, model_id) for model_id in (state.model_id, EMBEDDING_MODEL_ID)])
 
 
-def _fusion_entry(state) -> dict:
-    """The default fusion strategy and the ratio requests that name none get (calibrated
-    for this model by `ragkv calibrate fusion`, or the strategy's default)."""
-    strategy = FusionConfig().build(state.runtime.engine.fusion_ratios)
-    return {
-        "fusion": {
-            "strategy": strategy.name,
-            "ratio": strategy.ratio,
-            "calibrated": strategy.name in state.runtime.engine.fusion_ratios,
-        }
-    }
-
-
-@router.get("/v1/models/{model_id}", responses={200: {"model": Model}, **errors(401, 404)})
+@router.get("/v1/models/{model_id}", response_model=Model, responses=errors(401, 404))
 def get_model(request: Request, model_id: str):
     state = app_state(request)
     tenant_of(request)
     if model_id not in (state.model_id, "ragkv", EMBEDDING_MODEL_ID):
         raise ApiError(404, "model_not_found", f"the model {model_id!r} does not exist")
-    served = EMBEDDING_MODEL_ID if model_id == EMBEDDING_MODEL_ID else state.model_id
-    return {
-        "id": served,
-        "object": "model",
-        "created": int(state.started),
-        "owned_by": "ragkv",
-        **(_fusion_entry(state) if served == state.model_id else {}),
-    }
+    return _model(state, EMBEDDING_MODEL_ID if model_id == EMBEDDING_MODEL_ID else state.model_id)
 
 
-@router.get("/v1/sessions", responses={200: {"model": SessionList}, **errors(401)})
+@router.get("/v1/sessions", response_model=SessionList, responses=errors(401))
 def list_sessions(request: Request):
     """Sessions of this tenant held in this process's memory."""
     state = app_state(request)
-    return {"object": "list", "data": [s.summary() for s in state.sessions.list(tenant_of(request))]}
+    return session_list(state.sessions.list(tenant_of(request)))
 
 
-@router.delete("/v1/sessions/{session_id}", responses={200: {"model": Deleted}, **errors(400, 401, 404, 409)})
+@router.delete("/v1/sessions/{session_id}", response_model=Deleted, responses=errors(400, 401, 404, 409))
 def delete_session(request: Request, session_id: Annotated[str, Path(pattern=SESSION_ID_PATTERN)]):
     state = app_state(request)
     if not state.sessions.delete(tenant_of(request), check_session_id(session_id)):
         raise ApiError(404, "session_not_found", f"no session {session_id!r}")
-    return {"id": session_id, "object": "session", "deleted": True}
+    return Deleted(id=session_id, object="session", deleted=True)

@@ -11,7 +11,6 @@ answers it, and the choice carries `rag.citations`.
 
 from __future__ import annotations
 
-import base64
 import time
 import uuid
 
@@ -21,17 +20,25 @@ from fastapi.responses import StreamingResponse
 from ragkv.api.auth import tenant_of
 from ragkv.api.completion_schemas import CompletionRequest, EmbeddingRequest
 from ragkv.api.errors import ApiError
-from ragkv.api.logprobs import completion_logprobs
 from ragkv.api.openapi import errors, sse_or
-from ragkv.api.responses_schema import Completion, EmbeddingList
+from ragkv.api.protocol.completions import (
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionUsage,
+    EmbeddingList,
+)
+from ragkv.api.responses import SafeJSONResponse
 from ragkv.api.routes.query import SSE_HEADERS
 from ragkv.api.schemas import generation_config, query_config
+from ragkv.api.serving.completions import completion_choice, completion_usage, embedding_list
+from ragkv.api.serving.logprobs import completion_logprobs
 from ragkv.api.state import app_state
 from ragkv.api.streaming import EventStream, run_requests, run_task, sse_events
 from ragkv.api.task import Task
 from ragkv.app.request import Completion as AppCompletion
 
-router = APIRouter(tags=["openai"])
+router = APIRouter(tags=["openai"], default_response_class=SafeJSONResponse)
 
 EMBEDDING_MODEL_ID = "all-MiniLM-L6-v2"
 
@@ -54,14 +61,9 @@ def _refuse_unsupported(body: CompletionRequest) -> None:
             raise ApiError(400, "unsupported_parameter", f"{name} is not supported by this server", param=name)
 
 
-def _usage(completions: list[AppCompletion]) -> dict:
-    prompt = sum(c.usage.prompt_tokens for c in completions)
-    completion = sum(c.usage.completion_tokens for c in completions)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
 @router.post(
     "/v1/completions",
+    response_model=Completion,
     responses={
         **sse_or(Completion, "the completion, or with stream: true text_completion chunks then [DONE]"),
         **errors(400, 401, 404, 413, 503),
@@ -92,32 +94,17 @@ async def completions(request: Request, body: CompletionRequest):
     completion_id = "cmpl-" + uuid.uuid4().hex[:24]
     created = int(time.time())
 
-    def choice(
-        index: int, text: str, finish_reason: str | None, citations: list | None = None, logprobs: dict | None = None
-    ) -> dict:
-        out = {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
-        if citations is not None:
-            out["rag"] = {"citations": citations}
-        return out
-
-    def envelope(choices: list[dict], **extra) -> dict:
-        return {
-            "id": completion_id,
-            "object": "text_completion",
-            "created": created,
-            "model": state.model_id,
-            "choices": choices,
-            **extra,
-        }
+    def envelope(choices: list[CompletionChoice], usage: CompletionUsage | None = None) -> Completion:
+        return Completion(id=completion_id, created=created, model=state.model_id, choices=choices, usage=usage)
 
     def citations(completion: AppCompletion) -> list | None:
-        return [c.to_dict() for c in completion.citations] if with_citations else None
+        return completion.citations if with_citations else None
 
     if not body.stream:
         completions = await run_requests(request, state.worker, work)
         return envelope(
             [
-                choice(
+                completion_choice(
                     i,
                     c.text,
                     c.finish_reason.openai,
@@ -126,7 +113,7 @@ async def completions(request: Request, body: CompletionRequest):
                 )
                 for i, c in enumerate(completions)
             ],
-            usage=_usage(completions),
+            completion_usage(completions),
         )
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -135,7 +122,7 @@ async def completions(request: Request, body: CompletionRequest):
     pending: dict[int, list] = {}  # per prompt: logprob entries of tokens whose text is not sent yet
     offsets: dict[int, int] = {}  # per prompt: characters of the entries sent so far
 
-    def logprobs_of(index: int) -> dict | None:
+    def logprobs_of(index: int) -> CompletionLogprobs | None:
         entries = pending.pop(index, [])
         if body.logprobs is None or not entries:
             return None
@@ -148,13 +135,14 @@ async def completions(request: Request, body: CompletionRequest):
             pending.setdefault(event.index, []).append(event.value)
         if event.kind != "token":
             return []
-        return [envelope([choice(event.index, event.value, None, logprobs=logprobs_of(event.index))])]
+        choice = completion_choice(event.index, event.value, None, logprobs=logprobs_of(event.index))
+        return [envelope([choice]).model_dump(mode="json")]
 
     def finish(completions: list[AppCompletion]):
         events = [
             envelope(
                 [
-                    choice(
+                    completion_choice(
                         i,
                         "",
                         c.finish_reason.openai,
@@ -166,8 +154,8 @@ async def completions(request: Request, body: CompletionRequest):
             for i, c in enumerate(completions)
         ]
         if include_usage:
-            events.append(envelope([], usage=_usage(completions)))
-        return events
+            events.append(envelope([], completion_usage(completions)))
+        return [event.model_dump(mode="json") for event in events]
 
     async def events():
         try:
@@ -179,7 +167,7 @@ async def completions(request: Request, body: CompletionRequest):
     return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
-@router.post("/v1/embeddings", responses={200: {"model": EmbeddingList}, **errors(400, 401, 404, 413, 503)})
+@router.post("/v1/embeddings", response_model=EmbeddingList, responses=errors(400, 401, 404, 413, 503))
 async def embeddings(request: Request, body: EmbeddingRequest):
     """OpenAI embeddings from the packaged all-MiniLM-L6-v2: unit vectors."""
     state = app_state(request)
@@ -202,14 +190,4 @@ async def embeddings(request: Request, body: EmbeddingRequest):
     texts = [body.input] if isinstance(body.input, str) else list(body.input)
     vectors, tokens = await run_task(request, state.worker, Task("embedding", state.service.embeddings_body(texts)))
 
-    def encoded(vector):
-        if body.encoding_format == "base64":
-            return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
-        return vector.tolist()
-
-    return {
-        "object": "list",
-        "model": EMBEDDING_MODEL_ID,
-        "data": [{"object": "embedding", "index": i, "embedding": encoded(v)} for i, v in enumerate(vectors)],
-        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-    }
+    return embedding_list(EMBEDDING_MODEL_ID, vectors, tokens, body.encoding_format == "base64")

@@ -12,16 +12,14 @@ from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Request
-from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
 from ragkv.api.auth import tenant_of
 from ragkv.api.errors import ApiError, as_api_error
-from ragkv.api.ingest_records import CANCELLED, FAILED, SUCCEEDED, IngestRecord
 from ragkv.api.openapi import errors
-from ragkv.api.responses_schema import (
-    Deleted,
+from ragkv.api.protocol.common import Deleted
+from ragkv.api.protocol.documents import (
     DocumentCreated,
     DocumentDetail,
     DocumentList,
@@ -29,34 +27,27 @@ from ragkv.api.responses_schema import (
     JobList,
     JobStatus,
 )
+from ragkv.api.responses import SafeJSONResponse
 from ragkv.api.schemas import DOC_ID_PATTERN, DocumentCreate, check_metadata
+from ragkv.api.serving.documents import (
+    document_created,
+    document_detail,
+    document_summary,
+    job_accepted,
+    job_status,
+    job_url,
+)
 from ragkv.api.state import AppState, app_state
 from ragkv.api.streaming import run_task
 from ragkv.api.task import Task
+from ragkv.app.ingest_records import CANCELLED, FAILED, SUCCEEDED, IngestRecord
+from ragkv.app.ingestion import IngestResult, check_document_text, read_upload
 from ragkv.app.request import RequestCancelled
-from ragkv.ingest.loaders import load_document
-from ragkv.ingest.pipeline import IngestResult
-from ragkv.ingest.validation import check_text
 
 log = logging.getLogger("ragkv.api")
-router = APIRouter(tags=["documents"])
+router = APIRouter(tags=["documents"], default_response_class=SafeJSONResponse)
 
 DocumentId = Annotated[str, Path(pattern=DOC_ID_PATTERN, description="1-128 characters of [A-Za-z0-9_.-]")]
-
-
-def ingest_summary(result: IngestResult) -> dict:
-    return {
-        "chunks": result.chunks,
-        "tokens": result.tokens,
-        "computed_chunks": result.computed_chunks,
-        "reused_chunks": result.reused_chunks,
-        "seconds": round(result.seconds, 3),
-        "stored_bytes": result.stored_bytes,
-        "bytes_per_token": round(result.bytes_per_token, 1),
-        "encode_tokens_per_second": round(result.encode_tokens_per_second, 1),
-        "duplicate_of_existing": result.duplicate_of_existing,
-        "replaced": result.replaced,
-    }
 
 
 @dataclass(frozen=True)
@@ -102,7 +93,7 @@ async def _read_document(request: Request, state: AppState) -> Upload:
         given = form.get("name") or upload.filename
         name = str(given or "upload.txt")
         data = await upload.read()
-        document = load_document(data, name, limit)
+        document = read_upload(data, name, limit)
         return Upload(
             document.text,
             str(given) if given else None,
@@ -129,7 +120,10 @@ async def _read_document(request: Request, state: AppState) -> Upload:
         raise ApiError(400, "invalid_parameters", _pydantic_message(error)) from None
     named = document.name if "name" in document.model_fields_set else None
     return Upload(
-        check_text(document.text, document.name, limit), named, check_metadata(document.metadata), document.background
+        check_document_text(document.text, document.name, limit),
+        named,
+        check_metadata(document.metadata),
+        document.background,
     )
 
 
@@ -160,6 +154,7 @@ _DOCUMENT_BODY = {
 @router.post(
     "/v1/documents",
     status_code=201,
+    response_model=DocumentCreated,
     openapi_extra={"requestBody": _DOCUMENT_BODY},
     responses={
         201: {"model": DocumentCreated, "description": "ingested"},
@@ -173,12 +168,13 @@ async def create_document(request: Request):
     job whose progress GET /v1/jobs/{id} reports."""
     state = app_state(request)
     upload = await _read_document(request, state)
-    return await _ingest(request, state, upload, upload.name or "document.txt", None, 201)
+    return await _ingest(request, state, upload, upload.name or "document.txt", None)
 
 
 @router.put(
     "/v1/documents/{doc_id}",
     status_code=200,
+    response_model=DocumentCreated,
     openapi_extra={"requestBody": _DOCUMENT_BODY},
     responses={
         200: {"model": DocumentCreated, "description": "replaced"},
@@ -194,7 +190,7 @@ async def replace_document(request: Request, doc_id: DocumentId):
     old = state.runtime.registry.get(tenant_of(request), doc_id)  # 404 before the body is read
     upload = await _read_document(request, state)
     metadata = upload.metadata if upload.metadata is not None else old.metadata
-    return await _ingest(request, state, upload, upload.name or old.name, doc_id, 200, metadata)
+    return await _ingest(request, state, upload, upload.name or old.name, doc_id, metadata)
 
 
 async def _ingest(
@@ -203,9 +199,9 @@ async def _ingest(
     upload: Upload,
     name: str,
     replaces: str | None,
-    status: int,
     metadata: dict | None = None,
-):
+) -> DocumentCreated | SafeJSONResponse:
+    """The ingested document (the route's status), or with a background job 202 and the job."""
     tenant = tenant_of(request)
     metadata = upload.metadata if metadata is None else metadata
     background = upload.background
@@ -220,10 +216,7 @@ async def _ingest(
             interactive=False,
         )
         result: IngestResult = await run_task(request, state.worker, task)
-        record = state.runtime.registry.get(tenant, result.doc_id)
-        return JSONResponse(
-            status_code=status, content={"document": record.summary(), "ingest": ingest_summary(result)}
-        )
+        return document_created(state.runtime.registry.get(tenant, result.doc_id), result)
 
     record = state.ingest_records.create(tenant, "ingest", name)
     body = service.ingest_body(
@@ -236,10 +229,9 @@ async def _ingest(
         **options,
     )
     state.worker.submit(Task("ingest", _tracked(state, record, body), interactive=False))
-    return JSONResponse(
-        status_code=202,
-        content={"job": record.to_dict(), "status_url": f"/v1/jobs/{record.id}"},
-        headers={"Location": f"/v1/jobs/{record.id}"},
+    # Not the route's response model: the 202 its `responses` declare.
+    return SafeJSONResponse(
+        job_accepted(record).model_dump(mode="json"), status_code=202, headers={"Location": job_url(record)}
     )
 
 
@@ -262,61 +254,46 @@ def _tracked(state: AppState, record: IngestRecord, body):
                 mapped = ApiError(500, "internal_error", f"ingestion failed; quote job id {record.id} to the operator")
             state.ingest_records.finish(record, FAILED, error={"code": mapped.code, "message": mapped.message})
             raise
-        document = state.runtime.registry.get(record.tenant, result.doc_id).summary()
-        state.ingest_records.finish(record, SUCCEEDED, result={"document": document, "ingest": ingest_summary(result)})
+        created = document_created(state.runtime.registry.get(record.tenant, result.doc_id), result)
+        state.ingest_records.finish(record, SUCCEEDED, result=created.model_dump(mode="json"))
         return result
 
     return tracked
 
 
-@router.get("/v1/documents", responses={200: {"model": DocumentList}, **errors(401)})
+@router.get("/v1/documents", response_model=DocumentList, responses=errors(401))
 def list_documents(request: Request):
     state = app_state(request)
     records = state.runtime.registry.list(tenant_of(request))
-    return {"object": "list", "data": [record.summary() for record in records]}
+    return DocumentList(data=[document_summary(record) for record in records])
 
 
-@router.get("/v1/documents/{doc_id}", responses={200: {"model": DocumentDetail}, **errors(400, 401, 404)})
+@router.get("/v1/documents/{doc_id}", response_model=DocumentDetail, responses=errors(400, 401, 404))
 def get_document(request: Request, doc_id: DocumentId, include_text: bool = False):
     state = app_state(request)
     tenant = tenant_of(request)
     record = state.runtime.registry.get(tenant, doc_id)
-    out = {
-        **record.summary(),
-        "fingerprint": record.fingerprint,
-        "chunks": [
-            {
-                "index": c.index,
-                "tokens": c.token_end - c.token_start,
-                "char_start": c.char_start,
-                "char_end": c.char_end,
-            }
-            for c in record.chunks
-        ],
-    }
-    if include_text:
-        out["text"] = state.runtime.registry.text(tenant, record.doc_id)
-    return out
+    return document_detail(record, state.runtime.registry.text(tenant, record.doc_id) if include_text else None)
 
 
-@router.delete("/v1/documents/{doc_id}", responses={200: {"model": Deleted}, **errors(400, 401, 404, 503)})
+@router.delete("/v1/documents/{doc_id}", response_model=Deleted, responses=errors(400, 401, 404, 503))
 async def delete_document(request: Request, doc_id: DocumentId):
     state = app_state(request)
     task = Task("delete", state.service.delete_body(doc_id, tenant_of(request)))
     record = await run_task(request, state.worker, task)
-    return {"id": record.doc_id, "object": "document", "deleted": True}
+    return Deleted(id=record.doc_id, object="document", deleted=True)
 
 
-@router.get("/v1/jobs", responses={200: {"model": JobList}, **errors(401)})
+@router.get("/v1/jobs", response_model=JobList, responses=errors(401))
 def list_jobs(request: Request):
     state = app_state(request)
-    return {"object": "list", "data": [job.to_dict() for job in state.ingest_records.list(tenant_of(request))]}
+    return JobList(data=[job_status(job) for job in state.ingest_records.list(tenant_of(request))])
 
 
-@router.get("/v1/jobs/{job_id}", responses={200: {"model": JobStatus}, **errors(401, 404)})
+@router.get("/v1/jobs/{job_id}", response_model=JobStatus, responses=errors(401, 404))
 def get_job(request: Request, job_id: str):
     state = app_state(request)
     record = state.ingest_records.get(tenant_of(request), job_id)
     if record is None:
         raise ApiError(404, "not_found", f"no job {job_id!r}")
-    return record.to_dict()
+    return job_status(record)

@@ -10,32 +10,22 @@ from fastapi.responses import StreamingResponse
 
 from ragkv.api.auth import tenant_of
 from ragkv.api.openapi import errors, sse_or
-from ragkv.api.responses_schema import QueryResponse
+from ragkv.api.protocol.query import QueryResponse
+from ragkv.api.responses import SafeJSONResponse
 from ragkv.api.schemas import QueryRequest, generation_config, query_config
+from ragkv.api.serving.query import query_response, retrieval_event
 from ragkv.api.state import app_state
 from ragkv.api.streaming import EventStream, run_requests, sse, sse_events
 from ragkv.app.request import Completion
 
-router = APIRouter(tags=["query"])
+router = APIRouter(tags=["query"], default_response_class=SafeJSONResponse)
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def outcome_body(query_id: str, completion: Completion) -> dict:
-    return {
-        "id": query_id,
-        "object": "query",
-        "answer": completion.text,
-        "finish_reason": completion.finish_reason.value,
-        "strategy": completion.strategy,
-        "citations": [c.to_dict() for c in completion.citations],
-        "usage": completion.usage.to_dict(),
-        "timings": completion.timings.to_dict(),
-    }
-
-
 @router.post(
     "/v1/query",
+    response_model=QueryResponse,
     responses={
         **sse_or(QueryResponse, "the answer, or with stream: true server-sent events"),
         **errors(400, 401, 404, 413, 503),
@@ -55,9 +45,7 @@ async def query(request: Request, body: QueryRequest):
     started = time.perf_counter()
     if not body.stream:
         [outcome] = await run_requests(request, state.worker, work)
-        result = outcome_body(query_id, outcome)
-        result["timings"]["total"] = round(time.perf_counter() - started, 4)
-        return result
+        return query_response(query_id, outcome, time.perf_counter() - started)
 
     stream = await EventStream.start(request, state.worker, work)
 
@@ -67,23 +55,12 @@ async def query(request: Request, body: QueryRequest):
         return []
 
     def finish(completions: list[Completion]):
-        result = outcome_body(query_id, completions[0])
-        result["timings"]["total"] = round(time.perf_counter() - started, 4)
-        return [{"type": "done", **result}]
+        result = query_response(query_id, completions[0], time.perf_counter() - started)
+        return [{"type": "done", **result.model_dump(mode="json")}]
 
     async def events():
         try:
-            first = stream.first.value
-            citations = [c.to_dict() for c in first.citations]
-            yield sse(
-                {
-                    "type": "retrieval",
-                    "id": query_id,
-                    "citations": citations,
-                    "strategy": first.strategy,
-                    "timings": first.timings.to_dict(),
-                }
-            )
+            yield sse(retrieval_event(query_id, stream.first.value).model_dump(mode="json"))
             async for chunk in sse_events(request, stream, render, finish):
                 yield chunk
         finally:

@@ -21,40 +21,30 @@ import json
 import time
 import uuid
 
-from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import StreamingResponse
 
 from ragkv.api.auth import tenant_of
 from ragkv.api.errors import ApiError
 from ragkv.api.openapi import errors, sse_or
+from ragkv.api.protocol.responses import OutputText, ResponseObject
 from ragkv.api.response_schemas import ResponseRequest
-from ragkv.api.responses_schema import ResponseObject
-from ragkv.api.routes.chat import _rag_extension
+from ragkv.api.responses import SafeJSONResponse
 from ragkv.api.routes.query import SSE_HEADERS
 from ragkv.api.schemas import DEFAULT_MAX_TOKENS, ChatRag, generation_config, query_config
+from ragkv.api.serving.responses import final_status, output_message, response_object
 from ragkv.api.sessions import check_session_id
 from ragkv.api.state import app_state
 from ragkv.api.streaming import EventStream, run_requests, sse_events
 from ragkv.app.chat import ChatTurn
 from ragkv.app.contexts import new_context_id
-from ragkv.app.request import Completion, FinishReason
+from ragkv.app.request import Completion
 
-router = APIRouter(tags=["openai"])
-
-
-def _usage(completion: Completion) -> dict:
-    usage = completion.usage
-    return {
-        "input_tokens": usage.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": usage.cached_tokens},
-        "output_tokens": usage.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": usage.total_tokens,
-    }
+router = APIRouter(tags=["openai"], default_response_class=SafeJSONResponse)
 
 
 def _text_part(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    return OutputText(text=text).model_dump(mode="json")
 
 
 def _named_sse(event: dict) -> str:
@@ -63,6 +53,7 @@ def _named_sse(event: dict) -> str:
 
 @router.post(
     "/v1/responses",
+    response_model=ResponseObject,
     responses={
         **sse_or(
             ResponseObject, "the response, or with stream: true its events (response.created ... response.completed)"
@@ -70,7 +61,7 @@ def _named_sse(event: dict) -> str:
         **errors(400, 401, 404, 409, 413, 503),
     },
 )
-async def create_response(request: Request, body: ResponseRequest):
+async def create_response(request: Request, response: Response, body: ResponseRequest):
     state = app_state(request)
     tenant = tenant_of(request)
     body.refuse_unsupported()
@@ -93,49 +84,18 @@ async def create_response(request: Request, body: ResponseRequest):
     headers = {"X-Session-Id": session_id}
 
     def envelope(status: str, output: list, completion: Completion | None = None) -> dict:
-        incomplete = completion is not None and completion.finish_reason is FinishReason.LENGTH
-        return {
-            "id": response_id,
-            "object": "response",
-            "created_at": created,
-            "status": status,
-            "model": state.model_id,
-            "output": output,
-            "error": None,
-            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-            "instructions": body.instructions,
-            "max_output_tokens": body.max_output_tokens,
-            "temperature": body.temperature if body.temperature is not None else 0.0,
-            "top_p": body.top_p if body.top_p is not None else 1.0,
-            "parallel_tool_calls": False,
-            "tool_choice": "none",
-            "tools": [],
-            "text": {"format": {"type": "text"}},
-            "metadata": {},
-            "usage": _usage(completion) if completion is not None else None,
-            "session_id": session_id,
-            **({"rag": _rag_extension(completion, session_id)} if completion is not None else {}),
-        }
+        built = response_object(response_id, created, state.model_id, body, session_id, status, output, completion)
+        return built.model_dump(mode="json")
 
     def message(text: str, status: str) -> dict:
-        return {
-            "type": "message",
-            "id": message_id,
-            "status": status,
-            "role": "assistant",
-            "content": [_text_part(text)] if status != "in_progress" else [],
-        }
-
-    def final_status(completion: Completion) -> str:
-        return "incomplete" if completion.finish_reason is FinishReason.LENGTH else "completed"
+        return output_message(message_id, text, status).model_dump(mode="json")
 
     if not body.stream:
         [outcome] = await run_requests(request, state.worker, work)
         status = final_status(outcome)
-        return JSONResponse(
-            envelope(status, [message(outcome.text, "completed" if status == "completed" else status)], outcome),
-            headers=headers,
-        )
+        response.headers.update(headers)
+        output = [output_message(message_id, outcome.text, status)]
+        return response_object(response_id, created, state.model_id, body, session_id, status, output, outcome)
 
     stream = await EventStream.start(request, state.worker, work)
     sequence = itertools.count()

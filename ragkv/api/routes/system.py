@@ -2,29 +2,33 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ragkv.api.responses_schema import Health
+from ragkv.api.protocol.system import Health
+from ragkv.api.responses import SafeJSONResponse
+from ragkv.api.serving.system import health as health_of
 from ragkv.api.state import app_state
 
-router = APIRouter(tags=["system"])
+router = APIRouter(tags=["system"], default_response_class=SafeJSONResponse)
 
 
 @router.get(
     "/health",
+    response_model=Health,
     responses={
         200: {"model": Health, "description": "ok or degraded"},
         503: {"model": Health, "description": "unavailable: the model worker has stopped"},
     },
 )
 @router.head("/health", include_in_schema=False)
-def health(request: Request):
+def health(request: Request, response: Response):
     """200 with status "ok" or "degraded" (answering, with a fallback in use: Redis gone),
     503 "unavailable" when the model worker has stopped."""
-    report = app_state(request).health()
-    return JSONResponse(report, status_code=503 if report["status"] == "unavailable" else 200)
+    report = health_of(app_state(request))
+    if report.status == "unavailable":
+        response.status_code = 503
+    return report
 
 
 @router.get(

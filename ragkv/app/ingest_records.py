@@ -47,25 +47,12 @@ class IngestRecord:
     pid: int = field(default_factory=os.getpid)
     pid_start: str | None = field(default_factory=lambda: process_start_time(os.getpid()))
 
-    def to_dict(self) -> dict:
-        fraction = None
+    @property
+    def fraction(self) -> float | None:
+        """The part of the chunks done; None while their number is unknown."""
         if self.status == SUCCEEDED:
-            fraction = 1.0
-        elif self.chunks_total:
-            fraction = round(self.chunks_done / self.chunks_total, 4)
-        return {
-            "id": self.id,
-            "object": "job",
-            "kind": self.kind,
-            "name": self.name,
-            "status": self.status,
-            "progress": {"chunks_done": self.chunks_done, "chunks_total": self.chunks_total, "fraction": fraction},
-            "result": self.result,
-            "error": self.error,
-            "created": self.created,
-            "started": self.started,
-            "finished": self.finished,
-        }
+            return 1.0
+        return round(self.chunks_done / self.chunks_total, 4) if self.chunks_total else None
 
     @property
     def unfinished(self) -> bool:

@@ -1,0 +1,62 @@
+"""Citations, usage and the `rag` extension, as several endpoints send them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ragkv.api.protocol.chat import RagExtension, SessionSummary
+from ragkv.api.protocol.common import CachedTokens, Citation, OpenAIUsage, Usage
+from ragkv.app.chat import ChatInfo
+from ragkv.app.rag import Citation as AppCitation
+from ragkv.app.request import Completion
+from ragkv.app.usage import Usage as AppUsage
+
+
+def citation_of(citation: AppCitation) -> Citation:
+    return Citation(
+        document_id=citation.doc_id,
+        name=citation.name,
+        chunk_index=citation.chunk_index,
+        char_start=citation.char_start,
+        char_end=citation.char_end,
+        score=citation.score,
+        text=citation.text,
+        page=citation.page,
+    )
+
+
+def citations_of(citations: Sequence[AppCitation]) -> list[Citation]:
+    return [citation_of(citation) for citation in citations]
+
+
+def usage_of(usage: AppUsage) -> Usage:
+    return Usage(
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        total_tokens=usage.total_tokens,
+        cached_tokens=usage.cached_tokens,
+        computed_tokens=usage.computed_tokens,
+        recomputed_tokens=usage.recomputed_tokens,
+        document_tokens=usage.document_tokens,
+    )
+
+
+def openai_usage_of(usage: AppUsage) -> OpenAIUsage:
+    return OpenAIUsage(
+        **usage_of(usage).model_dump(), prompt_tokens_details=CachedTokens(cached_tokens=usage.cached_tokens)
+    )
+
+
+def rag_extension_of(completion: Completion, session_id: str) -> RagExtension:
+    info = completion.info
+    assert isinstance(info, ChatInfo), "a chat turn's completion carries ChatInfo"
+    return RagExtension(
+        session_id=session_id,
+        turn=info.turn,
+        strategy=completion.strategy,
+        new_chunks=info.new_chunks,
+        context_tokens=info.context_tokens,
+        citations=citations_of(completion.citations),
+        timings=completion.timings.to_dict(),
+        session=SessionSummary.model_validate(info.session) if info.session else None,
+    )

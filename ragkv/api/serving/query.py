@@ -1,0 +1,44 @@
+"""POST /v1/query's answer and its retrieval event, from a scheduler Completion."""
+
+from __future__ import annotations
+
+from ragkv.api.protocol.query import QueryResponse, QueryRetrievalEvent
+from ragkv.api.serving.common import citations_of, usage_of
+from ragkv.app.query import Answer
+from ragkv.app.request import Completion, Started
+
+
+def query_response(query_id: str, completion: Completion, total_s: float) -> QueryResponse:
+    """`total_s`: seconds from the request's arrival to its answer."""
+    return QueryResponse(
+        id=query_id,
+        answer=completion.text,
+        finish_reason=completion.finish_reason.value,
+        strategy=completion.strategy,
+        citations=citations_of(completion.citations),
+        usage=usage_of(completion.usage),
+        timings={**completion.timings.to_dict(), "total": round(total_s, 4)},
+    )
+
+
+def retrieval_event(query_id: str, started: Started) -> QueryRetrievalEvent:
+    return QueryRetrievalEvent(
+        id=query_id,
+        citations=citations_of(started.citations),
+        strategy=started.strategy,
+        timings=started.timings.to_dict(),
+    )
+
+
+def answer_fields(answer: Answer) -> dict:
+    """An answer of `ragkv ask` with /v1/query's field names (it has no request id)."""
+    body = QueryResponse(
+        id="",
+        answer=answer.text,
+        finish_reason=answer.finish_reason.value,
+        strategy=answer.strategy,
+        citations=citations_of(answer.citations),
+        usage=usage_of(answer.usage),
+        timings=answer.timings,
+    )
+    return body.model_dump(mode="json", exclude={"id"})
