@@ -15,9 +15,12 @@ from test_sparse_support import write_tiny_llama
 from ragkv.api.config import ServeConfig
 from ragkv.api.metrics import Metrics
 from ragkv.api.worker import ModelWorker
+from ragkv.app.chat import ChatTurn, ChatTurns
+from ragkv.app.contexts import ContextCache
 from ragkv.app.generate import CollectingSink
 from ragkv.app.live_fidelity import FidelitySample, LiveFidelity, LiveFidelityConfig
-from ragkv.app.query import fused_prompt_ids
+from ragkv.app.query import fused_prompt_ids, query_request
+from ragkv.app.rag import QueryConfig, RagPipeline
 from ragkv.app.request import Phase, Prepared, Request
 from ragkv.app.scheduler import Scheduler
 from ragkv.app.usage import Usage
@@ -27,6 +30,12 @@ from ragkv.engine.chunked_prefill import ChunkedPrefill
 from ragkv.engine.generation import GenerationConfig
 from ragkv.fusion import Full, FusionInput, LoadedChunk, Probe
 from ragkv.fusion.fidelity import next_token_kl
+from ragkv.ingest.embedder import Embedder
+from ragkv.ingest.journal import IngestJournal
+from ragkv.ingest.pipeline import IngestConfig, Ingestor
+from ragkv.ingest.registry_lmdb import LMDBRegistry
+from ragkv.store.lmdb_env import LMDBEnvironment
+from ragkv.store.lmdb_store import LMDBStore
 
 QUESTION = "When was Gull Point Light first lit?"
 PIECE = 32
@@ -164,20 +173,62 @@ def test_a_request_arriving_during_a_sample_prefill_is_admitted_at_the_next_step
     assert count == 1 and total == pytest.approx(_reference_kl(engine, fused[0]), rel=1e-3, abs=1e-7)
 
 
+@pytest.fixture(scope="module")
+def rag(engine, tmp_path_factory):
+    root = tmp_path_factory.mktemp("live-fidelity")
+    env = LMDBEnvironment(root / "db")
+    store = LMDBStore(root / "chunks")
+    embedder = Embedder()
+    config = IngestConfig(chunk_tokens=48, show_progress=False)
+    ingestor = Ingestor(engine, store, LMDBRegistry(env), embedder, IngestJournal(env), config)
+    ingestor.ingest_text(" ".join(TEXTS), "places.txt")
+    yield RagPipeline(engine, store, ingestor.registry, embedder)
+    store.close()
+    env.close()
+
+
+def test_a_rag_query_and_a_rag_chat_turn_keep_their_fused_prompts(engine, rag):
+    metrics = Metrics()
+    scheduler = _scheduler(engine, 1.0, metrics)
+    config = QueryConfig(top_k=2, generation=GenerationConfig(max_new_tokens=3))
+    turns = ChatTurns(rag, ContextCache(1 << 30, 1 << 30, 600))
+    messages = [{"role": "user", "content": QUESTION}]
+    requests = [
+        query_request(rag, QUESTION, "default", config),
+        turns.request(ChatTurn("default", messages, None, True, config)),
+        turns.request(ChatTurn("default", messages, None, False, config)),  # a prefill: not sampled
+    ]
+    for request in requests:
+        request.sink = CollectingSink()
+        scheduler.add(request)
+    scheduler.run_until_done()
+    assert all(request.sink.completion is not None for request in requests)
+    pending = list(scheduler.fidelity.pending)
+    assert [sample.strategy for sample in pending] == ["probe", "probe"]
+    query_ids, chat_ids = (sample.prompt_ids for sample in pending)
+    question_ids = engine.prompt.rag_segments(QUESTION).question_ids
+    assert query_ids[-len(question_ids) :] == question_ids  # the question closes the fused prompt
+    assert len(chat_ids) > len(engine.tokenize(QUESTION))
+    while scheduler.has_idle_work:
+        scheduler.step()
+    assert _kl_samples(metrics, "probe")[0] == 2
+
+
 def test_the_model_worker_measures_samples_when_nothing_else_runs(engine):
     metrics = Metrics()
     scheduler = _scheduler(engine, 1.0, metrics, piece_tokens=PIECE)
     scheduler.add(_fused_request(engine, Probe(ratio=0.1), []))
     scheduler.run_until_done()
+    fidelity = scheduler.fidelity
     worker = ModelWorker(scheduler)
     worker.start()
     try:
         deadline = time.monotonic() + 300  # generous: a loaded machine is slow
-        while scheduler.has_idle_work and time.monotonic() < deadline:
+        while not (fidelity.measured or fidelity.dropped) and time.monotonic() < deadline:
             time.sleep(0.05)
     finally:
         worker.stop()
-    assert _kl_samples(metrics, "probe")[0] == 1
+    assert _kl_samples(metrics, "probe")[0] == 1 and fidelity.dropped == 0
 
 
 def test_the_queue_of_samples_is_bounded_dropping_the_oldest():

@@ -130,13 +130,15 @@ class LiveFidelity:
         if self.current is None:
             if not self.pending:
                 return
-            sample = self.pending.popleft()
+            sample = self.pending[0]
             try:
                 self.current = (sample, ChunkedPrefill(model, sample.prompt_ids, self.config.piece_tokens))
             except Exception:
                 log.exception("could not start the full prefill of a fidelity sample")
                 self._dropped()
                 return
+            finally:  # taken off the queue once current: `has_work` never reads False in between
+                self.pending.popleft()
         sample, prefill = self.current
         try:
             if not prefill.step():
