@@ -30,6 +30,7 @@ from ragkv.api.state import AppState
 from ragkv.api.vllm_metrics import scheduler_reading
 from ragkv.api.worker import ModelWorker
 from ragkv.app.ingest_records import IngestRecords
+from ragkv.app.live_fidelity import LiveFidelity, LiveFidelityConfig
 from ragkv.app.runtime import Runtime
 from ragkv.app.scheduler import Scheduler, SchedulerConfig
 from ragkv.app.session_store import open_sessions, session_mac_key, sessions_url
@@ -142,6 +143,13 @@ def _build_state(config: ServeConfig, metrics: Metrics) -> AppState:
             SchedulerConfig(
                 max_running=config.max_active, max_waiting=config.max_queued, token_budget=config.token_budget
             ),
+            LiveFidelity(
+                LiveFidelityConfig(rate=config.fidelity_sample_rate),
+                on_measured=metrics.record_fidelity,
+                on_dropped=metrics.fidelity_dropped.inc,
+            )
+            if config.fidelity_sample_rate
+            else None,
         )
         worker = ModelWorker(
             scheduler,

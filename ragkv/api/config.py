@@ -65,6 +65,10 @@ class ServeConfig:
     max_queued: int = 64
     """Requests waiting in the scheduler (and, in a queue of their own, deletions, embeddings
     and ingestions waiting for the model worker); beyond this the API answers 503."""
+    fidelity_sample_rate: float = 0.0
+    """Share of fused requests whose first token is compared, when the server is idle, with a
+    full prefill of the same prompt (histogram ragkv_fusion_first_token_kl); never delays a
+    waiting request by more than one piece of that prefill. 0 = off."""
     access_log: bool = True
     """Log one line per request (method, path, status, latency, request id, tenant) on the
     ragkv.access logger, whatever --log-level is."""
@@ -87,6 +91,8 @@ class ServeConfig:
         for name in ("max_new_tokens", "max_input_tokens", "max_top_k", "max_active", "max_queued", "token_budget"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if not 0.0 <= self.fidelity_sample_rate <= 1.0:
+            raise ValueError(f"fidelity_sample_rate must be in [0, 1], got {self.fidelity_sample_rate}")
         if self.shared_context_mb < 0:
             raise ValueError("shared_context_mb must be >= 0")
         if self.background_ingest_bytes < 0:

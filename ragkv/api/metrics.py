@@ -20,6 +20,8 @@ from ragkv.app.usage import Usage
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1, 1.5, 2, 3, 5, 8, 13, 20)
+_KL_BUCKETS = (0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3)
+"""Nats, half a decade apart: a fusion close to the full prefill sits in the lowest ones."""
 
 
 Reading = tuple[str, str, str, dict[str, str], "float | None"]
@@ -97,6 +99,19 @@ class Metrics:
         self.sessions_turns = Counter(
             "ragkv_chat_turns", "Chat turns by whether they continued a stored session", ["phase"], registry=r
         )
+        self.fusion_kl = Histogram(
+            "ragkv_fusion_first_token_kl",
+            "KL(full prefill || fused) of the first token of sampled live requests, in nats "
+            "(--fidelity-sample-rate; measured when the server is idle)",
+            ["strategy"],
+            buckets=_KL_BUCKETS,
+            registry=r,
+        )
+        self.fidelity_dropped = Counter(
+            "ragkv_fusion_fidelity_samples_dropped",
+            "Fidelity samples given up (the queue of samples was full, or their full prefill failed)",
+            registry=r,
+        )
         self.queue_depth = Gauge("ragkv_worker_queue_depth", "Jobs waiting for the model worker", registry=r)
         self.active_jobs = Gauge("ragkv_worker_active_jobs", "Jobs the model worker is interleaving", registry=r)
 
@@ -111,3 +126,6 @@ class Metrics:
             self.chunks.labels("hit").inc(chunk_hits)
         if chunk_misses:
             self.chunks.labels("miss").inc(chunk_misses)
+
+    def record_fidelity(self, strategy: str, kl: float) -> None:
+        self.fusion_kl.labels(strategy).observe(kl)

@@ -11,7 +11,8 @@ Two kinds of work, two types on the event loop's side:
 
 Each round of the worker steps the interactive tasks once and the scheduler once.
 Background tasks (ingestion) run one at a time when nothing interactive is waiting or
-running; while one runs, its progress callback calls `checkpoint()`, which serves the
+running; the scheduler's idle work (live fidelity samples) runs only when nothing else
+does, one piece per round; while one runs, its progress callback calls `checkpoint()`, which serves the
 interactive work first (for up to `checkpoint_budget_s` between two chunks).
 
 Cancelled work raises RequestCancelled: the scheduler drops a cancelled request (and its
@@ -126,6 +127,9 @@ class ModelWorker:
     def _scheduler_busy(self) -> bool:
         return self.scheduler is not None and self.scheduler.has_work
 
+    def _scheduler_idle_work(self) -> bool:
+        return self.scheduler is not None and self.scheduler.has_idle_work
+
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -136,7 +140,12 @@ class ModelWorker:
         while True:
             with self._cond:
                 while not (
-                    self._stopping or self._interactive or self._background or self._active or self._scheduler_busy()
+                    self._stopping
+                    or self._interactive
+                    or self._background
+                    or self._active
+                    or self._scheduler_busy()
+                    or self._scheduler_idle_work()
                 ):
                     self._cond.wait()
                 stopping = self._stopping
@@ -166,7 +175,8 @@ class ModelWorker:
                 with self._cond:
                     self._active.remove(task)
                 self._finished(task)
-        if self._scheduler_busy():
+        idle_work = not self._active and not self._in_background and self._scheduler_idle_work()
+        if self._scheduler_busy() or idle_work:
             try:
                 self.scheduler.step()
             except Exception:  # a scheduler bug must not kill the worker; the step's requests got their errors

@@ -31,7 +31,7 @@ import torch
 from ragkv.app.contexts import Context, ContextStore, Insertion, new_context_id
 from ragkv.app.conversation import Conversation, common_prefix, continue_conversation, render_conversation
 from ragkv.app.limits import check_context_length
-from ragkv.app.query import CHUNK_TOKENS_ESTIMATE, check_input_tokens
+from ragkv.app.query import CHUNK_TOKENS_ESTIMATE, check_input_tokens, fused_prompt_ids
 from ragkv.app.rag import QueryConfig, RagPipeline
 from ragkv.app.request import Completion, Prepared, Request, RequestInfo
 from ragkv.app.usage import Usage
@@ -214,12 +214,13 @@ class _TurnState:
         )
         context_rows = len(self.row_ids)
         citations = self.turns.rag.cite(turn.tenant, retrieved) if retrieved else []
+        fused = None
         if new:
-            cache, logits, usage, strategy = self._fuse(request, conversation, cache, new)
+            cache, logits, usage, strategy, fused = self._fuse(request, conversation, cache, new)
         else:
             cache, logits, usage, strategy = self._prefill(request, conversation, cache)
         info = ChatInfo(self.context_id, self.number, len(new), context_rows)
-        return Prepared(cache, logits, usage, strategy, citations, None, info)
+        return Prepared(cache, logits, usage, strategy, citations, None, info, fused)
 
     def _base_and_conversation(self) -> Conversation:
         turn, prompt, fingerprint = self.turn, self.engine.prompt, self.engine.fingerprint
@@ -339,7 +340,8 @@ class _TurnState:
                 tuple(chunk.chunk_hash for _, chunk, _ in new),
             )
         ]
-        return fusion.cache, fusion.logits, Usage.of_fusion(fusion, computed_before, recomputed), strategy.name
+        usage = Usage.of_fusion(fusion, computed_before, recomputed)
+        return fusion.cache, fusion.logits, usage, strategy.name, fused_prompt_ids(fusion)
 
     # -- after the turn -------------------------------------------------------------
 

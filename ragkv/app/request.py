@@ -109,6 +109,10 @@ class Prepared:
     """Sparse decode attention for this request; None = dense."""
     info: RequestInfo | None = None
     """What the request's kind reports with the first token and the completion."""
+    fused_prompt_ids: list[int] | None = None
+    """The prompt's token ids when its cache reused stored chunk KV (a fusion); None for a
+    prefill or a cached prefix with nothing fused. What a live fidelity sample prefills in
+    full to compare first tokens (ragkv.app.live_fidelity)."""
 
 
 @dataclass

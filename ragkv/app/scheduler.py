@@ -8,7 +8,10 @@ One `step()`:
      row is free; so a long prepare delays the running decodes by one prepare, never more;
   3. sample the next token of every running request from its logits, report it, and run
      one `CausalLM.decode_batch` for all that continue: each weight is read once for all
-     rows; attention stays per request, over its own cache.
+     rows; attention stays per request, over its own cache;
+  4. only when nothing waits and nothing runs: one piece of a live fidelity sample's full
+     prefill (ragkv.app.live_fidelity), so a request that arrives meanwhile is admitted
+     at the next step, after that piece at most.
 
 Used by the API's model worker (one thread owns the engine and steps the scheduler) and by
 `ragkv ask` (one request). The scheduler alone holds the waiting and running requests and
@@ -22,6 +25,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
+from ragkv.app.live_fidelity import LiveFidelity
 from ragkv.app.request import FinishReason, Request, RequestCancelled
 from ragkv.engine.model import CausalLM
 
@@ -53,12 +57,19 @@ class QueueFull(Exception):
 
 class Scheduler:
     def __init__(
-        self, model: CausalLM, tokenizer, eos_token_ids: set[int], config: SchedulerConfig = SchedulerConfig()
+        self,
+        model: CausalLM,
+        tokenizer,
+        eos_token_ids: set[int],
+        config: SchedulerConfig = SchedulerConfig(),
+        fidelity: LiveFidelity | None = None,
     ):
+        """`fidelity`: samples fused requests and measures them when idle; None = never."""
         self.model = model
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.config = config
+        self.fidelity = fidelity
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._lock = threading.Lock()
@@ -67,6 +78,11 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def has_idle_work(self) -> bool:
+        """Fidelity samples to measure: `step` runs them only when there is no other work."""
+        return self.fidelity is not None and self.fidelity.has_work
 
     def add(self, *requests: Request) -> None:
         """Queue the requests, all or none: QueueFull when they do not all fit in `max_waiting`."""
@@ -83,6 +99,11 @@ class Scheduler:
             self._prepare(admitted)
         if self.running:
             self._decode()
+        elif admitted is None and self.has_idle_work:
+            with self._lock:
+                idle = not self.waiting  # a request added meanwhile goes first
+            if idle:
+                self.fidelity.step(self.model)
 
     def abort(self, reason: str) -> None:
         """Drop every request (the server is stopping): each reports RequestCancelled."""
@@ -90,6 +111,8 @@ class Scheduler:
             dropped = list(self.waiting) + self.running
             self.waiting.clear()
         self.running = []
+        if self.fidelity is not None:
+            self.fidelity.clear()
         for request in dropped:
             self._drop(request, RequestCancelled(f"{request.kind} request {request.id} was cancelled: {reason}"))
 
@@ -125,6 +148,8 @@ class Scheduler:
             self._drop(request, error)
             return
         self.running.append(request)
+        if self.fidelity is not None:
+            self.fidelity.prepared(request)
         request.sink.started(request.started())
 
     def _decode(self) -> None:
@@ -178,12 +203,16 @@ class Scheduler:
             request.first_token_sent()
         if delta:
             request.sink.token(delta)
+        if self.fidelity is not None:
+            self.fidelity.finished(request)
         completion = request.finish(reason)
         self.running.remove(request)
         request.sink.finished(completion)
         return False
 
     def _drop(self, request: Request, error: BaseException) -> None:
+        if self.fidelity is not None:
+            self.fidelity.forget(request)
         try:
             request.drop()
         except Exception:
