@@ -7,7 +7,8 @@ import json
 import pytest
 from tiny_models import make_tiny_model
 
-from ragkv.bench.decode_bench import OPTIONS, kl_divergence, run_decode_bench
+from ragkv.bench.decode_bench import OPTIONS, format_table, kl_divergence, run_decode_bench
+from ragkv.engine.kv_cache import window_slack
 from ragkv.engine.model import CausalLM
 
 
@@ -47,6 +48,29 @@ def test_bench_reports_speed_batch_and_quality(folder):
     reference = next(row for row in result.quality if row.option == "float32")
     assert reference.first_token_kl_max == pytest.approx(0.0, abs=1e-6) and reference.answer_agreement == 1.0
     json.dumps(result.to_json())
+
+
+def test_bench_reports_the_kv_a_sliding_window_model_holds(tmp_path):
+    """Tiny Gemma 3: 3 of 4 layers windowed (8 rows), so past the window a token costs a
+    quarter of its bytes, and at 64 rows the windowed layers hold at most 7 + slack rows."""
+    folder = make_tiny_model("gemma3", tmp_path / "gemma3")
+    result = run_decode_bench(
+        lambda numerics: CausalLM.load(folder, numerics=numerics),
+        [],
+        options=["float32"],
+        contexts=[64],
+        batches=[],
+        batch_context=8,
+        steps=2,
+        max_new_tokens=1,
+    )
+    (row,) = result.window
+    row_bytes = 2 * 1 * 16 * 4  # K and V of one KV head of 16 float32 values
+    assert row.kv_bytes_per_token_full_layers == 4 * row_bytes and row.kv_bytes_per_token_trimmed == row_bytes
+    rows = 64 + 2 + 3  # the context, the timed and the warm-up steps
+    assert row.kv_bytes_held_at_context_untrimmed == 4 * rows * row_bytes
+    assert row.kv_bytes_held_at_context <= (rows + 3 * (7 + window_slack(8))) * row_bytes
+    assert row.ms_per_token > 0 and "held untrimmed" in format_table(result)
 
 
 def test_unknown_option_is_refused(folder):

@@ -35,7 +35,7 @@ from ragkv.app.query import CHUNK_TOKENS_ESTIMATE, check_input_tokens, fused_pro
 from ragkv.app.rag import QueryConfig, RagPipeline
 from ragkv.app.request import Completion, Prepared, Request, RequestInfo
 from ragkv.app.usage import Usage
-from ragkv.engine.kv_cache import KVCache
+from ragkv.engine.kv_cache import KVCache, Tail
 from ragkv.engine.prompt import RAG_INSTRUCTION
 from ragkv.fusion import FusionInput
 from ragkv.fusion.layout import Layout
@@ -98,15 +98,13 @@ class _Saved:
     conversation_ids: list[int]
     row_ids: list[int]
     insertions: list[Insertion]
-    kept: int
-    """Rows the turn keeps (and never writes)."""
-    tail: tuple[torch.Tensor, torch.Tensor]
-    """Keys and values of rows [kept, length)."""
+    tail: Tail
+    """Rows from the kept ones (which the turn never writes) to the end, and the rows before
+    them that a sliding window reaches, should the turn's decode release them."""
 
     @classmethod
-    def of(cls, context: Context, kept: int) -> _Saved:
+    def of(cls, context: Context, kept: int, window: int | None) -> _Saved:
         cache = context.cache
-        tail = (cache.keys[:, :, kept : cache.length].clone(), cache.values[:, :, kept : cache.length].clone())
         return cls(
             cache,
             cache.length,
@@ -114,16 +112,12 @@ class _Saved:
             list(context.conversation_ids),
             list(context.row_ids),
             list(context.insertions),
-            kept,
-            tail,
+            cache.tail(kept, window),
         )
 
     def restore(self, context: Context) -> None:
         cache = self.cache  # the turn may have moved the context to a larger copy; this one holds the prefix
-        cache.reserve(self.length)
-        cache.keys[:, :, self.kept : self.length] = self.tail[0]
-        cache.values[:, :, self.kept : self.length] = self.tail[1]
-        cache.length, cache.next_position = self.length, self.next_position
+        cache.restore(self.tail)
         context.cache = cache
         context.conversation_ids, context.row_ids, context.insertions = (
             self.conversation_ids,
@@ -198,17 +192,14 @@ class _TurnState:
         held = (
             self.base.context.chunks_before(self.base.conversation_tokens) if self.base.context is not None else set()
         )
-        new = list(
-            {
-                chunk.chunk_hash: (record, chunk, score)
-                for record, chunk, score in retrieved
-                if chunk.chunk_hash not in held
-            }.values()
-        )
+        new = new_chunks(retrieved, held)
         reuse = self.base.conversation_tokens
         if new:
             reuse = min(reuse, conversation.question_start)
         reuse = min(reuse, len(conversation.token_ids) - 1)
+        if reuse and not self._reusable(reuse, bool(new)):
+            reuse = 0  # recomputed: the base's chunks are not in the prompt then, so all are new
+            new = new_chunks(retrieved, set())
         cache = self._base_cache(
             reuse, len(conversation.token_ids) - reuse + turn.config.generation.max_new_tokens + NEXT_TURN_ROWS
         )
@@ -245,6 +236,16 @@ class _TurnState:
             self.base = _Base(match.context, match.conversation_tokens, held)
         return conversation
 
+    def _reusable(self, reuse: int, fusing: bool) -> bool:
+        """Whether the base's rows for `reuse` tokens can be read. A cache whose sliding-window
+        layers released rows (in decode) serves a turn that appends to it, but not a cut
+        before its window nor a fusion (which reads every layer's prefix rows)."""
+        cache = self.base.context.cache
+        if not cache.trimmed:
+            return True
+        rows = self.base.context.rows_for(reuse)
+        return not fusing and (rows == cache.length or rows >= cache.earliest_cut)
+
     def _base_cache(self, reuse: int, extra_capacity: int) -> KVCache | None:
         """The base's rows for the first `reuse` conversation tokens, held, or copied with
         room for `extra_capacity` more."""
@@ -258,11 +259,12 @@ class _TurnState:
         self.row_ids = context.row_ids[:rows]
         self.insertions = [i for i in context.insertions if i.at < reuse]
         if base.held:
-            self.saved = _Saved.of(context, rows)
+            self.saved = _Saved.of(context, rows, self.engine.model.spec.sliding_window)
             context.cut(reuse)
             return context.cache
-        prefix = KVCache(context.cache.keys[:, :, :rows], context.cache.values[:, :, :rows], rows, rows)
-        return prefix.clone(extra_capacity)
+        prefix = context.cache.clone(extra_capacity, rows=rows)
+        prefix.next_position = rows
+        return prefix
 
     def _room(self, rows: int) -> None:
         check_context_length(
@@ -383,6 +385,17 @@ class _TurnState:
         else:  # not cut: at most rows past its own were written
             context.cache.truncate(min(context.cache.length, len(context.row_ids)))
         self.turns.contexts.release(context.tenant, context.id, context)
+
+
+def new_chunks(retrieved: list, held: set[str]) -> list:
+    """The retrieved (record, chunk, score) whose chunk is not in `held`, each chunk once."""
+    return list(
+        {
+            chunk.chunk_hash: (record, chunk, score)
+            for record, chunk, score in retrieved
+            if chunk.chunk_hash not in held
+        }.values()
+    )
 
 
 def conversation_text(turn: ChatTurn) -> str:

@@ -15,7 +15,7 @@ import json
 import torch
 
 from ragkv.app.contexts import Context, Insertion
-from ragkv.engine.kv_cache import KVCache
+from ragkv.engine.kv_cache import KVCache, WindowRows
 from ragkv.store.blob import decode_blob, encode_blob
 from ragkv.store.errors import CorruptBlobError
 
@@ -34,7 +34,7 @@ def context_meta(context: Context) -> dict:
         "version": context.version,
         "length": context.length,
         "explicit": context.explicit,
-        "dtype": str(context.cache.keys.dtype).removeprefix("torch."),
+        "dtype": str(context.cache.dtype).removeprefix("torch."),
     }
 
 
@@ -44,17 +44,20 @@ def compact_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def encode_context(context: Context, *, kv_dtype: torch.dtype | None = None, mac_key: bytes | None = None) -> bytes:
-    rows = context.length
-    keys, values = context.cache.keys[:, :, :rows], context.cache.values[:, :, :rows]
-    if kv_dtype is not None:
-        keys, values = keys.to(kv_dtype), values.to(kv_dtype)
+    keys, values, window = context.cache.parts()
     tensors = {
         "keys": keys,
         "values": values,
         "conversation": torch.tensor(context.conversation_ids, dtype=torch.int32),
         "rows": torch.tensor(context.row_ids, dtype=torch.int32),
     }
-    return encode_blob(tensors, {"session": json.dumps(context_meta(context))}, mac_key=mac_key)
+    meta = context_meta(context)
+    if window is not None:  # the sliding-window layers hold only their last rows
+        tensors["window.keys"], tensors["window.values"] = window.keys, window.values
+        meta["window"] = {"layers": list(window.layers), "window": window.window, "start": window.start}
+    if kv_dtype is not None:
+        tensors.update({name: tensors[name].to(kv_dtype) for name in tensors if "keys" in name or "values" in name})
+    return encode_blob(tensors, {"session": json.dumps(meta)}, mac_key=mac_key)
 
 
 def decode_context(blob: bytes | bytearray | memoryview, *, mac_key: bytes | None = None) -> Context:
@@ -67,18 +70,36 @@ def decode_context(blob: bytes | bytearray | memoryview, *, mac_key: bytes | Non
         conversation, rows = tensors["conversation"].tolist(), tensors["rows"].tolist()
         insertions = [Insertion(at, count, tuple(hashes)) for at, count, hashes in meta["insertions"]]
         dtype = _DTYPES[meta.get("dtype", str(keys.dtype).removeprefix("torch."))]
+        window = None
+        if "window" in meta:
+            held = meta["window"]
+            window = WindowRows(
+                tuple(held["layers"]),
+                held["window"],
+                tensors["window.keys"].to(dtype),
+                tensors["window.values"].to(dtype),
+                held["start"],
+            )
     except (KeyError, ValueError, TypeError) as error:
         raise CorruptBlobError(f"not a context blob: {error}") from error
     length = keys.shape[2]
     if values.shape != keys.shape or len(rows) != length or meta.get("length") != length:
         raise CorruptBlobError("context blob tensors disagree with its metadata")
+    if window is not None and (
+        window.values.shape != window.keys.shape or window.keys.shape[2] != length - window.start
+    ):
+        raise CorruptBlobError("context blob window rows disagree with its metadata")
+    try:
+        cache = KVCache.from_parts(keys.to(dtype), values.to(dtype), length, length, window)
+    except ValueError as error:
+        raise CorruptBlobError(f"not a context blob: {error}") from error
     return Context(
         meta["id"],
         meta["tenant"],
         meta["fingerprint"],
         conversation,
         rows,
-        KVCache(keys.to(dtype), values.to(dtype), length, length),
+        cache,
         insertions,
         explicit=meta.get("explicit", True),
         turns=meta["turns"],

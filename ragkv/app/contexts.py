@@ -95,7 +95,7 @@ class Context:
 
     @property
     def nbytes(self) -> int:
-        return self.cache.keys.nbytes + self.cache.values.nbytes
+        return self.cache.nbytes
 
     @property
     def chunk_hashes(self) -> list[str]:

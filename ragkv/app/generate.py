@@ -9,7 +9,7 @@ import torch
 
 from ragkv.app.completion import completion_request
 from ragkv.app.request import Completion, Prepared, Request, Started
-from ragkv.app.scheduler import Scheduler
+from ragkv.app.scheduler import Scheduler, SchedulerConfig
 from ragkv.app.usage import Usage
 from ragkv.engine import Engine
 from ragkv.engine.generation import GenerationConfig
@@ -41,11 +41,13 @@ class CollectingSink:
         self.error = error
 
 
-def run_alone(engine: Engine, request: Request, sink: CollectingSink | None = None) -> Completion:
+def run_alone(
+    engine: Engine, request: Request, sink: CollectingSink | None = None, config: SchedulerConfig = SchedulerConfig()
+) -> Completion:
     """Run `request` to its end on a scheduler of its own; its completion, or its error raised."""
     sink = sink if sink is not None else CollectingSink()
     request.sink = sink
-    scheduler = Scheduler(engine.model, engine.tokenizer, engine.eos_token_ids)
+    scheduler = Scheduler(engine.model, engine.tokenizer, engine.eos_token_ids, config)
     scheduler.add(request)
     scheduler.run_until_done()
     if sink.error is not None:
@@ -64,12 +66,14 @@ def decode(
     sink: CollectingSink | None = None,
 ) -> Completion:
     """Decode from a prompt already in `cache`, whose last row produced `logits` (a fused or
-    prefilled prompt); `attention`: sparse decode attention, None = dense."""
+    prefilled prompt); `attention`: sparse decode attention, None = dense. The cache keeps
+    every row, so the caller may cut it back to the prompt afterwards."""
 
     def prepare(request: Request) -> Prepared:
         return Prepared(cache, logits, Usage(prompt_tokens=cache.length), strategy, attention=attention)
 
-    return run_alone(engine, Request("decode", prepare, generation, strip_text=False), sink)
+    keep_rows = SchedulerConfig(release_window_rows=False)
+    return run_alone(engine, Request("decode", prepare, generation, strip_text=False), sink, keep_rows)
 
 
 def forced_answer_ids(completion: Completion) -> list[int]:

@@ -42,6 +42,9 @@ class SchedulerConfig:
     token_budget: int = 65536
     """KV rows the running requests may hold together (prompt + answer); a waiting request
     is admitted when its estimate fits (one request is always admitted when none runs)."""
+    release_window_rows: bool = True
+    """Dense decodes let the sliding-window layers (Gemma 3) drop rows their window no longer
+    reaches (CausalLM.decode_batch), so those layers' KV stops growing with the context."""
 
     def __post_init__(self) -> None:
         for name in ("max_running", "max_waiting", "token_budget"):
@@ -169,6 +172,7 @@ class Scheduler:
                 [r.output_ids[-1] for r in continuing],
                 [r.cache for r in continuing],
                 [r.prepared.attention for r in continuing],
+                release_window_rows=self.config.release_window_rows,
             )
         except BaseException as error:
             log.exception("batched decode step failed")

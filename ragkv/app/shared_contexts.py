@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from ragkv.app.context_blob import compact_dtype, decode_context, encode_context
 from ragkv.app.contexts import BLOCK_TOKENS, Context, Match, block_hashes
 from ragkv.app.conversation import common_prefix
-from ragkv.engine.kv_cache import KVCache
 from ragkv.store.errors import CorruptBlobError
 from ragkv.store.redis_client import ERRORS, hash_tag
 from ragkv.store.redis_link import RedisLink
@@ -114,17 +113,14 @@ class SharedContexts:
             return
         if len(context.conversation_ids) < BLOCK_TOKENS:
             return  # no full block to find it by
-        rows = context.length
-        dtype = compact_dtype(context.cache.keys.dtype)
-        keys = context.cache.keys[:, :, :rows].to(dtype, copy=True)
-        values = context.cache.values[:, :, :rows].to(dtype, copy=True)
+        cache = context.cache.clone(dtype=compact_dtype(context.cache.dtype))
         snapshot = Context(
             context.id,
             context.tenant,
             context.fingerprint,
             list(context.conversation_ids),
             list(context.row_ids),
-            KVCache(keys, values, rows, rows),
+            cache,
             list(context.insertions),
             explicit=False,
             turns=context.turns,

@@ -64,6 +64,24 @@ class SpeedRow:
 
 
 @dataclass(frozen=True)
+class WindowRow:
+    """Decode of a model with sliding-window layers, its cache letting those layers release
+    rows their window no longer reaches (CausalLM.decode_batch) or keeping every row."""
+
+    option: str
+    context: int
+    ms_per_token: float
+    """With the windowed layers' rows released (the untrimmed figure is the speed row's)."""
+    kv_bytes_per_token_full_layers: int
+    """KV bytes a token of context costs when every layer keeps every row."""
+    kv_bytes_per_token_trimmed: int
+    """What a further token costs once past the window: the full-attention layers' rows only."""
+    kv_bytes_held_at_context: int
+    """KV bytes of the rows held after the timed steps, windowed layers trimmed."""
+    kv_bytes_held_at_context_untrimmed: int
+
+
+@dataclass(frozen=True)
 class BatchRow:
     option: str
     batch: int
@@ -90,6 +108,7 @@ class DecodeBenchResult:
     numerics: dict[str, dict[str, str]]
     speed: list[SpeedRow] = field(default_factory=list)
     batch: list[BatchRow] = field(default_factory=list)
+    window: list[WindowRow] = field(default_factory=list)
     quality: list[QualityRow] = field(default_factory=list)
     note: str = ""
 
@@ -115,6 +134,13 @@ def kv_bytes(model: CausalLM, rows: int) -> int:
     return 2 * spec.num_layers * spec.num_kv_heads * rows * spec.head_dim * model.dtype.itemsize
 
 
+def kv_bytes_held(model: CausalLM, cache: KVCache) -> int:
+    """Bytes of the K and V rows `cache` holds (released rows of windowed layers not counted)."""
+    spec = model.spec
+    row = 2 * spec.num_kv_heads * spec.head_dim * model.dtype.itemsize
+    return row * sum(cache.length - cache.first_row(layer) for layer in range(spec.num_layers))
+
+
 def random_cache(model: CausalLM, rows: int, extra: int, seed: int = 0) -> KVCache:
     cache = model.new_cache(rows + extra)
     generator = torch.Generator().manual_seed(seed)
@@ -125,15 +151,25 @@ def random_cache(model: CausalLM, rows: int, extra: int, seed: int = 0) -> KVCac
 
 
 @torch.inference_mode()
-def time_decode(model: CausalLM, context: int, steps: int, warmup: int = 3) -> float:
-    """Median seconds of one greedy decode step at `context` cached rows."""
+def time_decode(
+    model: CausalLM,
+    context: int,
+    steps: int,
+    warmup: int = 3,
+    release_window_rows: bool = False,
+    held: list | None = None,
+) -> float:
+    """Median seconds of one greedy decode step at `context` cached rows; `held` gets the
+    KV bytes the cache holds after the last step."""
     cache = random_cache(model, context, steps + warmup)
     token, times = 5, []
     for step in range(steps + warmup):
         started = time.perf_counter()
-        token = int(model.decode_step(token, cache).argmax())
+        token = int(model.decode_step(token, cache, release_window_rows=release_window_rows).argmax())
         if step >= warmup:
             times.append(time.perf_counter() - started)
+    if held is not None:
+        held.append(kv_bytes_held(model, cache))
     return statistics.median(times)
 
 
@@ -201,9 +237,26 @@ def run_decode_bench(
         weight_bytes = decode_weight_bytes(model)
         for context in contexts:
             progress(f"{name}: decode at {context}")
-            seconds = time_decode(model, context, steps)
+            untrimmed: list[int] = []
+            seconds = time_decode(model, context, steps, held=untrimmed)
             moved = weight_bytes + kv_bytes(model, context)
             result.speed.append(SpeedRow(name, context, 1e3 * seconds, moved, moved / seconds / 1e9))
+            if model.spec.sliding_layers:
+                progress(f"{name}: decode at {context}, windowed layers releasing rows")
+                trimmed: list[int] = []
+                seconds = time_decode(model, context, steps, release_window_rows=True, held=trimmed)
+                full_layers = model.spec.num_layers - len(model.spec.sliding_layers)
+                result.window.append(
+                    WindowRow(
+                        name,
+                        context,
+                        1e3 * seconds,
+                        kv_bytes(model, 1),
+                        kv_bytes(model, 1) * full_layers // model.spec.num_layers,
+                        trimmed[0],
+                        untrimmed[0],
+                    )
+                )
         for batch in batches:
             progress(f"{name}: batch {batch}")
             result.batch.append(BatchRow(name, batch, batch_context, time_batch(model, batch, batch_context, steps)))
@@ -251,6 +304,17 @@ def format_table(result: DecodeBenchResult) -> str:
         lines.append(
             f"{name:<20}" + "".join(f"{cells[c].ms_per_token:>10.1f}{cells[c].gb_per_s:>7.1f}" for c in contexts)
         )
+    if result.window:
+        lines += ["", "sliding-window layers releasing rows in decode (KV bytes: K and V rows held)"]
+        lines.append(
+            "option              context   ms/token  bytes/token all  bytes/token past window  held      held untrimmed"
+        )
+        for row in result.window:
+            lines.append(
+                f"{row.option:<20}{row.context:>7}{row.ms_per_token:>11.1f}{row.kv_bytes_per_token_full_layers:>17}"
+                f"{row.kv_bytes_per_token_trimmed:>25}{row.kv_bytes_held_at_context:>10}"
+                f"{row.kv_bytes_held_at_context_untrimmed:>16}"
+            )
     if result.batch:
         lines += ["", "batched decode, tokens/s (context " + str(result.batch[0].context) + " each)"]
         batches = sorted({row.batch for row in result.batch})

@@ -163,7 +163,9 @@ class CausalLM:
         self, layer: int, projection: Projection, positions: torch.Tensor, cache: KVCache, rows: int
     ) -> torch.Tensor:
         keys, values = cache.layer(layer, rows)
-        window = self.spec.layer_window(layer)
+        window, first = self.spec.layer_window(layer), cache.first_row(layer)
+        if first:  # released rows: positions count from the first held row
+            positions = positions - first
         return causal_attention(projection.q, keys, values, positions, self.scale, window=window)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -180,8 +182,7 @@ class CausalLM:
         """Run one layer for `hidden` rows at `positions`, writing their K/V into cache rows
         `positions` and attending to the first `rows` cache rows."""
         projection = self.project(layer, hidden, positions)
-        cache.keys[layer, :, positions] = projection.k
-        cache.values[layer, :, positions] = projection.v
+        cache.write(layer, positions, projection.k, projection.v)
         return self.finish_layer(layer, hidden, self.attend(layer, projection, positions, cache, rows))
 
     @torch.inference_mode()
@@ -215,8 +216,7 @@ class CausalLM:
         for layer in range(spec.num_layers):
             projection = self.project(layer, hidden, positions)
             keys[layer], values[layer] = projection.k_pre_rope, projection.v
-            cache.keys[layer, :, positions] = projection.k
-            cache.values[layer, :, positions] = projection.v
+            cache.write(layer, positions, projection.k, projection.v)
             if layer + 1 < spec.num_layers:
                 hidden = self.finish_layer(layer, hidden, self.attend(layer, projection, positions, cache, start + n))
         return keys, values
@@ -253,8 +253,7 @@ class CausalLM:
                     projection.q[:, rows], projection.k[:, rows], projection.k_pre_rope[:, rows], projection.v[:, rows]
                 )
                 keys[layer], values[layer] = part.k_pre_rope, part.v
-                cache.keys[layer, :, at] = part.k
-                cache.values[layer, :, at] = part.v
+                cache.write(layer, at, part.k, part.v)
                 if layer + 1 < spec.num_layers:
                     attended.append(self.attend(layer, part, at, cache, start + n))
             if layer + 1 < spec.num_layers:
@@ -262,9 +261,16 @@ class CausalLM:
         return out
 
     @torch.inference_mode()
-    def decode_step(self, token_id: int, cache: KVCache, attention: DecodeAttention | None = None) -> torch.Tensor:
+    def decode_step(
+        self,
+        token_id: int,
+        cache: KVCache,
+        attention: DecodeAttention | None = None,
+        *,
+        release_window_rows: bool = False,
+    ) -> torch.Tensor:
         """Append one token and return next-token logits [vocab]."""
-        return self.decode_batch([token_id], [cache], [attention])[0]
+        return self.decode_batch([token_id], [cache], [attention], release_window_rows=release_window_rows)[0]
 
     @torch.inference_mode()
     def decode_batch(
@@ -272,13 +278,19 @@ class CausalLM:
         token_ids: Sequence[int],
         caches: Sequence[KVCache],
         attentions: Sequence[DecodeAttention | None] | None = None,
+        *,
+        release_window_rows: bool = False,
     ) -> torch.Tensor:
         """Append one token to each of B requests and return their next-token logits [B, vocab].
 
         The B rows share every weight matmul and the dense requests one attention call
         (each over its own cache, own length and RoPE position); a request with a sparse
         attention runs its own. The compiled step runs the batch where it covers the model
-        and every sparse attention in it gives a plan (A2ATS); otherwise the Python loop."""
+        and every sparse attention in it gives a plan (A2ATS); otherwise the Python loop.
+
+        `release_window_rows`: after the step, the sliding-window layers of each dense
+        request's cache let go of rows no later token can see (KVCache.release_window_rows),
+        so their KV stops growing; the cache can then no longer be cut before its window."""
         if len(token_ids) != len(caches):
             raise ValueError(f"{len(token_ids)} tokens for {len(caches)} caches")
         if attentions is None:
@@ -309,8 +321,7 @@ class CausalLM:
         for layer in range(self.spec.num_layers):
             projection = self._project(layer, hidden, *tables[id(self.rotary_of(layer))])
             for b, (cache, row) in enumerate(zip(caches, rows)):
-                cache.keys[layer, :, row] = projection.k[:, b]
-                cache.values[layer, :, row] = projection.v[:, b]
+                cache.write(layer, row, projection.k[:, b], projection.v[:, b])
             queries = projection.q.transpose(0, 1)  # [B, Hq, D]
             # a sliding-window layer reads its window densely: the window is what a sparse
             # selector would narrow, and selectors rank rows over the whole cache
@@ -330,6 +341,10 @@ class CausalLM:
             hidden = self.finish_layer(layer, hidden, out.transpose(0, 1))
         for cache in caches:
             cache.next_position += 1
+        if release_window_rows and self.spec.sliding_layers:
+            for cache, attention in zip(caches, attentions):
+                if attention is None:  # selectors rank and read rows of the whole cache
+                    cache.release_window_rows(self.spec.sliding_layers, self.spec.sliding_window)
         return self.logits(hidden)
 
     def compiled_decoder(self) -> CompiledDecoder | None:
@@ -347,19 +362,19 @@ class CausalLM:
         """One attention call for every dense request of a step, each over its own cache; a
         sliding-window layer reads only its last `window` rows (views, nothing copied)."""
         window = self.spec.layer_window(layer)
+        held = [cache.held(layer) for cache in caches]
         if window is None:
             return batched_decode_attention(
-                queries,
-                [cache.keys[layer] for cache in caches],
-                [cache.values[layer] for cache in caches],
-                lengths,
-                self.scale,
+                queries, [keys for keys, _, _ in held], [values for _, values, _ in held], lengths, self.scale
             )
-        starts = [max(0, length - window) for length in lengths]
+        # buffer row 0 is cache row `first` (after released rows), which the window never reaches before
+        starts = [max(0, length - window) - first for length, (_, _, first) in zip(lengths, held)]
+        if min(starts) < 0:
+            raise RuntimeError(f"layer {layer}: its window reaches rows the cache released")
         return batched_decode_attention(
             queries,
-            [cache.keys[layer, :, start:] for cache, start in zip(caches, starts)],
-            [cache.values[layer, :, start:] for cache, start in zip(caches, starts)],
-            [length - start for length, start in zip(lengths, starts)],
+            [keys[:, start:] for (keys, _, _), start in zip(held, starts)],
+            [values[:, start:] for (_, values, _), start in zip(held, starts)],
+            [length - first - start for length, (_, _, first), start in zip(lengths, held, starts)],
             self.scale,
         )
