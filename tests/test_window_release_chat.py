@@ -60,8 +60,17 @@ def _recomputed_first_token(engine, ids: list[int]) -> int:
     return int(engine.model.prefill(torch.tensor(ids), cache).argmax())
 
 
-def test_follow_ups_extend_a_released_context_and_a_divergent_one_recomputes(engine):
+def test_chat_turns_keep_every_row_by_default(engine):
+    """A held chat context stays whole unless asked: a follow-up may fuse a new chunk into it."""
     turns = ChatTurns(SimpleNamespace(engine=engine), ContextCache(1 << 30, 1 << 30, 600))
+    _turn(engine, turns, [{"role": "user", "content": f"Tell me about {LONG}."}], context_id="sess_k")
+    context = turns.contexts.get("t", "sess_k")
+    assert context.length > engine.spec.sliding_window and not context.cache.trimmed
+
+
+def test_follow_ups_extend_a_released_context_and_a_divergent_one_recomputes(engine):
+    contexts = ContextCache(1 << 30, 1 << 30, 600)
+    turns = ChatTurns(SimpleNamespace(engine=engine), contexts, release_window_rows=True)
     first = [{"role": "user", "content": f"Tell me about {LONG}."}]
     done = _turn(engine, turns, first, context_id="sess_a")
     context = turns.contexts.get("t", "sess_a")

@@ -129,11 +129,21 @@ class _Saved:
 class ChatTurns:
     """Builds chat-turn requests over one pipeline and one context cache."""
 
-    def __init__(self, rag: RagPipeline, contexts: ContextStore, max_input_tokens: int | None = None):
+    def __init__(
+        self,
+        rag: RagPipeline,
+        contexts: ContextStore,
+        max_input_tokens: int | None = None,
+        release_window_rows: bool = False,
+    ):
         self.rag = rag
         self.engine = rag.engine
         self.contexts = contexts
         self.max_input_tokens = max_input_tokens
+        self.release_window_rows = release_window_rows
+        """Let a turn's decode drop the rows sliding-window layers no longer reach. Off: a
+        follow-up that fuses a new chunk into the held context reads every layer's rows, and
+        a released context would be recomputed instead (memory traded for TTFT)."""
 
     def request(
         self,
@@ -211,7 +221,17 @@ class _TurnState:
         else:
             cache, logits, usage, strategy = self._prefill(request, conversation, cache)
         info = ChatInfo(self.context_id, self.number, len(new), context_rows)
-        return Prepared(cache, logits, usage, strategy, citations, None, info, fused)
+        return Prepared(
+            cache,
+            logits,
+            usage,
+            strategy,
+            citations,
+            None,
+            info,
+            fused,
+            release_window_rows=self.turns.release_window_rows,
+        )
 
     def _base_and_conversation(self) -> Conversation:
         turn, prompt, fingerprint = self.turn, self.engine.prompt, self.engine.fingerprint

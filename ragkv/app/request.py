@@ -113,6 +113,9 @@ class Prepared:
     """The prompt's token ids when its cache reused stored chunk KV (a fusion); None for a
     prefill or a cached prefix with nothing fused. What a live fidelity sample prefills in
     full to compare first tokens (ragkv.app.live_fidelity)."""
+    release_window_rows: bool = True
+    """Whether decode may let sliding-window layers drop rows their window no longer reaches
+    (chat turns say no by default: their context stays held for follow-ups, ChatTurns)."""
 
 
 @dataclass

@@ -172,7 +172,9 @@ class Scheduler:
                 [r.output_ids[-1] for r in continuing],
                 [r.cache for r in continuing],
                 [r.prepared.attention for r in continuing],
-                release_window_rows=self.config.release_window_rows,
+                release_window_rows=[
+                    self.config.release_window_rows and r.prepared.release_window_rows for r in continuing
+                ],
             )
         except BaseException as error:
             log.exception("batched decode step failed")

@@ -279,7 +279,7 @@ class CausalLM:
         caches: Sequence[KVCache],
         attentions: Sequence[DecodeAttention | None] | None = None,
         *,
-        release_window_rows: bool = False,
+        release_window_rows: bool | Sequence[bool] = False,
     ) -> torch.Tensor:
         """Append one token to each of B requests and return their next-token logits [B, vocab].
 
@@ -288,9 +288,10 @@ class CausalLM:
         attention runs its own. The compiled step runs the batch where it covers the model
         and every sparse attention in it gives a plan (A2ATS); otherwise the Python loop.
 
-        `release_window_rows`: after the step, the sliding-window layers of each dense
-        request's cache let go of rows no later token can see (KVCache.release_window_rows),
-        so their KV stops growing; the cache can then no longer be cut before its window."""
+        `release_window_rows` (one for all or one per request): after the step, the
+        sliding-window layers of each dense request's cache let go of rows no later token
+        can see (KVCache.release_window_rows), so their KV stops growing; the cache can then
+        no longer be cut before its window."""
         if len(token_ids) != len(caches):
             raise ValueError(f"{len(token_ids)} tokens for {len(caches)} caches")
         if attentions is None:
@@ -341,9 +342,12 @@ class CausalLM:
             hidden = self.finish_layer(layer, hidden, out.transpose(0, 1))
         for cache in caches:
             cache.next_position += 1
-        if release_window_rows and self.spec.sliding_layers:
-            for cache, attention in zip(caches, attentions):
-                if attention is None:  # selectors rank and read rows of the whole cache
+        releases = (
+            [release_window_rows] * len(caches) if isinstance(release_window_rows, bool) else list(release_window_rows)
+        )
+        if self.spec.sliding_layers and any(releases):
+            for cache, attention, release in zip(caches, attentions, releases):
+                if release and attention is None:  # selectors rank and read rows of the whole cache
                     cache.release_window_rows(self.spec.sliding_layers, self.spec.sliding_window)
         return self.logits(hidden)
 
