@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from ragkv.api.serving.common import openai_finish_reason
 from ragkv.app.request import Completion, Request
 
 LABELS = ["model_name", "engine"]
@@ -115,7 +116,7 @@ class RequestRecord:
             cached_tokens=completion.usage.cached_tokens,
             generation_tokens=completion.usage.completion_tokens,
             max_tokens=request.generation.max_new_tokens,
-            finished_reason=completion.finish_reason.openai,
+            finished_reason=openai_finish_reason(completion.finish_reason),
         )
 
 

@@ -52,11 +52,6 @@ class FinishReason(enum.Enum):
     LENGTH = "length"
     """max_new_tokens were generated."""
 
-    @property
-    def openai(self) -> str:
-        """OpenAI's finish_reason: it does not tell an end-of-sequence token from a stop string."""
-        return "length" if self is FinishReason.LENGTH else "stop"
-
 
 class RequestCancelled(Exception):
     """The client went away (or the server is stopping); the work was dropped. The one

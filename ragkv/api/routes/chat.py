@@ -46,7 +46,7 @@ from ragkv.api.schemas import (
     query_config,
 )
 from ragkv.api.serving.chat import chat_completion, model_entry, session_list
-from ragkv.api.serving.common import citations_of, openai_usage_of, rag_extension_of
+from ragkv.api.serving.common import citations_of, openai_finish_reason, openai_usage_of, rag_extension_of
 from ragkv.api.serving.logprobs import chat_logprobs
 from ragkv.api.sessions import check_session_id
 from ragkv.api.sources import sources_block
@@ -145,7 +145,7 @@ async def chat_completions(request: Request, response: Response, body: ChatReque
         events += [
             chunk(
                 {},
-                outcome.finish_reason.openai,
+                openai_finish_reason(outcome.finish_reason),
                 session_id=session_id,
                 rag=rag_extension_of(outcome, session_id).model_dump(mode="json"),
             )

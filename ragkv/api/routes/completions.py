@@ -31,6 +31,7 @@ from ragkv.api.protocol.completions import (
 from ragkv.api.responses import SafeJSONResponse
 from ragkv.api.routes.query import SSE_HEADERS
 from ragkv.api.schemas import generation_config, query_config
+from ragkv.api.serving.common import openai_finish_reason
 from ragkv.api.serving.completions import completion_choice, completion_usage, embedding_list
 from ragkv.api.serving.logprobs import completion_logprobs
 from ragkv.api.state import app_state
@@ -107,7 +108,7 @@ async def completions(request: Request, body: CompletionRequest):
                 completion_choice(
                     i,
                     c.text,
-                    c.finish_reason.openai,
+                    openai_finish_reason(c.finish_reason),
                     citations(c),
                     completion_logprobs(c.logprobs) if c.logprobs is not None else None,
                 )
@@ -145,7 +146,7 @@ async def completions(request: Request, body: CompletionRequest):
                     completion_choice(
                         i,
                         "",
-                        c.finish_reason.openai,
+                        openai_finish_reason(c.finish_reason),
                         citations(c),  # a stop string's tokens: never sent
                         logprobs=logprobs_of(i),
                     )

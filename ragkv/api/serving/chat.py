@@ -11,7 +11,7 @@ from ragkv.api.protocol.chat import (
     SessionList,
     SessionSummary,
 )
-from ragkv.api.serving.common import openai_usage_of, rag_extension_of
+from ragkv.api.serving.common import openai_finish_reason, openai_usage_of, rag_extension_of
 from ragkv.api.serving.logprobs import chat_logprobs
 from ragkv.app.contexts import Context
 from ragkv.app.request import Completion
@@ -30,7 +30,7 @@ def chat_completion(
             ChatChoice(
                 index=0,
                 message=ChatMessageOut(role="assistant", content=content),
-                finish_reason=outcome.finish_reason.openai,
+                finish_reason=openai_finish_reason(outcome.finish_reason),
                 logprobs=chat_logprobs(outcome.logprobs) if logprobs and outcome.logprobs is not None else None,
             )
         ],

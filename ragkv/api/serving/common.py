@@ -8,8 +8,13 @@ from ragkv.api.protocol.chat import RagExtension, SessionSummary
 from ragkv.api.protocol.common import CachedTokens, Citation, OpenAIUsage, Usage
 from ragkv.app.chat import ChatInfo
 from ragkv.app.rag import Citation as AppCitation
-from ragkv.app.request import Completion
+from ragkv.app.request import Completion, FinishReason
 from ragkv.app.usage import Usage as AppUsage
+
+
+def openai_finish_reason(reason: FinishReason) -> str:
+    """OpenAI's finish_reason: it does not tell an end-of-sequence token from a stop string."""
+    return "length" if reason is FinishReason.LENGTH else "stop"
 
 
 def citation_of(citation: AppCitation) -> Citation:
