@@ -287,3 +287,11 @@ def test_registry_of_another_replica_sees_new_documents(tmp_path):
     replica_a.remove("t", "doc_2")
     assert [hit.doc_id for hit in replica_b.search("t", np.asarray([0.0, 1.0]), 5)] == ["doc_1"]
     env.close()
+
+
+def test_finish_reasons_map_to_openai_values():
+    from ragkv.api.serving.common import openai_finish_reason
+    from ragkv.app.request import FinishReason
+
+    mapped = {reason: openai_finish_reason(reason) for reason in FinishReason}
+    assert mapped == {FinishReason.EOS: "stop", FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
