@@ -133,7 +133,7 @@ def test_full_places_no_stored_kv(case):
         A3(ratio=0.2),
         A3(ratio=0.2, exclude_sinks=True, head_aggregation="normalized"),
         A3(ratio=0.2, deviation_share=0.0, boundary_tokens=2, query_tokens="text"),
-        Probe(ratio=0.2),
+        Probe(ratio=0.2, min_rows=0),
     ],
 )
 def test_selective_strategies_spend_exactly_their_budget(case, strategy):
@@ -177,6 +177,6 @@ def test_fusion_config_takes_specs_and_validates():
 
 def test_probe_without_budget_recomputes_only_the_question_like_pie(case):
     engine, fusion_input, _ = case
-    probe = _fuse(engine, Probe(ratio=0.0), fusion_input)
+    probe = _fuse(engine, Probe(ratio=0.0, min_rows=0), fusion_input)
     assert probe.recomputed_tokens == 0
     torch.testing.assert_close(probe.logits, _fuse(engine, Pie(), fusion_input).logits, atol=1e-5, rtol=1e-5)

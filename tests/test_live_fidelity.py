@@ -28,7 +28,7 @@ from ragkv.cli.main import main
 from ragkv.engine import Engine, EngineConfig
 from ragkv.engine.chunked_prefill import ChunkedPrefill
 from ragkv.engine.generation import GenerationConfig
-from ragkv.fusion import Full, FusionInput, LoadedChunk, Probe
+from ragkv.fusion import Full, FusionConfig, FusionInput, LoadedChunk, Probe
 from ragkv.fusion.fidelity import next_token_kl
 from ragkv.ingest.embedder import Embedder
 from ragkv.ingest.journal import IngestJournal
@@ -190,7 +190,9 @@ def rag(engine, tmp_path_factory):
 def test_a_rag_query_and_a_rag_chat_turn_keep_their_fused_prompts(engine, rag):
     metrics = Metrics()
     scheduler = _scheduler(engine, 1.0, metrics)
-    config = QueryConfig(top_k=2, generation=GenerationConfig(max_new_tokens=3))
+    # min_rows=0: documents this short are otherwise recomputed whole (nothing to sample)
+    fusion = FusionConfig("probe:min_rows=0")
+    config = QueryConfig(top_k=2, fusion=fusion, generation=GenerationConfig(max_new_tokens=3))
     turns = ChatTurns(rag, ContextCache(1 << 30, 1 << 30, 600))
     messages = [{"role": "user", "content": QUESTION}]
     requests = [

@@ -104,6 +104,22 @@ def configure(bench: argparse.ArgumentParser) -> None:
         help="time only the fuse stage over a synthetic cached conversation, copying the "
         "conversation's rows against fusing in place (no ingestion, no turn 1)",
     )
+    conversation.add_argument(
+        "--fidelity",
+        nargs="+",
+        default=None,
+        metavar="STRATEGY",
+        help="instead of timing turns: fuse one new chunk after an exactly prefilled conversation of each "
+        "size with these strategy specs and compare each with the exact answer (first-token and "
+        "teacher-forced KL and agreement, fuse time); needs --data",
+    )
+    conversation.add_argument(
+        "--examples",
+        type=_example_range,
+        default=(0, 10),
+        metavar="START:END",
+        help="with --fidelity: the dataset's examples START..END-1 (default 0:10)",
+    )
     conversation.add_argument("--json", type=Path, default=None, help="write all figures to this file")
 
     sparse = kinds.add_parser("sparse", help="sparse decode selectors vs dense: recall, answer F1, ms/token, memory")
@@ -323,6 +339,8 @@ def _run_conversation(args: argparse.Namespace) -> dict:
     if args.data is None:
         raise ValueError("--data is required (or --fuse-only)")
     examples = load_examples(args.data)
+    if args.fidelity:
+        return _conversation_fidelity(args, examples)
     with Runtime(runtime_config(args, show_progress=False)) as runtime:
         cases = build_cases(examples, args.sizes, args.follow_ups, runtime.engine.tokenize)
         results = run_conversation_bench(
@@ -338,6 +356,35 @@ def _run_conversation(args: argparse.Namespace) -> dict:
     )
     for size, row in results["sizes"].items():
         print(f"{size:>14} {row['prompt_tokens']:>7.0f} {row['ttft_median_s']:>7.3f} {row['fuse_median_s']:>7.3f}")
+    return results
+
+
+def _conversation_fidelity(args: argparse.Namespace, examples: list) -> dict:
+    from ragkv.bench.followup_fidelity import run_followup_fidelity
+    from ragkv.cli.config_args import config_from_args
+    from ragkv.engine import Engine, EngineConfig
+
+    start, end = args.examples
+    engine = Engine(config_from_args(EngineConfig, args))
+    results = {"examples": [start, end], "max_new_tokens": args.max_new_tokens, "sizes": {}}
+    print(f"{'context':>8} {'strategy':<32} {'KL mean':>8} {'median':>7} {'TF agr':>7} {'TF KL':>7} {'fuse s':>7}")
+    for size in args.sizes:
+        row = run_followup_fidelity(
+            engine,
+            examples[start:],
+            args.fidelity,
+            context_tokens=size,
+            count=end - start,
+            max_new_tokens=args.max_new_tokens,
+            progress=lambda message: print(message, file=sys.stderr, flush=True),
+        )
+        results["sizes"][str(size)] = row
+        for spec, figures in row["strategies"].items():
+            print(
+                f"{size:>8} {spec:<32} {figures['first_token_kl']:>8.4f} {figures['first_token_kl_median']:>7.4f} "
+                f"{figures['teacher_forced_agreement']:>7.3f} {figures['teacher_forced_kl']:>7.4f} "
+                f"{figures['fuse_median_s']:>7.3f}"
+            )
     return results
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ragkv.engine.attention import causal_attention
 from ragkv.engine.kv_cache import KVCache
 from ragkv.engine.model import CausalLM, Projection
 from ragkv.fusion.layout import FusionInput, Layout
@@ -94,6 +95,12 @@ class FusionStrategy(ABC):
         rows are always added by the caller)."""
         raise NotImplementedError(f"{self.name} has no check layer")
 
+    def document_columns(self, model: CausalLM, layout: Layout) -> torch.Tensor | None:
+        """The cache rows (ascending) that recomputed rows before the question read; None =
+        every earlier row, as the model's attention does. The question rows always read
+        every row."""
+        return None
+
     def chunk_key_positions(self, layout: Layout, fusion_input: FusionInput, chunk: int) -> torch.Tensor:
         """Positions the chunk's stored keys are rotated to: global by default."""
         start, end = layout.chunk_spans[chunk]
@@ -135,6 +142,7 @@ class FusionStrategy(ABC):
         rows = initial_rows = self.rows_for(model, cache, layout, report).to(model.device)
         timings["select_rows"] = time.perf_counter() - started - timings["place_kv"]
         hidden = model.embed(layout.token_ids.to(model.device)[rows])
+        columns = self.document_columns(model, layout)
         recomputed_after_check = None
         for layer in range(model.spec.num_layers):
             projection = model.project(layer, hidden, rows)
@@ -152,7 +160,7 @@ class FusionStrategy(ABC):
             else:
                 cache.keys[layer, :, rows] = projection.k
                 cache.values[layer, :, rows] = projection.v
-            attention = model.attend(layer, projection, rows, cache, layout.length)
+            attention = attend(model, layer, projection, rows, cache, layout, columns)
             hidden = model.finish_layer(layer, hidden, attention)
         if int(rows[-1]) != layout.length - 1:
             raise RuntimeError(f"{self.name}: the last question row must be recomputed")
@@ -194,6 +202,40 @@ class FusionStrategy(ABC):
                 cos, sin = rotary.cos_sin(positions)
                 place_keys(cache.keys[layers, :, start:end], layers_of(chunk.keys, layers), cos, sin)
             place_values(cache.values[:, :, start:end], chunk.values)
+
+
+def attend(
+    model: CausalLM,
+    layer: int,
+    projection: Projection,
+    rows: torch.Tensor,
+    cache: KVCache,
+    layout: Layout,
+    columns: torch.Tensor | None,
+) -> torch.Tensor:
+    """The recomputed rows' attention at `layer`: rows before the question read only
+    `columns` when given (positions renumbered within them, so causality and a sliding
+    window hold), the question rows every row."""
+    before = int((rows < layout.question_start).sum())
+    if columns is None or not before or cache.first_row(layer):
+        return model.attend(layer, projection, rows, cache, layout.length)
+    keys, values = cache.layer(layer, layout.question_start)
+    columns = columns.to(keys.device)
+    shift = columns.numel() - int(columns[-1]) - 1  # the columns' tail is contiguous up to the question
+    documents = causal_attention(
+        projection.q[:, :before],
+        keys[:, columns],
+        values[:, columns],
+        rows[:before] + shift,
+        model.scale,
+        window=model.spec.layer_window(layer),
+    )
+    if before == rows.numel():
+        return documents
+    question = Projection(
+        projection.q[:, before:], projection.k[:, before:], projection.k_pre_rope[:, before:], projection.v[:, before:]
+    )
+    return torch.cat((documents, model.attend(layer, question, rows[before:], cache, layout.length)), dim=1)
 
 
 def top_k_rows(scores: torch.Tensor, budget: int) -> torch.Tensor:

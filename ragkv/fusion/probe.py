@@ -1,19 +1,23 @@
 """`probe`: question-led selective recompute.
 
 Before anything is recomputed, the question rows run through every layer over the placed
-(reused) cache: a pass over ~50 rows, ~0.4 s of a ~5 s TTFT at 6K tokens here. At each
-layer it records how the question's attention, summed over its rows and heads, spreads
-over the document tokens, and how the last row's does (that row predicts the first token);
-each share is normalised to 1 per layer, so every layer has an equal vote. The r·n
-document tokens with the highest score over all layers (question share plus
-`last_row_weight` times last-row share) are then recomputed from layer 0 with the
+(reused) cache. At each layer it records how the question's attention, summed over its rows
+and heads, spreads over the document tokens, and how the last row's does (that row
+predicts the first token); each share is normalised to 1 per layer, so every layer has an
+equal vote. The r·n document tokens with the highest score over all layers (question share
+plus `last_row_weight` times last-row share) are then recomputed from layer 0 with the
 question rows.
 
 Against `a3`, whose check layer sees the question's attention at layer 1 only, and must
 run every token through the layers below it to do so, the probe sees where the question
-reads at every depth. On 20 dev examples at 10 passages it halves the first-token KL at
-the same r and, at r = 0.1, is both closer to the full prefill and faster than a3 at 0.15
-(BENCHMARKS.md).
+reads at every depth: closer to the full prefill at the same r, and faster than a3 at a
+higher r (BENCHMARKS.md).
+
+A chat follow-up brings a few new tokens after a long conversation. Fewer document tokens
+than `min_rows` are recomputed whole (a 10% share of a 120-token chunk leaves the first
+token far from the full prefill), and after a long prefix the recomputed document rows and
+the selection pass read only the prefix's first rows and its last `prefix_window` rows,
+the question rows every row: the fuse costs in proportion to what is new.
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ from ragkv.fusion.layout import Layout
 
 LAYER_AGGREGATIONS = ("sum", "max")
 PROBABILITY_BYTES = 64 << 20
+PREFIX_SINK_ROWS = 16
+"""First rows of a long prefix the selection pass always reads (the template's opening and
+the model's attention sinks) when `prefix_window` leaves out the middle of that prefix."""
 
 
 @dataclass
@@ -48,6 +55,16 @@ class Probe(FusionStrategy):
     one that reads a few; 0 = the fixed budget `ratio`."""
     max_ratio: float = 0.5
     """Ceiling of the per-request budget `coverage` sets."""
+    min_rows: int = 128
+    """Document rows recomputed at least (all of them when there are fewer): a follow-up
+    that brings one short chunk into a long conversation recomputes all of it, and skips
+    the selection pass."""
+    prefix_window: int = 1024
+    """Of a prefix longer than PREFIX_SINK_ROWS + `prefix_window` rows (a conversation a
+    follow-up fuses new chunks into), the recomputed document rows and the selection pass
+    read only its first PREFIX_SINK_ROWS and its last `prefix_window` rows; the question
+    rows read every row. The cost of fusing a chunk then follows the chunk, not the
+    conversation. 0 = every row."""
 
     def __post_init__(self) -> None:
         check_ratio(self.ratio)
@@ -60,13 +77,25 @@ class Probe(FusionStrategy):
         check_ratio(self.max_ratio)
         if self.coverage and self.max_ratio < self.ratio:
             raise ValueError("max_ratio must be >= ratio")
+        if self.min_rows < 0:
+            raise ValueError(f"min_rows must be >= 0, got {self.min_rows}")
+        if self.prefix_window < 0:
+            raise ValueError(f"prefix_window must be >= 0, got {self.prefix_window}")
 
     def initial_rows(self, layout: Layout) -> torch.Tensor:
         """The rows the probe runs (the question); `rows_for` adds the chosen documents'."""
         return layout.question_rows
 
+    def document_columns(self, model: CausalLM, layout: Layout) -> torch.Tensor | None:
+        columns = probe_columns(layout, self.prefix_window, model.spec.sliding_window)
+        return None if columns is None else columns[columns < layout.question_start]
+
     def rows_for(self, model: CausalLM, cache: KVCache, layout: Layout, report: dict[str, float]) -> torch.Tensor:
-        question, last_row = question_attention_by_layer(model, cache, layout)
+        if self.min_rows >= layout.num_document_tokens:  # every document row: nothing to choose
+            report["attention_covered"] = report["recomputed_share"] = 1.0
+            return torch.cat((layout.document_rows, self.initial_rows(layout)))
+        columns = probe_columns(layout, self.prefix_window, model.spec.sliding_window)
+        question, last_row = question_attention_by_layer(model, cache, layout, columns)
         shares = question + self.last_row_weight * last_row
         scores = shares.sum(dim=0) if self.layer_aggregation == "sum" else shares.max(dim=0).values
         chosen = top_k_rows(scores, self.budget(scores, layout))
@@ -75,7 +104,7 @@ class Probe(FusionStrategy):
         return torch.cat((chosen.cpu() + layout.prefix_len, self.initial_rows(layout)))
 
     def budget(self, scores: torch.Tensor, layout: Layout) -> int:
-        floor = ratio_budget(self.ratio, layout)
+        floor = max(ratio_budget(self.ratio, layout), min(self.min_rows, layout.num_document_tokens))
         if not self.coverage:
             return floor
         ordered = scores.sort(descending=True).values.cumsum(0)
@@ -83,25 +112,46 @@ class Probe(FusionStrategy):
         return max(floor, min(needed, ratio_budget(self.max_ratio, layout)))
 
 
+def probe_columns(layout: Layout, prefix_window: int, model_window: int | None) -> torch.Tensor | None:
+    """The cache rows the selection pass reads (ascending), or None for every row: of a
+    prefix longer than PREFIX_SINK_ROWS + `prefix_window`, its first PREFIX_SINK_ROWS and its
+    last `prefix_window` rows (at least the model's sliding window, so a windowed layer sees
+    what it would), then every document and question row."""
+    if not prefix_window:
+        return None
+    window = max(prefix_window, model_window or 0)
+    tail_start = layout.prefix_len - window
+    if tail_start <= PREFIX_SINK_ROWS:
+        return None
+    return torch.cat((torch.arange(PREFIX_SINK_ROWS), torch.arange(tail_start, layout.length)))
+
+
 @torch.inference_mode()
-def question_attention_by_layer(model: CausalLM, cache: KVCache, layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
+def question_attention_by_layer(
+    model: CausalLM, cache: KVCache, layout: Layout, columns: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Two [layers, document tokens] tensors: the share of the question rows' attention
     (summed over rows and heads) that each document token receives at each layer, and the
-    same for the last question row alone, with the question run over the cache as placed.
+    same for the last question row alone, with the question run over the cache as placed
+    (only its rows `columns` when given: ascending, holding every document and question row).
     Writes the question rows' K/V into `cache`."""
     rows = layout.question_rows.to(model.device)
     hidden = model.embed(layout.token_ids.to(model.device)[rows])
+    positions = torch.arange(layout.length, device=model.device) if columns is None else columns.to(model.device)
+    document_columns = (positions >= layout.prefix_len) & (positions < layout.question_start)
     question, last_row = [], []
     for layer in range(model.spec.num_layers):
         projection = model.project(layer, hidden, rows)
         cache.keys[layer, :, rows] = projection.k
         cache.values[layer, :, rows] = projection.v
         keys, values = cache.layer(layer, layout.length)
+        if columns is not None:
+            keys, values = keys[:, positions], values[:, positions]
         attention, mass, last_row_mass = attention_with_column_mass(
-            projection.q, keys, values, rows, model.scale, model.spec.layer_window(layer)
+            projection.q, keys, values, rows, model.scale, model.spec.layer_window(layer), positions
         )
         for shares, column_mass in ((question, mass), (last_row, last_row_mass)):
-            document = column_mass[layout.prefix_len : layout.question_start]
+            document = column_mass[document_columns]
             shares.append(document / document.sum().clamp_min(1e-12))
         if layer + 1 < model.spec.num_layers:
             hidden = model.finish_layer(layer, hidden, attention)
@@ -115,13 +165,15 @@ def attention_with_column_mass(
     positions: torch.Tensor,
     scale: float,
     window: int | None = None,
+    column_positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Causal attention of q [Hq, N, D] at `positions` over keys/values [Hkv, T, D] (row j
-    = position j), in float32; the attention each cache row receives summed over the rows
-    and heads of q [T]; and the same for the last row of q alone [T]. The probabilities
-    are materialised for a block of rows at a time (PROBABILITY_BYTES at most), so a long
-    question (a chat turn's history) costs time, not memory. With `window` (a sliding-window
-    layer) a row at p sees only rows p - window + 1 .. p, as the model's attention does."""
+    at position j, or at `column_positions[j]` when given: ascending), in float32; the
+    attention each cache row receives summed over the rows and heads of q [T]; and the same
+    for the last row of q alone [T]. The probabilities are materialised for a block of rows
+    at a time (PROBABILITY_BYTES at most), so a long question (a chat turn's history) costs
+    time, not memory. With `window` (a sliding-window layer) a row at p sees only rows
+    p - window + 1 .. p, as the model's attention does."""
     heads, rows, dim = q.shape
     kv_heads, length = keys.shape[0], keys.shape[1]
     group = heads // kv_heads
@@ -129,7 +181,7 @@ def attention_with_column_mass(
     block = max(1, PROBABILITY_BYTES // (4 * heads * length))
     attention = torch.empty(heads, rows, dim, dtype=torch.float32, device=q.device)
     mass = torch.zeros(length, dtype=torch.float32, device=q.device)
-    columns = torch.arange(length, device=q.device)
+    columns = torch.arange(length, device=q.device) if column_positions is None else column_positions
     for first in range(0, rows, block):
         end = min(rows, first + block)
         # query head h reads KV head h // group: a KV head's group of heads is one GEMM
