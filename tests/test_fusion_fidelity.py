@@ -116,3 +116,25 @@ def test_bench_fusion_refuses_a_bad_example_range(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "fusion", "--data", str(tmp_path / "x.json"), "--examples", "5:2"])
     assert exit_info.value.code == 2 and "START < END" in capsys.readouterr().err
+
+
+def test_bench_conversation_fidelity_finds_the_whole_chunk_recompute_exact(tiny, tmp_path):
+    """A follow-up's new chunk recomputed whole, reading every conversation row, is the
+    exact answer; reusing it as stored is not."""
+    folder, home = tiny
+    passages = [
+        {"title": f"P{i}", "text": CORPUS.joinpath(name).read_text()[:400]}
+        for i, name in enumerate(sorted(p.name for p in CORPUS.iterdir()))
+    ][:3]
+    data = tmp_path / "qa.json"
+    data.write_text(json.dumps([{"ctxs": passages, "question": q, "answers": ["x"]} for q in ("Who?", "What?")]))
+    out = tmp_path / "conversation.json"
+    numerics = ["--weights", "float32", "--prefill-weights", "float32", "--kv-cache-dtype", "float32"]
+    args = ["bench", "conversation", "--data", str(data), "--sizes", "150", "--examples", "0:1"]
+    args += ["--fidelity", "probe:prefix_window=0", "full_reuse", "--max-new-tokens", "4", "--json", str(out)]
+    assert main([*args, *numerics, "--data-dir", str(home), "--model", str(folder)]) == 0
+    results = json.loads(out.read_text())["sizes"]["150"]
+    whole, reuse = results["strategies"]["probe:prefix_window=0"], results["strategies"]["full_reuse"]
+    assert whole["examples"][0]["recomputed_tokens"] > 0 and reuse["examples"][0]["recomputed_tokens"] == 0
+    assert whole["first_token_kl"] < 1e-6 and whole["teacher_forced_agreement"] == 1.0
+    assert reuse["first_token_kl"] > 1e-4

@@ -348,8 +348,12 @@ class _TurnState:
         )
         self._room(Layout.of(fusion_input).length)
         # a prefix this turn owns (the conversation's rows and the glue) is fused into in
-        # place: copying it would cost in proportion to the conversation
-        fusion = strategy.fuse(model, fusion_input, prefix_cache, max_new + NEXT_TURN_ROWS, in_place=not shared_prefix)
+        # place: copying it would cost in proportion to the conversation. In place it needs
+        # room for the answer only: asking for the next turn's rows too would copy the
+        # conversation whenever the previous turn's spare rows are used up (growing doubles).
+        in_place = not shared_prefix
+        extra = max_new if in_place else max_new + NEXT_TURN_ROWS
+        fusion = strategy.fuse(model, fusion_input, prefix_cache, extra, in_place=in_place)
         request.timings.fuse = time.perf_counter() - fuse_started
         if self.base.held and fusion.cache is not self.base.context.cache:
             self.base.context.cache.truncate(len(self.base.context.row_ids))  # the fusion copied what it needed

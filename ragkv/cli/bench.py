@@ -8,6 +8,7 @@ import argparse
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from ragkv.cli import bench_decode, bench_ingest, bench_kernels, bench_retrieval, bench_soak, bench_sparse
@@ -361,12 +362,19 @@ def _run_conversation(args: argparse.Namespace) -> dict:
 
 def _conversation_fidelity(args: argparse.Namespace, examples: list) -> dict:
     from ragkv.bench.followup_fidelity import run_followup_fidelity
+    from ragkv.cli.bench_retrieval import machine_description
     from ragkv.cli.config_args import config_from_args
     from ragkv.engine import Engine, EngineConfig
 
     start, end = args.examples
     engine = Engine(config_from_args(EngineConfig, args))
-    results = {"examples": [start, end], "max_new_tokens": args.max_new_tokens, "sizes": {}}
+    results = {
+        "examples": [start, end],
+        "max_new_tokens": args.max_new_tokens,
+        "machine": machine_description(),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "sizes": {},
+    }
     print(f"{'context':>8} {'strategy':<32} {'KL mean':>8} {'median':>7} {'TF agr':>7} {'TF KL':>7} {'fuse s':>7}")
     for size in args.sizes:
         row = run_followup_fidelity(

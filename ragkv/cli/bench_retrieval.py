@@ -66,7 +66,7 @@ def _dense_config(args: argparse.Namespace):
     return DenseConfig(exact_below=exact_below, oversample=config.oversample, graph=graph)
 
 
-def _machine() -> str:
+def machine_description() -> str:
     """CPU model, cores and the load average while the figures were taken (a busy machine
     inflates every time)."""
     import os
@@ -103,6 +103,6 @@ def run(args: argparse.Namespace) -> dict:
             dense=_dense_config(args),
         )
         result = as_dict(run_synthetic(config))
-        result["machine"] = _machine()
+        result["machine"] = machine_description()
         print(json.dumps(result, indent=2))
     return result
