@@ -197,10 +197,16 @@ class CausalLM:
             return logits.to(self.hidden_dtype)
         positions = torch.arange(start, start + n, device=self.device)
         hidden = self.embed(token_ids.to(self.device))
-        for layer in range(self.spec.num_layers):
+        last = self.spec.num_layers - 1
+        for layer in range(last):
             hidden = self.layer_forward(layer, hidden, positions, cache, start + n)
+        # the last layer: every row's K/V, but only the last row's output (the logits)
+        projection = self.project(last, hidden, positions)
+        cache.write(last, positions, projection.k, projection.v)
+        only = Projection(*(part[:, -1:] for part in (projection.q, projection.k, projection.k_pre_rope, projection.v)))
+        hidden = self.finish_layer(last, hidden[-1:], self.attend(last, only, positions[-1:], cache, start + n))
         cache.length = cache.next_position = start + n
-        return self.logits(hidden[-1:])[0]
+        return self.logits(hidden)[0]
 
     @torch.inference_mode()
     def chunk_kv(self, token_ids: torch.Tensor, prefix: KVCache | None = None) -> tuple[torch.Tensor, torch.Tensor]:

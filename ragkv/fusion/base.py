@@ -160,8 +160,17 @@ class FusionStrategy(ABC):
             else:
                 cache.keys[layer, :, rows] = projection.k
                 cache.values[layer, :, rows] = projection.v
-            attention = attend(model, layer, projection, rows, cache, layout, columns)
-            hidden = model.finish_layer(layer, hidden, attention)
+            if layer + 1 == model.spec.num_layers:
+                # every row's K/V is written; only the last row's output is read (the logits)
+                last = Projection(
+                    *(part[:, -1:] for part in (projection.q, projection.k, projection.k_pre_rope, projection.v))
+                )
+                hidden = model.finish_layer(
+                    layer, hidden[-1:], attend(model, layer, last, rows[-1:], cache, layout, None)
+                )
+            else:
+                attention = attend(model, layer, projection, rows, cache, layout, columns)
+                hidden = model.finish_layer(layer, hidden, attention)
         if int(rows[-1]) != layout.length - 1:
             raise RuntimeError(f"{self.name}: the last question row must be recomputed")
         logits = model.logits(hidden[-1:])[0]
