@@ -57,21 +57,20 @@ def tiny(tmp_path_factory):
     patch.undo()
 
 
-def test_bench_fusion_reports_teacher_forced_figures_with_spread(tiny, tmp_path):
-    folder, home = tiny
+def _qa_file(tmp_path, questions) -> Path:
+    """A CacheBlend-style dataset: each question over the same three corpus passages."""
     passages = [
         {"title": f"P{i}", "text": CORPUS.joinpath(name).read_text()[:400]}
         for i, name in enumerate(sorted(p.name for p in CORPUS.iterdir()))
     ][:3]
     data = tmp_path / "qa.json"
-    data.write_text(
-        json.dumps(
-            [
-                {"ctxs": passages, "question": question, "answers": ["x"]}
-                for question in ("When was the light automated?", "Who grows apples?", "How high is the observatory?")
-            ]
-        )
-    )
+    data.write_text(json.dumps([{"ctxs": passages, "question": q, "answers": ["x"]} for q in questions]))
+    return data
+
+
+def test_bench_fusion_reports_teacher_forced_figures_with_spread(tiny, tmp_path):
+    folder, home = tiny
+    data = _qa_file(tmp_path, ("When was the light automated?", "Who grows apples?", "How high is the observatory?"))
     out = tmp_path / "fusion.json"
     code = main(
         [
@@ -122,12 +121,7 @@ def test_bench_conversation_fidelity_finds_the_whole_chunk_recompute_exact(tiny,
     """A follow-up's new chunk recomputed whole, reading every conversation row, is the
     exact answer; reusing it as stored is not."""
     folder, home = tiny
-    passages = [
-        {"title": f"P{i}", "text": CORPUS.joinpath(name).read_text()[:400]}
-        for i, name in enumerate(sorted(p.name for p in CORPUS.iterdir()))
-    ][:3]
-    data = tmp_path / "qa.json"
-    data.write_text(json.dumps([{"ctxs": passages, "question": q, "answers": ["x"]} for q in ("Who?", "What?")]))
+    data = _qa_file(tmp_path, ("Who?", "What?"))
     out = tmp_path / "conversation.json"
     numerics = ["--weights", "float32", "--prefill-weights", "float32", "--kv-cache-dtype", "float32"]
     args = ["bench", "conversation", "--data", str(data), "--sizes", "150", "--examples", "0:1"]

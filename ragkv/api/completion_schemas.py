@@ -7,10 +7,8 @@ from typing import Annotated, Literal
 from pydantic import ConfigDict, Field, StrictBool
 
 from ragkv.api.schemas import (
-    SEED_MAX,
-    SEED_MIN,
-    SEED_SCHEMA,
     STOP_DESCRIPTION,
+    GenerationRequest,
     RetrievalOptions,
     Stop,
     StreamOptions,
@@ -41,25 +39,11 @@ class CompletionRag(RetrievalOptions):
     )
 
 
-class CompletionRequest(UnicodeText):
-    # OpenAI clients send fields this server does not use (user, presence_penalty, ...): ignored.
-    model_config = ConfigDict(extra="allow")
-    model: str = Field(
-        min_length=1, examples=["ragkv"], description="the served model's id (GET /v1/models) or the alias 'ragkv'"
-    )
+class CompletionRequest(GenerationRequest):
     prompt: Prompt = Field(
         description=f"a string, a list of up to {MAX_PROMPTS} strings (one choice each), or token ids"
     )
     max_tokens: int = Field(16, ge=1, description="tokens to generate at most per prompt (OpenAI's default 16)")
-    temperature: float | None = Field(None, ge=0, le=10, description="0 or absent: greedy decoding; above 0: sampling")
-    top_p: float | None = Field(None, gt=0, le=1, description="nucleus sampling mass (with temperature > 0)")
-    seed: int | None = Field(
-        None,
-        ge=SEED_MIN,
-        le=SEED_MAX,
-        json_schema_extra=SEED_SCHEMA,
-        description="seed of the sampler; greedy decoding ignores it",
-    )
     stop: Stop = Field(None, description=STOP_DESCRIPTION)
     stream: StrictBool = Field(False, description="answer as server-sent events (text_completion chunks, then [DONE])")
     stream_options: StreamOptions | None = Field(None, description="streaming options: include_usage")

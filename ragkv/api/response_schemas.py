@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from ragkv.api.errors import ApiError
-from ragkv.api.schemas import SEED_MAX, SEED_MIN, SEED_SCHEMA, SESSION_ID_PATTERN, ChatRag, UnicodeText
+from ragkv.api.schemas import SESSION_ID_PATTERN, ChatRag, GenerationRequest
 
 
 class InputPart(BaseModel):
@@ -40,23 +40,11 @@ class InputMessage(BaseModel):
         return "".join(pieces)
 
 
-class ResponseRequest(UnicodeText):
-    # Clients send fields this server does not use (store, metadata, user, ...): ignored, except
-    # those whose meaning cannot be honoured, refused in `refuse_unsupported`.
-    model_config = ConfigDict(extra="allow")
-    model: str = Field(min_length=1, examples=["ragkv"], description="the served model's id or the alias 'ragkv'")
+class ResponseRequest(GenerationRequest):
+    # fields whose meaning cannot be honoured are refused in `refuse_unsupported`
     input: str | list[InputMessage] = Field(description="the user's text, or the conversation as message items")
     instructions: str | None = Field(None, description="a system message placed before the input")
     max_output_tokens: int | None = Field(None, ge=1, description="tokens to generate at most (the server caps it)")
-    temperature: float | None = Field(None, ge=0, le=10, description="0 or absent: greedy decoding")
-    top_p: float | None = Field(None, gt=0, le=1, description="nucleus sampling mass (with temperature > 0)")
-    seed: int | None = Field(
-        None,
-        ge=SEED_MIN,
-        le=SEED_MAX,
-        json_schema_extra=SEED_SCHEMA,
-        description="ragkv extension: seed of the sampler",
-    )
     stream: StrictBool = Field(
         False,
         description="answer as server-sent events (response.created, "

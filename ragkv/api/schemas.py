@@ -275,13 +275,27 @@ class ResponseFormat(BaseModel):
     )
 
 
-class ChatRequest(UnicodeText):
-    # OpenAI clients send fields this server does not use (user, metadata, ...): ignored,
-    # except those whose meaning cannot be honoured, refused below.
+class GenerationRequest(UnicodeText):
+    """What chat completions, completions and responses share: the model named and sampling.
+    OpenAI clients send fields this server does not use (user, metadata, ...): they are
+    ignored, except those whose meaning cannot be honoured, which each endpoint refuses."""
+
     model_config = ConfigDict(extra="allow")
     model: str = Field(
         min_length=1, examples=["ragkv"], description="the served model's id (GET /v1/models) or the alias 'ragkv'"
     )
+    temperature: float | None = Field(None, ge=0, le=10, description="0 or absent: greedy decoding; above 0: sampling")
+    top_p: float | None = Field(None, gt=0, le=1, description="nucleus sampling mass (with temperature > 0)")
+    seed: int | None = Field(
+        None,
+        ge=SEED_MIN,
+        le=SEED_MAX,
+        json_schema_extra=SEED_SCHEMA,
+        description="seed of the sampler (64 bits); greedy decoding ignores it",
+    )
+
+
+class ChatRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(
         min_length=1,
         description="the conversation; the last message must be the "
@@ -296,15 +310,6 @@ class ChatRequest(UnicodeText):
     )
     max_completion_tokens: int | None = Field(
         None, ge=1, description="the same as max_tokens (OpenAI's newer name); wins when both are given"
-    )
-    temperature: float | None = Field(None, ge=0, le=10, description="0 or absent: greedy decoding; above 0: sampling")
-    top_p: float | None = Field(None, gt=0, le=1, description="nucleus sampling mass (with temperature > 0)")
-    seed: int | None = Field(
-        None,
-        ge=SEED_MIN,
-        le=SEED_MAX,
-        json_schema_extra=SEED_SCHEMA,
-        description="seed of the sampler (64 bits); greedy decoding ignores it",
     )
     stop: Stop = Field(None, description=STOP_DESCRIPTION)
     stream: StrictBool = Field(

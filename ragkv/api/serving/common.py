@@ -35,15 +35,7 @@ def citations_of(citations: Sequence[AppCitation]) -> list[Citation]:
 
 
 def usage_of(usage: AppUsage) -> Usage:
-    return Usage(
-        prompt_tokens=usage.prompt_tokens,
-        completion_tokens=usage.completion_tokens,
-        total_tokens=usage.total_tokens,
-        cached_tokens=usage.cached_tokens,
-        computed_tokens=usage.computed_tokens,
-        recomputed_tokens=usage.recomputed_tokens,
-        document_tokens=usage.document_tokens,
-    )
+    return Usage.model_validate(usage, from_attributes=True)  # the same names, read as attributes
 
 
 def openai_usage_of(usage: AppUsage) -> OpenAIUsage:
