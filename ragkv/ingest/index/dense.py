@@ -39,8 +39,9 @@ class DenseConfig:
     background_insert: bool = True
     """Insert a new document's rows into the graph on a background thread (searches scan
     them exactly until then); False: inside `add_document`."""
-    insert_batch: int = 4
-    """Rows the background thread inserts per hold of the index's lock."""
+    insert_batch: int = 1
+    """Rows the background thread inserts per hold of the index's lock: a search waits for
+    at most this many graph inserts."""
 
     def __post_init__(self) -> None:
         if self.exact_below < 0 or self.oversample < 1 or self.insert_batch < 1:
