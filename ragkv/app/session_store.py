@@ -31,7 +31,6 @@ import json
 import logging
 import threading
 import uuid
-from dataclasses import asdict
 
 from ragkv.app.context_blob import context_meta, decode_context, encode_context
 from ragkv.app.contexts import (
@@ -348,7 +347,7 @@ class RedisSessions:
         with self._lock:
             stats["unpublished"] = len(self._unpublished)
         if self.shared_contexts is not None:
-            stats["shared_contexts"] = asdict(self.shared_contexts.stats)
+            stats["shared_contexts"] = self.shared_contexts.stats.snapshot()
         return stats
 
     def close(self) -> None:

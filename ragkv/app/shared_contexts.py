@@ -22,7 +22,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ragkv.app.context_blob import compact_dtype, decode_context, encode_context
 from ragkv.app.contexts import BLOCK_TOKENS, Context, Match, block_hashes
@@ -86,6 +86,19 @@ class SharedContextStats:
     lookups: int = 0
     hits: int = 0
     hit_tokens: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **counts: int) -> None:
+        """Add to counters: the model thread and the publisher both count, and `+=` on an
+        attribute is a read and a write another thread may come between."""
+        with self._lock:
+            for name, value in counts.items():
+                setattr(self, name, getattr(self, name) + value)
+
+    def snapshot(self) -> dict[str, int]:
+        """The counters, read together."""
+        with self._lock:
+            return {name: getattr(self, name) for name in self.__dataclass_fields__ if not name.startswith("_")}
 
 
 class SharedContexts:
@@ -135,7 +148,7 @@ class SharedContexts:
             except queue.Full:
                 try:
                     self._queue.get_nowait()
-                    self.stats.dropped += 1
+                    self.stats.add(dropped=1)
                 except queue.Empty:
                     pass
 
@@ -145,13 +158,13 @@ class SharedContexts:
             if context is None:
                 return
             if not self._link.available():
-                self.stats.dropped += 1
+                self.stats.add(dropped=1)
                 continue
             try:
                 self._publish(context)
-                self.stats.published += 1
+                self.stats.add(published=1)
             except ERRORS as error:
-                self.stats.dropped += 1
+                self.stats.add(dropped=1)
                 self._on_error("context publish", error)
 
     def _publish(self, context: Context) -> None:
@@ -177,7 +190,7 @@ class SharedContexts:
             self.config.budget_bytes,
             prefix + "kv:",
         )
-        self.stats.evicted += int(dropped)
+        self.stats.add(evicted=int(dropped))
 
     # -- finding (before a turn) --------------------------------------------------------
 
@@ -194,7 +207,7 @@ class SharedContexts:
         if first >= len(hashes):
             return None
         prefix = self._prefix(tenant)
-        self.stats.lookups += 1
+        self.stats.add(lookups=1)
         try:
             owners = self._client.mget([prefix + "block:" + digest.hex() for digest in hashes[first:]])
             tried = set()
@@ -209,8 +222,7 @@ class SharedContexts:
                 match = self._match(blob, tenant, fingerprint, conversation_ids, at_least)
                 if match is not None:
                     self._client.zadd(prefix + "lru", {context_id: time.time()})
-                    self.stats.hits += 1
-                    self.stats.hit_tokens += match.conversation_tokens
+                    self.stats.add(hits=1, hit_tokens=match.conversation_tokens)
                     return match
                 if len(tried) >= 2:
                     break
