@@ -37,6 +37,10 @@ class Projection:
     k_pre_rope: torch.Tensor  # [Hkv, N, D]
     v: torch.Tensor  # [Hkv, N, D]
 
+    def of_rows(self, index: slice | torch.Tensor) -> Projection:
+        """The projections of some of the rows (a slice or an index tensor)."""
+        return Projection(self.q[:, index], self.k[:, index], self.k_pre_rope[:, index], self.v[:, index])
+
 
 class DecodeAttention(Protocol):
     """Attention for one decode row; sparse selectors implement this to read fewer rows."""
@@ -203,7 +207,7 @@ class CausalLM:
         # the last layer: every row's K/V, but only the last row's output (the logits)
         projection = self.project(last, hidden, positions)
         cache.write(last, positions, projection.k, projection.v)
-        only = Projection(*(part[:, -1:] for part in (projection.q, projection.k, projection.k_pre_rope, projection.v)))
+        only = projection.of_rows(slice(-1, None))
         hidden = self.finish_layer(last, hidden[-1:], self.attend(last, only, positions[-1:], cache, start + n))
         cache.length = cache.next_position = start + n
         return self.logits(hidden)[0]

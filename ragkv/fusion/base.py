@@ -153,20 +153,16 @@ class FusionStrategy(ABC):
                 cache.keys[layer, :, rows] = projection.k
                 cache.values[layer, :, rows] = projection.v
                 rows, hidden = rows[keep], hidden[keep]
-                projection = Projection(
-                    projection.q[:, keep], projection.k[:, keep], projection.k_pre_rope[:, keep], projection.v[:, keep]
-                )
+                projection = projection.of_rows(keep)
                 recomputed_after_check = rows
             else:
                 cache.keys[layer, :, rows] = projection.k
                 cache.values[layer, :, rows] = projection.v
             if layer + 1 == model.spec.num_layers:
                 # every row's K/V is written; only the last row's output is read (the logits)
-                last = Projection(
-                    *(part[:, -1:] for part in (projection.q, projection.k, projection.k_pre_rope, projection.v))
-                )
+                last = projection.of_rows(slice(-1, None))
                 hidden = model.finish_layer(
-                    layer, hidden[-1:], attend(model, layer, last, rows[-1:], cache, layout, None)
+                    layer, hidden[-1:], model.attend(layer, last, rows[-1:], cache, layout.length)
                 )
             else:
                 attention = attend(model, layer, projection, rows, cache, layout, columns)
@@ -241,10 +237,8 @@ def attend(
     )
     if before == rows.numel():
         return documents
-    question = Projection(
-        projection.q[:, before:], projection.k[:, before:], projection.k_pre_rope[:, before:], projection.v[:, before:]
-    )
-    return torch.cat((documents, model.attend(layer, question, rows[before:], cache, layout.length)), dim=1)
+    question = model.attend(layer, projection.of_rows(slice(before, None)), rows[before:], cache, layout.length)
+    return torch.cat((documents, question), dim=1)
 
 
 def top_k_rows(scores: torch.Tensor, budget: int) -> torch.Tensor:
