@@ -163,6 +163,20 @@ class CausalLM:
         gate, up = w.gate_up(x).chunk(2, dim=-1)
         return hidden + w.down(self.activation(gate) * up)
 
+    def finish_last_row(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        projection: Projection,
+        positions: torch.Tensor,
+        cache: KVCache,
+        rows: int,
+    ) -> torch.Tensor:
+        """`layer`'s output [1, hidden] for the last of the rows only: at the last layer only
+        that row is read (the logits). The caller has written every row's K/V."""
+        last = projection.of_rows(slice(-1, None))
+        return self.finish_layer(layer, hidden[-1:], self.attend(layer, last, positions[-1:], cache, rows))
+
     def attend(
         self, layer: int, projection: Projection, positions: torch.Tensor, cache: KVCache, rows: int
     ) -> torch.Tensor:
@@ -207,8 +221,7 @@ class CausalLM:
         # the last layer: every row's K/V, but only the last row's output (the logits)
         projection = self.project(last, hidden, positions)
         cache.write(last, positions, projection.k, projection.v)
-        only = projection.of_rows(slice(-1, None))
-        hidden = self.finish_layer(last, hidden[-1:], self.attend(last, only, positions[-1:], cache, start + n))
+        hidden = self.finish_last_row(last, hidden, projection, positions, cache, start + n)
         cache.length = cache.next_position = start + n
         return self.logits(hidden)[0]
 

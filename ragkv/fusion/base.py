@@ -160,10 +160,7 @@ class FusionStrategy(ABC):
                 cache.values[layer, :, rows] = projection.v
             if layer + 1 == model.spec.num_layers:
                 # every row's K/V is written; only the last row's output is read (the logits)
-                last = projection.of_rows(slice(-1, None))
-                hidden = model.finish_layer(
-                    layer, hidden[-1:], model.attend(layer, last, rows[-1:], cache, layout.length)
-                )
+                hidden = model.finish_last_row(layer, hidden, projection, rows, cache, layout.length)
             else:
                 attention = attend(model, layer, projection, rows, cache, layout, columns)
                 hidden = model.finish_layer(layer, hidden, attention)
