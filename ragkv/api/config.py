@@ -48,8 +48,13 @@ class ServeConfig:
     """Largest request body on every other route (413 above)."""
     max_new_tokens: int = 1024
     """Largest max_tokens a request may ask for."""
-    max_input_tokens: int = 4096
-    """Largest question / chat message, in tokens."""
+    max_input_tokens: int | None = None
+    """Largest question / chat message / prompt, in tokens; None = what the model's context
+    takes (with room for the answer), so a pasted RAG prompt that fits the model is taken."""
+    prompt_spans: bool = True
+    """Find passages pasted into chat, completion and responses prompts and reuse their KV
+    from the chunk store wherever they stand (stored under the tenant's salt, counted
+    against --store-capacity); a request's `prompt_spans` field overrides it."""
     max_top_k: int = 16
     """Largest top_k a request may ask for (16 x 512-token chunks fill 8k positions)."""
     retrieval: str = DEFAULT_RETRIEVAL
@@ -89,7 +94,7 @@ class ServeConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         for name in ("max_new_tokens", "max_input_tokens", "max_top_k", "max_active", "max_queued", "token_budget"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if not 0.0 <= self.fidelity_sample_rate <= 1.0:
             raise ValueError(f"fidelity_sample_rate must be in [0, 1], got {self.fidelity_sample_rate}")

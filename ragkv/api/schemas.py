@@ -293,6 +293,12 @@ class GenerationRequest(UnicodeText):
         json_schema_extra=SEED_SCHEMA,
         description="seed of the sampler (64 bits); greedy decoding ignores it",
     )
+    prompt_spans: StrictBool | None = Field(
+        None,
+        description="reuse the KV of passages pasted into the prompt from the chunk store, wherever "
+        "they stand (new passages are stored for the next request); absent: the server's "
+        "--prompt-spans setting",
+    )
 
 
 class ChatRequest(GenerationRequest):

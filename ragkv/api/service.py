@@ -20,12 +20,12 @@ from ragkv.api.request_stream import RequestStream
 from ragkv.api.task import Task
 from ragkv.api.vllm_metrics import RequestRecord
 from ragkv.app.chat import ChatInfo, ChatTurn, ChatTurns
-from ragkv.app.completion import completion_request, prompt_ids
+from ragkv.app.completion import PassageRequest, completion_request, prompt_ids
 from ragkv.app.contexts import ContextStore
 from ragkv.app.query import QueryInfo, query_request
 from ragkv.app.rag import QueryConfig
 from ragkv.app.request import Completion, Request
-from ragkv.app.request_types import GenerationConfig
+from ragkv.app.request_types import FusionConfig, GenerationConfig
 from ragkv.app.runtime import Runtime
 from ragkv.ingest.errors import InputError
 
@@ -37,7 +37,7 @@ class Service:
         self.config = config
         self.metrics = metrics
         self.sessions = sessions
-        self.chat = ChatTurns(runtime.rag, sessions, config.max_input_tokens)
+        self.chat = ChatTurns(runtime.rag, sessions, config.max_input_tokens, passages=runtime.passages)
 
     # -- /v1/query ------------------------------------------------------------------
 
@@ -70,8 +70,16 @@ class Service:
 
     # -- /v1/completions ------------------------------------------------------------
 
-    def completion_stream(self, prompts: Sequence[str | list[int]], generation: GenerationConfig) -> RequestStream:
-        """One request per prompt; every prompt is checked before any runs."""
+    def completion_stream(
+        self,
+        prompts: Sequence[str | list[int]],
+        generation: GenerationConfig,
+        tenant: str = "default",
+        fusion: FusionConfig | None = None,
+        prompt_spans: bool = False,
+    ) -> RequestStream:
+        """One request per prompt; every prompt is checked before any runs. `prompt_spans`:
+        passages pasted into a prompt are reused from the store (fused by `fusion`)."""
         engine = self.runtime.engine
         try:
             all_ids = [
@@ -90,7 +98,16 @@ class Service:
         return RequestStream(
             "completion",
             [
-                completion_request(engine, ids, generation, arrival=arrival, on_finished=self._record_completion)
+                completion_request(
+                    engine,
+                    ids,
+                    generation,
+                    arrival=arrival,
+                    on_finished=self._record_completion,
+                    passages=PassageRequest(self.runtime.passages, tenant, fusion or FusionConfig())
+                    if prompt_spans
+                    else None,
+                )
                 for ids in all_ids
             ],
             self._count,

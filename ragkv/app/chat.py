@@ -31,9 +31,10 @@ import torch
 from ragkv.app.contexts import Context, ContextStore, Insertion, new_context_id
 from ragkv.app.conversation import Conversation, common_prefix, continue_conversation, render_conversation
 from ragkv.app.limits import check_context_length
-from ragkv.app.query import CHUNK_TOKENS_ESTIMATE, check_input_tokens, fused_prompt_ids
+from ragkv.app.prompt_passages import PassagePlan, PromptPassages
+from ragkv.app.query import CHUNK_TOKENS_ESTIMATE, check_input_tokens
 from ragkv.app.rag import QueryConfig, RagPipeline
-from ragkv.app.request import Completion, Prepared, Request, RequestInfo
+from ragkv.app.request import Completion, Prepared, Request, RequestInfo, fused_prompt_ids
 from ragkv.app.usage import Usage
 from ragkv.engine.kv_cache import KVCache, Tail
 from ragkv.engine.prompt import RAG_INSTRUCTION
@@ -56,6 +57,9 @@ class ChatTurn:
     """Continue this session (an error when unknown); None = match any cached context."""
     rag: bool
     config: QueryConfig
+    prompt_spans: bool = True
+    """Reuse passages pasted into the messages from the chunk store (ragkv.app.prompt_passages);
+    False = prefill them as any other text."""
 
 
 @dataclass
@@ -135,8 +139,11 @@ class ChatTurns:
         contexts: ContextStore,
         max_input_tokens: int | None = None,
         release_window_rows: bool = False,
+        passages: PromptPassages | None = None,
     ):
         self.rag = rag
+        self.passages = passages
+        """Finds pasted passages in the new tokens of a turn (turns that ask for it); None = never."""
         self.engine = rag.engine
         self.contexts = contexts
         self.max_input_tokens = max_input_tokens
@@ -216,8 +223,11 @@ class _TurnState:
         context_rows = len(self.row_ids)
         citations = self.turns.rag.cite(turn.tenant, retrieved) if retrieved else []
         fused = None
+        passages = self._passages(conversation) if not new else None
         if new:
             cache, logits, usage, strategy, fused = self._fuse(request, conversation, cache, new)
+        elif passages is not None:
+            cache, logits, usage, strategy, fused = self._fuse_passages(request, conversation, cache, *passages)
         else:
             cache, logits, usage, strategy = self._prefill(request, conversation, cache)
         info = ChatInfo(self.context_id, self.number, len(new), context_rows)
@@ -313,6 +323,40 @@ class _TurnState:
         self.row_ids = self.row_ids + tail
         usage = Usage(prompt_tokens=cache.length, cached_tokens=rows)
         return cache, logits, usage, "prefix" if rows else "none"
+
+    def _passages(self, conversation: Conversation) -> tuple[list[int], PassagePlan] | None:
+        """The prompt's rows (the base's, then the new tokens) and the passages among its new
+        tokens, when the server and the turn reuse pasted passages."""
+        passages = self.turns.passages
+        if passages is None or not self.turn.prompt_spans:
+            return None
+        ids = self.row_ids + conversation.token_ids[self.base.conversation_tokens :]
+        plan = passages.plan(self.turn.tenant, ids, len(self.row_ids))
+        return None if plan is None else (ids, plan)
+
+    def _fuse_passages(
+        self, request: Request, conversation: Conversation, cache: KVCache | None, ids: list[int], plan: PassagePlan
+    ):
+        """The new tokens with their pasted passages fused in: the text before the first
+        passage is prefilled onto the base's rows, then fused into in place."""
+        engine, model = self.engine, self.engine.model
+        max_new = self.turn.config.generation.max_new_tokens
+        self._room(len(ids))
+        started = time.perf_counter()
+        glue = ids[len(self.row_ids) : plan.spans[0].start]
+        prefix_cache = cache if cache is not None else model.new_cache(len(glue))
+        if glue:
+            model.prefill(torch.tensor(glue), prefix_cache)
+        request.timings.prefill = time.perf_counter() - started
+        strategy = self.turn.config.fusion.build(engine.fusion_ratios)
+        fuse_started = time.perf_counter()
+        fused = self.turns.passages.fuse(ids, plan, prefix_cache, strategy, max_new, len(glue))
+        request.timings.fuse = time.perf_counter() - fuse_started
+        fusion = fused.fusion
+        if self.base.held and fusion.cache is not self.base.context.cache:
+            self.base.context.cache.truncate(len(self.base.context.row_ids))  # the fusion copied what it needed
+        self.row_ids = fusion.layout.token_ids.tolist()
+        return fusion.cache, fusion.logits, fused.usage, strategy.name, fused_prompt_ids(fusion)
 
     def _fuse(self, request: Request, conversation: Conversation, cache: KVCache | None, new: list):
         engine, turn, model = self.engine, self.turn, self.engine.model

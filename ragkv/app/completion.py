@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
 
 from ragkv.app.limits import check_context_length
-from ragkv.app.request import Completion, Prepared, Request, RequestSink
+from ragkv.app.prompt_passages import PromptPassages
+from ragkv.app.request import Completion, Prepared, Request, RequestSink, fused_prompt_ids
 from ragkv.app.usage import Usage
 from ragkv.engine import Engine
 from ragkv.engine.generation import GenerationConfig
+from ragkv.fusion import FusionConfig
 from ragkv.ingest.errors import InputError
 
 
@@ -42,6 +47,15 @@ def prompt_ids(
     return ids
 
 
+@dataclass(frozen=True)
+class PassageRequest:
+    """Reuse the passages pasted into a completion's prompt (ragkv.app.prompt_passages)."""
+
+    passages: PromptPassages
+    tenant: str
+    fusion: FusionConfig
+
+
 def completion_request(
     engine: Engine,
     token_ids: list[int],
@@ -50,11 +64,27 @@ def completion_request(
     *,
     arrival: float | None = None,
     on_finished: Callable[[Request, Completion], None] | None = None,
+    passages: PassageRequest | None = None,
 ) -> Request:
-    """A request that prefills `token_ids` (checked by `prompt_ids`) and continues them."""
+    """A request that prefills `token_ids` (checked by `prompt_ids`) and continues them;
+    with `passages`, the passages pasted into them are fused from the store instead."""
 
     def prepare(request: Request) -> Prepared:
         started = time.perf_counter()
+        plan = passages.passages.plan(passages.tenant, token_ids, 0) if passages is not None else None
+        if plan is not None:
+            first = plan.spans[0].start
+            prefix_cache = engine.model.new_cache(first)
+            engine.model.prefill(torch.tensor(token_ids[:first]), prefix_cache)
+            request.timings.prefill = time.perf_counter() - started
+            strategy = passages.fusion.build(engine.fusion_ratios)
+            fuse_started = time.perf_counter()
+            fused = passages.passages.fuse(token_ids, plan, prefix_cache, strategy, generation.max_new_tokens, first)
+            request.timings.fuse = time.perf_counter() - fuse_started
+            fusion = fused.fusion
+            return Prepared(
+                fusion.cache, fusion.logits, fused.usage, strategy.name, fused_prompt_ids=fused_prompt_ids(fusion)
+            )
         cache, logits = engine.prefill(token_ids, generation.max_new_tokens)
         request.timings.prefill = time.perf_counter() - started
         return Prepared(cache, logits, Usage(prompt_tokens=len(token_ids)), "none")

@@ -11,10 +11,9 @@ from dataclasses import dataclass, field
 
 from ragkv.app.generate import run_alone
 from ragkv.app.rag import Citation, QueryConfig, RagPipeline
-from ragkv.app.request import Completion, FinishReason, Prepared, Request, RequestInfo, RequestSink
+from ragkv.app.request import Completion, FinishReason, Prepared, Request, RequestInfo, RequestSink, fused_prompt_ids
 from ragkv.app.usage import Usage
 from ragkv.engine import Engine
-from ragkv.fusion import FusionResult
 from ragkv.ingest.errors import InputError
 from ragkv.sparse.wiring import sparse_attention
 
@@ -44,12 +43,6 @@ def check_sparse(engine: Engine, config: QueryConfig) -> None:
             f"the {config.sparse.name} selector needs an A2ATS codebook for this model, "
             "and there is none (run `ragkv calibrate`); choose another selector",
         )
-
-
-def fused_prompt_ids(fusion: FusionResult) -> list[int] | None:
-    """The fused prompt's token ids when stored KV was reused (a full recompute is the full
-    prefill already: nothing to compare)."""
-    return fusion.layout.token_ids.tolist() if fusion.reused_tokens > 0 else None
 
 
 def query_request(

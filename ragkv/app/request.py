@@ -31,6 +31,7 @@ from ragkv.engine.generation import GenerationConfig
 from ragkv.engine.kv_cache import KVCache
 from ragkv.engine.model import DecodeAttention
 from ragkv.engine.sampling import Sampler
+from ragkv.fusion import FusionResult
 
 _ids = itertools.count(1)
 
@@ -250,3 +251,9 @@ class Request:
         self.prepared = None
         self.pending_logits = None
         self._on_dropped = self._on_finished = None
+
+
+def fused_prompt_ids(fusion: FusionResult) -> list[int] | None:
+    """The fused prompt's token ids when stored KV was reused (a full recompute is the full
+    prefill already: nothing to compare)."""
+    return fusion.layout.token_ids.tolist() if fusion.reused_tokens > 0 else None

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from ragkv.app.codebooks import attach_codebook
 from ragkv.app.fusion_calibration import attach_calibration
+from ragkv.app.prompt_passages import PromptPassages
 from ragkv.app.rag import RagPipeline
 from ragkv.app.status import DefaultFusion, StoreStatus, default_fusion, store_status
 from ragkv.app.storage import Storage, StorageConfig
@@ -47,6 +48,10 @@ class Runtime:
             self.engine, self.store, self.registry, self.embedder, self.storage.journal, config.ingest
         )
         self.rag = RagPipeline(self.engine, self.store, self.registry, self.embedder)
+        self.passages = PromptPassages(
+            self.engine, self.store, share_across_tenants=config.ingest.share_chunks_across_tenants
+        )
+        """Passages pasted into prompts, found and reused from the store (chat, completions)."""
 
     def store_status(self) -> StoreStatus:
         """The chunk store's health; pings Redis (blocking: call from a thread)."""

@@ -79,14 +79,14 @@ class Engine:
         storage format (ragkv.engine.kv_storage), the token ids they were computed from, and
         with a codebook attached its A2ATS codes [layers, kv_heads, T] int16."""
         keys, values = self.model.chunk_kv(torch.tensor(token_ids), self.chunk_prefix_cache())
-        return self._stored_chunk(token_ids, keys, values)
+        return self.stored_chunk(token_ids, keys, values)
 
     def encode_chunks(self, chunks: list[list[int]]) -> list[dict[str, torch.Tensor]]:
         """`encode_chunk` of several chunks in one model pass (CausalLM.chunk_kv_many), in order."""
         pairs = self.model.chunk_kv_many([torch.tensor(ids) for ids in chunks], self.chunk_prefix_cache())
-        return [self._stored_chunk(ids, keys, values) for ids, (keys, values) in zip(chunks, pairs)]
+        return [self.stored_chunk(ids, keys, values) for ids, (keys, values) in zip(chunks, pairs)]
 
-    def _stored_chunk(self, token_ids: list[int], keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
+    def stored_chunk(self, token_ids: list[int], keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
         tensors = {**self.kv_format.pack(keys, values), "tokens": torch.tensor(token_ids, dtype=torch.int32)}
         if self.codebook is not None:
             # "codes" + "codebook_id", from the keys as stored (what a query reads back), in

@@ -42,6 +42,22 @@ class FusionResult:
     timings: dict[str, float] = field(default_factory=dict)
     selection: dict[str, float] = field(default_factory=dict)
     """What the check-layer rule reports about this request (see SelectionContext.report)."""
+    fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None
+    """Pre-RoPE keys and values [layers, kv_heads, rows, D] of the fresh chunks' rows
+    (Layout.fresh_rows), as computed here: what the store keeps of a new passage."""
+
+    def fresh_chunk_kv(self, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-RoPE keys and values of one fresh chunk (an index into the fusion's chunks)."""
+        if self.fresh_kv is None or chunk not in self.layout.fresh_chunks:
+            raise ValueError(f"chunk {chunk} was not computed by this fusion")
+        offset = 0
+        for index in self.layout.fresh_chunks:
+            start, end = self.layout.chunk_spans[index]
+            if index == chunk:
+                keys, values = self.fresh_kv
+                return keys[:, :, offset : offset + end - start], values[:, :, offset : offset + end - start]
+            offset += end - start
+        raise AssertionError("unreachable")
 
     def recomputed_rows(self, layer: int) -> torch.Tensor:
         """Rows whose K/V at `layer` were computed for this prompt (not reused)."""
@@ -139,16 +155,24 @@ class FusionStrategy(ABC):
         timings["place_kv"] = time.perf_counter() - started
 
         report: dict[str, float] = {}
-        rows = initial_rows = self.rows_for(model, cache, layout, report).to(model.device)
+        fresh = layout.fresh_rows.to(model.device)
+        rows = self.rows_for(model, cache, layout, report).to(model.device)
+        if fresh.numel():
+            rows = torch.cat((rows, fresh)).unique(sorted=True)
+        initial_rows = rows
         timings["select_rows"] = time.perf_counter() - started - timings["place_kv"]
         hidden = model.embed(layout.token_ids.to(model.device)[rows])
         columns = self.document_columns(model, layout)
         recomputed_after_check = None
+        fresh_kv = fresh_buffers(model, fresh.numel())
         for layer in range(model.spec.num_layers):
             projection = model.project(layer, hidden, rows)
+            if fresh_kv is not None:
+                where = torch.isin(rows, fresh)
+                fresh_kv[0][layer], fresh_kv[1][layer] = projection.k_pre_rope[:, where], projection.v[:, where]
             if layer == self.check_layer:
                 chosen = self.select(SelectionContext(model, layer, layout, rows, projection, cache, report))
-                question = (rows >= layout.question_start).nonzero().flatten()
+                question = ((rows >= layout.question_start) | torch.isin(rows, fresh)).nonzero().flatten()
                 keep = torch.cat((chosen.to(rows.device), question)).unique(sorted=True)
                 cache.keys[layer, :, rows] = projection.k
                 cache.values[layer, :, rows] = projection.v
@@ -170,18 +194,20 @@ class FusionStrategy(ABC):
         timings["recompute"] = time.perf_counter() - started - timings["place_kv"] - timings["select_rows"]
 
         final_rows = recomputed_after_check if recomputed_after_check is not None else rows
-        document = ((final_rows >= layout.prefix_len) & (final_rows < layout.question_start)).sum()
+        in_documents = (final_rows >= layout.prefix_len) & (final_rows < layout.question_start)
+        document = int((in_documents & ~torch.isin(final_rows, fresh)).sum())
         return FusionResult(
             cache,
             logits,
             layout,
-            int(document),
-            layout.num_document_tokens - int(document),
+            document,
+            layout.num_reused_document_tokens - document,
             initial_rows,
             final_rows,
             self.check_layer,
             timings,
             report,
+            fresh_kv,
         )
 
     def _place_reused_kv(self, model, cache, layout, fusion_input, prefix_cache) -> None:
@@ -196,6 +222,8 @@ class FusionStrategy(ABC):
 
     def _place_chunks(self, model, cache, layout, fusion_input) -> None:
         for index, chunk in enumerate(fusion_input.chunks):
+            if chunk.fresh:  # computed at every layer by the recompute
+                continue
             start, end = layout.chunk_spans[index]
             positions = self.chunk_key_positions(layout, fusion_input, index).to(model.device)
             # Integer-coded chunks are dequantised inside these writes (kernels.place_kv); each
@@ -238,6 +266,17 @@ def attend(
     return torch.cat((documents, question), dim=1)
 
 
+def fresh_buffers(model: CausalLM, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Pre-RoPE key and value buffers [layers, kv_heads, rows, D] for the fresh rows."""
+    if not rows:
+        return None
+    spec = model.spec
+    shape = (spec.num_layers, spec.num_kv_heads, rows, spec.head_dim)
+    return torch.empty(shape, dtype=model.dtype, device=model.device), torch.empty(
+        shape, dtype=model.dtype, device=model.device
+    )
+
+
 def top_k_rows(scores: torch.Tensor, budget: int) -> torch.Tensor:
     """Indices of the `budget` largest scores, in ascending (position) order."""
     budget = max(0, min(budget, scores.numel()))
@@ -245,7 +284,8 @@ def top_k_rows(scores: torch.Tensor, budget: int) -> torch.Tensor:
 
 
 def ratio_budget(ratio: float, layout: Layout) -> int:
-    return int(round(ratio * layout.num_document_tokens))
+    """The ratio's share of the document rows a selection chooses among (stored ones)."""
+    return int(round(ratio * layout.num_reused_document_tokens))
 
 
 def check_ratio(ratio: float) -> None:

@@ -12,15 +12,25 @@ from ragkv.kernels.kv_quant import QuantizedKV
 @dataclass
 class LoadedChunk:
     """A chunk as read from the store: token ids and pre-RoPE K/V [layers, kv_heads, T, D],
-    float or integer-coded (dequantised when placed)."""
+    float or integer-coded (dequantised when placed). Without K/V (`fresh`) the chunk's
+    rows are computed for this request at every layer, in the context before them (a
+    passage of a prompt not yet in the store, or the text between passages)."""
 
     token_ids: list[int]
-    keys: torch.Tensor | QuantizedKV
-    values: torch.Tensor | QuantizedKV
+    keys: torch.Tensor | QuantizedKV | None = None
+    values: torch.Tensor | QuantizedKV | None = None
 
     def __post_init__(self) -> None:
-        if tuple(self.keys.shape) != tuple(self.values.shape) or self.keys.shape[2] != len(self.token_ids):
+        if (self.keys is None) != (self.values is None):
+            raise ValueError("a chunk has both keys and values, or neither")
+        if self.keys is not None and (
+            tuple(self.keys.shape) != tuple(self.values.shape) or self.keys.shape[2] != len(self.token_ids)
+        ):
             raise ValueError("chunk keys/values must be [layers, kv_heads, len(token_ids), head_dim]")
+
+    @property
+    def fresh(self) -> bool:
+        return self.keys is None
 
 
 @dataclass(frozen=True)
@@ -48,6 +58,8 @@ class Layout:
     chunk_spans: list[tuple[int, int]]
     question_start: int
     question_text_span: tuple[int, int] | None = None
+    fresh_chunks: tuple[int, ...] = ()
+    """Chunks without stored K/V: their rows are computed at every layer."""
 
     @classmethod
     def of(cls, fusion_input: FusionInput) -> Layout:
@@ -58,9 +70,36 @@ class Layout:
             ids.extend(chunk.token_ids)
         question_start = len(ids)
         ids.extend(fusion_input.question_ids)
+        fresh = tuple(i for i, chunk in enumerate(fusion_input.chunks) if chunk.fresh)
         return cls(
-            torch.tensor(ids), len(fusion_input.prefix_ids), spans, question_start, fusion_input.question_text_span
+            torch.tensor(ids),
+            len(fusion_input.prefix_ids),
+            spans,
+            question_start,
+            fusion_input.question_text_span,
+            fresh,
         )
+
+    @property
+    def fresh_rows(self) -> torch.Tensor:
+        """Rows of the fresh chunks, ascending (empty when every chunk was stored)."""
+        if not self.fresh_chunks:
+            return torch.empty(0, dtype=torch.long)
+        return torch.cat([torch.arange(*self.chunk_spans[i]) for i in self.fresh_chunks])
+
+    @property
+    def num_reused_document_tokens(self) -> int:
+        return self.num_document_tokens - sum(
+            self.chunk_spans[i][1] - self.chunk_spans[i][0] for i in self.fresh_chunks
+        )
+
+    @property
+    def reused_document_rows(self) -> torch.Tensor:
+        """Document rows whose K/V is placed from the store (a selection chooses among them)."""
+        rows = self.document_rows
+        if not self.fresh_chunks:
+            return rows
+        return rows[~torch.isin(rows, self.fresh_rows)]
 
     @property
     def length(self) -> int:

@@ -91,20 +91,24 @@ class Probe(FusionStrategy):
         return None if columns is None else columns[columns < layout.question_start]
 
     def rows_for(self, model: CausalLM, cache: KVCache, layout: Layout, report: dict[str, float]) -> torch.Tensor:
-        if self.min_rows >= layout.num_document_tokens:  # every document row: nothing to choose
+        candidates = layout.reused_document_rows
+        if self.min_rows >= candidates.numel():  # every document row: nothing to choose
             report["attention_covered"] = report["recomputed_share"] = 1.0
             return torch.cat((layout.document_rows, self.initial_rows(layout)))
         columns = probe_columns(layout, self.prefix_window, model.spec.sliding_window)
+        if layout.fresh_chunks:  # not computed yet: the pass reads only placed rows
+            columns = torch.arange(layout.length) if columns is None else columns
+            columns = columns[~torch.isin(columns, layout.fresh_rows)]
         question, last_row = question_attention_by_layer(model, cache, layout, columns)
         shares = question + self.last_row_weight * last_row
         scores = shares.sum(dim=0) if self.layer_aggregation == "sum" else shares.max(dim=0).values
         chosen = top_k_rows(scores, self.budget(scores, layout))
         report["attention_covered"] = float(scores[chosen].sum() / scores.sum().clamp_min(1e-12))
-        report["recomputed_share"] = chosen.numel() / max(1, layout.num_document_tokens)
-        return torch.cat((chosen.cpu() + layout.prefix_len, self.initial_rows(layout)))
+        report["recomputed_share"] = chosen.numel() / max(1, candidates.numel())
+        return torch.cat((candidates[chosen.cpu()], self.initial_rows(layout)))
 
     def budget(self, scores: torch.Tensor, layout: Layout) -> int:
-        floor = max(ratio_budget(self.ratio, layout), min(self.min_rows, layout.num_document_tokens))
+        floor = max(ratio_budget(self.ratio, layout), min(self.min_rows, layout.num_reused_document_tokens))
         if not self.coverage:
             return floor
         ordered = scores.sort(descending=True).values.cumsum(0)

@@ -96,7 +96,15 @@ async def chat_completions(request: Request, response: Response, body: ChatReque
     )
     config = query_config(rag, generation, state.config)
     work = state.service.chat_stream(
-        ChatTurn(tenant, messages, session_id if named else None, rag.enabled, config), session_id
+        ChatTurn(
+            tenant,
+            messages,
+            session_id if named else None,
+            rag.enabled,
+            config,
+            state.config.prompt_spans if body.prompt_spans is None else body.prompt_spans,
+        ),
+        session_id,
     )
     completion_id = "chatcmpl-" + uuid.uuid4().hex[:24]
     created = int(time.time())

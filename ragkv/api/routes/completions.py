@@ -91,7 +91,10 @@ async def completions(request: Request, body: CompletionRequest):
             )
         work = state.service.query_stream(prompts[0], tenant, config)
     else:
-        work = state.service.completion_stream(prompts, generation)
+        spans = state.config.prompt_spans if body.prompt_spans is None else body.prompt_spans
+        work = state.service.completion_stream(
+            prompts, generation, tenant, config.fusion if config is not None else None, spans
+        )
     completion_id = "cmpl-" + uuid.uuid4().hex[:24]
     created = int(time.time())
 

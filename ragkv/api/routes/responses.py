@@ -76,7 +76,15 @@ async def create_response(request: Request, response: Response, body: ResponseRe
     generation = generation_config(max_tokens, body.temperature, body.top_p, body.seed, None, state.config)
     config = query_config(rag, generation, state.config)
     work = state.service.chat_stream(
-        ChatTurn(tenant, messages, session_id if named else None, rag.enabled, config), session_id
+        ChatTurn(
+            tenant,
+            messages,
+            session_id if named else None,
+            rag.enabled,
+            config,
+            state.config.prompt_spans if body.prompt_spans is None else body.prompt_spans,
+        ),
+        session_id,
     )
     response_id = "resp_" + uuid.uuid4().hex
     message_id = "msg_" + uuid.uuid4().hex
