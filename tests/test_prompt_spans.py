@@ -122,7 +122,8 @@ def test_fresh_kv_is_the_pre_rope_kv_in_the_prompts_context(engine):
     start, end = fusion.layout.chunk_spans[chunk]
     keys, values = fusion.fresh_chunk_kv(chunk)
     # the same rows computed by a plain prefill of everything before them, then the span
-    expected_keys, expected_values = engine.model.chunk_kv(torch.tensor(ids[start:end]), _prefix_cache(engine, ids[:start]))
+    before = _prefix_cache(engine, ids[:start])
+    expected_keys, expected_values = engine.model.chunk_kv(torch.tensor(ids[start:end]), before)
     # rows before the span include reused (not recomputed) rows in the fusion: close, not equal
     assert keys.shape == expected_keys.shape
     assert float((keys - expected_keys).abs().mean()) < 0.05 * float(expected_keys.abs().mean())
@@ -140,9 +141,7 @@ def test_mixed_fresh_and_stored_chunks_stay_near_the_full_prefill(engine):
     assert 0 < stored < fusion.layout.num_document_tokens
     assert fusion.recomputed_tokens == round(strategy.ratio * stored)
     stored_input = _fresh_input(engine, [2, 0, 3, 1], fresh=set())[0]
-    reuse_all = build_strategy("pie").fuse(
-        engine.model, stored_input, _prefix_cache(engine, stored_input.prefix_ids)
-    )
+    reuse_all = build_strategy("pie").fuse(engine.model, stored_input, _prefix_cache(engine, stored_input.prefix_ids))
     assert kl_divergence(reference, fusion.logits) < kl_divergence(reference, reuse_all.logits)
 
 
