@@ -49,9 +49,7 @@ def finder(engine) -> SpanFinder:
 def test_a_passage_is_the_same_span_in_any_order_and_under_any_header(engine, finder):
     original = span_tokens(finder, prompt_ids(engine, [0, 1, 2, 3]))
     assert len(original) == len(PASSAGES)
-    for span in original:  # a passage's own tokens, then the blank line after it
-        passage = next(tuple(engine.tokenize(p.strip())) for p in PASSAGES if span[:8] == tuple(engine.tokenize(p))[:8])
-        assert span[: len(passage)] == passage and not engine.tokenizer.decode(span[len(passage) :]).strip()
+    assert set(original) == {tuple(engine.tokenize(p.strip())) for p in PASSAGES}  # each passage's own tokens
     shuffled = span_tokens(finder, prompt_ids(engine, [3, 1, 0, 2], header=lambda i: f"Document [{i + 1}]:\n"))
     assert set(shuffled) == set(original)
     tagged = span_tokens(finder, prompt_ids(engine, [2, 0], header=lambda i: f"[CONTEXT {i}]:\n"))
@@ -62,7 +60,7 @@ def test_the_last_block_and_short_blocks_are_never_spans(engine, finder):
     ids = prompt_ids(engine, [0, 1])
     spans = finder.spans(ids)
     assert len(spans) == 2
-    assert engine.tokenizer.decode(ids[spans[-1].end :]).startswith(f"Question: {QUESTION}")
+    assert engine.tokenizer.decode(ids[spans[-1].end :]).lstrip().startswith(f"Question: {QUESTION}")
     short = engine.prompt.encode_messages([{"role": "user", "content": "Hello\n\nthere\n\nfriend"}])
     assert finder.spans(short) == []
 

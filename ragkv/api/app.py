@@ -77,6 +77,14 @@ def _readings(state: AppState) -> Iterator[Reading]:
         )
     if stats.lru is not None:
         yield "gauge", "ragkv_store_lru_bytes", "Bytes in the in-process chunk LRU", {}, stats.lru.bytes
+    spans = state.runtime.passages.counters.snapshot()
+    for name, help_text, value in (
+        ("hits", "Passages found in prompts whose KV the store held", spans.hits),
+        ("misses", "Passages found in prompts computed for the request (then stored)", spans.misses),
+        ("tokens_reused", "Prompt tokens of passages whose KV came from the store", spans.tokens_reused),
+        ("tokens_stored", "Prompt tokens of new passages whose KV was stored", spans.tokens_stored),
+    ):
+        yield "counter", f"ragkv_prompt_span_{name}", help_text, {}, value
     store_redis_up = state.runtime.store_status().redis_up
     if store_redis_up is not None:
         yield "gauge", "ragkv_redis_up", "1 if Redis answers PING", {"role": "chunks"}, float(store_redis_up)

@@ -85,6 +85,10 @@ class TokenClasses:
         when the piece before it ended one)."""
         self.two_breaks = np.array([p.endswith("\n\n") for p in pieces], dtype=bool)
         self.leading_space = np.array([p[:1].isspace() for p in pieces], dtype=bool)
+        self.whitespace = np.array([not p.strip() for p in pieces], dtype=bool)
+        """Pieces of whitespace only: a span never starts or ends with one, so a passage's
+        span does not depend on the separator that follows it (a blank line, or the end
+        of a message)."""
         self.special = np.zeros(len(pieces), dtype=bool)
         """Template tokens (<|im_start|>, <start_of_turn>, ...): each starts a block."""
         self.special[[i for i in special if 0 <= i < len(pieces)]] = True
@@ -159,6 +163,11 @@ class SpanFinder:
         if first >= last:
             return []
         span_start, span_end = edges[first][0], edges[last - 1][1]
+        whitespace = self.classes.whitespace[ids]
+        while span_end > span_start and whitespace[span_end - 1]:
+            span_end -= 1
+        while span_start < span_end and whitespace[span_start]:
+            span_start += 1
         if span_end - span_start < config.min_tokens:
             return []
         return self._cut(ids, span_start, span_end)

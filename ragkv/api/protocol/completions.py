@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from ragkv.api.protocol.common import Citation, omitted_when_none
+from ragkv.api.protocol.common import CachedTokens, Citation, omitted_when_none
 
 
 class CompletionLogprobs(BaseModel):
@@ -30,6 +30,9 @@ class CompletionUsage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: CachedTokens = Field(
+        description="cached_tokens: prompt rows whose KV was not computed for this request (passages reused)"
+    )
 
 
 class Completion(BaseModel):

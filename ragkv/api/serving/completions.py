@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 from collections.abc import Sequence
 
+from ragkv.api.protocol.common import CachedTokens
 from ragkv.api.protocol.completions import (
     CompletionChoice,
     CompletionCitations,
@@ -33,7 +34,13 @@ def completion_choice(
 def completion_usage(completions: Sequence[Completion]) -> CompletionUsage:
     prompt = sum(c.usage.prompt_tokens for c in completions)
     completion = sum(c.usage.completion_tokens for c in completions)
-    return CompletionUsage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    cached = CachedTokens(cached_tokens=sum(c.usage.cached_tokens for c in completions))
+    return CompletionUsage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=cached,
+    )
 
 
 def embedding_list(model: str, vectors: Sequence, tokens: int, base64_encoded: bool) -> EmbeddingList:

@@ -1,0 +1,134 @@
+"""Passages pasted by the client, against a live `ragkv serve` with no documents ingested:
+the `openai` client on chat, completions and responses, LangChain's stuff-documents
+prompt over `ChatOpenAI`, the per-request switch, the usage and /metrics figures, and bad
+input answered as before."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import openai
+import pytest
+
+from ragkv.api.launcher import ServerProcess
+
+pytestmark = pytest.mark.model
+
+PASSAGES = [
+    f"{name} was founded in {year} by {who}; its {thing} was rebuilt in {rebuilt} after a fire, and the "
+    f"town's archive keeps the original plans, letters and accounts of the building works. " * 6
+    for name, year, who, thing, rebuilt in (
+        ("Gull Point Light", 1851, "the harbour board", "lantern room", 1890),
+        ("Linden Hill Orchard", 1902, "the Maas family", "cider house", 1984),
+        ("Hallerberg Observatory", 1936, "the university", "main dome", 1962),
+        ("Marrow Creek Ferry", 1822, "two cattle dealers", "landing stage", 1907),
+        ("Saltmarsh Mill", 1788, "a grain cooperative", "water wheel", 1931),
+        ("Brisk Hollow School", 1874, "the parish", "bell tower", 1950),
+    )
+]
+
+
+def stuffed(order: list[int], question: str) -> list[dict]:
+    documents = "\n\n".join(PASSAGES[i] for i in order)
+    return [
+        {"role": "system", "content": "Answer the question using the documents given."},
+        {"role": "user", "content": f"Documents:\n{documents}\n\nQuestion: {question}"},
+    ]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("prompt_spans")
+    process = ServerProcess(
+        ["--data-dir", str(root / "data"), "--log-level", "warning"], log_path=root / "serve.log"
+    ).start(timeout_s=600)
+    try:
+        yield process
+    finally:
+        process.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=600.0)
+
+
+def cached(usage) -> int:
+    return usage.prompt_tokens_details.cached_tokens
+
+
+def test_chat_passages_in_a_new_order_come_from_the_store(client, server):
+    cold = client.chat.completions.create(
+        model="ragkv", messages=stuffed([0, 1, 2, 3, 4, 5], "When was Gull Point Light founded?"), max_tokens=4
+    )
+    assert cold.usage.prompt_tokens > 1000 and cached(cold.usage) == 0
+    warm = client.chat.completions.create(
+        model="ragkv", messages=stuffed([5, 3, 1, 0, 4, 2], "Who founded the orchard?"), max_tokens=4
+    )
+    assert warm.choices[0].message.content
+    # the passages' rows less the probe's recomputed tenth: most of the prompt
+    assert cached(warm.usage) > 0.75 * warm.usage.prompt_tokens
+    off = client.chat.completions.create(
+        model="ragkv",
+        messages=stuffed([2, 4, 0, 5, 1, 3], "Who founded the orchard?"),
+        max_tokens=4,
+        extra_body={"prompt_spans": False},
+    )
+    assert cached(off.usage) < 0.1 * off.usage.prompt_tokens  # the template's opening at most
+    metrics = httpx.get(server.url + "/metrics", timeout=30).text
+    hits = float(re.search(r"^ragkv_prompt_span_hits_total (\S+)$", metrics, re.M).group(1))
+    misses = float(re.search(r"^ragkv_prompt_span_misses_total (\S+)$", metrics, re.M).group(1))
+    assert (hits, misses) == (len(PASSAGES), len(PASSAGES))
+    assert float(re.search(r"^vllm:prefix_cache_hits_total\{.*\} (\S+)$", metrics, re.M).group(1)) >= cached(warm.usage)
+
+
+def test_completions_and_responses_reuse_the_same_passages(client):
+    client.chat.completions.create(model="ragkv", messages=stuffed([0, 1, 2], "Name one."), max_tokens=1)
+    prompt = "Context:\n\n" + "\n\n".join(PASSAGES[i] for i in (2, 0, 1)) + "\n\nQ: Which was founded first?\nA:"
+    completion = client.completions.create(model="ragkv", prompt=prompt, max_tokens=2)
+    assert cached(completion.usage) > 0.75 * completion.usage.prompt_tokens
+    response = client.responses.create(
+        model="ragkv",
+        instructions="Answer the question using the documents given.",
+        input="Documents:\n" + "\n\n".join(PASSAGES[i] for i in (1, 2, 0)) + "\n\nQuestion: Which is oldest?",
+        max_output_tokens=2,
+    )
+    assert response.usage.input_tokens_details.cached_tokens > 0.75 * response.usage.input_tokens
+
+
+def test_langchain_stuff_documents_prompt(server):
+    from langchain_core.documents import Document
+    from langchain_core.output_parsers import StrOutputParser
+    from langchain_core.prompts import ChatPromptTemplate
+    from langchain_openai import ChatOpenAI
+
+    prompt = ChatPromptTemplate.from_messages(
+        [("system", "Answer using only this context:\n\n{context}"), ("human", "{question}")]
+    )
+    llm = ChatOpenAI(
+        model="ragkv", base_url=server.url + "/v1", api_key="unused", max_tokens=3, temperature=0, max_retries=0
+    )
+
+    def ask(order: list[int], question: str):
+        # what LangChain's stuff-documents chain does: page contents joined by a blank line
+        context = "\n\n".join(Document(page_content=PASSAGES[i]).page_content for i in order)
+        return (prompt | llm).invoke({"context": context, "question": question})
+
+    ask([3, 4, 5], "Which mill is mentioned?")
+    message = ask([5, 3, 4], "When was the school founded?")
+    usage = message.response_metadata["token_usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] > 0.75 * usage["prompt_tokens"]
+    assert (prompt | llm | StrOutputParser()).invoke(
+        {"context": "\n\n".join(PASSAGES[i] for i in (4, 5, 3)), "question": "Hi"}
+    )
+
+
+def test_bad_input_is_answered_as_before(client):
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model="ragkv", messages=[{"role": "user", "content": ""}], max_tokens=2)
+    assert error.value.status_code == 400
+    too_long = "\n\n".join(PASSAGES * 40)  # far over the model's context
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model="ragkv", messages=[{"role": "user", "content": too_long}], max_tokens=2)
+    assert "context" in str(error.value)
