@@ -37,7 +37,7 @@ class Service:
         self.config = config
         self.metrics = metrics
         self.sessions = sessions
-        runtime.passages.finder.classes  # built at start-up (seconds for a large vocabulary), not on a request
+        runtime.passages.finder.prepare()  # at start-up (seconds for a large vocabulary), not on a request
         self.chat = ChatTurns(runtime.rag, sessions, config.max_input_tokens, passages=runtime.passages)
 
     # -- /v1/query ------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """`ragkv bench store | fusion | sparse | decode | kernels | retrieval | ingest | soak`: argument parsing and
 result tables (sparse: ragkv.cli.bench_sparse, decode: ragkv.cli.bench_decode, kernels: ragkv.cli.bench_kernels,
-retrieval: ragkv.cli.bench_retrieval, ingest: ragkv.cli.bench_ingest, soak: ragkv.cli.bench_soak)."""
+retrieval: ragkv.cli.bench_retrieval, ingest: ragkv.cli.bench_ingest, soak: ragkv.cli.bench_soak,
+passages: ragkv.cli.bench_passages)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from ragkv.cli import bench_decode, bench_ingest, bench_kernels, bench_retrieval, bench_soak, bench_sparse
+from ragkv.cli import (
+    bench_decode,
+    bench_ingest,
+    bench_kernels,
+    bench_passages,
+    bench_retrieval,
+    bench_soak,
+    bench_sparse,
+)
 from ragkv.cli.command import Command, CommandParser
 from ragkv.cli.options import add_common_options, runtime_config
 
@@ -156,6 +165,12 @@ def configure(bench: argparse.ArgumentParser) -> None:
     )
     bench_ingest.configure(ingest)
 
+    passages = kinds.add_parser(
+        "passages",
+        help="passages pasted into the prompt: fidelity against the full prefill, or --sustained hit rate over a pool",
+    )
+    bench_passages.configure(passages)
+
 
 def run(args: argparse.Namespace) -> int:
     handlers = {
@@ -168,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
         "retrieval": bench_retrieval.run,
         "soak": bench_soak.run,
         "ingest": bench_ingest.run,
+        "passages": bench_passages.run,
     }
     results = handlers[args.bench](args)
     if args.json:

@@ -109,6 +109,10 @@ class SpanFinder:
     def classes(self) -> TokenClasses:
         return TokenClasses.of(self.tokenizer)
 
+    def prepare(self) -> None:
+        """Build the token classes now (a server does at start-up) rather than on first use."""
+        _ = self.classes
+
     def spans(self, token_ids: list[int], start: int = 0, end: int | None = None) -> list[Span]:
         """The passage spans in token_ids[start:end], ascending, positions in token_ids."""
         end = len(token_ids) if end is None else end

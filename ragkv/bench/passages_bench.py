@@ -1,0 +1,302 @@
+"""`ragkv bench passages`: passages pasted into the prompt, as a RAG application sends them.
+
+Two runs, both in process (the engine, a fresh LMDB store of their own, the span finder):
+
+fidelity   per dev example, its passages pasted in their order (the cold prompt: every
+           passage new, computed and stored), then the same passages shuffled under another
+           question's header (the warm prompt). Both are also prefilled in full: the cold
+           prompt's TTFT against its full prefill (what passages seen for the first time
+           cost), and the warm prompt's first-token KL and teacher-forced agreement against
+           the full prefill of the same tokens (fusion_bench's figures), with its speed-up.
+sustained  a pool of passages (every passage of the dataset), queries that each paste
+           `--min-passages`..`--max-passages` of them in random order, the store capped at a
+           share of the pool's KV bytes (LRU): per window of queries the span hit rate, the
+           share of prompt rows reused and the TTFT, so a decay (prompt entries flooding the
+           store and evicting passages) would show.
+"""
+
+from __future__ import annotations
+
+import platform
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ragkv.app.conversation import render_conversation
+from ragkv.app.generate import decode, forced_answer_ids
+from ragkv.app.prompt_passages import FusedPassages, PromptPassages
+from ragkv.bench.datasets import Example
+from ragkv.bench.fusion_bench import summarize
+from ragkv.bench.metrics import kl_divergence, normalize_answer, token_f1
+from ragkv.engine import Engine
+from ragkv.engine.generation import GenerationConfig
+from ragkv.fusion import FusionStrategy
+from ragkv.fusion.fidelity import TeacherForced, teacher_forced_logits
+from ragkv.store.url import open_store
+
+SYSTEM = "Answer the question using the documents given."
+TENANT = "bench"
+
+
+def stuffed_ids(engine: Engine, passages: list[str], question: str) -> list[int]:
+    """The chat prompt a RAG application builds: passages joined by blank lines."""
+    documents = "\n\n".join(p.strip() for p in passages)
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": f"Documents:\n{documents}\n\nQuestion: {question}"},
+    ]
+    return render_conversation(engine.prompt, messages).token_ids
+
+
+def fuse_prompt(
+    passages: PromptPassages, ids: list[int], strategy: FusionStrategy, max_new_tokens: int
+) -> tuple[FusedPassages | None, float]:
+    """What a chat turn with no cached prefix does: plan, prefill up to the first passage,
+    fuse. (None, 0) when the prompt holds no passage."""
+    model = passages.engine.model
+    started = time.perf_counter()
+    plan = passages.plan(TENANT, ids, 0)
+    if plan is None:
+        return None, 0.0
+    first = plan.spans[0].start
+    prefix = model.new_cache(first)
+    model.prefill(torch.tensor(ids[:first]), prefix)
+    fused = passages.fuse(ids, plan, prefix, strategy, max_new_tokens, first)
+    return fused, time.perf_counter() - started
+
+
+@dataclass
+class _Reference:
+    logits: torch.Tensor
+    forced: torch.Tensor
+    answer: str
+    answer_ids: list[int]
+    ttft: float
+
+
+def _reference(engine: Engine, ids: list[int], max_new_tokens: int) -> _Reference:
+    started = time.perf_counter()
+    cache, logits = engine.prefill(ids, max_new_tokens)
+    ttft = time.perf_counter() - started
+    completion = decode(engine, cache, logits, GenerationConfig(max_new_tokens=max_new_tokens))
+    cache.truncate(len(ids))
+    answer_ids = forced_answer_ids(completion)
+    forced = teacher_forced_logits(engine.model, cache, logits, answer_ids)
+    return _Reference(logits, forced, completion.text.strip(), answer_ids, ttft)
+
+
+def run_passage_fidelity(
+    engine: Engine,
+    examples: list[Example],
+    strategy: FusionStrategy,
+    *,
+    max_new_tokens: int = 32,
+    seed: int = 0,
+    progress: Callable[[str], None] = lambda message: None,
+    checkpoint: Callable[[dict], None] = lambda partial: None,
+) -> dict:
+    folder = tempfile.TemporaryDirectory(prefix="ragkv-passages-")
+    store = open_store(f"lmdb://{folder.name}/store")
+    try:
+        passages = PromptPassages(engine, store)
+        # warm-up: the kernels' first calls, on a prompt nothing later reuses
+        fuse_prompt(passages, stuffed_ids(engine, examples[0].passages[:2], "warm-up"), strategy, 4)
+        engine.prefill(stuffed_ids(engine, examples[0].passages[:2], "warm-up"))
+        full_rows, warm_rows, cold_rows = [], [], []
+        rng = random.Random(seed)
+        for number, example in enumerate(examples, start=1):
+            cold_ids = stuffed_ids(engine, example.passages, example.question)
+            started = time.perf_counter()
+            engine.prefill(cold_ids)
+            cold_full = time.perf_counter() - started
+            cold, cold_ttft = fuse_prompt(passages, cold_ids, strategy, max_new_tokens)
+            cold_rows.append(
+                {
+                    "full_ttft_s": cold_full,
+                    "ttft_s": cold_ttft,
+                    "spans": len(cold.plan.spans),
+                    "hits": cold.plan.hits,
+                    "first_token_kl": kl_divergence(engine.prefill(cold_ids)[1], cold.fusion.logits),
+                }
+            )
+            order = list(range(len(example.passages)))
+            rng.shuffle(order)
+            warm_ids = stuffed_ids(engine, [example.passages[i] for i in order], example.question)
+            reference = _reference(engine, warm_ids, max_new_tokens)
+            warm, warm_ttft = fuse_prompt(passages, warm_ids, strategy, max_new_tokens)
+            fusion = warm.fusion
+            forced = TeacherForced.compare(
+                reference.forced, teacher_forced_logits(engine.model, fusion.cache, fusion.logits, reference.answer_ids)
+            )
+            completion = decode(engine, fusion.cache, fusion.logits, GenerationConfig(max_new_tokens=max_new_tokens))
+            answer = completion.text.strip()
+            full_rows.append(
+                _fidelity_row(reference.ttft, reference.logits, reference.logits, 1.0, 0.0, warm_ids, warm)
+            )
+            full_rows[-1].update(_answers(reference.answer, reference.answer, example))
+            row = _fidelity_row(warm_ttft, fusion.logits, reference.logits, forced.agreement, forced.kl, warm_ids, warm)
+            row.update(_answers(answer, reference.answer, example))
+            row["cached_tokens"] = warm.usage.cached_tokens
+            row["hits"], row["spans"] = warm.plan.hits, len(warm.plan.spans)
+            warm_rows.append(row)
+            progress(
+                f"example {number}/{len(examples)}: {len(warm_ids)} tokens, warm "
+                f"{warm.plan.hits}/{len(warm.plan.spans)} spans, KL {row['first_token_kl']:.3f}, TF {forced.agreement:.2f}, {reference.ttft / warm_ttft:.1f}x; "
+                f"cold {cold_ttft:.2f} s vs full {cold_full:.2f} s"
+            )
+            checkpoint(_fidelity_results(engine, strategy, examples[:number], full_rows, warm_rows, cold_rows))
+        return _fidelity_results(engine, strategy, examples, full_rows, warm_rows, cold_rows)
+    finally:
+        store.close()
+        folder.cleanup()
+
+
+def _fidelity_row(ttft, logits, reference_logits, agreement, forced_kl, ids, fused: FusedPassages) -> dict:
+    layout = fused.fusion.layout
+    return {
+        "ttft_s": ttft,
+        "load_s": 0.0,
+        "first_token_kl": kl_divergence(reference_logits, logits),
+        "top1_equal": int(logits.argmax()) == int(reference_logits.argmax()),
+        "teacher_forced_agreement": agreement,
+        "teacher_forced_kl": forced_kl,
+        "prompt_tokens": len(ids),
+        "document_tokens": layout.num_document_tokens,
+        "recomputed_tokens": fused.fusion.recomputed_tokens if logits is not reference_logits else 0,
+    }
+
+
+def _answers(answer: str, reference: str, example: Example) -> dict:
+    return {
+        "answer": answer,
+        "answer_agreement": token_f1(answer, [reference]),
+        "answer_exact": normalize_answer(answer) == normalize_answer(reference),
+        "gold_f1": token_f1(answer, example.answers),
+    }
+
+
+def _fidelity_results(engine, strategy, examples, full_rows, warm_rows, cold_rows) -> dict:
+    warm = summarize(warm_rows, full_rows)
+    warm["cached_share"] = statistics.fmean(r["cached_tokens"] / r["prompt_tokens"] for r in warm_rows)
+    warm["span_hit_rate"] = sum(r["hits"] for r in warm_rows) / max(1, sum(r["spans"] for r in warm_rows))
+    cold_total = sum(r["ttft_s"] for r in cold_rows)
+    return {
+        **_context(engine, strategy),
+        "examples": len(examples),
+        "passages_per_example": statistics.fmean(len(e.passages) for e in examples),
+        "warm": warm,
+        "cold": {
+            "ttft_total_s": cold_total,
+            "full_ttft_total_s": sum(r["full_ttft_s"] for r in cold_rows),
+            "slowdown_total": cold_total / sum(r["full_ttft_s"] for r in cold_rows),
+            "slowdown_median": statistics.median(r["ttft_s"] / r["full_ttft_s"] for r in cold_rows),
+            "first_token_kl": statistics.fmean(r["first_token_kl"] for r in cold_rows),
+        },
+        "per_example": {"warm": warm_rows, "full": full_rows, "cold": cold_rows},
+    }
+
+
+def _context(engine: Engine, strategy: FusionStrategy) -> dict:
+    return {
+        "strategy": strategy.name,
+        "dtype": str(engine.model.dtype).removeprefix("torch."),
+        "torch_threads": torch.get_num_threads(),
+        "machine": platform.processor() or platform.machine(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+
+
+def pool_kv_bytes(engine: Engine, pool: list[str]) -> int:
+    """Bytes the store's format takes for every passage of the pool (one passage measured,
+    scaled by tokens)."""
+    sample = engine.tokenize(pool[0].strip())[:256]
+    keys = torch.zeros(engine.spec.num_layers, engine.spec.num_kv_heads, len(sample), engine.spec.head_dim)
+    packed = engine.kv_format.pack(keys, keys.clone())
+    per_token = sum(t.numel() * t.element_size() for t in packed.values()) / len(sample)
+    return int(per_token * sum(len(engine.tokenize(p.strip())) for p in pool))
+
+
+def run_sustained(
+    engine: Engine,
+    pool: list[str],
+    questions: list[str],
+    strategy: FusionStrategy,
+    *,
+    queries: int = 500,
+    passages_per_query: tuple[int, int] = (6, 10),
+    capacity_share: float = 0.25,
+    window: int = 50,
+    seed: int = 0,
+    progress: Callable[[str], None] = lambda message: None,
+    checkpoint: Callable[[dict], None] = lambda partial: None,
+) -> dict:
+    """Queries over the pool with the store capped at `capacity_share` of its KV."""
+    pool_bytes = pool_kv_bytes(engine, pool)
+    capacity = max(1, int(capacity_share * pool_bytes))
+    folder = tempfile.TemporaryDirectory(prefix="ragkv-sustained-")
+    store = open_store(f"lmdb://{folder.name}/store?capacity={capacity}")
+    rng = random.Random(seed)
+    rows = []
+    try:
+        passages = PromptPassages(engine, store)
+        fuse_prompt(passages, stuffed_ids(engine, pool[:2], "warm-up"), strategy, 1)
+        for number in range(1, queries + 1):
+            chosen = rng.sample(range(len(pool)), rng.randint(*passages_per_query))
+            ids = stuffed_ids(engine, [pool[i] for i in chosen], rng.choice(questions))
+            fused, ttft = fuse_prompt(passages, ids, strategy, 1)
+            plan = fused.plan
+            rows.append(
+                {
+                    "query": number,
+                    "spans": len(plan.spans),
+                    "hits": plan.hits,
+                    "prompt_tokens": len(ids),
+                    "cached_tokens": fused.usage.cached_tokens,
+                    "ttft_s": ttft,
+                }
+            )
+            if number % window == 0:
+                summary = _window(rows[-window:])
+                progress(
+                    f"queries {number - window + 1}-{number}: hit rate {summary['span_hit_rate']:.3f}, cached "
+                    f"{summary['cached_share']:.3f}, TTFT p50 {summary['ttft_p50_s']:.2f} s"
+                )
+                checkpoint(_sustained_results(engine, strategy, pool, pool_bytes, capacity, store, rows, window))
+        return _sustained_results(engine, strategy, pool, pool_bytes, capacity, store, rows, window)
+    finally:
+        store.close()
+        folder.cleanup()
+
+
+def _window(rows: list[dict]) -> dict:
+    return {
+        "queries": [rows[0]["query"], rows[-1]["query"]],
+        "span_hit_rate": sum(r["hits"] for r in rows) / max(1, sum(r["spans"] for r in rows)),
+        "cached_share": sum(r["cached_tokens"] for r in rows) / sum(r["prompt_tokens"] for r in rows),
+        "ttft_p50_s": statistics.median(r["ttft_s"] for r in rows),
+        "ttft_mean_s": statistics.fmean(r["ttft_s"] for r in rows),
+    }
+
+
+def _sustained_results(engine, strategy, pool, pool_bytes, capacity, store, rows, window) -> dict:
+    stats = store.stats()
+    windows = [_window(rows[i : i + window]) for i in range(0, len(rows) - window + 1, window)]
+    results = {
+        **_context(engine, strategy),
+        "pool_passages": len(pool),
+        "pool_kv_bytes": pool_bytes,
+        "store_capacity_bytes": capacity,
+        "queries": len(rows),
+        "windows": windows,
+        "store_evictions": stats.evictions,
+        "per_query": rows,
+    }
+    if len(rows) >= 200:
+        results["hit_rate_queries_101_200"] = _window(rows[100:200])["span_hit_rate"]
+        results["hit_rate_last_100"] = _window(rows[-100:])["span_hit_rate"]
+    return results

@@ -1,0 +1,96 @@
+"""`ragkv bench passages`: passages pasted into the prompt, reused from the store wherever
+they stand (ragkv.bench.passages_bench): fidelity against the full prefill on dev examples,
+or (--sustained) the span hit rate and TTFT over many queries with the store capped."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ragkv.cli.options import add_common_options, config_from_args
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    add_common_options(parser)
+    parser.add_argument("--data", type=Path, required=True, help="CacheBlend-style JSON (e.g. musique_dev.json)")
+    parser.add_argument(
+        "--examples", default="50:70", help="fidelity: the examples START:END of the dataset (default: 50:70)"
+    )
+    parser.add_argument("--strategy", default="probe", help="fusion strategy spec (default: the product's, probe)")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0, help="the shuffles and the sustained run's draws")
+    sustained = parser.add_argument_group("sustained load (--sustained)")
+    sustained.add_argument(
+        "--sustained", action="store_true", help="the pool run: every passage of the dataset, many queries"
+    )
+    sustained.add_argument("--queries", type=int, default=500)
+    sustained.add_argument("--min-passages", type=int, default=6)
+    sustained.add_argument("--max-passages", type=int, default=10)
+    sustained.add_argument(
+        "--capacity-share", type=float, default=0.25, help="the store's cap as a share of the pool's KV bytes"
+    )
+    sustained.add_argument("--window", type=int, default=50, help="queries per reported window")
+    parser.add_argument("--json", type=Path, default=None, help="write all figures to this file")
+
+
+def run(args: argparse.Namespace) -> dict:
+    from ragkv.bench.datasets import load_examples
+    from ragkv.bench.passages_bench import run_passage_fidelity, run_sustained
+    from ragkv.cli.bench import _write_json
+    from ragkv.engine import Engine, EngineConfig
+    from ragkv.fusion import build_strategy
+
+    def progress(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    strategy = build_strategy(args.strategy)
+    examples = load_examples(args.data)
+    engine = Engine(config_from_args(EngineConfig, args))
+    checkpoint = lambda partial: _write_json(args.json, partial)  # noqa: E731
+    if args.sustained:
+        if not 1 <= args.min_passages <= args.max_passages or not 0 < args.capacity_share <= 1:
+            raise SystemExit("need 1 <= --min-passages <= --max-passages and 0 < --capacity-share <= 1")
+        pool = sorted({p.strip() for e in examples for p in e.passages})
+        results = run_sustained(
+            engine,
+            pool,
+            [e.question for e in examples],
+            strategy,
+            queries=args.queries,
+            passages_per_query=(args.min_passages, args.max_passages),
+            capacity_share=args.capacity_share,
+            window=args.window,
+            seed=args.seed,
+            progress=progress,
+            checkpoint=checkpoint,
+        )
+        print(f"{len(pool)} passages, store capped at {results['store_capacity_bytes'] / 2**20:.0f} MiB")
+        for window in results["windows"]:
+            first, last = window["queries"]
+            print(
+                f"queries {first:>4}-{last:<4} hit rate {window['span_hit_rate']:.3f}  cached "
+                f"{window['cached_share']:.3f}  TTFT p50 {window['ttft_p50_s']:.2f} s"
+            )
+        return results
+    start, _, end = args.examples.partition(":")
+    chosen = examples[int(start) : int(end)]
+    if not chosen:
+        raise SystemExit(f"the dataset has no examples in {args.examples}")
+    results = run_passage_fidelity(
+        engine,
+        chosen,
+        strategy,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+        progress=progress,
+        checkpoint=checkpoint,
+    )
+    warm, cold = results["warm"], results["cold"]
+    print(
+        f"{results['examples']} examples: warm (shuffled) first-token KL {warm['first_token_kl']:.3f}, TF agreement "
+        f"{warm['teacher_forced_agreement']:.3f}, TF KL {warm['teacher_forced_kl']:.3f}, speed-up "
+        f"{warm['speedup_median']:.2f}x median, {warm['cached_share']:.2f} of the prompt cached; cold "
+        f"{cold['slowdown_total']:.2f}x the full prefill's time"
+    )
+    return results
