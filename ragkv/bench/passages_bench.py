@@ -146,7 +146,8 @@ def run_passage_fidelity(
             warm_rows.append(row)
             progress(
                 f"example {number}/{len(examples)}: {len(warm_ids)} tokens, warm "
-                f"{warm.plan.hits}/{len(warm.plan.spans)} spans, KL {row['first_token_kl']:.3f}, TF {forced.agreement:.2f}, {reference.ttft / warm_ttft:.1f}x; "
+                f"{warm.plan.hits}/{len(warm.plan.spans)} spans, KL {row['first_token_kl']:.3f}, "
+                f"TF {forced.agreement:.2f}, {reference.ttft / warm_ttft:.1f}x; "
                 f"cold {cold_ttft:.2f} s vs full {cold_full:.2f} s"
             )
             checkpoint(_fidelity_results(engine, strategy, examples[:number], full_rows, warm_rows, cold_rows))
