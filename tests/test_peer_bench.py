@@ -99,3 +99,38 @@ def test_both_sides_get_the_same_questions_and_passages_and_are_timed_at_the_cli
             assert 0.8 * CHUNK_GAP_S * 1000 <= figures["decode_ms_per_token"] <= 3 * CHUNK_GAP_S * 1000
             assert figures["ttft_p50_s"] < figures["latency_p50_s"]
     assert result["target_model"] == "peer-model"
+
+
+def test_the_pasted_workload_sends_the_same_prompts_to_both_sides_cold_then_shuffled(stand_in, tmp_path):
+    from ragkv.bench.pasted_peer_bench import run_pasted_bench
+
+    examples = [
+        {
+            "question": f"Question {n}?",
+            "answers": ["x"],
+            "ctxs": [{"title": "", "text": f"Passage {i} of example {n}."} for i in range(5)],
+        }
+        for n in range(3)
+    ]
+    data = tmp_path / "dev.json"
+    data.write_text(json.dumps(examples))
+    config = PeerBenchConfig(data, examples=3, passages=5, clients=(1, 2), max_tokens=8)
+    result = run_pasted_bench(stand_in, [stand_in], config, progress=lambda line: None)
+
+    chats = [seen for seen in StandIn.seen if seen["path"] == "/v1/chat/completions" and seen["max_tokens"] == 8]
+    # full prefill (3), cold (3 + 3), shuffled (3 + 3), 2 clients (3 + 3); nothing is ingested
+    assert len(chats) == 21 and not [seen for seen in StandIn.seen if seen["path"] == "/v1/documents"]
+
+    def passages(body: dict) -> list[str]:
+        return body["messages"][1]["content"].split("Documents:\n")[1].split("\n\nQuestion:")[0].split("\n\n")
+
+    full, cold, shuffled = chats[0:3], chats[3:9], chats[9:15]
+    assert all(body["prompt_spans"] is False for body in full)
+    original = [f"Passage {i} of example 0." for i in range(5)]
+    assert passages(full[0]) == original[::-1]
+    assert passages(cold[0]) == passages(cold[3]) == original  # ragkv's, then the target's
+    assert passages(shuffled[0]) == passages(shuffled[3]) != original
+    assert sorted(passages(shuffled[0])) == sorted(original)
+    assert all("prompt_spans" not in body for body in cold + shuffled)
+    assert set(result["passes"]) == {"ragkv_full_prefill", "cold", "shuffled"}
+    assert result["levels"][0]["clients"] == 2 and result["ratios"]["shuffled_ttft_target1_over_ragkv"] > 0

@@ -95,6 +95,7 @@ async def _one(http: httpx.AsyncClient, body: dict) -> dict | None:
     """Client-side timings of one streamed chat completion; None on an error."""
     started = time.perf_counter()
     stamps = []
+    usage = None
     try:
         async with http.stream("POST", "/v1/chat/completions", json=body) as response:
             if response.status_code != 200:
@@ -104,6 +105,7 @@ async def _one(http: httpx.AsyncClient, body: dict) -> dict | None:
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
+                usage = chunk.get("usage") or usage
                 choices = chunk.get("choices") or []
                 if choices and (choices[0].get("delta") or {}).get("content"):
                     stamps.append(time.perf_counter() - started)
@@ -112,7 +114,15 @@ async def _one(http: httpx.AsyncClient, body: dict) -> dict | None:
     if not stamps:
         return None
     decode = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None
-    return {"ttft": stamps[0], "latency": time.perf_counter() - started, "chunks": len(stamps), "decode": decode}
+    details = (usage or {}).get("prompt_tokens_details") or {}
+    return {
+        "ttft": stamps[0],
+        "latency": time.perf_counter() - started,
+        "chunks": len(stamps),
+        "decode": decode,
+        "prompt_tokens": (usage or {}).get("prompt_tokens"),
+        "cached_tokens": details.get("cached_tokens"),
+    }
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -142,7 +152,10 @@ async def _level(url: str, bodies: list[dict], clients: int, requests: int, head
         wall = time.perf_counter() - started
     ttfts = [r["ttft"] for r in results]
     decodes = [r["decode"] for r in results if r["decode"] is not None]
+    reported = [r for r in results if r["prompt_tokens"] and r["cached_tokens"] is not None]
+    cached = sum(r["cached_tokens"] for r in reported) / sum(r["prompt_tokens"] for r in reported) if reported else None
     return {
+        "cached_share": round(cached, 4) if cached is not None else None,
         "clients": clients,
         "requests": requests,
         "errors": errors,

@@ -31,6 +31,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--capacity-share", type=float, default=0.25, help="the store's cap as a share of the pool's KV bytes"
     )
     sustained.add_argument("--window", type=int, default=50, help="queries per reported window")
+    sustained.add_argument(
+        "--passage-words",
+        type=int,
+        default=None,
+        help="cut each pool passage to its first N words (a shorter run; the store's cap follows the pool)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write all figures to this file")
 
 
@@ -52,6 +58,8 @@ def run(args: argparse.Namespace) -> dict:
         if not 1 <= args.min_passages <= args.max_passages or not 0 < args.capacity_share <= 1:
             raise SystemExit("need 1 <= --min-passages <= --max-passages and 0 < --capacity-share <= 1")
         pool = sorted({p.strip() for e in examples for p in e.passages})
+        if args.passage_words:
+            pool = sorted({" ".join(p.split()[: args.passage_words]) for p in pool})
         results = run_sustained(
             engine,
             pool,

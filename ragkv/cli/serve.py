@@ -80,10 +80,19 @@ def configure(serve: argparse.ArgumentParser) -> None:
     )
     bench.add_argument(
         "--target",
+        nargs="+",
         default=None,
         metavar="URL",
         help="bench: instead, the same RAG workload (--dataset questions with their passages) on ragkv and on "
-        "this OpenAI-compatible server (passages in the prompt), side by side at each --clients level",
+        "these OpenAI-compatible servers (llama-server, vLLM), side by side",
+    )
+    bench.add_argument(
+        "--workload",
+        choices=("ingested", "pasted"),
+        default="ingested",
+        help="bench --target: ingested = ragkv has the passages as documents, the target gets them in the prompt "
+        "(one target); pasted = both get them in the prompt: ragkv's full prefill, a cold pass, a pass with the "
+        "passages shuffled, then each --clients level above 1 with fresh shuffles",
     )
     bench.add_argument("--target-key", default=None, help="API key sent to --target")
     bench.add_argument("--passages", type=int, default=3, help="bench --target: passages per question (default: 3)")
@@ -158,7 +167,13 @@ def _run_peer_bench(args: argparse.Namespace, progress) -> dict:
             progress(f"starting ragkv serve over {scratch.name} ...")
             server = ServerProcess(["--data-dir", scratch.name, "--max-queued", "256"]).start()
             url = server.url
-        return run_peer_bench(url, args.target, config, progress, headers, target_headers)
+        if args.workload == "pasted":
+            from ragkv.bench.pasted_peer_bench import run_pasted_bench
+
+            return run_pasted_bench(url, args.target, config, progress, headers, target_headers)
+        if len(args.target) != 1:
+            raise SystemExit("ragkv serve bench --workload ingested takes one --target")
+        return run_peer_bench(url, args.target[0], config, progress, headers, target_headers)
     finally:
         if server is not None:
             server.stop()
