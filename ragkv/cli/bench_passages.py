@@ -20,6 +20,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategy", default="probe", help="fusion strategy spec (default: the product's, probe)")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0, help="the shuffles and the sustained run's draws")
+    parser.add_argument(
+        "--methods",
+        action="store_true",
+        help="only the span finder: the share of passage tokens found again after shuffling, per paste format, "
+        "for the product's method and a rolling hash (the tokenizer of --model; no weights loaded)",
+    )
     sustained = parser.add_argument_group("sustained load (--sustained)")
     sustained.add_argument(
         "--sustained", action="store_true", help="the pool run: every passage of the dataset, many queries"
@@ -52,6 +58,8 @@ def run(args: argparse.Namespace) -> dict:
 
     strategy = build_strategy(args.strategy)
     examples = load_examples(args.data)
+    if args.methods:
+        return _methods(args, examples)
     engine = Engine(config_from_args(EngineConfig, args))
     checkpoint = lambda partial: _write_json(args.json, partial)  # noqa: E731
     if args.sustained:
@@ -102,3 +110,20 @@ def run(args: argparse.Namespace) -> dict:
         f"{cold['slowdown_total']:.2f}x the full prefill's time"
     )
     return results
+
+
+def _methods(args: argparse.Namespace, examples: list) -> dict:
+    from transformers import AutoTokenizer
+
+    from ragkv.bench.passages_bench import run_span_methods
+    from ragkv.engine.model_files import resolve_model_dir
+    from ragkv.engine.prompt import ChatPrompt
+
+    folder = resolve_model_dir(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    start, _, end = args.examples.partition(":")
+    results = run_span_methods(ChatPrompt(tokenizer), tokenizer, examples[int(start) : int(end)], args.seed)
+    print(f"share of passage tokens found again after shuffling ({folder.name}):")
+    for name, row in results.items():
+        print(f"  {name:<22} " + "  ".join(f"{method} {share:.3f}" for method, share in row.items()))
+    return {"model": folder.name, "examples": args.examples, "formats": results}

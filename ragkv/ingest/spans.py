@@ -48,7 +48,7 @@ class SpanConfig:
     """Lines shorter than this at a block's start or end (headers, tags, numbering) are
     left out of its span, at most `edge_lines` of them on each side."""
     edge_lines: int = 4
-    cut_bits: int = 8
+    cut_bits: int = 6
     """A long block is cut after a token where the rolling hash has this many low zero
     bits (on average every 2**cut_bits tokens), never before `min_tokens`."""
     window: int = 16
@@ -97,7 +97,8 @@ class TokenClasses:
     def of(cls, tokenizer) -> TokenClasses:
         size = len(tokenizer)
         pieces = tokenizer.batch_decode([[i] for i in range(size)], skip_special_tokens=False)
-        return cls(pieces, set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder))
+        special = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+        return cls(pieces, set(tokenizer.all_special_ids) | special)
 
 
 class SpanFinder:
