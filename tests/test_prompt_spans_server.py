@@ -27,6 +27,10 @@ PASSAGES = [
         ("Brisk Hollow School", 1874, "the parish", "bell tower", 1950),
     )
 ]
+INGESTED = (
+    "Redstone Quarry was opened in 1868 by a railway contractor; its granite paved the harbour road and "
+    "the cathedral steps, and the flooded pit became a swimming lake when cutting stopped in 1961. " * 4
+)
 
 
 def stuffed(order: list[int], question: str) -> list[dict]:
@@ -132,3 +136,23 @@ def test_bad_input_is_answered_as_before(client):
     with pytest.raises(openai.BadRequestError) as error:
         client.chat.completions.create(model="ragkv", messages=[{"role": "user", "content": too_long}], max_tokens=2)
     assert "context" in str(error.value)
+
+
+def test_a_pasted_chunk_of_an_ingested_document_is_found_in_the_store(client, server):
+    passage = INGESTED.strip()
+    response = httpx.post(server.url + "/v1/documents", json={"text": passage, "name": "quarry.txt"}, timeout=600)
+    assert response.status_code == 201, response.text
+    assert response.json()["document"]["chunks"] == 1  # one chunk: its tokens are the passage's
+    messages = [{"role": "user", "content": f"Documents:\n{passage}\n\nQuestion: Who opened the quarry?"}]
+    pasted = client.chat.completions.create(
+        model="ragkv",
+        messages=messages,
+        max_tokens=2,
+        extra_body={"rag": {"enabled": False}},
+    )
+    # never pasted before: its rows come from the chunk ingestion stored, less what the probe
+    # recomputed (all but its first rows: a short passage is under the probe's min_rows)
+    usage = pasted.usage.model_extra
+    assert cached(pasted.usage) == usage["document_tokens"] - usage["recomputed_tokens"] > 0
+    metrics = httpx.get(server.url + "/metrics", timeout=30).text
+    assert float(re.search(r"^ragkv_prompt_span_hits_total (\S+)$", metrics, re.M).group(1)) >= 1

@@ -330,6 +330,8 @@ class _TurnState:
         passages = self.turns.passages
         if passages is None or not self.turn.prompt_spans:
             return None
+        if self.base.context is not None and self.base.context.cache.trimmed:
+            return None  # a fusion reads every layer's prefix rows, which released windows lack
         ids = self.row_ids + conversation.token_ids[self.base.conversation_tokens :]
         plan = passages.plan(self.turn.tenant, ids, len(self.row_ids))
         return None if plan is None else (ids, plan)

@@ -25,6 +25,10 @@ from ragkv.engine.model import CausalLM, Projection
 from ragkv.fusion.layout import FusionInput, Layout
 from ragkv.kernels.place_kv import layers_of, place_keys, place_values
 
+WHOLE_PASS_PREFIX_ROWS = 256
+"""A prefix this short is recomputed (as it was) when every later row is, so the pass runs
+the causal kernel over the whole prompt rather than a masked attention after the prefix."""
+
 
 @dataclass
 class FusionResult:
@@ -159,6 +163,10 @@ class FusionStrategy(ABC):
         rows = self.rows_for(model, cache, layout, report).to(model.device)
         if fresh.numel():
             rows = torch.cat((rows, fresh)).unique(sorted=True)
+        if int(rows.numel()) == layout.length - layout.prefix_len and 0 < layout.prefix_len <= WHOLE_PASS_PREFIX_ROWS:
+            # every row after a short prefix (a prompt of new passages): the prefix rows are
+            # recomputed too, so each layer is one causal pass from row 0 (the fused kernel)
+            rows = torch.arange(layout.length, device=model.device)
         initial_rows = rows
         timings["select_rows"] = time.perf_counter() - started - timings["place_kv"]
         hidden = model.embed(layout.token_ids.to(model.device)[rows])
