@@ -165,7 +165,7 @@ def _run_peer_bench(args: argparse.Namespace, progress) -> dict:
         if url is None:
             scratch = tempfile.TemporaryDirectory(prefix="ragkv-peer-bench-")
             progress(f"starting ragkv serve over {scratch.name} ...")
-            server = ServerProcess(["--data-dir", scratch.name, "--max-queued", "256"]).start()
+            server = ServerProcess(["--data-dir", scratch.name, "--max-queued", "256"]).start(timeout_s=900)
             url = server.url
         if args.workload == "pasted":
             from ragkv.bench.pasted_peer_bench import run_pasted_bench
