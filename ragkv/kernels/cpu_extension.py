@@ -90,6 +90,9 @@ def build_directory() -> Path:
     digest.update(torch.__version__.encode())
     digest.update(" ".join(sorted(cpu_flags())).encode())
     digest.update(platform.processor().encode())
+    # torch rebuilds a build directory whose sources' paths changed: two checkouts sharing
+    # one directory would rebuild it in turn (and wait on each other's build lock)
+    digest.update(str(SOURCES[0].parent.resolve()).encode())
     return Path(os.environ.get(CACHE_VARIABLE, DEFAULT_CACHE)) / digest.hexdigest()[:16]
 
 
