@@ -106,9 +106,10 @@ def run_passage_fidelity(
     store = open_store(f"lmdb://{folder.name}/store")
     try:
         passages = PromptPassages(engine, store)
-        # warm-up: the kernels' first calls, on a prompt nothing later reuses
-        fuse_prompt(passages, stuffed_ids(engine, examples[0].passages[:2], "warm-up"), strategy, 4)
-        engine.prefill(stuffed_ids(engine, examples[0].passages[:2], "warm-up"))
+        # warm-up: the kernels' first calls, on passages of no measured example
+        warm_up = stuffed_ids(engine, [" ".join(p.split()[::-1]) for p in examples[0].passages[:2]], "warm-up")
+        fuse_prompt(passages, warm_up, strategy, 4)
+        engine.prefill(warm_up)
         full_rows, warm_rows, cold_rows = [], [], []
         rng = random.Random(seed)
         for number, example in enumerate(examples, start=1):

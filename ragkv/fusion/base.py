@@ -26,8 +26,16 @@ from ragkv.fusion.layout import FusionInput, Layout
 from ragkv.kernels.place_kv import layers_of, place_keys, place_values
 
 WHOLE_PASS_PREFIX_ROWS = 256
-"""A prefix this short is recomputed (as it was) when every later row is, so the pass runs
-the causal kernel over the whole prompt rather than a masked attention after the prefix."""
+WHOLE_PASS_SHARE = 0.5
+"""When the rows to recompute are at least this share of the rows after a prefix of at
+most WHOLE_PASS_PREFIX_ROWS (a prompt of mostly new passages), every row is recomputed,
+the prefix's as it was: each layer is then one causal pass from row 0 (the fused kernel),
+which costs less than the masked attention of the chosen rows over the whole cache."""
+
+
+def whole_pass(layout: Layout, recomputed_rows: int) -> bool:
+    after_prefix = layout.length - layout.prefix_len
+    return 0 < layout.prefix_len <= WHOLE_PASS_PREFIX_ROWS and recomputed_rows >= WHOLE_PASS_SHARE * after_prefix
 
 
 @dataclass
@@ -163,9 +171,7 @@ class FusionStrategy(ABC):
         rows = self.rows_for(model, cache, layout, report).to(model.device)
         if fresh.numel():
             rows = torch.cat((rows, fresh)).unique(sorted=True)
-        if int(rows.numel()) == layout.length - layout.prefix_len and 0 < layout.prefix_len <= WHOLE_PASS_PREFIX_ROWS:
-            # every row after a short prefix (a prompt of new passages): the prefix rows are
-            # recomputed too, so each layer is one causal pass from row 0 (the fused kernel)
+        if whole_pass(layout, int(rows.numel())):
             rows = torch.arange(layout.length, device=model.device)
         initial_rows = rows
         timings["select_rows"] = time.perf_counter() - started - timings["place_kv"]
