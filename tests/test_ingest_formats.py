@@ -77,6 +77,17 @@ def test_pdf_pages_keep_their_spans_and_a_chunk_knows_its_page():
     assert DocumentRecord("d", "t", "a.txt", "h", 1, 1, "fp", 0.0, []).page_of(5) is None
 
 
+def test_a_chunk_that_crosses_pages_names_its_first_and_last_page():
+    record = DocumentRecord("d", "t", "r.pdf", "h", 1, 1, "fp", 0.0, [], pages=[[0, 10], [12, 30], [32, 40]])
+    assert record.page_span(0, 10) == (1, 1)  # page 1 alone
+    assert record.page_span(0, 12) == (1, 1)  # up to the separator: still page 1
+    assert record.page_span(0, 13) == (1, 2)  # one character of page 2
+    assert record.page_span(5, 40) == (1, 3)
+    assert record.page_span(10, 20) == (2, 2)  # from the separator: page 2
+    assert record.page_span(33, 40) == (3, 3)
+    assert DocumentRecord("d", "t", "a.txt", "h", 1, 1, "fp", 0.0, []).page_span(0, 5) == (None, None)
+
+
 def test_docx_reads_paragraphs_and_tables_in_order():
     data = docx_bytes(PAGE_FACTS[:2], table=[["Ferry", "07:45"], ["Bus", "08:10"]])
     text = load_document(data, "notes.docx").text

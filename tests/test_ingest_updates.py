@@ -113,6 +113,24 @@ def test_replace_refusals_change_nothing(make_ingestor):
     assert stored_keys(ingestor) == keys and ingestor.registry.text("default", first.doc_id) == VERSION_1
 
 
+def test_a_new_version_with_the_same_text_changes_only_the_record(make_ingestor):
+    """PUT with the text unchanged (the web page's metadata editing): the metadata and name
+    change, no chunk is computed and the store is untouched; a PDF's pages are kept."""
+    ingestor = make_ingestor()
+    first = ingestor.ingest_text(VERSION_1, "a.txt", pages=[[0, 40], [41, len(VERSION_1)]])
+    keys = stored_keys(ingestor)
+    edited = ingestor.ingest_text(
+        VERSION_1, "a.txt", replaces=first.doc_id, metadata={"team": "x"}, pages=[[0, 40], [41, len(VERSION_1)]]
+    )
+    assert edited.doc_id == first.doc_id and edited.replaced and edited.computed_chunks == 0
+    record = ingestor.registry.get("default", first.doc_id)
+    assert record.metadata == {"team": "x"} and record.pages == [[0, 40], [41, len(VERSION_1)]]
+    assert stored_keys(ingestor) == keys and len(ingestor.registry.list("default")) == 1
+    renamed = ingestor.ingest_text(VERSION_1, "b.txt", replaces=first.doc_id, pages=record.pages)
+    assert renamed.doc_id == first.doc_id and ingestor.registry.get("default", first.doc_id).name == "b.txt"
+    assert ingestor.registry.find_by_text("default", record.text_hash) == first.doc_id
+
+
 _KILLED_UPDATE = """
 import os, signal, sys, time
 from ragkv.engine import Engine, EngineConfig

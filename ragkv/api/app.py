@@ -28,6 +28,7 @@ from ragkv.api.routes import chat, completions, documents, query, responses, sys
 from ragkv.api.service import Service
 from ragkv.api.state import AppState
 from ragkv.api.vllm_metrics import scheduler_reading
+from ragkv.api.web_page import install_web
 from ragkv.api.worker import ModelWorker
 from ragkv.app.ingest_records import IngestRecords
 from ragkv.app.live_fidelity import LiveFidelity, LiveFidelityConfig
@@ -227,6 +228,7 @@ def create_app(config: ServeConfig = ServeConfig()) -> FastAPI:
     app.state.authenticator = authenticator
     install_error_handlers(app)
     install_docs(app, config)
+    install_web(app)
     for module in (system, documents, query, chat, completions, responses):
         app.include_router(module.router)
     app.add_middleware(

@@ -225,6 +225,11 @@ class DocumentCreate(_Strict):
     background: StrictBool | None = Field(
         None, description="force (true) or refuse (false) a background job; default by size"
     )
+    replace: StrictBool = Field(
+        False,
+        description="POST only: a document of the same name replaces the tenant's newest one of that "
+        "name (as PUT does) instead of being added beside it",
+    )
 
 
 class ContentPart(BaseModel):

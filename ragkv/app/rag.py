@@ -63,6 +63,8 @@ class Citation:
     text: str
     page: int | None = None
     """1-based page where the chunk starts, for documents with pages (PDF)."""
+    page_end: int | None = None
+    """1-based page where the chunk ends (a chunk may span pages: `page`..`page_end`)."""
 
 
 @dataclass
@@ -202,7 +204,7 @@ class RagPipeline:
                     chunk.char_end,
                     round(score, 4),
                     text[chunk.char_start : chunk.char_end],
-                    record.page_of(chunk.char_start),
+                    *record.page_span(chunk.char_start, chunk.char_end),
                 )
             )
         return citations

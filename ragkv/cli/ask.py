@@ -85,7 +85,13 @@ def run(args: argparse.Namespace) -> int:
     print()
     for number, citation in enumerate(answer.citations, start=1):
         snippet = " ".join(citation.text.split())[:100]
-        print(f"[{number}] {citation.name} chunk {citation.chunk_index} (score {citation.score:.3f}): {snippet}...")
+        pages = ""
+        if citation.page is not None:
+            last = citation.page_end or citation.page
+            pages = f", page {citation.page}" if last == citation.page else f", pages {citation.page}-{last}"
+        print(
+            f"[{number}] {citation.name} chunk {citation.chunk_index}{pages} (score {citation.score:.3f}): {snippet}..."
+        )
     t = answer.timings
     print(
         f"\nstrategy {answer.strategy}: TTFT {t['ttft']:.2f} s "

@@ -142,8 +142,10 @@ class Ingestor:
                 "duplicate_text",
                 f"{name}: document {existing} already holds this exact text; delete one of the two or change the text",
             )
-        if existing is not None:
+        if existing is not None and not _changes(old if existing == replaces else None, name, metadata, pages):
             return self._fill_existing(self.registry.get(tenant, existing), text, namespace, started, progress)
+        # A new version with the same text but another name, metadata or pages goes on: its
+        # chunks are all in the store, so only the embeddings are computed again.
 
         chunks = chunk_document(self.engine.tokenizer, text, self.config.chunk_tokens)
         hashes = [hash_tokens(chunk.token_ids, namespace) for chunk in chunks]
@@ -319,3 +321,10 @@ class Ingestor:
 
     def delete(self, doc_id: str, tenant: str = "default") -> DocumentRecord:
         return delete_document(self.registry, self.store, tenant, doc_id)
+
+
+def _changes(old: DocumentRecord | None, name: str, metadata: dict | None, pages: list[list[int]] | None) -> bool:
+    """Whether a new version of `old` with the same text changes its record."""
+    if old is None:
+        return False
+    return name != old.name or (metadata is not None and metadata != old.metadata) or (pages or None) != old.pages

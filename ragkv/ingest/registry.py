@@ -83,6 +83,15 @@ class DocumentRecord:
             page += 1
         return page
 
+    def page_span(self, char_start: int, char_end: int) -> tuple[int, int] | tuple[None, None]:
+        """(first, last) 1-based pages the text [char_start, char_end) lies on: the page of
+        its start and the last page that starts before its end; (None, None) without pages."""
+        first = self.page_of(char_start)
+        if first is None:
+            return None, None
+        last = bisect.bisect_left([start for start, _ in self.pages or ()], char_end)
+        return first, max(first, min(last, len(self.pages or ())))
+
     def to_json(self) -> bytes:
         return json.dumps(asdict(self)).encode()
 

@@ -42,6 +42,11 @@ class Citation(BaseModel):
     page: int | None = Field(
         None, description="1-based page where the chunk starts (PDF); null for formats without pages"
     )
+    page_end: int | None = Field(
+        None,
+        description="1-based page where the chunk ends (PDF; a chunk may span pages page..page_end); "
+        "null for formats without pages",
+    )
 
 
 class Usage(BaseModel):

@@ -16,6 +16,7 @@ class DocumentSummary(BaseModel):
     chunks: int
     created: float
     metadata: dict[str, Any]
+    pages: int | None = omitted_when_none("pages of a PDF (absent for formats without pages)")
 
 
 class DocumentChunk(BaseModel):
@@ -23,6 +24,8 @@ class DocumentChunk(BaseModel):
     tokens: int
     char_start: int
     char_end: int
+    page: int | None = omitted_when_none("1-based page where the chunk starts (PDF)")
+    page_end: int | None = omitted_when_none("1-based page where it ends (PDF)")
 
 
 class DocumentDetail(DocumentSummary):
@@ -46,7 +49,7 @@ class IngestSummary(BaseModel):
     bytes_per_token: float
     encode_tokens_per_second: float = Field(description="tokens of computed chunks per second of model time")
     duplicate_of_existing: bool
-    replaced: bool = Field(description="the document was a new version of one with this id (PUT)")
+    replaced: bool = Field(description="the document was a new version of one with this id (PUT, or POST with replace)")
 
 
 class DocumentCreated(BaseModel):

@@ -2,13 +2,14 @@
 
 PUT /v1/documents/{id} replaces a document by a new version (same id): its old chunks
 leave retrieval when the new ones enter, in one registry step; chunks both versions
-share keep their KV. POST never replaces (its name defaults to one name for all)."""
+share keep their KV. POST adds a document beside any of the same name, unless it asks
+for `replace` (then the tenant's newest document of that name is replaced, as by PUT)."""
 
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Request
@@ -60,6 +61,8 @@ class Upload:
     metadata: dict | None
     background: bool | None
     pages: list[list[int]] | None = None
+    replace: bool = False
+    """POST: replace the tenant's newest document of the same name."""
 
 
 def _pydantic_message(error: ValidationError) -> str:
@@ -100,6 +103,7 @@ async def _read_document(request: Request, state: AppState) -> Upload:
             check_metadata(form.get("metadata")),
             _form_flag(form.get("background"), "background"),
             document.pages,
+            bool(_form_flag(form.get("replace"), "replace")),
         )
     if content_type not in ("application/json", ""):
         raise ApiError(
@@ -124,6 +128,7 @@ async def _read_document(request: Request, state: AppState) -> Upload:
         named,
         check_metadata(document.metadata),
         document.background,
+        replace=document.replace,
     )
 
 
@@ -144,6 +149,10 @@ _DOCUMENT_BODY = {
                     "name": {"type": "string", "description": "its name (default: the file name)"},
                     "metadata": {"type": "string", "description": "a JSON object, as text"},
                     "background": {"type": "boolean", "description": "force (true) or refuse (false) a background job"},
+                    "replace": {
+                        "type": "boolean",
+                        "description": "POST: replace the newest document of the same name (default false)",
+                    },
                 },
             }
         },
@@ -165,10 +174,16 @@ _DOCUMENT_BODY = {
 async def create_document(request: Request):
     """Ingest a document (JSON {text, name, metadata} or a multipart 'file' upload). Small
     documents answer 201 when ingested; large ones (or background=true) answer 202 with a
-    job whose progress GET /v1/jobs/{id} reports."""
+    job whose progress GET /v1/jobs/{id} reports. With `replace` true, the tenant's newest
+    document of the same name is replaced (it keeps its id; 201 either way)."""
     state = app_state(request)
     upload = await _read_document(request, state)
-    return await _ingest(request, state, upload, upload.name or "document.txt", None)
+    name = upload.name or "document.txt"
+    replaces = None
+    if upload.replace:
+        same_name = [record for record in state.runtime.registry.list(tenant_of(request)) if record.name == name]
+        replaces = same_name[-1].doc_id if same_name else None  # the list is oldest first
+    return await _ingest(request, state, upload, name, replaces)
 
 
 @router.put(
@@ -185,11 +200,15 @@ async def create_document(request: Request):
 async def replace_document(request: Request, doc_id: DocumentId):
     """Replace a document by a new version, keeping its id (same body as POST). Its old
     chunks leave retrieval when the new ones enter, in one step; chunks the versions share
-    keep their KV. The name and metadata are kept unless the request gives new ones."""
+    keep their KV. The name and metadata are kept unless the request gives new ones, and a
+    PDF's pages when the text is unchanged (a JSON body that only edits the metadata)."""
     state = app_state(request)
-    old = state.runtime.registry.get(tenant_of(request), doc_id)  # 404 before the body is read
+    tenant = tenant_of(request)
+    old = state.runtime.registry.get(tenant, doc_id)  # 404 before the body is read
     upload = await _read_document(request, state)
     metadata = upload.metadata if upload.metadata is not None else old.metadata
+    if upload.pages is None and old.pages and upload.text == state.runtime.registry.text(tenant, doc_id):
+        upload = replace(upload, pages=old.pages)
     return await _ingest(request, state, upload, upload.name or old.name, doc_id, metadata)
 
 

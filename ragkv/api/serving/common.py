@@ -27,6 +27,7 @@ def citation_of(citation: AppCitation) -> Citation:
         score=citation.score,
         text=citation.text,
         page=citation.page,
+        page_end=citation.page_end,
     )
 
 

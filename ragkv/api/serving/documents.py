@@ -24,6 +24,7 @@ def document_summary(record: DocumentRecord) -> DocumentSummary:
         chunks=len(record.chunks),
         created=record.created,
         metadata=record.metadata,
+        pages=len(record.pages) if record.pages else None,
     )
 
 
@@ -34,7 +35,11 @@ def document_detail(record: DocumentRecord, text: str | None = None) -> Document
         fingerprint=record.fingerprint,
         chunks=[
             DocumentChunk(
-                index=c.index, tokens=c.token_end - c.token_start, char_start=c.char_start, char_end=c.char_end
+                index=c.index,
+                tokens=c.token_end - c.token_start,
+                char_start=c.char_start,
+                char_end=c.char_end,
+                **dict(zip(("page", "page_end"), record.page_span(c.char_start, c.char_end))),
             )
             for c in record.chunks
         ],
