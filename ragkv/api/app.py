@@ -107,6 +107,8 @@ def _readings(state: AppState) -> Iterator[Reading]:
             ("dropped", "Anonymous-context snapshots not published (queue full or Redis failed)"),
             ("hits", "Turns that continued a context another replica published"),
             ("hit_tokens", "Conversation tokens reused from contexts other replicas published"),
+            ("loaded", "Turns that continued, by the id its answer named, a context another replica published"),
+            ("publish_seconds", "Seconds from a context's snapshot to its publication, summed"),
         ):
             yield "counter", f"ragkv_shared_context_{name}", help_text, {}, shared[name]
     registry_up = state.runtime.registry.healthy()

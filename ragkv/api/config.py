@@ -39,6 +39,11 @@ class ServeConfig:
     """With a Redis session store: MiB of anonymous-context KV each tenant may keep there
     (16-bit, least recently used dropped), so a follow-up resent whole to another replica
     finds its cached prefix; 0 keeps anonymous contexts in process memory only."""
+    shared_publish_wait_s: float = 10.0
+    """With anonymous contexts published (a Redis session store, shared_context_mb > 0):
+    seconds at most a chat answer's last event waits for its context to reach Redis, so a
+    follow-up sent the moment the answer ends, to any replica, finds it by prefix or by the
+    answer's id. Past it the answer ends anyway, with session.shared false. 0 = no wait."""
     session_lock_ttl_s: float = 10.0
     """Seconds a session's Redis lock outlives a process that died mid-turn (renewed while
     the turn runs)."""
@@ -93,8 +98,8 @@ class ServeConfig:
                 raise ValueError(f"{name} must be >= 1")
         if not 0.0 <= self.fidelity_sample_rate <= 1.0:
             raise ValueError(f"fidelity_sample_rate must be in [0, 1], got {self.fidelity_sample_rate}")
-        if self.shared_context_mb < 0:
-            raise ValueError("shared_context_mb must be >= 0")
+        if self.shared_context_mb < 0 or self.shared_publish_wait_s < 0:
+            raise ValueError("shared_context_mb and shared_publish_wait_s must be >= 0")
         if self.background_ingest_bytes < 0:
             raise ValueError("background_ingest_bytes must be >= 0")
         if self.retrieval not in RETRIEVAL_MODES:
