@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -10,6 +11,33 @@ from ragkv.app.runtime import RuntimeConfig
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
+CONTEXT_MEMORY_SHARE = 64
+"""Each in-process context budget defaults to this fraction (1/64) of the machine's memory..."""
+CONTEXT_MEMORY_MB = (64.0, 256.0)
+"""...kept within these MiB: 256 MiB holds ~11K tokens of the packaged model's bfloat16 KV
+(23,040 bytes a token: 30 layers x 3 KV heads x 64 x K and V x 2 bytes), one long
+conversation with its room to grow."""
+
+
+def machine_memory_bytes() -> int:
+    """Physical memory, or the container's cgroup limit when that is lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            value = Path(limit).read_text().strip()
+        except OSError:
+            continue
+        if value.isdigit():
+            total = min(total, int(value))
+    return total
+
+
+def default_context_memory_mb() -> float:
+    """The default of each in-process context budget (sessions, anonymous contexts): 1/64 of
+    the machine's memory, at least 64 and at most 256 MiB, so a soak's resident memory
+    levels off instead of growing toward budgets larger than the run ever fills."""
+    low, high = CONTEXT_MEMORY_MB
+    return float(min(max(machine_memory_bytes() / CONTEXT_MEMORY_SHARE / (1 << 20), low), high))
 
 
 @dataclass(frozen=True)
@@ -29,12 +57,16 @@ class ServeConfig:
     has one, else sessions live only in this process's memory. "memory" forces memory."""
     session_ttl_s: float = 1800.0
     """Idle seconds after which a chat session expires."""
-    session_memory_mb: float = 1024.0
-    """MiB of session KV kept in process memory (least recently used are dropped); a 6K-token
-    context of the packaged model is ~290 MiB in float32."""
-    anonymous_memory_mb: float = 1024.0
-    """MiB of KV of anonymous contexts (turns without a session id, found again by prefix)
-    in process memory, a budget apart from the sessions'."""
+    session_memory_mb: float = field(default_factory=default_context_memory_mb)
+    """MiB of session KV kept in process memory (least recently used are dropped). Default:
+    1/64 of the machine's memory (its cgroup limit when lower) within 64-256 MiB. A context
+    costs its KV rows: 23,040 bytes a token for the packaged model in bfloat16 (a 6K-token
+    conversation with documents ~140 MiB, ~280 MiB in float32); a context larger than the
+    budget is not kept."""
+    anonymous_memory_mb: float = field(default_factory=default_context_memory_mb)
+    """MiB of KV of anonymous contexts (turns without a session id, found again by prefix or
+    by the id their answer named) in process memory, a budget apart from the sessions'.
+    Default: as session_memory_mb."""
     shared_context_mb: float = 1024.0
     """With a Redis session store: MiB of anonymous-context KV each tenant may keep there
     (16-bit, least recently used dropped), so a follow-up resent whole to another replica
