@@ -143,6 +143,9 @@ def test_a_context_travels_in_8_bits_at_about_half_the_bytes():
         assert (back.float() - sent.float()).abs().max() <= step
     with pytest.raises(ValueError):
         encode_context(context, kv_codes="int3")
+    constant = Context("c0", "t1", "fp", _ids(rows), _ids(rows), KVCache(keys * 0 + 1, values * 0, rows, rows))
+    flat = decode_context(encode_context(constant, kv_codes="int8")).cache
+    assert torch.equal(flat.keys, constant.cache.keys) and torch.equal(flat.values, constant.cache.values)
 
 
 # -- Redis sessions --------------------------------------------------------------------------
@@ -272,9 +275,9 @@ def _published(sessions: RedisSessions, count: int) -> None:
     assert sessions.shared_contexts.stats.published == count
 
 
-def _sharing(url: str, budget: int = 1 << 20, mac_key: bytes | None = None) -> RedisSessions:
+def _sharing(url: str, budget: int = 1 << 20, mac_key: bytes | None = None, codes: str = "16bit") -> RedisSessions:
     memory = ContextCache(1 << 20, 1 << 20, 60)
-    shared = SharedContextConfig(budget, 60, min_rows=64, min_gain=16)
+    shared = SharedContextConfig(budget, 60, min_rows=64, min_gain=16, kv_codes=codes)
     return RedisSessions(url, memory, ttl_s=60, shared=shared, mac_key=mac_key)
 
 
@@ -344,6 +347,25 @@ def test_the_id_an_anonymous_answer_named_continues_on_another_replica(redis_url
         back_on_a = replica_a.checkout("t1", "anon1")  # A's own anonymous copy is older than Redis's session
         assert back_on_a.turns == 2 and back_on_a.conversation_ids == _ids(40)
         replica_a.release("t1", "anon1", None)
+    finally:
+        replica_a.close()
+        replica_b.close()
+
+
+def test_a_context_published_in_8_bits_is_found_and_read_back_in_the_caches_dtype(redis_url):
+    redis.Redis.from_url(redis_url).flushdb()
+    replica_a, replica_b = _sharing(redis_url, codes="int8"), _sharing(redis_url)
+    try:
+        context = _context("c8", _ids(100))
+        replica_a.put(context)
+        assert replica_a.publication("t1", "c8").result(timeout=10) is True
+        found = replica_b.match("t1", "fp", _ids(100) + [7, 7, 7])
+        assert found is not None and found.conversation_tokens == 100
+        back, sent = found.context.cache.keys, context.cache.keys[:, :, :100]
+        assert back.dtype == sent.dtype == torch.float32
+        assert (back - sent).abs().max() <= (sent.amax() - sent.amin()) / 255
+        kv = redis.Redis.from_url(redis_url).get("ragkv:context:{t1}:kv:c8")
+        assert kv is not None and b"keys.codes" in kv
     finally:
         replica_a.close()
         replica_b.close()

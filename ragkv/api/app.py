@@ -135,6 +135,7 @@ def _build_state(config: ServeConfig, metrics: Metrics) -> AppState:
             config.session_ttl_s,
             config.session_lock_ttl_s,
             shared_bytes=int(config.shared_context_mb * (1 << 20)),
+            shared_codes=config.shared_context_codes,
             mac_key=session_mac_key(config.runtime.store_secret),
         )
         engine = runtime.engine

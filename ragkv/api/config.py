@@ -71,6 +71,10 @@ class ServeConfig:
     """With a Redis session store: MiB of anonymous-context KV each tenant may keep there
     (16-bit, least recently used dropped), so a follow-up resent whole to another replica
     finds its cached prefix; 0 keeps anonymous contexts in process memory only."""
+    shared_context_codes: str = "16bit"
+    """How published anonymous contexts travel through Redis: 16bit (the cache's dtype;
+    float16 for a float32 cache) or int8 (8-bit codes as chunk blobs can be: about half the
+    bytes, so half the fetch). Named sessions always travel in 16 bits."""
     shared_publish_wait_s: float = 10.0
     """With anonymous contexts published (a Redis session store, shared_context_mb > 0):
     seconds at most a chat answer's last event waits for its context to reach Redis, so a
@@ -136,6 +140,8 @@ class ServeConfig:
             raise ValueError("background_ingest_bytes must be >= 0")
         if self.retrieval not in RETRIEVAL_MODES:
             raise ValueError(f"retrieval must be one of {', '.join(RETRIEVAL_MODES)}, got {self.retrieval!r}")
+        if self.shared_context_codes not in ("16bit", "int8"):
+            raise ValueError(f"shared_context_codes must be 16bit or int8, got {self.shared_context_codes!r}")
         if self.log_format not in ("text", "json"):
             raise ValueError(f"log_format must be 'text' or 'json', got {self.log_format!r}")
         if self.session_store not in (None, "memory") and not self.session_store.startswith(

@@ -21,7 +21,7 @@ import torch
 
 from ragkv.app.contexts import Context, Insertion
 from ragkv.engine.kv_cache import KVCache, WindowRows
-from ragkv.engine.kv_storage import KVStorageFormat, dense
+from ragkv.engine.kv_storage import KVStorageFormat
 from ragkv.store.blob import decode_blob, encode_blob
 from ragkv.store.errors import CorruptBlobError
 
@@ -55,7 +55,7 @@ cache), or 8-bit codes."""
 
 
 def _int8(head_dim: int) -> KVStorageFormat:
-    return KVStorageFormat("int8", bits=8, key_group=128, value_group=min(64, head_dim))
+    return KVStorageFormat("int8", bits=8, key_group=128, value_group=64 if head_dim % 64 == 0 else head_dim)
 
 
 def _format_of(descriptor: str) -> KVStorageFormat:
@@ -84,7 +84,12 @@ def context_tensors(
         codes = _int8(keys.shape[3])
         meta["kv_codes"] = codes.descriptor
         for prefix, (k, v) in kv.items():
-            tensors.update({prefix + name: t for name, t in codes.pack(k, v).items()})
+            for name, x, grouping, group in (
+                ("keys", k, "tokens", codes.key_group),
+                ("values", v, "channels", codes.value_group),
+            ):
+                for part, tensor in zip(("codes", "scale", "minimum"), _quantize(x, grouping, group), strict=True):
+                    tensors[f"{prefix}{name}.{part}"] = tensor
         return tensors, meta
     if kv_codes not in (None, "16bit"):
         raise ValueError(f"kv_codes must be one of {KV_CODES}, got {kv_codes!r}")
@@ -110,12 +115,90 @@ def encode_context(
     return encode_context_tensors(tensors, meta, mac_key=mac_key)
 
 
+_LEVELS = 255
+_SCALE_FLOOR = 2.0**-20  # as kv_quant: a constant group keeps a non-zero scale, exact in float16
+
+
+def _blocks(x: torch.Tensor, grouping: str, group: int) -> torch.Tensor:
+    """One layer's [H, T, D] as groups along dim 2 (tokens: [H, T/group, group, D], the
+    tokens a multiple of `group`) or dim 3 (channels: [H, T, D/group, group])."""
+    heads, tokens, dim = x.shape
+    if grouping == "tokens":
+        return x.reshape(heads, tokens // group, group, dim)
+    return x.reshape(heads, tokens, dim // group, group)
+
+
+def _quantize(x: torch.Tensor, grouping: str, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """8-bit codes of x [L, H, T, D] in kv_quant's layout and grid (scale and minimum rounded
+    to float16 before the codes are chosen), a layer at a time so the float32 temporaries stay
+    small: keys per channel over `group`-token runs (the last run shorter), values per token
+    over `group` channels."""
+    layers, heads, tokens, dim = x.shape
+    codes = torch.empty(x.shape, dtype=torch.uint8)
+    runs = -(-tokens // group) if grouping == "tokens" else tokens
+    width = dim if grouping == "tokens" else dim // group
+    scale = torch.empty((layers, heads, runs, width), dtype=torch.float16)
+    minimum = torch.empty_like(scale)
+    spans = [(0, tokens)]
+    if grouping == "tokens":
+        whole = tokens // group * group
+        spans = [span for span in ((0, whole), (whole, tokens)) if span[1] > span[0]]
+    for layer in range(layers):
+        for start, end in spans:
+            size = min(group, end - start) if grouping == "tokens" else group
+            blocks = _blocks(x[layer, :, start:end].float(), grouping, size)
+            axis = 2 if grouping == "tokens" else 3
+            low = blocks.amin(axis, keepdim=True).half().float()
+            step = ((blocks.amax(axis, keepdim=True) - low) / _LEVELS).clamp_min(_SCALE_FLOOR).half().float()
+            codes[layer, :, start:end] = (
+                ((blocks - low) / step).round_().clamp_(0, _LEVELS).to(torch.uint8).reshape(heads, end - start, dim)
+            )
+            first = start // group if grouping == "tokens" else 0
+            rows = slice(first, first + blocks.shape[1])
+            scale[layer, :, rows] = step.squeeze(axis).half()
+            minimum[layer, :, rows] = low.squeeze(axis).half()
+    return codes, scale, minimum
+
+
+def _dequantize(
+    codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, grouping: str, group: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """x [L, H, T, D] in `dtype` from `_quantize`'s codes, a layer at a time."""
+    layers, heads, tokens, dim = codes.shape
+    expected = (
+        (layers, heads, -(-tokens // group), dim) if grouping == "tokens" else (layers, heads, tokens, dim // group)
+    )
+    if tuple(scale.shape) != expected or tuple(minimum.shape) != expected or codes.dtype != torch.uint8:
+        raise ValueError("int8 codes disagree with their scales")
+    out = torch.empty(codes.shape, dtype=dtype)
+    whole = tokens // group * group if grouping == "tokens" else tokens
+    for layer in range(layers):
+        if grouping == "tokens":  # full runs broadcast their row of scales; a shorter last run its own
+            step, low = scale[layer].float().unsqueeze(2), minimum[layer].float().unsqueeze(2)
+            runs = whole // group
+            if runs:
+                blocks = codes[layer, :, :whole].reshape(heads, runs, group, dim).float()
+                decoded = torch.addcmul(low[:, :runs], blocks, step[:, :runs])
+                out[layer, :, :whole] = decoded.reshape(heads, whole, dim)
+            if whole < tokens:
+                rest = codes[layer, :, whole:].float().unsqueeze(1)
+                decoded = torch.addcmul(low[:, runs:], rest, step[:, runs:])
+                out[layer, :, whole:] = decoded.squeeze(1)
+        else:
+            step, low = scale[layer].float().unsqueeze(3), minimum[layer].float().unsqueeze(3)
+            blocks = codes[layer].float().reshape(heads, tokens, dim // group, group)
+            out[layer] = torch.addcmul(low, blocks, step).reshape(heads, tokens, dim)
+    return out
+
+
 def _kv(tensors: dict[str, torch.Tensor], prefix: str, codes: KVStorageFormat | None, dtype: torch.dtype):
     if codes is None:
         return tensors[prefix + "keys"].to(dtype), tensors[prefix + "values"].to(dtype)
-    packed = {name.removeprefix(prefix): t for name, t in tensors.items() if name.startswith(prefix)}
-    keys, values = codes.unpack(packed)
-    return dense(keys, dtype), dense(values, dtype)
+    kv = []
+    for name, grouping, group in (("keys", "tokens", codes.key_group), ("values", "channels", codes.value_group)):
+        parts = [tensors[f"{prefix}{name}.{part}"] for part in ("codes", "scale", "minimum")]
+        kv.append(_dequantize(*parts, grouping, group, dtype))
+    return tuple(kv)
 
 
 def decode_context(blob: bytes | bytearray | memoryview, *, mac_key: bytes | None = None) -> Context:

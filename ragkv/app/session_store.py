@@ -391,14 +391,16 @@ def open_sessions(
     lock_ttl_s: float = 10.0,
     *,
     shared_bytes: int = 0,
+    shared_codes: str = "16bit",
     mac_key: bytes | None = None,
 ) -> ContextStore:
     """Contexts in process memory, or with a Redis URL sessions shared by replicas and, with
-    `shared_bytes` > 0, anonymous contexts published for them (that many bytes per tenant)."""
+    `shared_bytes` > 0, anonymous contexts published for them (that many bytes per tenant,
+    their KV as `shared_codes`: 16bit or int8)."""
     memory = ContextCache(session_bytes, anonymous_bytes, ttl_s)
     if url is None or url == "memory":
         return memory
-    shared = SharedContextConfig(shared_bytes, ttl_s) if shared_bytes > 0 else None
+    shared = SharedContextConfig(shared_bytes, ttl_s, kv_codes=shared_codes) if shared_bytes > 0 else None
     return RedisSessions(url, memory, ttl_s, lock_ttl_s=lock_ttl_s, shared=shared, mac_key=mac_key)
 
 
