@@ -130,6 +130,24 @@ def test_context_blob_round_trip_and_corruption():
         decode_context(broken)
 
 
+def test_a_context_travels_in_8_bits_at_about_half_the_bytes():
+    rows = 300
+    keys, values = torch.randn(4, 2, rows, 64, dtype=torch.bfloat16), torch.randn(4, 2, rows, 64, dtype=torch.bfloat16)
+    context = Context("c8", "t1", "fp", _ids(rows), _ids(rows), KVCache(keys, values, rows, rows))
+    sixteen, eight = encode_context(context), encode_context(context, kv_codes="int8")
+    assert len(eight) < 0.6 * len(sixteen)
+    loaded = decode_context(eight)
+    assert loaded.cache.dtype == torch.bfloat16 and loaded.cache.length == rows
+    for back, sent in ((loaded.cache.keys, keys), (loaded.cache.values, values)):
+        step = (sent.float().amax() - sent.float().amin()) / 255  # one code step of the widest group
+        assert (back.float() - sent.float()).abs().max() <= step
+    with pytest.raises(ValueError):
+        encode_context(context, kv_codes="int3")
+    constant = Context("c0", "t1", "fp", _ids(rows), _ids(rows), KVCache(keys * 0 + 1, values * 0, rows, rows))
+    flat = decode_context(encode_context(constant, kv_codes="int8")).cache
+    assert torch.equal(flat.keys, constant.cache.keys) and torch.equal(flat.values, constant.cache.values)
+
+
 # -- Redis sessions --------------------------------------------------------------------------
 
 
@@ -257,9 +275,9 @@ def _published(sessions: RedisSessions, count: int) -> None:
     assert sessions.shared_contexts.stats.published == count
 
 
-def _sharing(url: str, budget: int = 1 << 20, mac_key: bytes | None = None) -> RedisSessions:
+def _sharing(url: str, budget: int = 1 << 20, mac_key: bytes | None = None, codes: str = "16bit") -> RedisSessions:
     memory = ContextCache(1 << 20, 1 << 20, 60)
-    shared = SharedContextConfig(budget, 60, min_rows=64, min_gain=16)
+    shared = SharedContextConfig(budget, 60, min_rows=64, min_gain=16, kv_codes=codes)
     return RedisSessions(url, memory, ttl_s=60, shared=shared, mac_key=mac_key)
 
 
@@ -291,13 +309,66 @@ def test_an_anonymous_context_published_by_one_replica_is_continued_by_another(r
         replica_b.put(_context("ctx2", _ids(130)))  # B's longer turn, published
         _published(replica_b, 1)
         assert replica_a.match("t1", "fp", _ids(130) + [7]).context.id == "ctx2"  # 30 more tokens: fetched
-        short = _context("short", _ids(20))
-        replica_a.put(short)  # under min_rows: recomputing it costs less than a fetch
-        time.sleep(0.2)
-        assert replica_a.shared_contexts.stats.published == 1
+        short = _context("short", _ids(100))
+        short.cache.truncate(20)
+        short.conversation_ids, short.row_ids = _ids(20, start=5000), _ids(20, start=5000)
+        replica_a.put(short)  # under min_rows: published by id only; by prefix, recomputing costs less than a fetch
+        assert replica_a.publication("t1", "short").result(timeout=10) is True
+        assert replica_b.match("t1", "fp", _ids(20, start=5000) + [7]) is None
     finally:
         for sessions in (replica_a, replica_b, other_secret):
             sessions.close()
+
+
+def test_the_id_an_anonymous_answer_named_continues_on_another_replica(redis_url):
+    """A client names the id turn 1's answer gave (anonymous, on A) and sends only its new
+    message to B: B reads A's published context by that id and continues it as a session,
+    which A then finds in Redis too. The publish is a future the API waits for (bounded)
+    before the answer's last event."""
+    redis.Redis.from_url(redis_url).flushdb()
+    replica_a, replica_b = _sharing(redis_url), _sharing(redis_url)
+    try:
+        context = _context("anon1", _ids(30))  # under min_rows: published by id, not by prefix
+        replica_a.put(context)
+        published = replica_a.publication("t1", "anon1")
+        assert published.result(timeout=10) is True and replica_a.publication("t1", "anon1") is None
+        assert replica_a.shared_contexts.stats.publish_seconds > 0
+        with pytest.raises(SessionNotFoundError):
+            replica_b.checkout("t1", "never-named")
+        with pytest.raises(SessionNotFoundError):
+            replica_b.checkout("t2", "anon1")  # another tenant's id is unknown
+        continued = replica_b.checkout("t1", "anon1")
+        assert continued.conversation_ids == context.conversation_ids and not continued.explicit
+        assert torch.equal(continued.cache.keys, context.cache.keys.to(torch.float16).float()[:, :, :30])
+        assert replica_b.shared_contexts.stats.loaded == 1
+        turn_two = _context("anon1", _ids(40), explicit=True, turns=2)
+        replica_b.release("t1", "anon1", turn_two)  # now a session in Redis
+        assert replica_b.shared(turn_two)
+        back_on_a = replica_a.checkout("t1", "anon1")  # A's own anonymous copy is older than Redis's session
+        assert back_on_a.turns == 2 and back_on_a.conversation_ids == _ids(40)
+        replica_a.release("t1", "anon1", None)
+    finally:
+        replica_a.close()
+        replica_b.close()
+
+
+def test_a_context_published_in_8_bits_is_found_and_read_back_in_the_caches_dtype(redis_url):
+    redis.Redis.from_url(redis_url).flushdb()
+    replica_a, replica_b = _sharing(redis_url, codes="int8"), _sharing(redis_url)
+    try:
+        context = _context("c8", _ids(100))
+        replica_a.put(context)
+        assert replica_a.publication("t1", "c8").result(timeout=10) is True
+        found = replica_b.match("t1", "fp", _ids(100) + [7, 7, 7])
+        assert found is not None and found.conversation_tokens == 100
+        back, sent = found.context.cache.keys, context.cache.keys[:, :, :100]
+        assert back.dtype == sent.dtype == torch.float32
+        assert (back - sent).abs().max() <= (sent.amax() - sent.amin()) / 255
+        kv = redis.Redis.from_url(redis_url).get("ragkv:context:{t1}:kv:c8")
+        assert kv is not None and b"keys.codes" in kv
+    finally:
+        replica_a.close()
+        replica_b.close()
 
 
 def test_each_tenant_keeps_its_shared_contexts_within_its_budget(redis_url):

@@ -64,3 +64,23 @@ def test_the_deployed_config_file_is_one_serve_accepts():
     assert config.shared_context_mb * 2**20 < 0.5 * 2**30  # under half of the sessions Redis's 1 GB
     mounted = {v.split(":")[1] for v in compose()["services"]["api"]["volumes"] if v.startswith("./deploy/")}
     assert compose()["services"]["api"]["environment"]["RAGKV_CONFIG"] in mounted
+
+
+def test_the_replicas_profile_puts_a_cache_aware_router_in_front_checked_at_health():
+    services = compose()["services"]
+    router = services["router"]
+    assert router["profiles"] == ["replicas"] and router["ports"] == ["8080:8080"]
+    command = router["command"]
+    assert command[command.index("--policy") + 1] == "cache_aware"
+    workers = command[command.index("--worker-urls") + 1 : command.index("--policy")]
+    assert workers == ["http://api:8000", "http://api-2:8000"]
+    assert command[command.index("--health-check-endpoint") + 1] == "/health"
+    assert {name: c["condition"] for name, c in router["depends_on"].items()} == {
+        "api": "service_healthy",
+        "api-2": "service_healthy",
+    }
+    for name, port in (("api", 8000), ("api-2", 8000), ("router", 8080)):
+        assert f"http://127.0.0.1:{port}/health" in " ".join(services[name]["healthcheck"]["test"])
+    dockerfile = (ROOT / "deploy" / router["build"]["dockerfile"]).read_text()
+    assert re.search(r'pip install .*"vllm-router==\$\{VLLM_ROUTER_VERSION\}"', dockerfile)
+    assert re.search(r"^USER router$", dockerfile, re.M)

@@ -116,6 +116,8 @@ def _readings(state: AppState) -> Iterator[Reading]:
             ("dropped", "Anonymous-context snapshots not published (queue full or Redis failed)"),
             ("hits", "Turns that continued a context another replica published"),
             ("hit_tokens", "Conversation tokens reused from contexts other replicas published"),
+            ("loaded", "Turns that continued, by the id its answer named, a context another replica published"),
+            ("publish_seconds", "Seconds from a context's snapshot to its publication, summed"),
         ):
             yield "counter", f"ragkv_shared_context_{name}", help_text, {}, shared[name]
     registry_up = state.runtime.registry.healthy()
@@ -142,6 +144,7 @@ def _build_state(config: ServeConfig, metrics: Metrics) -> AppState:
             config.session_ttl_s,
             config.session_lock_ttl_s,
             shared_bytes=int(config.shared_context_mb * (1 << 20)),
+            shared_codes=config.shared_context_codes,
             mac_key=session_mac_key(config.runtime.store_secret),
         )
         engine = runtime.engine

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -10,6 +11,33 @@ from ragkv.app.runtime import RuntimeConfig
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
+CONTEXT_MEMORY_SHARE = 64
+"""Each in-process context budget defaults to this fraction (1/64) of the machine's memory..."""
+CONTEXT_MEMORY_MB = (64.0, 256.0)
+"""...kept within these MiB: 256 MiB holds ~11K tokens of the packaged model's bfloat16 KV
+(23,040 bytes a token: 30 layers x 3 KV heads x 64 x K and V x 2 bytes), one long
+conversation with its room to grow."""
+
+
+def machine_memory_bytes() -> int:
+    """Physical memory, or the container's cgroup limit when that is lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            value = Path(limit).read_text().strip()
+        except OSError:
+            continue
+        if value.isdigit():
+            total = min(total, int(value))
+    return total
+
+
+def default_context_memory_mb() -> float:
+    """The default of each in-process context budget (sessions, anonymous contexts): 1/64 of
+    the machine's memory, at least 64 and at most 256 MiB, so a soak's resident memory
+    levels off instead of growing toward budgets larger than the run ever fills."""
+    low, high = CONTEXT_MEMORY_MB
+    return float(min(max(machine_memory_bytes() / CONTEXT_MEMORY_SHARE / (1 << 20), low), high))
 
 
 @dataclass(frozen=True)
@@ -29,16 +57,29 @@ class ServeConfig:
     has one, else sessions live only in this process's memory. "memory" forces memory."""
     session_ttl_s: float = 1800.0
     """Idle seconds after which a chat session expires."""
-    session_memory_mb: float = 1024.0
-    """MiB of session KV kept in process memory (least recently used are dropped); a 6K-token
-    context of the packaged model is ~290 MiB in float32."""
-    anonymous_memory_mb: float = 1024.0
-    """MiB of KV of anonymous contexts (turns without a session id, found again by prefix)
-    in process memory, a budget apart from the sessions'."""
+    session_memory_mb: float = field(default_factory=default_context_memory_mb)
+    """MiB of session KV kept in process memory (least recently used are dropped). Default:
+    1/64 of the machine's memory (its cgroup limit when lower) within 64-256 MiB. A context
+    costs its KV rows: 23,040 bytes a token for the packaged model in bfloat16 (a 6K-token
+    conversation with documents ~140 MiB, ~280 MiB in float32); a context larger than the
+    budget is not kept."""
+    anonymous_memory_mb: float = field(default_factory=default_context_memory_mb)
+    """MiB of KV of anonymous contexts (turns without a session id, found again by prefix or
+    by the id their answer named) in process memory, a budget apart from the sessions'.
+    Default: as session_memory_mb."""
     shared_context_mb: float = 1024.0
     """With a Redis session store: MiB of anonymous-context KV each tenant may keep there
     (16-bit, least recently used dropped), so a follow-up resent whole to another replica
     finds its cached prefix; 0 keeps anonymous contexts in process memory only."""
+    shared_context_codes: str = "16bit"
+    """How published anonymous contexts travel through Redis: 16bit (the cache's dtype;
+    float16 for a float32 cache) or int8 (8-bit codes as chunk blobs can be: about half the
+    bytes, so half the fetch). Named sessions always travel in 16 bits."""
+    shared_publish_wait_s: float = 10.0
+    """With anonymous contexts published (a Redis session store, shared_context_mb > 0):
+    seconds at most a chat answer's last event waits for its context to reach Redis, so a
+    follow-up sent the moment the answer ends, to any replica, finds it by prefix or by the
+    answer's id. Past it the answer ends anyway, with session.shared false. 0 = no wait."""
     session_lock_ttl_s: float = 10.0
     """Seconds a session's Redis lock outlives a process that died mid-turn (renewed while
     the turn runs)."""
@@ -98,12 +139,14 @@ class ServeConfig:
                 raise ValueError(f"{name} must be >= 1")
         if not 0.0 <= self.fidelity_sample_rate <= 1.0:
             raise ValueError(f"fidelity_sample_rate must be in [0, 1], got {self.fidelity_sample_rate}")
-        if self.shared_context_mb < 0:
-            raise ValueError("shared_context_mb must be >= 0")
+        if self.shared_context_mb < 0 or self.shared_publish_wait_s < 0:
+            raise ValueError("shared_context_mb and shared_publish_wait_s must be >= 0")
         if self.background_ingest_bytes < 0:
             raise ValueError("background_ingest_bytes must be >= 0")
         if self.retrieval not in RETRIEVAL_MODES:
             raise ValueError(f"retrieval must be one of {', '.join(RETRIEVAL_MODES)}, got {self.retrieval!r}")
+        if self.shared_context_codes not in ("16bit", "int8"):
+            raise ValueError(f"shared_context_codes must be 16bit or int8, got {self.shared_context_codes!r}")
         if self.log_format not in ("text", "json"):
             raise ValueError(f"log_format must be 'text' or 'json', got {self.log_format!r}")
         if self.session_store not in (None, "memory") and not self.session_store.startswith(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import Request
@@ -129,15 +129,19 @@ async def sse_events(
     finish: Callable[[list[Completion]], list[Any]],
     encode: Callable[[Any], str] = sse,
     done: bool = True,
+    settle: Callable[[list[Completion]], Awaitable[None]] | None = None,
 ) -> AsyncIterator[str]:
     """SSE body: `render(event)` for each event after the first, `finish(completions)` at
     the end, then [DONE] (unless `done` is false). An error mid-stream becomes one error
     event (the status line is already sent). `encode` writes one event (the Responses API
-    names its events)."""
+    names its events). `settle(completions)` is awaited before the final events (a chat
+    turn's context reaching the shared store)."""
     try:
         async for item in stream.rest():
             for event in render(item):
                 yield encode(event)
+        if settle is not None:
+            await settle(stream.completions)
         for event in finish(stream.completions):
             yield encode(event)
         if done:

@@ -26,6 +26,7 @@ import time
 import uuid
 from array import array
 from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -166,6 +167,11 @@ class ContextStore(Protocol):
 
     def shared(self, context: Context) -> bool: ...
 
+    def publication(self, tenant: str, context_id: str) -> Future[bool] | None:
+        """The pending publish of the anonymous context a turn just left (resolved True once
+        other replicas can find it), handed out once; None when none is pending."""
+        ...
+
     def delete(self, tenant: str, session_id: str) -> bool: ...
 
     def list(self, tenant: str) -> list[Context]: ...
@@ -265,6 +271,9 @@ class ContextCache:
     def shared(self, context: Context) -> bool:
         """Whether another replica can continue `context` by its id now: never from process memory."""
         return False
+
+    def publication(self, tenant: str, context_id: str) -> Future[bool] | None:
+        return None  # nothing is published from process memory
 
     def healthy(self) -> bool | None:
         return None  # nothing remote to ask

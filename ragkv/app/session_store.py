@@ -8,7 +8,10 @@ memory copy is used when its version matches the meta in Redis, so a turn on the
 that served the previous one reads a few bytes from Redis, not the KV. Anonymous contexts
 (turns without a session id) live in process memory within their own byte budget and,
 when a shared budget is given, are also published for other replicas to find by prefix
-(app.shared_contexts).
+(app.shared_contexts) or by id: an id an anonymous turn's answer named, sent to any
+replica with only the new message, continues there as a session (`checkout` reads the
+published blob when Redis holds no session of that id). `publication` hands the API the
+pending publish of the context a turn just left, so the answer's last event can wait for it.
 
 A turn holds its session's Redis lock, which expires after `lock_ttl_s` unless renewed: a
 heartbeat thread renews the locks this process holds, so a process killed mid-turn
@@ -31,6 +34,8 @@ import json
 import logging
 import threading
 import uuid
+from collections import OrderedDict
+from concurrent.futures import Future
 
 from ragkv.app.context_blob import context_meta, decode_context, encode_context
 from ragkv.app.contexts import (
@@ -67,6 +72,7 @@ redis.call('set', KEYS[1], ARGV[1], 'px', ARGV[4])
 redis.call('set', KEYS[2], ARGV[2], 'px', ARGV[4])
 return 1
 """
+_PUBLICATIONS_KEPT = 1024
 _RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
 
 
@@ -111,6 +117,9 @@ class RedisSessions:
         self.shared_contexts = (
             SharedContexts(self._link, shared, mac_key=mac_key, on_error=self._failed) if shared else None
         )
+        self._publications: OrderedDict[tuple[str, str], Future[bool]] = OrderedDict()
+        """Pending publishes of the anonymous contexts turns just left, until the API asks
+        (`publication`); the oldest are forgotten past _PUBLICATIONS_KEPT (a client gone)."""
 
     @property
     def ttl_s(self) -> float:
@@ -168,8 +177,22 @@ class RedisSessions:
 
     def put(self, context: Context) -> None:
         self.memory.put(context)
-        if self.shared_contexts is not None:
-            self.shared_contexts.offer(context)
+        if self.shared_contexts is None:
+            return
+        published = self.shared_contexts.offer(context)
+        if published is not None:
+            with self._lock:
+                key = (context.tenant, context.id)
+                self._publications.pop(key, None)
+                self._publications[key] = published
+                while len(self._publications) > _PUBLICATIONS_KEPT:
+                    self._publications.popitem(last=False)
+
+    def publication(self, tenant: str, context_id: str) -> Future[bool] | None:
+        """The publish of the anonymous context a turn just left (True once other replicas can
+        find it), handed out once; None when none is pending."""
+        with self._lock:
+            return self._publications.pop((tenant, context_id), None)
 
     def checkout(self, tenant: str, session_id: str) -> Context:
         context = self.memory.checkout(tenant, session_id, missing_ok=True)  # local busy check first
@@ -187,9 +210,11 @@ class RedisSessions:
             with self._lock:
                 self._held.add(lock_key)
             raw_meta = self._client.get(self._key(tenant, session_id, "meta"))
-            if raw_meta is None:
+            if raw_meta is None:  # not a session in Redis: an anonymous context (here or published), or none
+                if context is None and self.shared_contexts is not None:
+                    context = self.shared_contexts.load(tenant, session_id)
                 self._succeeded()
-                return self._found(tenant, session_id, context)  # not in Redis: an anonymous context, or none
+                return self._found(tenant, session_id, context)
             meta = json.loads(raw_meta)
             # The memory copy stands when it is the one in Redis, or newer (saved while Redis was down).
             if context is not None and (context.version == meta.get("version") or context.turns > meta.get("turns", 0)):
@@ -366,14 +391,16 @@ def open_sessions(
     lock_ttl_s: float = 10.0,
     *,
     shared_bytes: int = 0,
+    shared_codes: str = "16bit",
     mac_key: bytes | None = None,
 ) -> ContextStore:
     """Contexts in process memory, or with a Redis URL sessions shared by replicas and, with
-    `shared_bytes` > 0, anonymous contexts published for them (that many bytes per tenant)."""
+    `shared_bytes` > 0, anonymous contexts published for them (that many bytes per tenant,
+    their KV as `shared_codes`: 16bit or int8)."""
     memory = ContextCache(session_bytes, anonymous_bytes, ttl_s)
     if url is None or url == "memory":
         return memory
-    shared = SharedContextConfig(shared_bytes, ttl_s) if shared_bytes > 0 else None
+    shared = SharedContextConfig(shared_bytes, ttl_s, kv_codes=shared_codes) if shared_bytes > 0 else None
     return RedisSessions(url, memory, ttl_s, lock_ttl_s=lock_ttl_s, shared=shared, mac_key=mac_key)
 
 

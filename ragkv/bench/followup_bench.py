@@ -39,7 +39,7 @@ def _ingest(http: httpx.Client, text: str, name: str) -> tuple[str, int]:
 
 def _openai_turn(client, messages: list[dict], rag: dict, max_tokens: int) -> dict:
     started = time.perf_counter()
-    first = None
+    first = last = None
     text, final, usage = [], None, None
     stream = client.chat.completions.create(
         model="ragkv",
@@ -54,19 +54,25 @@ def _openai_turn(client, messages: list[dict], rag: dict, max_tokens: int) -> di
             delta = chunk.choices[0].delta.content or ""
             if delta and first is None:
                 first = time.perf_counter() - started
+            if delta:
+                last = time.perf_counter() - started
             text.append(delta)
             if chunk.choices[0].finish_reason:
                 final = chunk
         if chunk.usage is not None:
             usage = chunk.usage
+    ended = time.perf_counter() - started
     cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else None
     return {
         "client_ttft_s": round(first, 4) if first is not None else None,
+        "client_total_s": round(ended, 4),
+        "last_token_to_end_s": round(ended - last, 4) if last is not None else None,
         "answer": "".join(text).strip(),
         "prompt_tokens": usage.prompt_tokens,
         "cached_tokens": cached,
         "server_timings": final.model_extra["rag"]["timings"],
         "session_id": final.model_extra["session_id"],
+        "shared": (final.model_extra["rag"].get("session") or {}).get("shared"),
     }
 
 

@@ -4,18 +4,22 @@ Two `ragkv serve` processes share one redis-server (chunk tier, registry and ses
 replicas on two hosts would), the way an OpenAI client behind a round-robin load balancer
 meets them: no session id, the whole history every turn. Over one MuSiQue sample's passages
 as a document (~6K tokens):
-  turn 1  [user q1] on replica A, which then publishes its context to Redis;
-  turn 2  [user q1, assistant a1, user q2] on B: the follow-up on the other replica;
+  turn 1  [user q1] on replica A, whose answer ends once its context is in Redis;
+  turn 2  [user q1, assistant a1, user q2] on B the moment turn 1 ends: the follow-up on the
+          other replica;
   turn 2' the same history on A: the same-replica follow-up, the reference (A's own context
-          covers all but the new message, so A does not fetch B's).
-Reported: client TTFT, prompt and cached tokens of each turn, and B's shared-context hits.
+          covers all but the new message, so A does not fetch B's);
+  turn 2" [user q2] alone on B, naming the id turn 1's answer gave (a second turn 1 on A
+          first, so B holds nothing of it).
+Reported: client TTFT, total time and the wait between the last token and the end of each
+turn (what publishing costs turn 1), prompt and cached tokens, and B's shared-context
+counters. `publish_wait_s` is passed to the replicas (0: the answer does not wait, as before).
 """
 
 from __future__ import annotations
 
 import re
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,7 +39,9 @@ def _counter(http: httpx.Client, name: str) -> float:
     return metric_value(http, name) or 0.0
 
 
-def run_replica_followup(dataset: Path, max_tokens: int, progress: Callable[[str], None] = print) -> dict:
+def run_replica_followup(
+    dataset: Path, max_tokens: int, progress: Callable[[str], None] = print, publish_wait_s: float | None = None
+) -> dict:
     import openai
 
     from ragkv.bench.redis_process import RedisServer
@@ -45,7 +51,8 @@ def run_replica_followup(dataset: Path, max_tokens: int, progress: Callable[[str
     scratch = tempfile.TemporaryDirectory(prefix="ragkv-replica-followup-")
     servers = {}
     try:
-        servers = {name: replica(Path(scratch.name), name, redis.url) for name in ("a", "b")}
+        extra = () if publish_wait_s is None else ("--shared-publish-wait-s", str(publish_wait_s))
+        servers = {name: replica(Path(scratch.name), name, redis.url, extra) for name in ("a", "b")}
         start_all(list(servers.values()))
         a, b = servers["a"].url, servers["b"].url
         progress(f"replicas a {a} and b {b} over redis {redis.url}")
@@ -61,15 +68,20 @@ def run_replica_followup(dataset: Path, max_tokens: int, progress: Callable[[str
             {"role": "assistant", "content": first["answer"]},
             {"role": "user", "content": FOLLOW_UP},
         ]
-        with httpx.Client(base_url=a, timeout=60) as http:  # A publishes after the turn, off its path
-            deadline = time.monotonic() + 60
-            while _counter(http, "ragkv_shared_context_published_total") < 1 and time.monotonic() < deadline:
-                time.sleep(0.05)
-            published = _counter(http, "ragkv_shared_context_published_total")
-        other = _openai_turn(client_b, history, rag, max_tokens)
+        other = _openai_turn(client_b, history, rag, max_tokens)  # at once: no wait for A's publisher
         same = _openai_turn(client_a, history, rag, max_tokens)
+        again = _openai_turn(client_a, [{"role": "user", "content": question + " "}], rag, max_tokens)
+        try:
+            named = {**rag, "session_id": again["session_id"]}
+            by_id = _openai_turn(client_b, [{"role": "user", "content": FOLLOW_UP}], named, max_tokens)
+        except openai.NotFoundError as error:  # the id not (yet) known to B
+            by_id = {"error": f"404 {error.code or 'session_not_found'}"}
+        with httpx.Client(base_url=a, timeout=60) as http:
+            published = _counter(http, "ragkv_shared_context_published_total")
+            publish_seconds = _counter(http, "ragkv_shared_context_publish_seconds_total")
         with httpx.Client(base_url=b, timeout=60) as http:
             hits = _counter(http, "ragkv_shared_context_hits_total")
+            loaded = _counter(http, "ragkv_shared_context_loaded_total")
         progress(
             f"turn 1 on A {first['client_ttft_s']} s; turn 2 on B {other['client_ttft_s']} s "
             f"({other['cached_tokens']}/{other['prompt_tokens']} cached); on A {same['client_ttft_s']} s "
@@ -80,13 +92,20 @@ def run_replica_followup(dataset: Path, max_tokens: int, progress: Callable[[str
             server.stop()
         redis.cleanup()
         scratch.cleanup()
-    for turn in (same, other):
+    for turn in (same, other, by_id):
+        if "error" in turn:
+            continue
         turn["cached_fraction"] = round(turn["cached_tokens"] / turn["prompt_tokens"], 4)
     return {
         "max_tokens": max_tokens,
+        "publish_wait_s": publish_wait_s,
         "turn_1_on_a": first,
         "turn_2_on_a": same,
         "turn_2_on_b": other,
+        "turn_1_again_on_a": again,
+        "turn_2_on_b_by_id": by_id,
         "published_by_a": published,
+        "publish_seconds_on_a": round(publish_seconds, 4),
         "shared_context_hits_on_b": hits,
+        "shared_context_loaded_on_b": loaded,
     }

@@ -62,6 +62,8 @@ def add_config_options(
             continue
         flag = "--" + (prefix + item.name).replace("_", "-")
         default = item.default if item.default is not dataclasses.MISSING else None
+        if kind in (int, float) and item.default_factory is not dataclasses.MISSING:
+            default = item.default_factory()  # a number derived from the machine: its value here
         help_text = f"{docs.get(item.name, '')} (default: {default})".strip()
         dest = prefix + item.name
         if kind is bool:

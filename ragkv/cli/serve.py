@@ -195,7 +195,7 @@ def _run_bench(args: argparse.Namespace) -> int:
 
         if args.dataset is None:
             raise SystemExit("ragkv serve followup --replicas needs --dataset (MuSiQue-style JSON: ctxs, question)")
-        results = run_replica_followup(args.dataset, args.max_tokens, progress)
+        results = run_replica_followup(args.dataset, args.max_tokens, progress, args.shared_publish_wait_s)
     else:
         bench = run_followup_bench if args.action == "followup" else run_serve_bench
         results = bench(args, progress=progress)

@@ -48,7 +48,7 @@ from ragkv.api.schemas import (
 from ragkv.api.serving.chat import chat_completion, model_entry, session_list
 from ragkv.api.serving.common import citations_of, openai_finish_reason, openai_usage_of, rag_extension_of
 from ragkv.api.serving.logprobs import chat_logprobs
-from ragkv.api.sessions import check_session_id
+from ragkv.api.sessions import check_session_id, settle_shared
 from ragkv.api.sources import sources_block
 from ragkv.api.state import AppState, app_state
 from ragkv.api.streaming import EventStream, run_requests, sse, sse_events
@@ -110,11 +110,15 @@ async def chat_completions(request: Request, response: Response, body: ChatReque
     created = int(time.time())
     headers = {"X-Session-Id": session_id}
 
+    async def settle(outcome: Completion) -> None:  # the context reaches other replicas before the answer ends
+        await settle_shared(state.sessions, tenant, session_id, outcome, state.config.shared_publish_wait_s)
+
     def sources(outcome: Completion) -> str:
         return sources_block(citations_of(outcome.citations), session_id)
 
     if not body.stream:
         [outcome] = await run_requests(request, state.worker, work)
+        await settle(outcome)
         content = outcome.text + (sources(outcome) if body.sources else "")
         response.headers.update(headers)
         return chat_completion(
@@ -174,7 +178,7 @@ async def chat_completions(request: Request, response: Response, body: ChatReque
     async def events():
         try:
             yield sse(chunk({"role": "assistant", "content": ""}, session_id=session_id))
-            async for item in sse_events(request, stream, render, finish):
+            async for item in sse_events(request, stream, render, finish, settle=lambda done: settle(done[0])):
                 yield item
         finally:
             stream.cancel()

@@ -33,7 +33,7 @@ from ragkv.api.responses import SafeJSONResponse
 from ragkv.api.routes.query import SSE_HEADERS
 from ragkv.api.schemas import DEFAULT_MAX_TOKENS, ChatRag, generation_config, query_config
 from ragkv.api.serving.responses import final_status, output_message, response_object
-from ragkv.api.sessions import check_session_id
+from ragkv.api.sessions import check_session_id, settle_shared
 from ragkv.api.state import app_state
 from ragkv.api.streaming import EventStream, run_requests, sse_events
 from ragkv.app.chat import ChatTurn
@@ -91,6 +91,9 @@ async def create_response(request: Request, response: Response, body: ResponseRe
     created = int(time.time())
     headers = {"X-Session-Id": session_id}
 
+    async def settle(outcome: Completion) -> None:  # the context reaches other replicas before the answer ends
+        await settle_shared(state.sessions, tenant, session_id, outcome, state.config.shared_publish_wait_s)
+
     def envelope(status: str, output: list, completion: Completion | None = None) -> dict:
         built = response_object(response_id, created, state.model_id, body, session_id, status, output, completion)
         return built.model_dump(mode="json")
@@ -100,6 +103,7 @@ async def create_response(request: Request, response: Response, body: ResponseRe
 
     if not body.stream:
         [outcome] = await run_requests(request, state.worker, work)
+        await settle(outcome)
         status = final_status(outcome)
         response.headers.update(headers)
         output = [output_message(message_id, outcome.text, status)]
@@ -145,7 +149,9 @@ async def create_response(request: Request, response: Response, body: ResponseRe
         try:
             for item in opening():
                 yield _named_sse(item)
-            async for item in sse_events(request, stream, render, finish, encode=_named_sse, done=False):
+            async for item in sse_events(
+                request, stream, render, finish, encode=_named_sse, done=False, settle=lambda done: settle(done[0])
+            ):
                 yield item
         finally:
             stream.cancel()

@@ -1,0 +1,133 @@
+"""Which router in front of two replicas: the same conversations through each.
+
+    python -m ragkv.bench.router_bench --router "sglang:/venv/bin/sglang-router" \
+        --router "vllm:/venv/bin/vllm-router" [--conversations 4] [--json out.json]
+
+Two `ragkv serve` replicas over one redis-server (as ragkv.bench.replicas), and, one after
+the other, each router (`name:binary`, the PyPI packages sglang-router and vllm-router
+install one each) in front of them with --policy round_robin and --policy cache_aware.
+Through each: N conversations of two turns, as an OpenAI client sends them (no session id,
+the whole history resent), each with a system prompt of its own (~1.5K tokens). Reported
+per router and policy: follow-up TTFT (client), its cached share, and how many follow-ups
+another replica served (they fetch the context from Redis: ragkv_shared_context_hits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from ragkv.api.launcher import free_port
+from ragkv.bench.redis_process import RedisServer
+from ragkv.bench.replica_followup_bench import metric_value
+from ragkv.bench.replicas import replica, start_all
+
+_TOPICS = ["ferries", "lighthouses", "orchards", "observatories", "mills", "bridges", "libraries", "cranes"]
+
+
+def _turn(url: str, messages: list[dict]) -> dict:
+    started, first, text, usage = time.perf_counter(), None, [], None
+    body = {"model": "ragkv", "messages": messages, "max_tokens": 8, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    with httpx.Client(timeout=300) as http, http.stream("POST", url + "/v1/chat/completions", json=body) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                usage = event["usage"]
+            for choice in event.get("choices") or []:
+                if choice["delta"].get("content"):
+                    first = first or time.perf_counter() - started
+                    text.append(choice["delta"]["content"])
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {"ttft_s": first, "text": "".join(text), "prompt": usage["prompt_tokens"], "cached": cached}
+
+
+def _hits(urls: list[str]) -> float:
+    total = 0.0
+    for url in urls:
+        with httpx.Client(base_url=url, timeout=30) as http:
+            total += metric_value(http, "ragkv_shared_context_hits_total") or 0.0
+    return total
+
+
+def _through(router: str, binary: str, policy: str, workers: list[str], conversations: int, round_: int) -> dict:
+    port = free_port()
+    command = [binary, "--worker-urls", *workers, "--policy", policy, "--host", "127.0.0.1", "--port", str(port)]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or process.poll() is not None:
+                return {"error": "the router did not answer /health"}
+            time.sleep(0.5)
+        hits_before = _hits(workers)
+        follow_ups = []
+        for n in range(conversations):
+            topic = _TOPICS[n % len(_TOPICS)]
+            system = f"[{router} {policy} {round_}.{n}] You answer questions about {topic}. " * 120
+            history = [{"role": "system", "content": system}, {"role": "user", "content": f"Name one of the {topic}."}]
+            first = _turn(url, history)
+            history += [{"role": "assistant", "content": first["text"]}, {"role": "user", "content": "Why that one?"}]
+            follow_ups.append(_turn(url, history))
+        return {
+            "follow_up_ttft_s_median": round(statistics.median(t["ttft_s"] for t in follow_ups), 3),
+            "follow_up_cached_share": round(
+                sum(t["cached"] for t in follow_ups) / sum(t["prompt"] for t in follow_ups), 4
+            ),
+            "follow_ups_on_the_other_replica": int(_hits(workers) - hits_before),
+            "conversations": conversations,
+        }
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--router", action="append", required=True, help="name:binary")
+    parser.add_argument("--conversations", type=int, default=4)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    redis = RedisServer()
+    redis.start()
+    scratch = tempfile.TemporaryDirectory(prefix="ragkv-router-bench-")
+    servers = [replica(Path(scratch.name), name, redis.url) for name in ("a", "b")]
+    results = {}
+    try:
+        start_all(servers)
+        workers = [server.url for server in servers]
+        for round_, spec in enumerate(args.router):
+            name, binary = spec.split(":", 1)
+            for policy in ("round_robin", "cache_aware"):
+                results[f"{name} {policy}"] = result = _through(
+                    name, binary, policy, workers, args.conversations, round_
+                )
+                print(name, policy, json.dumps(result), flush=True)
+    finally:
+        for server in servers:
+            server.stop()
+        redis.cleanup()
+        scratch.cleanup()
+    print(json.dumps(results, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
