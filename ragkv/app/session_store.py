@@ -357,6 +357,8 @@ class RedisSessions:
                 keys = [self._key(tenant, session_id, part) for part in ("kv", "meta", "lock")]
                 found = bool(self._client.delete(*keys[:2])) or found
                 self._client.delete(keys[2])
+                if self.shared_contexts is not None:  # an anonymous turn's id, published for other replicas
+                    found = self.shared_contexts.forget(tenant, session_id) or found
             except ERRORS as error:
                 self._failed("delete", error)
         return found

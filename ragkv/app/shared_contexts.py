@@ -295,6 +295,17 @@ class SharedContexts:
         self.stats.add(loaded=1)
         return context
 
+    def forget(self, tenant: str, context_id: str) -> bool:
+        """Remove the context published under `context_id` (a deleted session): its id no
+        longer continues on any replica. Its block keys lapse with their TTL (a lookup skips
+        a key whose context is gone). Redis errors propagate."""
+        prefix = self._prefix(tenant)
+        pipe = self._client.pipeline(transaction=False)
+        pipe.delete(prefix + "kv:" + context_id)
+        pipe.zrem(prefix + "lru", context_id)
+        pipe.hdel(prefix + "sizes", context_id)
+        return bool(pipe.execute()[0])
+
     def _match(self, blob, tenant: str, fingerprint: str, conversation_ids: list[int], at_least: int) -> Match | None:
         try:
             context = decode_context(bytearray(blob), mac_key=self._mac_key)
