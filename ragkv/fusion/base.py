@@ -27,15 +27,17 @@ from ragkv.kernels.place_kv import layers_of, place_keys, place_values
 
 WHOLE_PASS_PREFIX_ROWS = 256
 WHOLE_PASS_SHARE = 0.5
-"""When the rows to recompute are at least this share of the rows after a prefix of at
-most WHOLE_PASS_PREFIX_ROWS (a prompt of mostly new passages), every row is recomputed,
-the prefix's as it was: each layer is then one causal pass from row 0 (the fused kernel),
-which costs less than the masked attention of the chosen rows over the whole cache."""
+"""When the fresh rows (no stored K/V) are at least this share of the rows after a prefix
+of at most WHOLE_PASS_PREFIX_ROWS (a prompt of mostly new passages), every row is
+recomputed, the prefix's as it was: each layer is then one causal pass from row 0 (the
+fused kernel), which costs less than the masked attention of those rows over the whole
+cache. Rows a strategy chooses among stored ones never trigger it (its ratio keeps its
+meaning)."""
 
 
-def whole_pass(layout: Layout, recomputed_rows: int) -> bool:
+def whole_pass(layout: Layout, fresh_rows: int) -> bool:
     after_prefix = layout.length - layout.prefix_len
-    return 0 < layout.prefix_len <= WHOLE_PASS_PREFIX_ROWS and recomputed_rows >= WHOLE_PASS_SHARE * after_prefix
+    return 0 < layout.prefix_len <= WHOLE_PASS_PREFIX_ROWS and fresh_rows >= WHOLE_PASS_SHARE * after_prefix
 
 
 @dataclass
@@ -171,7 +173,7 @@ class FusionStrategy(ABC):
         rows = self.rows_for(model, cache, layout, report).to(model.device)
         if fresh.numel():
             rows = torch.cat((rows, fresh)).unique(sorted=True)
-        if whole_pass(layout, int(rows.numel())):
+        if whole_pass(layout, int(fresh.numel())):
             rows = torch.arange(layout.length, device=model.device)
         initial_rows = rows
         timings["select_rows"] = time.perf_counter() - started - timings["place_kv"]
