@@ -16,6 +16,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, f
 
 from ragkv.api.config import ServeConfig
 from ragkv.api.errors import ApiError
+from ragkv.app.chat import ChatTurn
 from ragkv.app.rag import QueryConfig
 from ragkv.app.request_types import (
     DEFAULT_STRATEGY,
@@ -435,6 +436,26 @@ def query_config(options: RetrievalOptions, generation: GenerationConfig, limits
         )
     except ValueError as error:
         raise ApiError(400, "invalid_parameters", str(error)) from None
+
+
+def prompt_spans_of(body: GenerationRequest, limits: ServeConfig) -> bool:
+    """Whether a request reuses the passages pasted into it: its own `prompt_spans`, else the
+    server's `--prompt-spans`."""
+    return limits.prompt_spans if body.prompt_spans is None else body.prompt_spans
+
+
+def chat_turn(
+    tenant: str,
+    messages: list[dict[str, str]],
+    session_id: str | None,
+    config: QueryConfig,
+    rag_enabled: bool,
+    body: GenerationRequest,
+    limits: ServeConfig,
+) -> ChatTurn:
+    """The chat turn chat completions and responses both run. `session_id`: the session the
+    client named (None: the longest cached prefix)."""
+    return ChatTurn(tenant, messages, session_id, rag_enabled, config, prompt_spans_of(body, limits))
 
 
 def metadata_filter(raw: dict | None) -> MetadataFilter | None:

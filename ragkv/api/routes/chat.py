@@ -42,6 +42,7 @@ from ragkv.api.schemas import (
     SESSION_ID_PATTERN,
     ChatRag,
     ChatRequest,
+    chat_turn,
     generation_config,
     query_config,
 )
@@ -52,7 +53,6 @@ from ragkv.api.sessions import check_session_id, settle_shared
 from ragkv.api.sources import sources_block
 from ragkv.api.state import AppState, app_state
 from ragkv.api.streaming import EventStream, run_requests, sse, sse_events
-from ragkv.app.chat import ChatTurn
 from ragkv.app.contexts import new_context_id
 from ragkv.app.request import Completion
 
@@ -96,15 +96,7 @@ async def chat_completions(request: Request, response: Response, body: ChatReque
     )
     config = query_config(rag, generation, state.config)
     work = state.service.chat_stream(
-        ChatTurn(
-            tenant,
-            messages,
-            session_id if named else None,
-            rag.enabled,
-            config,
-            state.config.prompt_spans if body.prompt_spans is None else body.prompt_spans,
-        ),
-        session_id,
+        chat_turn(tenant, messages, session_id if named else None, config, rag.enabled, body, state.config), session_id
     )
     completion_id = "chatcmpl-" + uuid.uuid4().hex[:24]
     created = int(time.time())

@@ -30,7 +30,7 @@ from ragkv.api.protocol.completions import (
 )
 from ragkv.api.responses import SafeJSONResponse
 from ragkv.api.routes.query import SSE_HEADERS
-from ragkv.api.schemas import generation_config, query_config
+from ragkv.api.schemas import generation_config, prompt_spans_of, query_config
 from ragkv.api.serving.common import openai_finish_reason
 from ragkv.api.serving.completions import completion_choice, completion_usage, embedding_list
 from ragkv.api.serving.logprobs import completion_logprobs
@@ -91,9 +91,12 @@ async def completions(request: Request, body: CompletionRequest):
             )
         work = state.service.query_stream(prompts[0], tenant, config)
     else:
-        spans = state.config.prompt_spans if body.prompt_spans is None else body.prompt_spans
         work = state.service.completion_stream(
-            prompts, generation, tenant, config.fusion if config is not None else None, spans
+            prompts,
+            generation,
+            tenant,
+            config.fusion if config is not None else None,
+            prompt_spans_of(body, state.config),
         )
     completion_id = "cmpl-" + uuid.uuid4().hex[:24]
     created = int(time.time())

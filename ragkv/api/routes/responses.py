@@ -31,12 +31,11 @@ from ragkv.api.protocol.responses import OutputText, ResponseObject
 from ragkv.api.response_schemas import ResponseRequest
 from ragkv.api.responses import SafeJSONResponse
 from ragkv.api.routes.query import SSE_HEADERS
-from ragkv.api.schemas import DEFAULT_MAX_TOKENS, ChatRag, generation_config, query_config
+from ragkv.api.schemas import DEFAULT_MAX_TOKENS, ChatRag, chat_turn, generation_config, query_config
 from ragkv.api.serving.responses import final_status, output_message, response_object
 from ragkv.api.sessions import check_session_id, settle_shared
 from ragkv.api.state import app_state
 from ragkv.api.streaming import EventStream, run_requests, sse_events
-from ragkv.app.chat import ChatTurn
 from ragkv.app.contexts import new_context_id
 from ragkv.app.request import Completion
 
@@ -76,15 +75,7 @@ async def create_response(request: Request, response: Response, body: ResponseRe
     generation = generation_config(max_tokens, body.temperature, body.top_p, body.seed, None, state.config)
     config = query_config(rag, generation, state.config)
     work = state.service.chat_stream(
-        ChatTurn(
-            tenant,
-            messages,
-            session_id if named else None,
-            rag.enabled,
-            config,
-            state.config.prompt_spans if body.prompt_spans is None else body.prompt_spans,
-        ),
-        session_id,
+        chat_turn(tenant, messages, session_id if named else None, config, rag.enabled, body, state.config), session_id
     )
     response_id = "resp_" + uuid.uuid4().hex
     message_id = "msg_" + uuid.uuid4().hex
