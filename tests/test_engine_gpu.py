@@ -54,6 +54,37 @@ def fused_kl(model, spec: str) -> float:
     return float(kl_divergence(full.float().cpu(), fused.logits.float().cpu()))
 
 
+def stored_fusion(folder: Path, device: str) -> tuple[float, torch.Tensor]:
+    """The product path on `device`: an Engine (bfloat16 formats) encodes chunks, they go
+    through the store's blob format in host memory and come back as int4 codes, are fused
+    with the default strategy (returned: its first-token KL to the full prefill) and placed
+    without recompute (returned: those logits, on the CPU)."""
+    from ragkv.bench.metrics import kl_divergence
+    from ragkv.engine import Engine, EngineConfig
+    from ragkv.fusion import DEFAULT_STRATEGY, FusionInput, LoadedChunk, build_strategy
+    from ragkv.store.blob import decode_blob, encode_blob
+
+    formats = dict(weights="bfloat16", prefill_weights="bfloat16", kv_cache_dtype="bfloat16", kv_storage="int4")
+    engine = Engine(EngineConfig(model=str(folder), device=device, **formats))
+    generator = torch.Generator().manual_seed(5)
+    chunk_ids = [torch.randint(3, 500, (48,), generator=generator).tolist() for _ in range(4)]
+    question = torch.randint(3, 500, (10,), generator=generator).tolist()
+    chunks = []
+    for ids in chunk_ids:
+        tensors = engine.encode_chunk(ids)
+        assert all(not t.is_cuda for t in tensors.values()), "the store's tensors must be in host memory"
+        stored = decode_blob(encode_blob(tensors)).tensors
+        chunks.append(LoadedChunk(ids, *engine.kv_format.unpack(stored)))
+    prefix = list(engine.chunk_prefix_ids)
+    fusion_input = FusionInput(prefix, chunks, question, chunk_precompute_offset=len(prefix))
+    fused = build_strategy(DEFAULT_STRATEGY).fuse(engine.model, fusion_input, engine.chunk_prefix_cache(), 4)
+    _, full = engine.prefill(prefix + sum(chunk_ids, []) + question)
+    assert fused.logits.device.type == torch.device(device).type
+    assert torch.isfinite(engine.model.decode_step(int(fused.logits.argmax()), fused.cache).float()).all()
+    placed = build_strategy("full_reuse").fuse(engine.model, fusion_input, engine.chunk_prefix_cache())
+    return float(kl_divergence(full.float().cpu(), fused.logits.float().cpu())), placed.logits.float().cpu()
+
+
 def check_on_gpu() -> list[str]:
     sys.path.insert(0, str(Path(__file__).parent))
     from test_sparse_support import full_budget_and_dense, write_tiny_llama
@@ -84,6 +115,19 @@ def check_on_gpu() -> list[str]:
     ids = torch.randint(3, 500, (ROWS,), generator=torch.Generator().manual_seed(4))
     reference_logits = teacher_forced(cpu, ids)
     greedy = [int(logits.argmax()) for logits in reference_logits]
+
+    def engine_on_gpu():
+        # the same formats on the CPU set the bound: the device changes summation order only
+        with_tokenizer = write_tiny_llama(
+            Path(tempfile.mkdtemp()), with_tokenizer=True, heads=8, kv_heads=2, head_dim=64, hidden=256
+        )
+        (kl, placed), (cpu_kl, cpu_placed) = stored_fusion(with_tokenizer, "cuda"), stored_fusion(with_tokenizer, "cpu")
+        error = relative_error(placed, cpu_placed)
+        assert error < FULL_BUDGET_TOLERANCE[torch.bfloat16], f"stored chunks placed: GPU and CPU differ by {error}"
+        assert kl <= 2 * cpu_kl + 1e-3, f"stored chunks fused on the GPU: KL {kl}, on the CPU {cpu_kl}"
+        print(f"engine on cuda: stored int4 chunks placed {error:.1e} from the CPU, fused KL {kl:.1e} ({cpu_kl:.1e})")
+
+    check("engine on cuda", engine_on_gpu)
 
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         gpu = CausalLM.load(folder, dtype=dtype, device="cuda")

@@ -1,7 +1,6 @@
-"""`ragkv bench store | fusion | sparse | decode | kernels | retrieval | ingest | soak`: argument parsing and
-result tables (sparse: ragkv.cli.bench_sparse, decode: ragkv.cli.bench_decode, kernels: ragkv.cli.bench_kernels,
-retrieval: ragkv.cli.bench_retrieval, ingest: ragkv.cli.bench_ingest, soak: ragkv.cli.bench_soak,
-passages: ragkv.cli.bench_passages)."""
+"""`ragkv bench store | fusion | sparse | decode | kernels | geometry | retrieval | ingest | soak |
+passages`: argument parsing and result tables (each kind but store, fusion and conversation
+in its own module: ragkv.cli.bench_<kind>)."""
 
 from __future__ import annotations
 
@@ -14,6 +13,7 @@ from pathlib import Path
 
 from ragkv.cli import (
     bench_decode,
+    bench_geometry,
     bench_ingest,
     bench_kernels,
     bench_passages,
@@ -145,6 +145,13 @@ def configure(bench: argparse.ArgumentParser) -> None:
     )
     bench_kernels.configure(kernels)
 
+    geometry = kinds.add_parser(
+        "geometry",
+        help="the engine at a real model's geometry, random weights: fused vs full prefill, "
+        "decode ms/token beside its memory-bandwidth floor",
+    )
+    bench_geometry.configure(geometry)
+
     soak = kinds.add_parser(
         "soak",
         help="two replicas under mixed load through a Redis restart and a replica kill: "
@@ -180,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
         "sparse": bench_sparse.run,
         "decode": bench_decode.run,
         "kernels": bench_kernels.run,
+        "geometry": bench_geometry.run,
         "retrieval": bench_retrieval.run,
         "soak": bench_soak.run,
         "ingest": bench_ingest.run,

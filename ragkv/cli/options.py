@@ -39,7 +39,7 @@ def _store_secret(args: argparse.Namespace) -> str | None:
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
     from ragkv.engine.config import EngineConfig
 
-    add_config_options(parser.add_argument_group("engine/model"), EngineConfig, skip=("device", "system_prompt"))
+    add_config_options(parser.add_argument_group("engine/model"), EngineConfig, skip=("system_prompt",))
 
 
 def add_verbose_option(parser: argparse.ArgumentParser) -> None:

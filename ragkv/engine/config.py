@@ -35,6 +35,8 @@ class EngineConfig:
     integer codes, dequantised while placed); part of the model fingerprint. int4 costs a
     quarter of float16's bytes for a first-token KL of a few thousandths (BENCHMARKS.md)."""
     device: str = "cpu"
+    """torch device the model runs on: cpu, or cuda / cuda:N (a GPU torch can see; "auto"
+    formats then run in bfloat16 on its tensor cores)."""
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     precompute_prefix: bool = True
     """Compute each chunk's KV after the RAG prefix (system prompt + instruction), so the
@@ -57,6 +59,7 @@ class EngineConfig:
         ):
             if getattr(self, name) not in ("auto", *allowed):
                 raise ValueError(f"{name} must be one of {['auto', *allowed]}, got {getattr(self, name)!r}")
+        check_device(self.device)
         self.numerics()
         if self.threads is not None and self.threads < 1:
             raise ValueError("threads must be >= 1")
@@ -66,3 +69,21 @@ class EngineConfig:
         from ragkv.engine.numerics import resolve_numerics
 
         return resolve_numerics(self.dtype, self.kv_cache_dtype, self.weights, self.prefill_weights, self.device)
+
+
+def check_device(device: str) -> None:
+    """ValueError unless `device` names a device this torch can run on."""
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}") from None
+    if parsed.type == "cpu":
+        return
+    if parsed.type != "cuda":
+        raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: this torch ({torch.__version__}) sees no CUDA GPU")
+    if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r}: torch sees {torch.cuda.device_count()} CUDA GPU(s)")

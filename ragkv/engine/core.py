@@ -87,7 +87,9 @@ class Engine:
         return [self.stored_chunk(ids, keys, values) for ids, (keys, values) in zip(chunks, pairs)]
 
     def stored_chunk(self, token_ids: list[int], keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
-        tensors = {**self.kv_format.pack(keys, values), "tokens": torch.tensor(token_ids, dtype=torch.int32)}
+        # the store keeps host memory: a GPU's K/V is packed there, then copied out once
+        packed = {name: tensor.cpu() for name, tensor in self.kv_format.pack(keys, values).items()}
+        tensors = {**packed, "tokens": torch.tensor(token_ids, dtype=torch.int32)}
         if self.codebook is not None:
             # "codes" + "codebook_id", from the keys as stored (what a query reads back), in
             # float32 like the query side, so codes never depend on the compute dtype

@@ -20,6 +20,8 @@ Four choices, each a plain dtype or weight format name:
   float32); else the residual dtype.
 Attention math on 16-bit caches runs in float32 on CPUs that cannot multiply that type
 natively (`attention_compute_dtype`).
+On a GPU every "auto" is bfloat16: its tensor cores multiply 16-bit operands at many times
+float32's rate, and a decode step reads half the bytes.
 """
 
 from __future__ import annotations
@@ -108,11 +110,14 @@ def resolve_numerics(dtype: str, kv_cache_dtype: str, weights: str, prefill_weig
     if weights in ("int8", "int4") and not on_cpu:
         raise ValueError(f"weights={weights!r} uses torch's packed CPU kernels; it needs device='cpu'")
     bf16_units = on_cpu and cpu_has_bf16_units()
-    automatic = {
-        "weights": ("int4" if cpu_extension.buildable() else "int8") if on_cpu else dtype,
-        "prefill_weights": "bfloat16" if bf16_units else dtype,
-        "kv_cache_dtype": "bfloat16" if bf16_units or (on_cpu and cpu_extension.buildable()) else dtype,
-    }
+    if on_cpu:
+        automatic = {
+            "weights": "int4" if cpu_extension.buildable() else "int8",
+            "prefill_weights": "bfloat16" if bf16_units else dtype,
+            "kv_cache_dtype": "bfloat16" if bf16_units or cpu_extension.buildable() else dtype,
+        }
+    else:  # a GPU: tensor cores multiply 16-bit operands; the stream keeps `dtype`
+        automatic = {"weights": "bfloat16", "prefill_weights": "bfloat16", "kv_cache_dtype": "bfloat16"}
     chosen = {"kv_cache_dtype": kv_cache_dtype, "weights": weights, "prefill_weights": prefill_weights}
     for name, value in chosen.items():
         if value == "auto":
