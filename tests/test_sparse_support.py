@@ -4,6 +4,7 @@ structured synthetic caches. (Collected by pytest: it also checks the k-means he
 from __future__ import annotations
 
 import math
+import os
 import shutil
 from pathlib import Path
 
@@ -31,7 +32,8 @@ def write_tiny_llama(
     if with_tokenizer:
         from ragkv.engine.model_files import resolve_model_dir
 
-        packaged = resolve_model_dir(None)
+        # scripts/gpu-check.sh brings the packaged model's tokenizer files where the package is not
+        packaged = Path(os.environ.get("RAGKV_TEST_TOKENIZER") or resolve_model_dir(None))
         for name in (
             "tokenizer.json",
             "tokenizer_config.json",
