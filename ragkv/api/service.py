@@ -171,6 +171,7 @@ class Service:
             result = self.runtime.ingestor.ingest_text(
                 text, name, tenant=tenant, metadata=metadata, progress=on_progress, pages=pages, replaces=replaces
             )
+            self.runtime.contextualize(tenant, [result.doc_id])
             return result
             yield  # a generator: the whole ingestion is one step (it yields to queries via checkpoint)
 

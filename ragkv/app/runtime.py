@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ragkv.app.chunk_context import ChunkContextualizer, ContextResult
 from ragkv.app.codebooks import attach_codebook
 from ragkv.app.fusion_calibration import attach_calibration
 from ragkv.app.prompt_passages import PromptPassages
@@ -52,6 +53,18 @@ class Runtime:
             self.engine, self.store, share_across_tenants=config.ingest.share_chunks_across_tenants
         )
         """Passages pasted into prompts, found and reused from the store (chat, completions)."""
+        neighbours = config.ingest.context_neighbours
+        self.contextualizer = (
+            ChunkContextualizer(self.engine, self.store, self.registry, neighbours) if neighbours else None
+        )
+        """Recomputes new documents' chunk K/V in context (IngestConfig.context_neighbours)."""
+
+    def contextualize(self, tenant: str, doc_ids: list[str]) -> ContextResult | None:
+        """After ingesting `doc_ids`: their chunks' stored K/V recomputed in context, when
+        the ingestion config asks for it (None when it does not)."""
+        if self.contextualizer is None or not doc_ids:
+            return None
+        return self.contextualizer.contextualize(tenant, doc_ids)
 
     def store_status(self) -> StoreStatus:
         """The chunk store's health; pings Redis (blocking: call from a thread)."""

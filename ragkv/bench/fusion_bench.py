@@ -28,7 +28,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -67,11 +67,40 @@ def parse_variants(specs: list[str]) -> list[Variant]:
     return variants
 
 
-def _ingest_passages(runtime: Runtime, example: Example, number: int) -> list[str]:
-    return [
-        runtime.ingestor.ingest_text(passage, f"ex{number}-p{index}", tenant=BENCH_TENANT).doc_id
+@dataclass
+class IngestionCost:
+    """What ingesting the bench's passages cost, the in-context recompute apart."""
+
+    context_neighbours: int
+    documents: int = 0
+    tokens: int = 0
+    ingest_s: float = 0.0
+    context_chunks: int = 0
+    context_tokens_placed: int = 0
+    context_s: float = 0.0
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "tokens_per_s": self.tokens / max(self.ingest_s + self.context_s, 1e-9)}
+
+
+def _ingest_passages(runtime: Runtime, example: Example, number: int, cost: IngestionCost) -> list[str]:
+    """The example's passages as documents; with context neighbours configured, their chunks
+    are then recomputed in context (the neighbours are found among every passage ingested
+    so far, this example's own included: a RAG corpus's related passages)."""
+    results = [
+        runtime.ingestor.ingest_text(passage, f"ex{number}-p{index}", tenant=BENCH_TENANT)
         for index, passage in enumerate(example.passages)
     ]
+    doc_ids = [result.doc_id for result in results]
+    context = runtime.contextualize(BENCH_TENANT, doc_ids)
+    cost.documents += len(results)
+    cost.tokens += sum(result.tokens for result in results)
+    cost.ingest_s += sum(result.seconds for result in results)
+    if context is not None:
+        cost.context_chunks += context.chunks
+        cost.context_tokens_placed += context.context_tokens
+        cost.context_s += context.seconds
+    return doc_ids
 
 
 def _decode(runtime: Runtime, result: FusionResult, max_new_tokens: int) -> tuple[str, list[int]]:
@@ -130,10 +159,11 @@ def run_fusion_bench(
     adds the full prefill's figures per decode-weight format against float32
     (ragkv.bench.weight_fidelity) on the same prompts."""
     reference = build_strategy(REFERENCE)
+    cost = IngestionCost(runtime.config.ingest.context_neighbours)
     progress("ingesting the passages of example 1 and warming up")
     # each example's passages are ingested just before it runs, so a stopped run keeps
     # the examples it finished (checkpoint)
-    doc_ids = {1: _ingest_passages(runtime, examples[0], 1)}
+    doc_ids = {1: _ingest_passages(runtime, examples[0], 1, cost)}
     warmup = _Runner(runtime, examples[0], doc_ids[1], max_new_tokens, chunk_limit=2)
     for strategy in [reference, *(variant.strategy for variant in variants)]:
         warmup.fuse(strategy)
@@ -141,7 +171,7 @@ def run_fusion_bench(
     prompts: list[list[int]] = []
     for number, example in enumerate(examples, start=1):
         progress(f"example {number}/{len(examples)}")
-        ids = doc_ids.pop(number) if number in doc_ids else _ingest_passages(runtime, example, number)
+        ids = doc_ids.pop(number) if number in doc_ids else _ingest_passages(runtime, example, number, cost)
         runner = _Runner(runtime, example, ids, max_new_tokens)
         full, full_ttft, _ = runner.fuse(reference)
         full_answer, answer_ids = _decode(runtime, full, max_new_tokens)
@@ -163,6 +193,7 @@ def run_fusion_bench(
             )
         checkpoint(_results(runtime, examples[:number], variants, rows, max_new_tokens))
     results = _results(runtime, examples, variants, rows, max_new_tokens)
+    results["ingestion"] = cost.to_json()
     if weight_formats:
         results["weights"] = run_weight_fidelity(
             runtime.engine.config, prompts, list(weight_formats), max_new_tokens=max_new_tokens, progress=progress

@@ -85,6 +85,14 @@ def configure(bench: argparse.ArgumentParser) -> None:
         "(e.g. a3:ratio=0.3 cacheblend:ratio=0.15)",
     )
     fusion.add_argument("--max-new-tokens", type=int, default=32)
+    fusion.add_argument(
+        "--context-neighbours",
+        type=int,
+        default=0,
+        help="recompute each ingested chunk's K/V with this many related chunks placed before it "
+        "(ingestion's --context-neighbours; use a fresh --data-dir per setting: a passage already "
+        "stored keeps its K/V) (default: 0)",
+    )
     fusion.add_argument("--json", type=Path, default=None, help="write all figures to this file")
 
     conversation = kinds.add_parser(
@@ -300,7 +308,8 @@ def _run_fusion(args: argparse.Namespace) -> dict:
         if not examples:
             raise ValueError(f"the dataset has no examples in {start}:{end}")
     variants = parse_variants(args.strategies)
-    with Runtime(runtime_config(args, show_progress=False)) as runtime:
+    config = runtime_config(args, show_progress=False, context_neighbours=args.context_neighbours)
+    with Runtime(config) as runtime:
         results = run_fusion_bench(
             runtime,
             examples,

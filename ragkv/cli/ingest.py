@@ -235,6 +235,7 @@ def _ingest(args: argparse.Namespace, usable: list[Checked], summary: Summary) -
                 finally:
                     progress.end_file(checked.size)
                 names[str(path)] = result.doc_id
+                runtime.contextualize(args.tenant, [result.doc_id])
                 record = _document(path, result)
                 summary.documents.append(record)
                 if not args.json:

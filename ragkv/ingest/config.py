@@ -9,6 +9,8 @@ from ragkv.ingest.chunker import DEFAULT_CHUNK_TOKENS
 from ragkv.ingest.errors import InputError
 from ragkv.ingest.validation import DEFAULT_MAX_DOCUMENT_BYTES
 
+MAX_CONTEXT_NEIGHBOURS = 8
+
 
 @dataclass(frozen=True)
 class IngestConfig:
@@ -28,7 +30,18 @@ class IngestConfig:
     rows share each weight matmul; a chunk of a quarter of this or more runs alone (longer
     chunks already fill the matmuls: stacking them measured no faster). 0 = one by one."""
 
+    context_neighbours: int = 0
+    """After a document is ingested, recompute each chunk's stored K/V with this many chunks
+    placed before it: its document's preceding chunk, then its nearest chunks by embedding
+    (ragkv.app.chunk_context); 0 = after the RAG prefix alone. Costs a fusion per chunk at
+    ingestion; fused answers then start from rows that saw related text (BENCHMARKS.md)."""
+
     def __post_init__(self) -> None:
+        if not 0 <= self.context_neighbours <= MAX_CONTEXT_NEIGHBOURS:
+            raise InputError(
+                "bad_context_neighbours",
+                f"context_neighbours must be in [0, {MAX_CONTEXT_NEIGHBOURS}], got {self.context_neighbours}",
+            )
         if not 16 <= self.chunk_tokens <= 8192:
             raise InputError("bad_chunk_tokens", f"chunk_tokens must be in [16, 8192], got {self.chunk_tokens}")
         if self.max_document_bytes < 1:

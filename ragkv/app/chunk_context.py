@@ -1,0 +1,134 @@
+"""Chunks that carry context: a chunk's stored K/V recomputed after the chunks it is likely
+to meet in a prompt.
+
+Ingestion computes each chunk's K/V after the RAG prefix alone, so its rows never saw
+another passage; fused into a prompt, those rows are what the recompute must correct, and
+what it leaves uncorrected is what the answer drifts on. FusionRAG (arXiv 2601.12904)
+computes a chunk's stored K/V with related chunks before it instead. Here, after a
+document is ingested, each of its chunks is recomputed in the context of its document's
+preceding chunk (when it has one) and its nearest chunks by embedding among the tenant's
+other chunks, up to `neighbours`: the context's stored K/V is placed at its positions
+(nothing of it recomputed), the chunk's own rows are computed at every layer against it,
+and their pre-RoPE K/V replace the chunk's blob under the same key. The context is read
+as stored before any chunk of the batch is rewritten, so the result does not depend on
+the order chunks are visited in.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ragkv.engine.core import Engine
+from ragkv.fusion import FusionInput, LoadedChunk
+from ragkv.fusion.base import FusionStrategy
+from ragkv.fusion.layout import Layout
+from ragkv.ingest.pipeline import chunk_key
+from ragkv.ingest.registry import DocumentRecord, Registry
+from ragkv.store.base import ChunkStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ContextResult:
+    chunks: int
+    """Chunks whose stored K/V was recomputed in context."""
+    tokens: int
+    """Their tokens (the rows computed)."""
+    context_tokens: int
+    """Tokens placed before them, summed over the chunks (read, not computed)."""
+    seconds: float
+
+
+@dataclass
+class _PlacedContext(FusionStrategy):
+    """Place every stored row at its position; compute only the rows without stored K/V
+    (the chunk) and the one-token tail the fusion needs."""
+
+    name = "placed_context"
+
+    def initial_rows(self, layout: Layout) -> torch.Tensor:
+        return layout.question_rows
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    doc_id: str
+    index: int
+    chunk_hash: str
+
+
+class ChunkContextualizer:
+    def __init__(self, engine: Engine, store: ChunkStore, registry: Registry, neighbours: int):
+        """`neighbours`: chunks placed before each chunk (IngestConfig.context_neighbours)."""
+        if neighbours < 1:
+            raise ValueError("a contextualizer needs at least one neighbour")
+        self.engine, self.store, self.registry, self.neighbours = engine, store, registry, neighbours
+        self._strategy = _PlacedContext()
+        # the fusion needs a last segment it computes; one newline-like token costs nothing
+        self._tail = engine.tokenize("\n")[-1:] or [0]
+
+    def contextualize(self, tenant: str, doc_ids: list[str]) -> ContextResult:
+        """Recompute the stored K/V of every chunk of `doc_ids` in its context."""
+        started = time.perf_counter()
+        plans = [plan for doc_id in doc_ids for plan in self._plans(tenant, doc_id)]
+        needed = {c.chunk_hash for chunk, context in plans for c in (chunk, *context)}
+        stored = dict(zip(needed, self.store.get_many([chunk_key(self.engine, h) for h in needed])))
+        results = []
+        for chunk, context in plans:
+            placed = [stored[c.chunk_hash] for c in context if stored[c.chunk_hash] is not None]
+            own = stored[chunk.chunk_hash]
+            if not placed or own is None:
+                continue  # nothing to read it after, or evicted: it keeps (or gets) the plain K/V
+            results.append((chunk, placed, self._in_context(own["tokens"].tolist(), placed)))
+        tokens = context_tokens = 0
+        for chunk, placed, tensors in results:
+            self.store.put(chunk_key(self.engine, chunk.chunk_hash), tensors)
+            tokens += int(tensors["tokens"].numel())
+            context_tokens += sum(int(t["tokens"].numel()) for t in placed)
+        return ContextResult(len(results), tokens, context_tokens, time.perf_counter() - started)
+
+    def _plans(self, tenant: str, doc_id: str) -> list[tuple[_Chunk, list[_Chunk]]]:
+        """(chunk, its context in prompt order, nearest last) for each chunk of the document."""
+        found = self.registry.document_vectors(tenant, doc_id)
+        if found is None:
+            return []
+        record, vectors = found
+        plans = []
+        for position, chunk in enumerate(record.chunks):
+            context = [_Chunk(doc_id, position - 1, record.chunks[position - 1].chunk_hash)] if position else []
+            wanted = self.neighbours - len(context)
+            if wanted > 0:
+                context = self._nearest(tenant, record, position, vectors[position], wanted) + context
+            plans.append((_Chunk(doc_id, position, chunk.chunk_hash), context[-self.neighbours :]))
+        return plans
+
+    def _nearest(self, tenant: str, record: DocumentRecord, position: int, vector, count: int) -> list[_Chunk]:
+        """Up to `count` of the tenant's chunks nearest `vector`, other than this chunk and
+        its predecessor, farthest first (the nearest sits next to the chunk)."""
+        skip = {(record.doc_id, position), (record.doc_id, position - 1)}
+        hits = self.registry.index.search_dense(tenant, vector, count + len(skip), None)
+        chosen, hashes = [], {record.chunks[position].chunk_hash}
+        for hit in hits:
+            if (hit.doc_id, hit.chunk_index) in skip or len(chosen) == count:
+                continue
+            other = record if hit.doc_id == record.doc_id else self.registry.get(tenant, hit.doc_id)
+            chunk_hash = other.chunks[hit.chunk_index].chunk_hash
+            if chunk_hash not in hashes:
+                hashes.add(chunk_hash)
+                chosen.append(_Chunk(hit.doc_id, hit.chunk_index, chunk_hash))
+        return chosen[::-1]
+
+    def _in_context(self, token_ids: list[int], context: list[dict]) -> dict[str, torch.Tensor]:
+        engine = self.engine
+        chunks = [LoadedChunk(t["tokens"].tolist(), *engine.kv_format.unpack(t)) for t in context]
+        chunks.append(LoadedChunk(token_ids))
+        prefix = list(engine.chunk_prefix_ids)
+        fusion_input = FusionInput(prefix, chunks, self._tail, chunk_precompute_offset=len(prefix))
+        result = self._strategy.fuse(engine.model, fusion_input, engine.chunk_prefix_cache())
+        keys, values = result.fresh_chunk_kv(len(chunks) - 1)
+        return engine.stored_chunk(token_ids, keys, values)
