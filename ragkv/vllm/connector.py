@@ -29,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 from vllm.model_executor.models.utils import extract_layer_index
 
+from ragkv.fusion import build_strategy
 from ragkv.vllm.config import ConnectorConfig
 from ragkv.vllm.paged import PagedLayout, slots_of
 from ragkv.vllm.reuse import FUSE, NONE, PREFIX, Decision, Planner, Rows, prefix_fingerprint
@@ -64,6 +65,8 @@ class RequestWork:
     mode: str
     start: int = 0
     """Rows [start, len - 1) are ragkv's to write (below start: vLLM's own prefix cache)."""
+    strategy: str | None = None
+    """The request's fusion strategy (kv_transfer_params ragkv_strategy); None = the config's."""
 
 
 @dataclass
@@ -79,6 +82,7 @@ class _Tracked:
     decision: Decision
     external: int = 0
     loaded: bool = False
+    strategy: str | None = None
 
 
 class RagkvConnector(KVConnectorBase_V1):
@@ -112,8 +116,14 @@ class RagkvConnector(KVConnectorBase_V1):
         token_ids = list(request.prompt_token_ids or [])
         if request.num_computed_tokens or not token_ids:  # a preempted request resumes on its own
             return 0, False
+        params = request.kv_transfer_params or {}
+        if params.get("ragkv") == "off":
+            return 0, False  # this request opts out: vLLM alone (a fidelity reference)
+        strategy = params.get("ragkv_strategy")
+        if strategy is not None:
+            build_strategy(strategy)  # a bad spec fails this request, not a worker later
         decision = self.planner.decide(token_ids, num_computed_tokens)
-        self._tracked[request.request_id] = _Tracked(token_ids, [], decision)
+        self._tracked[request.request_id] = _Tracked(token_ids, [], decision, strategy=strategy)
         if decision.mode != NONE:
             log.info(
                 "request %s: %s, %d of %d tokens from ragkv (%d in stored spans)",
@@ -159,7 +169,9 @@ class RagkvConnector(KVConnectorBase_V1):
             tracked.loaded = True
             start = length - 1 - tracked.external
             meta.loads.append(
-                RequestWork(req_id, tracked.token_ids, list(tracked.block_ids), tracked.decision.mode, start)
+                RequestWork(
+                    req_id, tracked.token_ids, list(tracked.block_ids), tracked.decision.mode, start, tracked.strategy
+                )
             )
         if done >= length:  # the prompt's prefill ends this step
             self._tracked.pop(req_id, None)
@@ -206,11 +218,11 @@ class RagkvConnector(KVConnectorBase_V1):
                 rows = self.rows.prefix_rows(work.token_ids)
                 info: dict = {}
                 if rows is None:  # evicted since the scheduler looked: fuse whatever is there
-                    keys, values, info = self.rows.fused_rows(work.token_ids)
+                    keys, values, info = self.rows.fused_rows(work.token_ids, work.strategy)
                 else:
                     keys, values = rows
             elif work.mode == FUSE:
-                keys, values, info = self.rows.fused_rows(work.token_ids)
+                keys, values, info = self.rows.fused_rows(work.token_ids, work.strategy)
             else:
                 continue
             slots = slots_of(work.block_ids, self.block_size, work.start, end)

@@ -98,7 +98,7 @@ class Rows:
     def __init__(self, config: ConnectorConfig, engine, store: ChunkStore, planner: Planner):
         self.config, self.engine, self.store, self.planner = config, engine, store, planner
         self.passages = PromptPassages(engine, store, share_across_tenants=config.share_across_tenants)
-        self.strategy = build_strategy(config.strategy)
+        self.strategies = {config.strategy: build_strategy(config.strategy)}
 
     def prefix_rows(self, token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The stored rows [layers, H, len - 1, D] of this exact prompt, or None (gone)."""
@@ -107,10 +107,14 @@ class Rows:
             return None
         return tensors["keys"], tensors["values"]
 
-    def fused_rows(self, token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    def fused_rows(self, token_ids: list[int], strategy: str | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """Post-RoPE rows [layers, H, len, D] of the prompt fused from its stored spans
-        (new spans computed in place and stored), and what the fusion did."""
+        (new spans computed in place and stored) with `strategy` (None: the config's), and
+        what the fusion did."""
         started = time.perf_counter()
+        spec = strategy or self.config.strategy
+        if spec not in self.strategies:
+            self.strategies[spec] = build_strategy(spec)
         model = self.engine.model
         plan = self.passages.plan(self.config.tenant, token_ids, 0)
         if plan is None:  # the spans the scheduler saw are no longer there: a plain prefill
@@ -119,14 +123,16 @@ class Rows:
         first = plan.spans[0].start
         prefix_cache = model.new_cache(first)
         model.prefill(torch.tensor(token_ids[:first]), prefix_cache)
-        fused = self.passages.fuse(token_ids, plan, prefix_cache, self.strategy, 0, first)
+        fused = self.passages.fuse(token_ids, plan, prefix_cache, self.strategies[spec], 0, first)
         cache = fused.fusion.cache
         info = {
+            "strategy": spec,
             "hits": plan.hits,
             "misses": plan.misses,
             "reused_tokens": plan.reused_tokens,
             "recomputed_tokens": fused.fusion.recomputed_tokens,
             "seconds": round(time.perf_counter() - started, 4),
+            "timings": {name: round(value, 4) for name, value in fused.fusion.timings.items()},
         }
         return cache.keys[:, :, : len(token_ids)], cache.values[:, :, : len(token_ids)], info
 
