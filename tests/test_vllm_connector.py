@@ -68,25 +68,7 @@ def _external_hits(server: VllmServer) -> float:
 def _ask(server: VllmServer, ids: list[int], **kv_transfer_params) -> dict:
     """A greedy answer (8 tokens, top-5 logprobs) with vLLM's prefix cache emptied first."""
     server.reset_prefix_cache()
-    if kv_transfer_params:
-        return _complete_with(server, ids, kv_transfer_params)
-    return complete(server.url, ids, 8, 5)
-
-
-def _complete_with(server: VllmServer, ids: list[int], kv_transfer_params: dict) -> dict:
-    body = {
-        "model": "model",
-        "prompt": ids,
-        "max_tokens": 8,
-        "temperature": 0,
-        "logprobs": 5,
-        "return_tokens_as_token_ids": True,
-        "kv_transfer_params": kv_transfer_params,
-    }
-    choice = httpx.post(f"{server.url}/v1/completions", json=body, timeout=600).json()["choices"][0]
-    tokens = [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]]
-    first = {int(k.removeprefix("token_id:")): v for k, v in choice["logprobs"]["top_logprobs"][0].items()}
-    return {"tokens": tokens, "first": first}
+    return complete(server.url, ids, 8, 5, kv_transfer_params)
 
 
 def test_repeated_prompt_and_reordered_passages(server):

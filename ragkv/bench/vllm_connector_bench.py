@@ -6,7 +6,8 @@ nothing and saves nothing), so both sides run on the same machine, weights and p
 vLLM's own prefix cache is reset before every request. Per example, in order:
 
     seen        the passages in the dataset's order: vLLM computes the prompt; the
-                connector stores its passage spans and the whole prompt
+                connector stores its passage spans and the whole prompt (--seen alone:
+                instead each passage in a prompt of its own, and no repeat below)
     full        the passages shuffled, vLLM alone: the reference (TTFT, first-token
                 logprobs, greedy answer)
     fused       the same shuffled prompt: the connector fuses the stored spans on ragkv's
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import statistics
 import time
@@ -50,8 +52,14 @@ class ConnectorBenchConfig:
     passages: int = 10
     max_tokens: int = 32
     logprobs: int = 100
-    strategy: str = "probe"
+    strategies: tuple[str, ...] = ("probe",)
+    """Fusion strategies measured, each on its own request (kv_transfer_params ragkv_strategy)."""
     seed: int = 0
+    seen: str = "prompt"
+    """How the passages were seen before: "prompt" (the whole prompt in the dataset's order,
+    computed by vLLM: its spans carry that context; then the repeated-prompt check) or
+    "alone" (each passage in a prompt of its own with the question, as ingestion sees a
+    chunk without its neighbours; no repeated-prompt check)."""
 
 
 def prompt_ids(tokenizer, passages: list[str], question: str) -> list[int]:
@@ -66,7 +74,12 @@ def prompt_ids(tokenizer, passages: list[str], question: str) -> list[int]:
 
 
 def complete(
-    url: str, ids: list[int], max_tokens: int, logprobs: int, ragkv: bool = True, model: str = "model"
+    url: str,
+    ids: list[int],
+    max_tokens: int,
+    logprobs: int,
+    kv_transfer_params: dict | None = None,
+    model: str = "model",
 ) -> dict:
     """One streamed greedy completion: TTFT at the client, token ids, first-token top logprobs."""
     body = {
@@ -78,8 +91,8 @@ def complete(
         "stream": True,
         "return_tokens_as_token_ids": True,
     }
-    if not ragkv:
-        body["kv_transfer_params"] = {"ragkv": "off"}
+    if kv_transfer_params:
+        body["kv_transfer_params"] = kv_transfer_params
     started = time.perf_counter()
     ttft, tokens, first, request_id = None, [], None, None
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=1800) as response:
@@ -143,7 +156,7 @@ def run_connector_bench(config: ConnectorBenchConfig, work_dir: Path, progress: 
     tokenizer = AutoTokenizer.from_pretrained(config.model)
     start, end = config.examples
     examples = load_examples(config.dataset, end, config.passages)[start:end]
-    connector = {"store_url": f"lmdb://{work_dir / 'store'}", "strategy": config.strategy}
+    connector = {"store_url": f"lmdb://{work_dir / 'store'}", "strategy": config.strategies[0]}
     server = VllmServer(
         config.python,
         config.model,
@@ -156,69 +169,109 @@ def run_connector_bench(config: ConnectorBenchConfig, work_dir: Path, progress: 
     with server:
         progress(f"vLLM + RagkvConnector up in {time.perf_counter() - started:.0f} s at {server.url}")
         warm = prompt_ids(tokenizer, ["Hello."], "Hi?")
-        complete(server.url, warm, 2, 1, ragkv=False)
+        complete(server.url, warm, 2, 1, {"ragkv": "off"})
         for number, example in enumerate(examples, start=start):
             order = list(range(len(example.passages)))
             random.Random(config.seed * 100_003 + number).shuffle(order)
             seen_ids = prompt_ids(tokenizer, example.passages, example.question)
             shuffled_ids = prompt_ids(tokenizer, [example.passages[i] for i in order], example.question)
             results = {}
-            for name, ids, ragkv in (
-                ("seen", seen_ids, True),
-                ("full", shuffled_ids, False),
-                ("fused", shuffled_ids, True),
-                ("repeat", seen_ids, True),
-            ):
+            if config.seen == "alone":
+                passes = [
+                    (f"alone {i}", prompt_ids(tokenizer, [p], example.question), None)
+                    for i, p in enumerate(example.passages)
+                ]
+            else:
+                passes = [("seen", seen_ids, None)]
+            passes += [("full", shuffled_ids, {"ragkv": "off"})]
+            passes += [(f"fused {s}", shuffled_ids, {"ragkv_strategy": s}) for s in config.strategies]
+            if config.seen != "alone":
+                passes += [("repeat", seen_ids, None)]
+            for name, ids, params in passes:
                 server.reset_prefix_cache()
-                results[name] = complete(server.url, ids, config.max_tokens, config.logprobs, ragkv)
+                results[name] = complete(server.url, ids, config.max_tokens, config.logprobs, params)
             log = server.log_text()
-            kl, covered = first_token_kl(results["full"]["first"], results["fused"]["first"])
-            full_first = max(results["full"]["first"], key=results["full"]["first"].get)
-            fused_first = max(results["fused"]["first"], key=results["fused"]["first"].get)
+            full = results["full"]
             row = {
                 "example": number,
                 "prompt_tokens": len(shuffled_ids),
-                "ttft_full_s": results["full"]["ttft"],
-                "ttft_fused_s": results["fused"]["ttft"],
-                "ttft_seen_s": results["seen"]["ttft"],
-                "ttft_repeat_s": results["repeat"]["ttft"],
-                "speedup": results["full"]["ttft"] / results["fused"]["ttft"],
-                "repeat_speedup": results["seen"]["ttft"] / results["repeat"]["ttft"],
-                "first_token_kl": kl,
-                "kl_covered_mass": covered,
-                "first_token_equal": full_first == fused_first,
-                "answer_common_prefix": common_prefix(results["full"]["tokens"], results["fused"]["tokens"]),
-                "answer_tokens": len(results["full"]["tokens"]),
-                "repeat_identical": results["repeat"]["tokens"] == results["seen"]["tokens"],
-                "connector_fused": _connector_line(log, results["fused"]["id"], "fuse wrote"),
-                "connector_repeat": _connector_line(log, results["repeat"]["id"], "prefix wrote"),
-                "connector_saved": _connector_line(log, results["seen"]["id"], "saved"),
+                "load_average_1m": os.getloadavg()[0],
+                "ttft_full_s": full["ttft"],
+                "answer_tokens": len(full["tokens"]),
+                "strategies": {},
             }
+            if "repeat" in results:
+                seen, repeat = results["seen"], results["repeat"]
+                row.update(
+                    ttft_seen_s=seen["ttft"],
+                    ttft_repeat_s=repeat["ttft"],
+                    repeat_speedup=seen["ttft"] / repeat["ttft"],
+                    repeat_identical=repeat["tokens"] == seen["tokens"],
+                    connector_repeat=_connector_line(log, repeat["id"], "prefix wrote"),
+                    connector_saved=_connector_line(log, seen["id"], "saved"),
+                )
+            for strategy in config.strategies:
+                fused = results[f"fused {strategy}"]
+                kl, covered = first_token_kl(full["first"], fused["first"])
+                row["strategies"][strategy] = {
+                    "ttft_fused_s": fused["ttft"],
+                    "speedup": full["ttft"] / fused["ttft"],
+                    "first_token_kl": kl,
+                    "kl_covered_mass": covered,
+                    "first_token_equal": _top(full["first"]) == _top(fused["first"]),
+                    "answer_common_prefix": common_prefix(full["tokens"], fused["tokens"]),
+                    "answer_identical": full["tokens"] == fused["tokens"],
+                    "connector": _connector_line(log, fused["id"], "fuse wrote"),
+                }
             rows.append(row)
-            progress(
-                f"example {number}: {row['prompt_tokens']} tokens, full {row['ttft_full_s']:.2f} s, "
-                f"fused {row['ttft_fused_s']:.2f} s ({row['speedup']:.1f}x), KL {kl:.4f}, "
-                f"first equal {row['first_token_equal']}, repeat identical {row['repeat_identical']} "
-                f"({row['ttft_repeat_s']:.2f} s)"
+            fused_text = ", ".join(
+                f"{s} {r['ttft_fused_s']:.2f} s ({r['speedup']:.1f}x, KL {r['first_token_kl']:.4f})"
+                for s, r in row["strategies"].items()
             )
-    return {"config": {k: str(v) for k, v in config.__dict__.items()}, "rows": rows, "summary": summary(rows)}
+            repeat_text = (
+                f"repeat identical {row['repeat_identical']} ({row['ttft_repeat_s']:.2f} s), "
+                if "repeat" in results
+                else ""
+            )
+            progress(
+                f"example {number}: {row['prompt_tokens']} tokens, full {row['ttft_full_s']:.2f} s, {fused_text}, "
+                f"{repeat_text}load {row['load_average_1m']:.1f}"
+            )
+    return {
+        "config": {k: str(v) for k, v in config.__dict__.items()},
+        "rows": rows,
+        "summary": summary(rows, config.strategies),
+    }
 
 
-def summary(rows: list[dict]) -> dict:
+def _top(logprobs: dict[int, float]) -> int | None:
+    return max(logprobs, key=logprobs.get) if logprobs else None
+
+
+def summary(rows: list[dict], strategies: tuple[str, ...]) -> dict:
     if not rows:
         return {}
-    return {
+    result = {
         "examples": len(rows),
         "prompt_tokens_median": statistics.median(r["prompt_tokens"] for r in rows),
         "ttft_full_median_s": statistics.median(r["ttft_full_s"] for r in rows),
-        "ttft_fused_median_s": statistics.median(r["ttft_fused_s"] for r in rows),
-        "speedup_median": statistics.median(r["speedup"] for r in rows),
-        "speedup_of_totals": sum(r["ttft_full_s"] for r in rows) / sum(r["ttft_fused_s"] for r in rows),
-        "first_token_kl_mean": statistics.fmean(r["first_token_kl"] for r in rows),
-        "first_token_kl_median": statistics.median(r["first_token_kl"] for r in rows),
-        "first_token_equal": sum(r["first_token_equal"] for r in rows),
-        "answer_common_prefix_mean": statistics.fmean(r["answer_common_prefix"] for r in rows),
-        "repeat_identical": sum(r["repeat_identical"] for r in rows),
-        "ttft_repeat_median_s": statistics.median(r["ttft_repeat_s"] for r in rows),
-        "ttft_seen_median_s": statistics.median(r["ttft_seen_s"] for r in rows),
+        "load_average_1m_median": statistics.median(r["load_average_1m"] for r in rows),
+        "strategies": {},
     }
+    if all("repeat_identical" in r for r in rows):
+        result["repeat_identical"] = sum(r["repeat_identical"] for r in rows)
+        result["ttft_repeat_median_s"] = statistics.median(r["ttft_repeat_s"] for r in rows)
+        result["ttft_seen_median_s"] = statistics.median(r["ttft_seen_s"] for r in rows)
+    for strategy in strategies:
+        per = [r["strategies"][strategy] for r in rows]
+        result["strategies"][strategy] = {
+            "ttft_fused_median_s": statistics.median(p["ttft_fused_s"] for p in per),
+            "speedup_median": statistics.median(p["speedup"] for p in per),
+            "speedup_of_totals": sum(r["ttft_full_s"] for r in rows) / sum(p["ttft_fused_s"] for p in per),
+            "first_token_kl_mean": statistics.fmean(p["first_token_kl"] for p in per),
+            "first_token_kl_median": statistics.median(p["first_token_kl"] for p in per),
+            "first_token_equal": sum(p["first_token_equal"] for p in per),
+            "answer_identical": sum(p["answer_identical"] for p in per),
+            "answer_common_prefix_mean": statistics.fmean(p["answer_common_prefix"] for p in per),
+        }
+    return result

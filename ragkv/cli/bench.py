@@ -1,7 +1,7 @@
 """`ragkv bench store | fusion | sparse | decode | kernels | retrieval | ingest | soak`: argument parsing and
 result tables (sparse: ragkv.cli.bench_sparse, decode: ragkv.cli.bench_decode, kernels: ragkv.cli.bench_kernels,
 retrieval: ragkv.cli.bench_retrieval, ingest: ragkv.cli.bench_ingest, soak: ragkv.cli.bench_soak,
-passages: ragkv.cli.bench_passages)."""
+passages: ragkv.cli.bench_passages, vllm-connector: ragkv.cli.bench_vllm)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from ragkv.cli import (
     bench_retrieval,
     bench_soak,
     bench_sparse,
+    bench_vllm,
 )
 from ragkv.cli.command import Command, CommandParser
 from ragkv.cli.options import add_common_options, runtime_config
@@ -171,6 +172,12 @@ def configure(bench: argparse.ArgumentParser) -> None:
     )
     bench_passages.configure(passages)
 
+    vllm_connector = kinds.add_parser(
+        "vllm-connector",
+        help="vLLM with RagkvConnector against vLLM alone: TTFT, first-token KL, a repeated prompt token for token",
+    )
+    bench_vllm.configure(vllm_connector)
+
 
 def run(args: argparse.Namespace) -> int:
     handlers = {
@@ -184,6 +191,7 @@ def run(args: argparse.Namespace) -> int:
         "soak": bench_soak.run,
         "ingest": bench_ingest.run,
         "passages": bench_passages.run,
+        "vllm-connector": bench_vllm.run,
     }
     results = handlers[args.bench](args)
     if args.json:

@@ -197,13 +197,28 @@ class RagkvConnector(KVConnectorBase_V1):
                 found.append((extract_layer_index(name), name, layer))
         return sorted(found, key=lambda item: item[0])
 
+    def _heads(self, cache: torch.Tensor) -> slice:
+        """The KV heads this worker's cache holds (a tensor-parallel rank holds a share, and
+        replicas of one head when there are more ranks than heads)."""
+        total, here = self.rows.engine.spec.num_kv_heads, cache.shape[1]
+        if here == total:
+            return slice(None)
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        rank, ranks = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        if here * ranks == total:
+            return slice(rank * here, (rank + 1) * here)
+        if here == 1 and ranks > total:
+            head = rank * total // ranks
+            return slice(head, head + 1)
+        raise ValueError(f"cannot tell which of {total} KV heads a cache of {here} holds at rank {rank} of {ranks}")
+
     def _layout(self, layer: Any) -> PagedLayout:
         cache = layer.kv_cache
         key = (type(layer.impl).__name__, tuple(cache.shape[1:]), cache.dtype, str(cache.device))
         if key not in self._layouts:
-            spec = self.rows.engine.spec
             write = lambda k, v, c, s: layer.impl.do_kv_cache_update(layer, k, v, c, s)  # noqa: E731
-            self._layouts[key] = PagedLayout(write, cache, spec.num_kv_heads, spec.head_dim)
+            self._layouts[key] = PagedLayout(write, cache, cache.shape[1], self.rows.engine.spec.head_dim)
         # the layout is the backend's and the shape's; the write goes through this layer
         return _bound(self._layouts[key], layer)
 
@@ -227,8 +242,9 @@ class RagkvConnector(KVConnectorBase_V1):
                 continue
             slots = slots_of(work.block_ids, self.block_size, work.start, end)
             for index, _, layer in self._attention_layers():
+                heads = self._heads(layer.kv_cache)
                 self._layout(layer).write_rows(
-                    layer.kv_cache, slots, keys[index, :, work.start : end], values[index, :, work.start : end]
+                    layer.kv_cache, slots, keys[index, heads, work.start : end], values[index, heads, work.start : end]
                 )
             log.info(
                 "request %s: %s wrote rows [%d, %d) in %.3f s %s",
@@ -256,6 +272,11 @@ class RagkvConnector(KVConnectorBase_V1):
             end = len(work.token_ids) - 1
             slots = slots_of(work.block_ids, self.block_size, 0, end)
             layers = self._attention_layers()
+            partial = len(layers) != self.rows.engine.spec.num_layers
+            if partial or any(self._heads(layer.kv_cache) != slice(None) for _, _, layer in layers):
+                # a rank holds some layers or heads only: what it could store is not a whole chunk
+                log.warning("RagkvConnector saves nothing under tensor or pipeline parallelism (untested there)")
+                return
             keys, values = [], []
             for _, _, layer in layers:
                 k, v = self._layout(layer).read(layer.kv_cache, slots)
