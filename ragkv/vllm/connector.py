@@ -32,7 +32,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 from ragkv.fusion import build_strategy
 from ragkv.vllm.config import ConnectorConfig
 from ragkv.vllm.paged import PagedLayout, slots_of
-from ragkv.vllm.reuse import FUSE, NONE, PREFIX, Decision, Planner, Rows, prefix_fingerprint
+from ragkv.vllm.reuse import NONE, PREFIX, Decision, Planner, Rows, prefix_fingerprint
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -108,6 +108,7 @@ class RagkvConnector(KVConnectorBase_V1):
             self.rows = Rows(self.config, engine, store, self.planner)
             self._layers: dict[str, Any] = {}
             self._layouts: dict[tuple, PagedLayout] = {}
+            self._failed_blocks: set[int] = set()
         log.info("RagkvConnector (%s): %s", role.name, self.config)
 
     # -- scheduler side ------------------------------------------------------------------
@@ -227,34 +228,42 @@ class RagkvConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, RagkvMetadata)
         for work in meta.loads:
-            started = time.perf_counter()
-            end = len(work.token_ids) - 1
-            if work.mode == PREFIX:
-                rows = self.rows.prefix_rows(work.token_ids)
-                info: dict = {}
-                if rows is None:  # evicted since the scheduler looked: fuse whatever is there
-                    keys, values, info = self.rows.fused_rows(work.token_ids, work.strategy)
-                else:
-                    keys, values = rows
-            elif work.mode == FUSE:
-                keys, values, info = self.rows.fused_rows(work.token_ids, work.strategy)
-            else:
-                continue
-            slots = slots_of(work.block_ids, self.block_size, work.start, end)
-            for index, _, layer in self._attention_layers():
-                heads = self._heads(layer.kv_cache)
-                self._layout(layer).write_rows(
-                    layer.kv_cache, slots, keys[index, heads, work.start : end], values[index, heads, work.start : end]
-                )
-            log.info(
-                "request %s: %s wrote rows [%d, %d) in %.3f s %s",
-                work.req_id,
-                work.mode,
-                work.start,
-                end,
-                time.perf_counter() - started,
-                info,
+            try:
+                self._load(work)
+            except Exception:
+                # vLLM's kv_load_failure_policy decides: the request fails or recomputes
+                # these blocks; the worker and the other requests go on
+                log.exception("request %s: ragkv could not provide its rows", work.req_id)
+                self._failed_blocks.update(work.block_ids[work.start // self.block_size :])
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    def _load(self, work: RequestWork) -> None:
+        started = time.perf_counter()
+        end = len(work.token_ids) - 1
+        info: dict = {}
+        rows = self.rows.prefix_rows(work.token_ids) if work.mode == PREFIX else None
+        if rows is not None:
+            keys, values = rows
+        else:  # a fusion, or a prompt evicted since the scheduler looked: fuse whatever is there
+            keys, values, info = self.rows.fused_rows(work.token_ids, work.strategy)
+        slots = slots_of(work.block_ids, self.block_size, work.start, end)
+        for index, _, layer in self._attention_layers():
+            heads = self._heads(layer.kv_cache)
+            self._layout(layer).write_rows(
+                layer.kv_cache, slots, keys[index, heads, work.start : end], values[index, heads, work.start : end]
             )
+        log.info(
+            "request %s: %s wrote rows [%d, %d) in %.3f s %s",
+            work.req_id,
+            work.mode,
+            work.start,
+            end,
+            time.perf_counter() - started,
+            info,
+        )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # start_load_kv writes every layer before the forward starts
