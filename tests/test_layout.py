@@ -21,7 +21,7 @@ PACKAGE = REPO / "ragkv"
 
 ENGINE = ("ragkv.engine", "ragkv.fusion", "ragkv.sparse")
 LEAVES = ("ragkv.kernels", "ragkv.store")
-APPLICATION = ("ragkv.app", "ragkv.ingest", "ragkv.api", "ragkv.cli", "ragkv.bench")
+APPLICATION = ("ragkv.app", "ragkv.ingest", "ragkv.api", "ragkv.cli", "ragkv.bench", "ragkv.vllm")
 
 # Error types every layer may raise and the API maps to statuses: the API may import these
 # modules of lower layers, and nothing else of them.
@@ -36,6 +36,8 @@ ALLOWED = {
     "ragkv.sparse": ENGINE + ("ragkv.kernels",),
     "ragkv.ingest": ENGINE + LEAVES + ("ragkv.ingest",),
     "ragkv.app": ENGINE + LEAVES + ("ragkv.ingest", "ragkv.app"),
+    # The vLLM connector is a front end like the API, composing the application's parts.
+    "ragkv.vllm": ENGINE + LEAVES + ("ragkv.ingest", "ragkv.app", "ragkv.vllm"),
     # The API converts requests and responses: it composes nothing below the application.
     "ragkv.api": ("ragkv.app", "ragkv.api") + SHARED_ERRORS,
 }

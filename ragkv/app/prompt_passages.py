@@ -25,12 +25,13 @@ from dataclasses import dataclass
 
 from ragkv.app.usage import Usage
 from ragkv.engine import Engine
+from ragkv.engine.fingerprint import KV_FORMAT_VERSION
 from ragkv.engine.kv_cache import KVCache
 from ragkv.fusion import FusionInput, FusionResult, FusionStrategy, LoadedChunk
 from ragkv.ingest.pipeline import chunk_key
 from ragkv.ingest.spans import Span, SpanConfig, SpanFinder
 from ragkv.store.base import ChunkStore
-from ragkv.store.keys import hash_tokens
+from ragkv.store.keys import ChunkKey, hash_tokens
 
 log = logging.getLogger("ragkv.app.prompt_passages")
 
@@ -89,6 +90,27 @@ class FusedPassages:
     usage: Usage
 
 
+class SpanKeys:
+    """Where the passage spans of a prompt are and their chunk keys. Needs no model, only
+    the tokenizer and the engine's fingerprint: the vLLM connector's scheduler side asks
+    the store with these keys which spans it holds before any worker loads them."""
+
+    def __init__(
+        self, tokenizer, fingerprint: str, config: SpanConfig = SpanConfig(), share_across_tenants: bool = False
+    ):
+        self.finder = SpanFinder(tokenizer, config)
+        self.fingerprint = fingerprint
+        self.share_across_tenants = share_across_tenants
+
+    def find(self, tenant: str, token_ids: list[int], start: int) -> tuple[list[Span], list[str], list[ChunkKey]]:
+        """The spans in token_ids[start:], their hashes under the tenant's salt and keys."""
+        # a span needs a prefix before it (the template's opening at least) to be fused into
+        spans = [span for span in self.finder.spans(token_ids, start) if span.start > 0]
+        namespace = "" if self.share_across_tenants else tenant
+        hashes = [hash_tokens(token_ids[span.start : span.end], namespace) for span in spans]
+        return spans, hashes, [ChunkKey(self.fingerprint, h, KV_FORMAT_VERSION) for h in hashes]
+
+
 class PromptPassages:
     """Finds, loads, fuses and stores the passages of prompts for one engine and store."""
 
@@ -97,19 +119,17 @@ class PromptPassages:
     ):
         self.engine = engine
         self.store = store
-        self.finder = SpanFinder(engine.tokenizer, config)
+        self.keys = SpanKeys(engine.tokenizer, engine.fingerprint, config, share_across_tenants)
+        self.finder = self.keys.finder
         self.share_across_tenants = share_across_tenants
         self.counters = SpanCounters()
 
     def plan(self, tenant: str, token_ids: list[int], start: int) -> PassagePlan | None:
         """The passages in token_ids[start:] (None when there are none)."""
-        # a span needs a prefix before it (the template's opening at least) to be fused into
-        spans = [span for span in self.finder.spans(token_ids, start) if span.start > 0]
+        spans, hashes, keys = self.keys.find(tenant, token_ids, start)
         if not spans:
             return None
-        namespace = "" if self.share_across_tenants else tenant
-        hashes = [hash_tokens(token_ids[span.start : span.end], namespace) for span in spans]
-        stored = self.store.get_many([chunk_key(self.engine, h) for h in hashes])
+        stored = self.store.get_many(keys)
         checked = [tensors if _holds(tensors, token_ids, span) else None for tensors, span in zip(stored, spans)]
         return PassagePlan(spans, hashes, checked)
 

@@ -1,6 +1,6 @@
 """`ragkv bench store | fusion | sparse | decode | kernels | geometry | retrieval | ingest | soak |
-passages`: argument parsing and result tables (each kind but store, fusion and conversation
-in its own module: ragkv.cli.bench_<kind>)."""
+passages | vllm-connector`: argument parsing and result tables (each kind but store, fusion and
+conversation in its own module: ragkv.cli.bench_<kind>; vllm-connector: ragkv.cli.bench_vllm)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from ragkv.cli import (
     bench_retrieval,
     bench_soak,
     bench_sparse,
+    bench_vllm,
 )
 from ragkv.cli.command import Command, CommandParser
 from ragkv.cli.options import add_common_options, runtime_config
@@ -186,6 +187,12 @@ def configure(bench: argparse.ArgumentParser) -> None:
     )
     bench_passages.configure(passages)
 
+    vllm_connector = kinds.add_parser(
+        "vllm-connector",
+        help="vLLM with RagkvConnector against vLLM alone: TTFT, first-token KL, a repeated prompt token for token",
+    )
+    bench_vllm.configure(vllm_connector)
+
 
 def run(args: argparse.Namespace) -> int:
     handlers = {
@@ -200,6 +207,7 @@ def run(args: argparse.Namespace) -> int:
         "soak": bench_soak.run,
         "ingest": bench_ingest.run,
         "passages": bench_passages.run,
+        "vllm-connector": bench_vllm.run,
     }
     results = handlers[args.bench](args)
     if args.json:

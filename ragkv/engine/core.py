@@ -22,6 +22,22 @@ from ragkv.engine.prompt import ChatPrompt
 log = logging.getLogger("ragkv.engine")
 
 
+def chunk_fingerprint(config: EngineConfig, model_dir, spec=None, chunk_prefix_ids: list[int] | None = None) -> str:
+    """The fingerprint an Engine of `config` over `model_dir` keys its chunks by, without
+    loading the weights (the vLLM connector's scheduler side looks chunks up with it)."""
+    if spec is None:
+        from transformers import AutoConfig
+
+        from ragkv.engine.model_spec import ModelSpec
+
+        spec = ModelSpec.from_hf_config(AutoConfig.from_pretrained(model_dir))
+    if chunk_prefix_ids is None:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        chunk_prefix_ids = ChatPrompt(tokenizer, config.system_prompt).prefix_ids if config.precompute_prefix else []
+    descriptor = KV_STORAGE_FORMATS[config.kv_storage].descriptor
+    return model_fingerprint(model_dir, spec, descriptor, chunk_prefix_ids, config.numerics())
+
+
 class Engine:
     def __init__(self, config: EngineConfig = EngineConfig()):
         self.config = config
@@ -40,9 +56,7 @@ class Engine:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.kv_format = KV_STORAGE_FORMATS[config.kv_storage]
         self.chunk_prefix_ids = self.prompt.prefix_ids if config.precompute_prefix else []
-        self.fingerprint = model_fingerprint(
-            self.model_dir, self.model.spec, self.kv_format.descriptor, self.chunk_prefix_ids, self.model.numerics
-        )
+        self.fingerprint = chunk_fingerprint(config, self.model_dir, self.model.spec, self.chunk_prefix_ids)
         # built now rather than at the first request's first token (a first build takes ~1 min)
         self.model.compiled_decoder()
         self.load_seconds = time.perf_counter() - started
