@@ -42,7 +42,7 @@ def teacher_forced(model, ids: torch.Tensor, tokens: list[int] | None = None, st
 def fused_kl(model, spec: str) -> float:
     """KL(full prefill || fused) of the first answer token (tiny_models.fusion_case); also
     checks that the fused cache decodes."""
-    from tiny_models import fusion_case
+    from fusion_cases import fusion_case
 
     from ragkv.bench.metrics import kl_divergence
     from ragkv.fusion import build_strategy
@@ -56,7 +56,8 @@ def fused_kl(model, spec: str) -> float:
 
 def check_on_gpu() -> list[str]:
     sys.path.insert(0, str(Path(__file__).parent))
-    from test_sparse_support import full_budget_and_dense, write_tiny_llama
+    from sparse_cases import full_budget_and_dense
+    from tiny_models import make_tiny_model
 
     from ragkv.engine.model import CausalLM
     from ragkv.fusion import STRATEGY_NAMES
@@ -72,7 +73,14 @@ def check_on_gpu() -> list[str]:
         except Exception:  # every failure is collected and reported together
             failures.append(f"{name}:\n{traceback.format_exc(limit=6)}")
 
-    folder = write_tiny_llama(Path(tempfile.mkdtemp()), heads=8, kv_heads=2, head_dim=64, hidden=256)
+    folder = make_tiny_model(
+        "llama-sparse",
+        Path(tempfile.mkdtemp()),
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        hidden_size=256,
+    )
     cpu = CausalLM.load(folder)
     codebook = calibrate(
         cpu,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_sparse_support import write_tiny_llama
+from tiny_models import make_tiny_model
 
 from ragkv.api.launcher import ServerProcess
 from ragkv.app.fusion_calibration import (
@@ -27,7 +27,7 @@ FLOAT32 = ["--weights", "float32", "--prefill-weights", "float32", "--kv-cache-d
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    folder = write_tiny_llama(tmp_path_factory.mktemp("tiny-llama-calibration"), with_tokenizer=True)
+    folder = make_tiny_model("llama-sparse", tmp_path_factory.mktemp("tiny-llama-calibration"), tokenizer=True)
     patch = pytest.MonkeyPatch()
     patch.setenv("RAGKV_CACHE", str(tmp_path_factory.mktemp("ragkv-cache")))
     yield folder

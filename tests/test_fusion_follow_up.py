@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_fusion import fused_case
+from fusion_cases import fused_case
 
 from ragkv.bench.metrics import kl_divergence
 from ragkv.engine.model import Projection

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from document_files import PAGE_FACTS, docx_bytes, pdf_bytes
 
 from ragkv.app.rag import RagPipeline
 from ragkv.app.storage import Storage, StorageConfig
@@ -26,7 +27,6 @@ from ragkv.ingest.pipeline import IngestConfig, Ingestor
 from ragkv.ingest.registry_lmdb import LMDBRegistry
 from ragkv.store.lmdb_env import LMDBEnvironment
 from ragkv.store.lmdb_store import LMDBStore
-from tests.test_ingest_formats import PAGE_FACTS, docx_bytes, pdf_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 

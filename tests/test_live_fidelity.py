@@ -9,8 +9,8 @@ import time
 
 import pytest
 import torch
-from test_fusion import TEXTS
-from test_sparse_support import write_tiny_llama
+from fusion_cases import TEXTS
+from tiny_models import make_tiny_model
 
 from ragkv.api.config import ServeConfig
 from ragkv.api.metrics import Metrics
@@ -43,7 +43,7 @@ PIECE = 32
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    folder = write_tiny_llama(tmp_path_factory.mktemp("tiny-llama-live-fidelity"), with_tokenizer=True)
+    folder = make_tiny_model("llama-sparse", tmp_path_factory.mktemp("tiny-llama-live-fidelity"), tokenizer=True)
     previous = os.environ.get("RAGKV_CACHE")
     os.environ["RAGKV_CACHE"] = str(tmp_path_factory.mktemp("ragkv-cache"))  # weight digests stay out of ~/.cache
     try:

@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from test_sparse_support import write_tiny_llama
+from tiny_models import make_tiny_model
 
 from ragkv.app.codebooks import CODEBOOK_DB, attach_codebook, load_codebook, save_codebook
 from ragkv.app.generate import decode
@@ -32,7 +32,7 @@ TEXT = (
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    folder = write_tiny_llama(tmp_path_factory.mktemp("tiny-llama-tok"), with_tokenizer=True)
+    folder = make_tiny_model("llama-sparse", tmp_path_factory.mktemp("tiny-llama-tok"), tokenizer=True)
     previous = os.environ.get("RAGKV_CACHE")
     os.environ["RAGKV_CACHE"] = str(tmp_path_factory.mktemp("ragkv-cache"))  # weight digests stay out of ~/.cache
     try:
