@@ -9,6 +9,7 @@ from pydantic import ConfigDict, Field, StrictBool
 from ragkv.api.schemas import (
     STOP_DESCRIPTION,
     GenerationRequest,
+    Integer,
     RetrievalOptions,
     Stop,
     StreamOptions,
@@ -20,7 +21,7 @@ MAX_PROMPTS = 16
 MAX_EMBEDDING_INPUTS = 256  # OpenAI takes 2048; one request must not hold the CPU worker long
 MINILM_DIMENSION = 384
 
-TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+TokenIds = Annotated[list[Annotated[Integer, Field(ge=0)]], Field(min_length=1)]
 Prompt = (
     Annotated[str, Field(min_length=1)]
     | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)]
@@ -43,14 +44,14 @@ class CompletionRequest(GenerationRequest):
     prompt: Prompt = Field(
         description=f"a string, a list of up to {MAX_PROMPTS} strings (one choice each), or token ids"
     )
-    max_tokens: int = Field(16, ge=1, description="tokens to generate at most per prompt (OpenAI's default 16)")
+    max_tokens: Integer = Field(16, ge=1, description="tokens to generate at most per prompt (OpenAI's default 16)")
     stop: Stop = Field(None, description=STOP_DESCRIPTION)
     stream: StrictBool = Field(False, description="answer as server-sent events (text_completion chunks, then [DONE])")
     stream_options: StreamOptions | None = Field(None, description="streaming options: include_usage")
-    n: int = Field(1, ge=1, le=1, description="choices per prompt: only 1 is served")
-    best_of: int | None = Field(None, ge=1, le=1, description="only 1 is served")
+    n: Integer = Field(1, ge=1, le=1, description="choices per prompt: only 1 is served")
+    best_of: Integer | None = Field(None, ge=1, le=1, description="only 1 is served")
     echo: StrictBool = Field(False, json_schema_extra={"enum": [False]}, description="echoing the prompt is not served")
-    logprobs: int | None = Field(
+    logprobs: Integer | None = Field(
         None,
         ge=0,
         le=MAX_LOGPROBS,
@@ -78,7 +79,7 @@ class EmbeddingRequest(UnicodeText):
     encoding_format: Literal["float", "base64"] = Field(
         "float", description="floats, or base64 of little-endian float32"
     )
-    dimensions: int | None = Field(
+    dimensions: Integer | None = Field(
         None,
         json_schema_extra={"anyOf": [{"type": "integer", "enum": [MINILM_DIMENSION]}, {"type": "null"}]},
         description=f"{MINILM_DIMENSION} or absent (vectors are not truncated)",

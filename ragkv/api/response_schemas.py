@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from ragkv.api.errors import ApiError
-from ragkv.api.schemas import SESSION_ID_PATTERN, ChatRag, GenerationRequest
+from ragkv.api.schemas import NOT_BLANK_SCHEMA, SESSION_ID_PATTERN, ChatRag, GenerationRequest, Integer
 
 
 class InputPart(BaseModel):
@@ -42,9 +42,11 @@ class InputMessage(BaseModel):
 
 class ResponseRequest(GenerationRequest):
     # fields whose meaning cannot be honoured are refused in `refuse_unsupported`
-    input: str | list[InputMessage] = Field(description="the user's text, or the conversation as message items")
+    input: (
+        Annotated[str, Field(json_schema_extra=NOT_BLANK_SCHEMA)] | Annotated[list[InputMessage], Field(min_length=1)]
+    ) = Field(description="the user's text, or the conversation as message items (the last one the user's)")
     instructions: str | None = Field(None, description="a system message placed before the input")
-    max_output_tokens: int | None = Field(None, ge=1, description="tokens to generate at most (the server caps it)")
+    max_output_tokens: Integer | None = Field(None, ge=1, description="tokens to generate at most (the server caps it)")
     stream: StrictBool = Field(
         False,
         description="answer as server-sent events (response.created, "

@@ -12,7 +12,16 @@ import json
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    field_validator,
+    model_validator,
+)
 
 from ragkv.api.config import ServeConfig
 from ragkv.api.errors import ApiError
@@ -96,6 +105,18 @@ def not_blank(value: str) -> str:
 
 NotBlank = Annotated[str, AfterValidator(not_blank)]
 
+
+def _integral(value: Any) -> Any:
+    """JSON Schema counts 1.0 as an integer: a number with no fraction is that integer."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Integer = Annotated[int, BeforeValidator(_integral)]
+"""An integer field of a request: JSON's 3 or 3.0 (as the published schema's `integer`
+allows), never "3" or true (the models are strict)."""
+
 Stop = (
     Annotated[str, Field(min_length=1)]
     | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=4)]
@@ -107,7 +128,7 @@ STOP_DESCRIPTION = "up to 4 non-empty strings that end the answer (not included)
 class RetrievalOptions(_Strict):
     """Retrieval and fusion options shared by /v1/query and the chat `rag` field."""
 
-    top_k: int = Field(5, ge=1, description="chunks retrieved (the server caps it, see --max-top-k)")
+    top_k: Integer = Field(5, ge=1, description="chunks retrieved (the server caps it, see --max-top-k)")
     document_ids: list[Annotated[str, Field(pattern=DOC_ID_PATTERN)]] | None = Field(
         None, min_length=1, max_length=256, description="restrict retrieval to these documents"
     )
@@ -128,6 +149,7 @@ class RetrievalOptions(_Strict):
     )
     filter: dict[str, Any] | None = Field(
         None,
+        min_length=1,
         description='retrieve only from documents whose metadata matches: {"team": "legal"}, '
         '{"team": {"$in": ["legal", "hr"]}}, {"year": {"$gte": 2020}} ($gt, $gte, $lt, $lte, $ne); every key must hold',
     )
@@ -170,7 +192,7 @@ class SparseOptions(_Strict):
         "estimated probabilities) or 'logits' (summed logits: cheaper); default: the selector's own ('logits' for "
         "a2ats, 'probs' for the others)",
     )
-    snapkv_capacity: int | None = Field(
+    snapkv_capacity: Integer | None = Field(
         None,
         ge=1,
         description="SnapKV: prompt rows kept per layer and KV head after "
@@ -203,10 +225,10 @@ class QueryRequest(RetrievalOptions, SparseOptions):
         json_schema_extra=NOT_BLANK_SCHEMA,
         description="the question, answered from the tenant's documents",
     )
-    max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=1, description="tokens to generate at most (the server caps it)")
+    max_tokens: Integer = Field(DEFAULT_MAX_TOKENS, ge=1, description="tokens to generate at most (the server caps it)")
     temperature: float = Field(0.0, ge=0, le=10, description="0: greedy decoding; above 0: sampling")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass (with temperature > 0)")
-    seed: int | None = Field(
+    seed: Integer | None = Field(
         None,
         ge=SEED_MIN,
         le=SEED_MAX,
@@ -292,7 +314,7 @@ class GenerationRequest(UnicodeText):
     )
     temperature: float | None = Field(None, ge=0, le=10, description="0 or absent: greedy decoding; above 0: sampling")
     top_p: float | None = Field(None, gt=0, le=1, description="nucleus sampling mass (with temperature > 0)")
-    seed: int | None = Field(
+    seed: Integer | None = Field(
         None,
         ge=SEED_MIN,
         le=SEED_MAX,
@@ -314,13 +336,13 @@ class ChatRequest(GenerationRequest):
         "user's. With a session only the last message is new: earlier ones are "
         "already in the session's KV",
     )
-    max_tokens: int | None = Field(
+    max_tokens: Integer | None = Field(
         None,
         ge=1,
         description=f"tokens to generate at most (default {DEFAULT_MAX_TOKENS}; "
         "the server caps it, see --max-new-tokens)",
     )
-    max_completion_tokens: int | None = Field(
+    max_completion_tokens: Integer | None = Field(
         None, ge=1, description="the same as max_tokens (OpenAI's newer name); wins when both are given"
     )
     stop: Stop = Field(None, description=STOP_DESCRIPTION)
@@ -328,11 +350,11 @@ class ChatRequest(GenerationRequest):
         False, description="answer as server-sent events (chat.completion.chunk objects, then [DONE])"
     )
     stream_options: StreamOptions | None = Field(None, description="streaming options: include_usage")
-    n: int = Field(1, ge=1, le=1, description="choices per request: only 1 is served")
+    n: Integer = Field(1, ge=1, le=1, description="choices per request: only 1 is served")
     logprobs: StrictBool | None = Field(
         None, description="true: return each answer token's log-probability (choices[].logprobs)"
     )
-    top_logprobs: int | None = Field(
+    top_logprobs: Integer | None = Field(
         None, ge=0, le=MAX_LOGPROBS, description="with logprobs: also the N most likely tokens at each position"
     )
     response_format: ResponseFormat | None = Field(None, description="only {'type': 'text'} is served")

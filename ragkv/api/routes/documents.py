@@ -42,7 +42,7 @@ from ragkv.api.state import AppState, app_state
 from ragkv.api.streaming import run_task
 from ragkv.api.task import Task
 from ragkv.app.ingest_records import CANCELLED, FAILED, SUCCEEDED, IngestRecord
-from ragkv.app.ingestion import IngestResult, check_document_text, read_upload
+from ragkv.app.ingestion import UPLOAD_MEDIA_TYPES, UPLOAD_SUFFIXES, IngestResult, check_document_text, read_upload
 from ragkv.app.request import RequestCancelled
 
 log = logging.getLogger("ragkv.api")
@@ -144,7 +144,9 @@ _DOCUMENT_BODY = {
                     "file": {
                         "type": "string",
                         "format": "binary",
-                        "description": "the document: .txt, .md, .html, .pdf, .docx, ...",
+                        "description": "the document, a file named "
+                        + ", ".join(UPLOAD_SUFFIXES)
+                        + " (or with no ending: read as text) that holds text",
                     },
                     "name": {"type": "string", "description": "its name (default: the file name)"},
                     "metadata": {"type": "string", "description": "a JSON object, as text"},
@@ -154,7 +156,8 @@ _DOCUMENT_BODY = {
                         "description": "POST: replace the newest document of the same name (default false)",
                     },
                 },
-            }
+            },
+            "encoding": {"file": {"contentType": ", ".join(UPLOAD_MEDIA_TYPES)}},
         },
     },
 }
