@@ -44,14 +44,14 @@ def fused_kl(model, spec: str) -> float:
     checks that the fused cache decodes."""
     from fusion_cases import fusion_case
 
-    from ragkv.bench.metrics import kl_divergence
     from ragkv.fusion import build_strategy
+    from ragkv.fusion.fidelity import next_token_kl
 
     fusion_input, prefix_cache, full = fusion_case(model, vocab=500)
     fused = build_strategy(spec).fuse(model, fusion_input, prefix_cache, extra_capacity=4)
     assert fused.cache.keys.dtype == model.dtype and torch.isfinite(fused.logits.float()).all()
     assert torch.isfinite(model.decode_step(int(fused.logits.argmax()), fused.cache).float()).all()
-    return float(kl_divergence(full.float().cpu(), fused.logits.float().cpu()))
+    return float(next_token_kl(full.float().cpu(), fused.logits.float().cpu()))
 
 
 def check_on_gpu() -> list[str]:
