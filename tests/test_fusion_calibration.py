@@ -21,6 +21,8 @@ from ragkv.cli.main import main
 from ragkv.engine import Engine, EngineConfig
 from ragkv.fusion import FusionConfig
 
+pytestmark = pytest.mark.model  # the packaged SmolLM2 tokenizer or model
+
 CORPUS = Path(__file__).resolve().parents[1] / "examples" / "corpus"
 FLOAT32 = ["--weights", "float32", "--prefill-weights", "float32", "--kv-cache-dtype", "float32"]
 

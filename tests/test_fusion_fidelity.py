@@ -70,6 +70,7 @@ def _qa_file(tmp_path, questions) -> Path:
     return data
 
 
+@pytest.mark.model
 def test_bench_fusion_reports_teacher_forced_figures_with_spread(tiny, tmp_path):
     folder, home = tiny
     data = _qa_file(tmp_path, ("When was the light automated?", "Who grows apples?", "How high is the observatory?"))
@@ -121,6 +122,7 @@ def test_bench_fusion_refuses_a_bad_example_range(tmp_path, capsys):
     assert exit_info.value.code == 2 and "START < END" in capsys.readouterr().err
 
 
+@pytest.mark.model
 def test_bench_conversation_fidelity_finds_the_whole_chunk_recompute_exact(tiny, tmp_path):
     """A follow-up's new chunk recomputed whole, reading every conversation row, is the
     exact answer; reusing it as stored is not."""

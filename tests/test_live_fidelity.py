@@ -116,6 +116,7 @@ def _kl_samples(metrics: Metrics, strategy: str) -> tuple[float | None, float | 
     )
 
 
+@pytest.mark.model
 def test_a_sampled_fused_request_is_measured_when_idle_against_a_full_prefill(engine):
     metrics = Metrics()
     scheduler = _scheduler(engine, 1.0, metrics, piece_tokens=PIECE)
@@ -139,6 +140,7 @@ def test_a_sampled_fused_request_is_measured_when_idle_against_a_full_prefill(en
     assert metrics.registry.get_sample_value("ragkv_fusion_fidelity_samples_dropped_total") == 0
 
 
+@pytest.mark.model
 def test_rate_zero_samples_nothing_and_a_full_recompute_is_never_sampled(engine):
     for rate, strategy in ((0.0, Probe(ratio=0.1)), (1.0, Full())):
         metrics = Metrics()
@@ -152,6 +154,7 @@ def test_rate_zero_samples_nothing_and_a_full_recompute_is_never_sampled(engine)
     assert fused_prompt_ids(fused[0]) is None  # full reused nothing
 
 
+@pytest.mark.model
 def test_a_request_arriving_during_a_sample_prefill_is_admitted_at_the_next_step(engine):
     metrics = Metrics()
     scheduler = _scheduler(engine, 1.0, metrics, piece_tokens=PIECE)
@@ -191,6 +194,7 @@ def rag(engine, tmp_path_factory):
     env.close()
 
 
+@pytest.mark.model
 def test_a_rag_query_and_a_rag_chat_turn_keep_their_fused_prompts(engine, rag):
     metrics = Metrics()
     scheduler = _scheduler(engine, 1.0, metrics)
@@ -220,6 +224,7 @@ def test_a_rag_query_and_a_rag_chat_turn_keep_their_fused_prompts(engine, rag):
     assert _kl_samples(metrics, "probe")[0] == 2
 
 
+@pytest.mark.model
 def test_the_model_worker_measures_samples_when_nothing_else_runs(engine):
     metrics = Metrics()
     scheduler = _scheduler(engine, 1.0, metrics, piece_tokens=PIECE)
@@ -247,6 +252,7 @@ def test_the_queue_of_samples_is_bounded_dropping_the_oldest():
     assert [s.strategy for s in fidelity.pending] == ["s1", "s2"] and fidelity.dropped == 1 and dropped == [1]
 
 
+@pytest.mark.model
 def test_chunked_prefill_gives_the_full_prefill_logits(engine):
     ids = engine.tokenize(TEXTS[0])
     prefill = ChunkedPrefill(engine.model, ids, 7)

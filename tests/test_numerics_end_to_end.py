@@ -11,6 +11,8 @@ from tiny_models import make_tiny_model
 from ragkv.cli.main import main
 from ragkv.fusion import STRATEGY_NAMES
 
+pytestmark = pytest.mark.model  # the packaged SmolLM2 tokenizer or model
+
 CORPUS = Path(__file__).resolve().parents[1] / "examples" / "corpus"
 OPTIONS = {
     "auto": [],

@@ -50,6 +50,7 @@ def test_parser_knows_the_sparse_commands():
     assert args.bench == "sparse" and args.selectors == ["a2ats", "lrqk"] and args.context_lengths == [2048, 4096]
 
 
+@pytest.mark.model
 def test_calibrate_stores_the_codebook_and_backfills_codes(setup, capsys):
     folder, home = setup
     common = ["--data-dir", str(home), "--model", str(folder)]
@@ -85,6 +86,7 @@ def test_calibrate_stores_the_codebook_and_backfills_codes(setup, capsys):
             assert torch.equal(codebook.codes_of(tensors), codebook.encode(keys))
 
 
+@pytest.mark.model
 def test_bench_sparse_writes_figures(setup, tmp_path, capsys):
     folder, home = setup
     data = tmp_path / "qa.json"

@@ -21,6 +21,8 @@ from ragkv.engine.model import CausalLM
 from ragkv.engine.model_files import resolve_model_dir
 from ragkv.engine.prompt import ChatPrompt
 
+pytestmark = pytest.mark.model  # the packaged SmolLM2 tokenizer or model
+
 CONFIG = QueryConfig(generation=GenerationConfig(max_new_tokens=6))
 LONG = " ".join(f"word{i}" for i in range(30))
 
