@@ -32,7 +32,7 @@ from ragkv.api.schemas import SEED_MAX
 from ragkv.engine.model_files import resolve_model_dir
 from ragkv.ingest.embedder import Embedder
 from ragkv.ingest.registry import ChunkRecord, DocumentRecord
-from ragkv.ingest.registry_lmdb import LMDBRegistry
+from ragkv.ingest.registry_lmdb import LMDBDocumentRegistry
 from ragkv.store.lmdb_env import LMDBEnvironment
 from ragkv.store.lmdb_store import CHUNKS_DB
 
@@ -57,7 +57,7 @@ def _seed_odd_document(db_path: Path) -> None:
             [ChunkRecord(0, "chunk_odd", 0, 3, 0, 11)],
             {"k": "\udfff"},
         )
-        LMDBRegistry(env).add(record, "odd content", np.zeros((1, 384), dtype=np.float32))
+        LMDBDocumentRegistry(env).add(record, "odd content", np.zeros((1, 384), dtype=np.float32))
     finally:
         env.close()
 

@@ -259,14 +259,14 @@ def test_worker_runs_its_jobs_on_the_thread_that_calls_run():
 def test_registry_of_another_replica_sees_new_documents(tmp_path):
     import numpy as np
 
-    from ragkv.ingest.registry import ChunkRecord, DocumentRecord, Registry
-    from ragkv.ingest.registry_lmdb import LMDBRegistry
+    from ragkv.ingest.registry import ChunkRecord, DocumentRecord, DocumentRegistry
+    from ragkv.ingest.registry_lmdb import LMDBDocumentRegistry
     from ragkv.store.lmdb_env import LMDBEnvironment
 
     env = LMDBEnvironment(tmp_path / "db")
-    replica_a, replica_b = LMDBRegistry(env), LMDBRegistry(env)  # separate caches, as in two processes
+    replica_a, replica_b = LMDBDocumentRegistry(env), LMDBDocumentRegistry(env)  # separate caches, as in two processes
 
-    def add(registry: Registry, doc_id: str, vector: list[float]) -> None:
+    def add(registry: DocumentRegistry, doc_id: str, vector: list[float]) -> None:
         record = DocumentRecord(
             doc_id,
             "t",

@@ -15,7 +15,7 @@ from ragkv.fusion.fidelity import next_token_kl
 from ragkv.ingest.embedder import Embedder
 from ragkv.ingest.journal import IngestJournal
 from ragkv.ingest.pipeline import IngestConfig, Ingestor
-from ragkv.ingest.registry_lmdb import LMDBRegistry
+from ragkv.ingest.registry_lmdb import LMDBDocumentRegistry
 from ragkv.store.keys import ChunkKey, hash_tokens
 from ragkv.store.lmdb_env import LMDBEnvironment
 from ragkv.store.lmdb_store import LMDBStore
@@ -84,7 +84,7 @@ def test_an_evicted_chunk_is_recomputed_and_put_back(engine, embedder, tmp_path)
         ingestor = Ingestor(
             engine,
             store,
-            LMDBRegistry(env),
+            LMDBDocumentRegistry(env),
             embedder,
             IngestJournal(env),
             IngestConfig(chunk_tokens=64, show_progress=False),

@@ -23,7 +23,7 @@ from ragkv.app.query import fused_prompt_ids, query_request
 from ragkv.app.rag import QueryConfig, RagPipeline
 from ragkv.app.request import Phase, Prepared, Request
 from ragkv.app.scheduler import Scheduler
-from ragkv.app.usage import Usage
+from ragkv.app.usage import TokenUsage
 from ragkv.cli.main import main
 from ragkv.engine import Engine, EngineConfig
 from ragkv.engine.chunked_prefill import ChunkedPrefill
@@ -33,7 +33,7 @@ from ragkv.fusion.fidelity import next_token_kl
 from ragkv.ingest.embedder import Embedder
 from ragkv.ingest.journal import IngestJournal
 from ragkv.ingest.pipeline import IngestConfig, Ingestor
-from ragkv.ingest.registry_lmdb import LMDBRegistry
+from ragkv.ingest.registry_lmdb import LMDBDocumentRegistry
 from ragkv.store.lmdb_env import LMDBEnvironment
 from ragkv.store.lmdb_store import LMDBStore
 
@@ -76,7 +76,7 @@ def _fused_request(engine, strategy, fused: list, max_new_tokens: int = 4) -> Re
     def prepare(request: Request) -> Prepared:
         fusion = strategy.fuse(engine.model, _fusion_input(engine), engine.chunk_prefix_cache(), max_new_tokens)
         fused.append(fusion)
-        usage = Usage.of_fusion(fusion)
+        usage = TokenUsage.of_fusion(fusion)
         return Prepared(fusion.cache, fusion.logits, usage, strategy.name, fused_prompt_ids=fused_prompt_ids(fusion))
 
     return Request("query", prepare, GenerationConfig(max_new_tokens=max_new_tokens), CollectingSink())
@@ -86,7 +86,7 @@ def _prefill_request(engine, max_new_tokens: int = 4) -> Request:
     def prepare(request: Request) -> Prepared:
         ids = engine.prompt.encode_messages([{"role": "user", "content": "Name three colours."}])
         cache, logits = engine.prefill(ids, max_new_tokens)
-        return Prepared(cache, logits, Usage(prompt_tokens=len(ids)), "none")
+        return Prepared(cache, logits, TokenUsage(prompt_tokens=len(ids)), "none")
 
     return Request("completion", prepare, GenerationConfig(max_new_tokens=max_new_tokens), CollectingSink())
 
@@ -187,7 +187,7 @@ def rag(engine, tmp_path_factory):
     store = LMDBStore(root / "chunks")
     embedder = Embedder()
     config = IngestConfig(chunk_tokens=48, show_progress=False)
-    ingestor = Ingestor(engine, store, LMDBRegistry(env), embedder, IngestJournal(env), config)
+    ingestor = Ingestor(engine, store, LMDBDocumentRegistry(env), embedder, IngestJournal(env), config)
     ingestor.ingest_text(" ".join(TEXTS), "places.txt")
     yield RagPipeline(engine, store, ingestor.registry, embedder)
     store.close()

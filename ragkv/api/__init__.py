@@ -6,6 +6,6 @@ api/protocol holds the response models the routes declare as `response_model`. T
 imports only ragkv.app (and shared error types): the engine, fusion, ingestion and store
 are the application's to compose. The model worker that owns the engine is api/worker.py
 (requests reach the scheduler through api/request_stream.py, other work is an api/task.py
-Task), what it runs is api/service.py, the session id check api/sessions.py, API keys
+Task), what it runs is api/model_work.py, the session id check api/sessions.py, API keys
 api/auth.py, metrics api/metrics.py.
 """

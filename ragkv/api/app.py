@@ -22,10 +22,10 @@ from ragkv.api.config import ServeConfig
 from ragkv.api.errors import install_error_handlers
 from ragkv.api.metrics import Metrics, Reading
 from ragkv.api.middleware import ServingMiddleware
+from ragkv.api.model_work import ModelWork
 from ragkv.api.openapi import install_docs
 from ragkv.api.responses import SafeJSONResponse
 from ragkv.api.routes import chat, completions, documents, query, responses, system
-from ragkv.api.service import Service
 from ragkv.api.state import AppState
 from ragkv.api.vllm_metrics import scheduler_reading
 from ragkv.api.web_page import install_web
@@ -169,11 +169,11 @@ def _build_state(config: ServeConfig, metrics: Metrics) -> AppState:
             max_queued=config.max_queued,
             on_finished=lambda task: metrics.jobs.labels(task.kind, task.outcome or "unknown").inc(),
         )
-        service = Service(runtime, config, metrics, sessions)
+        work = ModelWork(runtime, config, metrics, sessions)
         model_id = config.model_id or runtime.engine.model_name
         metrics.model_name = model_id
         metrics.vllm.declare(model_id)
-        state = AppState(config, runtime, worker, sessions, IngestRecords(runtime.env), metrics, service, model_id)
+        state = AppState(config, runtime, worker, sessions, IngestRecords(runtime.env), metrics, work, model_id)
     except BaseException:
         runtime.close()
         raise

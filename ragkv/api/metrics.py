@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ragkv.api.vllm_metrics import VllmMetrics
-from ragkv.app.usage import Usage
+from ragkv.app.usage import TokenUsage
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1, 1.5, 2, 3, 5, 8, 13, 20)
@@ -118,7 +118,7 @@ class Metrics:
     def add_scrape_time(self, read: Callable[[], Iterable[Reading]]) -> None:
         self.registry.register(_ScrapeTime(read))
 
-    def record_usage(self, usage: Usage, chunk_hits: int, chunk_misses: int) -> None:
+    def record_usage(self, usage: TokenUsage, chunk_hits: int, chunk_misses: int) -> None:
         self.tokens.labels("reused").inc(usage.cached_tokens)
         self.tokens.labels("recomputed").inc(usage.recomputed_tokens)
         self.tokens.labels("completion").inc(usage.completion_tokens)

@@ -9,7 +9,7 @@ import re
 
 from ragkv.api.errors import ApiError
 from ragkv.app.contexts import ContextStore
-from ragkv.app.request import Completion
+from ragkv.app.request import RequestOutput
 
 _SESSION_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 
@@ -23,7 +23,7 @@ def check_session_id(session_id: str) -> str:
 
 
 async def settle_shared(
-    sessions: ContextStore, tenant: str, session_id: str, outcome: Completion, wait_s: float
+    sessions: ContextStore, tenant: str, session_id: str, outcome: RequestOutput, wait_s: float
 ) -> None:
     """Wait (at most `wait_s`) until the anonymous context the turn left is published for
     other replicas, and say in the answer's `session.shared` whether it is: an answer whose

@@ -21,7 +21,7 @@ from ragkv.api.errors import ApiError, ClientGone, as_api_error, error_body, req
 from ragkv.api.request_stream import RequestStream, StreamEvent
 from ragkv.api.task import Task
 from ragkv.api.worker import ModelWorker
-from ragkv.app.request import Completion, RequestCancelled
+from ragkv.app.request import RequestCancelled, RequestOutput
 
 log = logging.getLogger("ragkv.api")
 
@@ -75,7 +75,7 @@ async def run_task(request: Request, worker: ModelWorker, task: Task) -> Any:
     return await _awaited(request, task)
 
 
-async def run_requests(request: Request, worker: ModelWorker, stream: RequestStream) -> list[Completion]:
+async def run_requests(request: Request, worker: ModelWorker, stream: RequestStream) -> list[RequestOutput]:
     """Submit the stream's requests and return their completions; cancel them if the
     client disconnects first."""
     worker.submit_requests(stream)
@@ -110,7 +110,7 @@ class EventStream:
             yield event
 
     @property
-    def completions(self) -> list[Completion]:
+    def completions(self) -> list[RequestOutput]:
         return self.stream.completions
 
     def cancel(self) -> None:
@@ -126,10 +126,10 @@ async def sse_events(
     request: Request,
     stream: EventStream,
     render: Callable[[StreamEvent], list[Any]],
-    finish: Callable[[list[Completion]], list[Any]],
+    finish: Callable[[list[RequestOutput]], list[Any]],
     encode: Callable[[Any], str] = sse,
     done: bool = True,
-    settle: Callable[[list[Completion]], Awaitable[None]] | None = None,
+    settle: Callable[[list[RequestOutput]], Awaitable[None]] | None = None,
 ) -> AsyncIterator[str]:
     """SSE body: `render(event)` for each event after the first, `finish(completions)` at
     the end, then [DONE] (unless `done` is false). An error mid-stream becomes one error

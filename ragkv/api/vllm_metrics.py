@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ragkv.api.serving.common import openai_finish_reason
-from ragkv.app.request import Completion, Request
+from ragkv.app.request import Request, RequestOutput
 
 LABELS = ["model_name", "engine"]
 ENGINE = "0"
@@ -102,7 +102,7 @@ class RequestRecord:
     """vLLM's reasons: 'stop' (end of sequence or a stop string) or 'length'."""
 
     @classmethod
-    def of(cls, request: Request, completion: Completion, finished: float | None = None) -> RequestRecord:
+    def of(cls, request: Request, completion: RequestOutput, finished: float | None = None) -> RequestRecord:
         """The record of a request that just finished (called from its on_finished hook)."""
         finished = time.perf_counter() if finished is None else finished
         timings = completion.timings

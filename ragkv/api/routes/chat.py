@@ -54,7 +54,7 @@ from ragkv.api.sources import sources_block
 from ragkv.api.state import AppState, app_state
 from ragkv.api.streaming import EventStream, run_requests, sse, sse_events
 from ragkv.app.contexts import new_context_id
-from ragkv.app.request import Completion
+from ragkv.app.request import RequestOutput
 
 router = APIRouter(tags=["chat"], default_response_class=SafeJSONResponse)
 
@@ -95,17 +95,17 @@ async def chat_completions(request: Request, response: Response, body: ChatReque
         max_tokens, body.temperature, body.top_p, body.seed, body.stop, state.config, logprobs=body.logprobs_count
     )
     config = query_config(rag, generation, state.config)
-    work = state.service.chat_stream(
+    work = state.work.chat_stream(
         chat_turn(tenant, messages, session_id if named else None, config, rag.enabled, body, state.config), session_id
     )
     completion_id = "chatcmpl-" + uuid.uuid4().hex[:24]
     created = int(time.time())
     headers = {"X-Session-Id": session_id}
 
-    async def settle(outcome: Completion) -> None:  # the context reaches other replicas before the answer ends
+    async def settle(outcome: RequestOutput) -> None:  # the context reaches other replicas before the answer ends
         await settle_shared(state.sessions, tenant, session_id, outcome, state.config.shared_publish_wait_s)
 
-    def sources(outcome: Completion) -> str:
+    def sources(outcome: RequestOutput) -> str:
         return sources_block(citations_of(outcome.citations), session_id)
 
     if not body.stream:
@@ -141,7 +141,7 @@ async def chat_completions(request: Request, response: Response, body: ChatReque
             pending_logprobs.append(event.value)
         return [chunk({"content": event.value})] if event.kind == "token" else []
 
-    def finish(completions: list[Completion]):
+    def finish(completions: list[RequestOutput]):
         [outcome] = completions
         events = [chunk({"content": sources(outcome)})] if body.sources else []
         if pending_logprobs:  # tokens of a stop string: never sent as text

@@ -37,7 +37,7 @@ from ragkv.api.serving.logprobs import completion_logprobs
 from ragkv.api.state import app_state
 from ragkv.api.streaming import EventStream, run_requests, run_task, sse_events
 from ragkv.api.task import Task
-from ragkv.app.request import Completion as AppCompletion
+from ragkv.app.request import RequestOutput
 
 router = APIRouter(tags=["openai"], default_response_class=SafeJSONResponse)
 
@@ -89,9 +89,9 @@ async def completions(request: Request, body: CompletionRequest):
             raise ApiError(
                 400, "unsupported_prompt", "with rag.enabled the prompt is one question, as a string", param="prompt"
             )
-        work = state.service.query_stream(prompts[0], tenant, config)
+        work = state.work.query_stream(prompts[0], tenant, config)
     else:
-        work = state.service.completion_stream(
+        work = state.work.completion_stream(
             prompts,
             generation,
             tenant,
@@ -104,7 +104,7 @@ async def completions(request: Request, body: CompletionRequest):
     def envelope(choices: list[CompletionChoice], usage: CompletionUsage | None = None) -> Completion:
         return Completion(id=completion_id, created=created, model=state.model_id, choices=choices, usage=usage)
 
-    def citations(completion: AppCompletion) -> list | None:
+    def citations(completion: RequestOutput) -> list | None:
         return completion.citations if with_citations else None
 
     if not body.stream:
@@ -145,7 +145,7 @@ async def completions(request: Request, body: CompletionRequest):
         choice = completion_choice(event.index, event.value, None, logprobs=logprobs_of(event.index))
         return [envelope([choice]).model_dump(mode="json")]
 
-    def finish(completions: list[AppCompletion]):
+    def finish(completions: list[RequestOutput]):
         events = [
             envelope(
                 [
@@ -195,6 +195,6 @@ async def embeddings(request: Request, body: EmbeddingRequest):
             param="dimensions",
         )
     texts = [body.input] if isinstance(body.input, str) else list(body.input)
-    vectors, tokens = await run_task(request, state.worker, Task("embedding", state.service.embeddings_body(texts)))
+    vectors, tokens = await run_task(request, state.worker, Task("embedding", state.work.embeddings_body(texts)))
 
     return embedding_list(EMBEDDING_MODEL_ID, vectors, tokens, body.encoding_format == "base64")

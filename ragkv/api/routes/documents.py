@@ -229,19 +229,19 @@ async def _ingest(
     background = upload.background
     if background is None:
         background = len(upload.text.encode("utf-8", errors="surrogatepass")) > state.config.background_ingest_bytes
-    service = state.service
+    work = state.work
     options = {"pages": upload.pages, "replaces": replaces}
     if not background:
         task = Task(
             "ingest",
-            service.ingest_body(upload.text, name, tenant, metadata, checkpoint=state.worker.checkpoint, **options),
+            work.ingest_body(upload.text, name, tenant, metadata, checkpoint=state.worker.checkpoint, **options),
             interactive=False,
         )
         result: IngestResult = await run_task(request, state.worker, task)
         return document_created(state.runtime.registry.get(tenant, result.doc_id), result)
 
     record = state.ingest_records.create(tenant, "ingest", name)
-    body = service.ingest_body(
+    body = work.ingest_body(
         upload.text,
         name,
         tenant,
@@ -301,7 +301,7 @@ def get_document(request: Request, doc_id: DocumentId, include_text: bool = Fals
 @router.delete("/v1/documents/{doc_id}", response_model=Deleted, responses=errors(400, 401, 404, 503))
 async def delete_document(request: Request, doc_id: DocumentId):
     state = app_state(request)
-    task = Task("delete", state.service.delete_body(doc_id, tenant_of(request)))
+    task = Task("delete", state.work.delete_body(doc_id, tenant_of(request)))
     record = await run_task(request, state.worker, task)
     return Deleted(id=record.doc_id, object="document", deleted=True)
 

@@ -16,7 +16,7 @@ from ragkv.api.schemas import QueryRequest, generation_config, query_config
 from ragkv.api.serving.query import query_response, retrieval_event
 from ragkv.api.state import app_state
 from ragkv.api.streaming import EventStream, run_requests, sse, sse_events
-from ragkv.app.request import Completion
+from ragkv.app.request import RequestOutput
 
 router = APIRouter(tags=["query"], default_response_class=SafeJSONResponse)
 
@@ -41,7 +41,7 @@ async def query(request: Request, body: QueryRequest):
     generation = generation_config(body.max_tokens, body.temperature, body.top_p, body.seed, body.stop, limits)
     config = query_config(body, generation, limits)
     query_id = "q_" + uuid.uuid4().hex[:20]
-    work = state.service.query_stream(body.question, tenant, config)
+    work = state.work.query_stream(body.question, tenant, config)
     started = time.perf_counter()
     if not body.stream:
         [outcome] = await run_requests(request, state.worker, work)
@@ -54,7 +54,7 @@ async def query(request: Request, body: QueryRequest):
             return [{"type": "token", "text": event.value}]
         return []
 
-    def finish(completions: list[Completion]):
+    def finish(completions: list[RequestOutput]):
         result = query_response(query_id, completions[0], time.perf_counter() - started)
         return [{"type": "done", **result.model_dump(mode="json")}]
 

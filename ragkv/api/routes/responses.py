@@ -37,7 +37,7 @@ from ragkv.api.sessions import check_session_id, settle_shared
 from ragkv.api.state import app_state
 from ragkv.api.streaming import EventStream, run_requests, sse_events
 from ragkv.app.contexts import new_context_id
-from ragkv.app.request import Completion
+from ragkv.app.request import RequestOutput
 
 router = APIRouter(tags=["openai"], default_response_class=SafeJSONResponse)
 
@@ -74,7 +74,7 @@ async def create_response(request: Request, response: Response, body: ResponseRe
     max_tokens = body.max_output_tokens or DEFAULT_MAX_TOKENS
     generation = generation_config(max_tokens, body.temperature, body.top_p, body.seed, None, state.config)
     config = query_config(rag, generation, state.config)
-    work = state.service.chat_stream(
+    work = state.work.chat_stream(
         chat_turn(tenant, messages, session_id if named else None, config, rag.enabled, body, state.config), session_id
     )
     response_id = "resp_" + uuid.uuid4().hex
@@ -82,10 +82,10 @@ async def create_response(request: Request, response: Response, body: ResponseRe
     created = int(time.time())
     headers = {"X-Session-Id": session_id}
 
-    async def settle(outcome: Completion) -> None:  # the context reaches other replicas before the answer ends
+    async def settle(outcome: RequestOutput) -> None:  # the context reaches other replicas before the answer ends
         await settle_shared(state.sessions, tenant, session_id, outcome, state.config.shared_publish_wait_s)
 
-    def envelope(status: str, output: list, completion: Completion | None = None) -> dict:
+    def envelope(status: str, output: list, completion: RequestOutput | None = None) -> dict:
         built = response_object(response_id, created, state.model_id, body, session_id, status, output, completion)
         return built.model_dump(mode="json")
 
@@ -123,7 +123,7 @@ async def create_response(request: Request, response: Response, body: ResponseRe
         pieces.append(item.value)
         return [event("response.output_text.delta", **where, delta=item.value, logprobs=[])]
 
-    def finish(completions: list[Completion]):
+    def finish(completions: list[RequestOutput]):
         [outcome] = completions
         # The answer as the plain response gives it (stripped); the deltas are what was decoded.
         text = outcome.text

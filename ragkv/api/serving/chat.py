@@ -14,12 +14,12 @@ from ragkv.api.protocol.chat import (
 from ragkv.api.serving.common import openai_finish_reason, openai_usage_of, rag_extension_of
 from ragkv.api.serving.logprobs import chat_logprobs
 from ragkv.app.contexts import Context
-from ragkv.app.request import Completion
+from ragkv.app.request import RequestOutput
 from ragkv.app.status import DefaultFusion
 
 
 def chat_completion(
-    completion_id: str, created: int, model: str, outcome: Completion, content: str, session_id: str, logprobs: bool
+    completion_id: str, created: int, model: str, outcome: RequestOutput, content: str, session_id: str, logprobs: bool
 ) -> ChatCompletion:
     """`content`: the answer as sent (the text, with a sources block when asked for)."""
     return ChatCompletion(

@@ -8,8 +8,8 @@ from ragkv.api.protocol.chat import RagExtension, SessionSummary
 from ragkv.api.protocol.common import CachedTokens, Citation, OpenAIUsage, Usage
 from ragkv.app.chat import ChatInfo
 from ragkv.app.rag import Citation as AppCitation
-from ragkv.app.request import Completion, FinishReason
-from ragkv.app.usage import Usage as AppUsage
+from ragkv.app.request import FinishReason, RequestOutput
+from ragkv.app.usage import TokenUsage
 
 
 def openai_finish_reason(reason: FinishReason) -> str:
@@ -35,17 +35,17 @@ def citations_of(citations: Sequence[AppCitation]) -> list[Citation]:
     return [citation_of(citation) for citation in citations]
 
 
-def usage_of(usage: AppUsage) -> Usage:
+def usage_of(usage: TokenUsage) -> Usage:
     return Usage.model_validate(usage, from_attributes=True)  # the same names, read as attributes
 
 
-def openai_usage_of(usage: AppUsage) -> OpenAIUsage:
+def openai_usage_of(usage: TokenUsage) -> OpenAIUsage:
     return OpenAIUsage(
         **usage_of(usage).model_dump(), prompt_tokens_details=CachedTokens(cached_tokens=usage.cached_tokens)
     )
 
 
-def rag_extension_of(completion: Completion, session_id: str) -> RagExtension:
+def rag_extension_of(completion: RequestOutput, session_id: str) -> RagExtension:
     info = completion.info
     assert isinstance(info, ChatInfo), "a chat turn's completion carries ChatInfo"
     return RagExtension(

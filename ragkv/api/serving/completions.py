@@ -16,7 +16,7 @@ from ragkv.api.protocol.completions import (
     EmbeddingUsage,
 )
 from ragkv.api.serving.common import citations_of
-from ragkv.app.request import Completion
+from ragkv.app.request import RequestOutput
 
 
 def completion_choice(
@@ -31,7 +31,7 @@ def completion_choice(
     return CompletionChoice(index=index, text=text, finish_reason=finish_reason, logprobs=logprobs, rag=rag)
 
 
-def completion_usage(completions: Sequence[Completion]) -> CompletionUsage:
+def completion_usage(completions: Sequence[RequestOutput]) -> CompletionUsage:
     prompt = sum(c.usage.prompt_tokens for c in completions)
     completion = sum(c.usage.completion_tokens for c in completions)
     cached = CachedTokens(cached_tokens=sum(c.usage.cached_tokens for c in completions))

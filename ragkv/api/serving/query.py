@@ -1,14 +1,14 @@
-"""POST /v1/query's answer and its retrieval event, from a scheduler Completion."""
+"""POST /v1/query's answer and its retrieval event, from a scheduler RequestOutput."""
 
 from __future__ import annotations
 
 from ragkv.api.protocol.query import QueryResponse, QueryRetrievalEvent
 from ragkv.api.serving.common import citations_of, usage_of
 from ragkv.app.query import Answer
-from ragkv.app.request import Completion, Started
+from ragkv.app.request import RequestOutput, Started
 
 
-def query_response(query_id: str, completion: Completion, total_s: float) -> QueryResponse:
+def query_response(query_id: str, completion: RequestOutput, total_s: float) -> QueryResponse:
     """`total_s`: seconds from the request's arrival to its answer."""
     return QueryResponse(
         id=query_id,

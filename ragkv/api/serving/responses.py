@@ -13,15 +13,15 @@ from ragkv.api.protocol.responses import (
 )
 from ragkv.api.response_schemas import ResponseRequest
 from ragkv.api.serving.common import rag_extension_of
-from ragkv.app.request import Completion, FinishReason
-from ragkv.app.usage import Usage
+from ragkv.app.request import FinishReason, RequestOutput
+from ragkv.app.usage import TokenUsage
 
 
-def final_status(completion: Completion) -> str:
+def final_status(completion: RequestOutput) -> str:
     return "incomplete" if completion.finish_reason is FinishReason.LENGTH else "completed"
 
 
-def response_usage(usage: Usage) -> ResponseUsage:
+def response_usage(usage: TokenUsage) -> ResponseUsage:
     return ResponseUsage(
         input_tokens=usage.prompt_tokens,
         input_tokens_details=InputTokensDetails(cached_tokens=usage.cached_tokens),
@@ -45,7 +45,7 @@ def response_object(
     session_id: str,
     status: str,
     output: list[OutputMessage],
-    completion: Completion | None = None,
+    completion: RequestOutput | None = None,
 ) -> ResponseObject:
     """The response as it stands: in progress (no `completion` yet) or finished."""
     incomplete = completion is not None and completion.finish_reason is FinishReason.LENGTH

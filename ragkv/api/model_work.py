@@ -24,13 +24,13 @@ from ragkv.app.completion import PassageRequest, completion_request, prompt_ids
 from ragkv.app.contexts import ContextStore
 from ragkv.app.query import QueryInfo, query_request
 from ragkv.app.rag import QueryConfig
-from ragkv.app.request import Completion, Request
+from ragkv.app.request import Request, RequestOutput
 from ragkv.app.request_types import FusionConfig, GenerationConfig
 from ragkv.app.runtime import Runtime
 from ragkv.ingest.errors import InputError
 
 
-class Service:
+class ModelWork:
     def __init__(self, runtime: Runtime, config: ServeConfig, metrics: Metrics, sessions: ContextStore):
         self.runtime = runtime
         self.rag = runtime.rag
@@ -119,31 +119,31 @@ class Service:
     def _count(self, stream: RequestStream) -> None:
         self.metrics.jobs.labels(stream.kind, stream.outcome or "unknown").inc()
 
-    def _record_query(self, request: Request, completion: Completion) -> None:
+    def _record_query(self, request: Request, completion: RequestOutput) -> None:
         info: QueryInfo = completion.info
         self._record("query", "fused", request, completion)
         self.metrics.record_usage(
             completion.usage, max(len(completion.citations) - info.missing_chunks, 0), info.missing_chunks
         )
 
-    def _record_chat(self, request: Request, completion: Completion) -> None:
+    def _record_chat(self, request: Request, completion: RequestOutput) -> None:
         info: ChatInfo = completion.info
         phase = "next_turn" if info.turn > 1 else "first_turn"
         self._record("chat", phase, request, completion)
         self.metrics.record_usage(completion.usage, info.new_chunks, 0)
         self.metrics.sessions_turns.labels(phase).inc()
 
-    def _record_completion(self, request: Request, completion: Completion) -> None:
+    def _record_completion(self, request: Request, completion: RequestOutput) -> None:
         """A plain completion: vLLM's request metrics only (ragkv's own families describe
         retrieval and sessions, which a plain completion has none of)."""
         self._record_vllm(request, completion)
 
-    def _record(self, endpoint: str, phase: str, request: Request, completion: Completion) -> None:
+    def _record(self, endpoint: str, phase: str, request: Request, completion: RequestOutput) -> None:
         self.metrics.ttft.labels(endpoint, phase).observe(completion.timings.ttft)
         self.metrics.queue_wait.labels(endpoint).observe(completion.timings.queue)
         self._record_vllm(request, completion)
 
-    def _record_vllm(self, request: Request, completion: Completion) -> None:
+    def _record_vllm(self, request: Request, completion: RequestOutput) -> None:
         self.metrics.vllm.record_request(self.metrics.model_name, RequestRecord.of(request, completion))
 
     # -- ingestion and deletion -----------------------------------------------------
