@@ -23,12 +23,12 @@ import uvicorn
 from fastapi import FastAPI, Request
 
 from ragkv.api.auth import Authenticator
+from ragkv.api.common.protocol import SEED_MAX
 from ragkv.api.errors import install_error_handlers
+from ragkv.api.json_response import SafeJSONResponse
 from ragkv.api.launcher import ServerProcess, free_port
 from ragkv.api.metrics import Metrics
 from ragkv.api.middleware import ServingMiddleware
-from ragkv.api.responses import SafeJSONResponse
-from ragkv.api.schemas import SEED_MAX
 from ragkv.engine.model_files import resolve_model_dir
 from ragkv.ingest.embedder import Embedder
 from ragkv.ingest.registry import ChunkRecord, DocumentRecord

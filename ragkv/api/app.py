@@ -20,12 +20,12 @@ from ragkv.api.access_log import AccessLogMiddleware
 from ragkv.api.auth import Authenticator, load_api_keys
 from ragkv.api.config import ServeConfig
 from ragkv.api.errors import install_error_handlers
+from ragkv.api.json_response import SafeJSONResponse
 from ragkv.api.metrics import Metrics, Reading
 from ragkv.api.middleware import ServingMiddleware
 from ragkv.api.model_work import ModelWork
 from ragkv.api.openapi import install_docs
-from ragkv.api.responses import SafeJSONResponse
-from ragkv.api.routes import chat, completions, documents, query, responses, system
+from ragkv.api.routers import ROUTERS
 from ragkv.api.state import AppState
 from ragkv.api.vllm_metrics import scheduler_reading
 from ragkv.api.web_page import install_web
@@ -232,8 +232,8 @@ def create_app(config: ServeConfig = ServeConfig()) -> FastAPI:
     install_error_handlers(app)
     install_docs(app, config)
     install_web(app)
-    for module in (system, documents, query, chat, completions, responses):
-        app.include_router(module.router)
+    for router in ROUTERS:
+        app.include_router(router)
     app.add_middleware(
         ServingMiddleware,
         metrics=metrics,

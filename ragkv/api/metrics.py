@@ -47,6 +47,51 @@ class _ScrapeTime(Collector):
         yield from families.values()
 
 
+_COUNTERS = (  # (attribute, name, help, labels)
+    ("requests", "ragkv_http_requests", "HTTP requests by route, method and status", ["route", "method", "status"]),
+    ("chunks", "ragkv_chunk_lookups", "Retrieved chunks found in the store (hit) or recomputed (miss)", ["result"]),
+    (
+        "tokens",
+        "ragkv_tokens",
+        "Prompt tokens reused from stored/session KV vs recomputed, and completion tokens",
+        ["kind"],
+    ),
+    ("jobs", "ragkv_worker_jobs", "Model worker jobs by kind and outcome", ["kind", "outcome"]),
+    ("sessions_turns", "ragkv_chat_turns", "Chat turns by whether they continued a stored session", ["phase"]),
+)
+_HISTOGRAMS = (  # (attribute, name, help, labels, buckets)
+    (
+        "latency",
+        "ragkv_http_request_seconds",
+        "HTTP request latency (to the last byte for streams)",
+        ["route", "method"],
+        _LATENCY_BUCKETS,
+    ),
+    (
+        "ttft",
+        "ragkv_ttft_seconds",
+        "Time to first token on the model worker (retrieve + load + fuse or prefill)",
+        ["endpoint", "phase"],
+        _TTFT_BUCKETS,
+    ),
+    (
+        "queue_wait",
+        "ragkv_queue_wait_seconds",
+        "Time a request waited for the model worker",
+        ["kind"],
+        _LATENCY_BUCKETS,
+    ),
+    (
+        "fusion_kl",
+        "ragkv_fusion_first_token_kl",
+        "KL(full prefill || fused) of the first token of sampled live requests, in nats "
+        "(--fidelity-sample-rate; measured when the server is idle)",
+        ["strategy"],
+        _KL_BUCKETS,
+    ),
+)
+
+
 class Metrics:
     def __init__(self, model_name: str = "ragkv") -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -54,59 +99,19 @@ class Metrics:
         self.model_name = model_name
         """The `model_name` label of the vLLM families: the served model id (set at startup)."""
         self.vllm = VllmMetrics(r)
-        self.requests = Counter(
-            "ragkv_http_requests",
-            "HTTP requests by route, method and status",
-            ["route", "method", "status"],
-            registry=r,
-        )
-        self.latency = Histogram(
-            "ragkv_http_request_seconds",
-            "HTTP request latency (to the last byte for streams)",
-            ["route", "method"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.ttft = Histogram(
-            "ragkv_ttft_seconds",
-            "Time to first token on the model worker (retrieve + load + fuse or prefill)",
-            ["endpoint", "phase"],
-            buckets=_TTFT_BUCKETS,
-            registry=r,
-        )
-        self.queue_wait = Histogram(
-            "ragkv_queue_wait_seconds",
-            "Time a request waited for the model worker",
-            ["kind"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.chunks = Counter(
-            "ragkv_chunk_lookups",
-            "Retrieved chunks found in the store (hit) or recomputed (miss)",
-            ["result"],
-            registry=r,
-        )
-        self.tokens = Counter(
-            "ragkv_tokens",
-            "Prompt tokens reused from stored/session KV vs recomputed, and completion tokens",
-            ["kind"],
-            registry=r,
-        )
-        self.jobs = Counter(
-            "ragkv_worker_jobs", "Model worker jobs by kind and outcome", ["kind", "outcome"], registry=r
-        )
-        self.sessions_turns = Counter(
-            "ragkv_chat_turns", "Chat turns by whether they continued a stored session", ["phase"], registry=r
-        )
-        self.fusion_kl = Histogram(
-            "ragkv_fusion_first_token_kl",
-            "KL(full prefill || fused) of the first token of sampled live requests, in nats "
-            "(--fidelity-sample-rate; measured when the server is idle)",
-            ["strategy"],
-            buckets=_KL_BUCKETS,
-            registry=r,
-        )
+        self.requests: Counter
+        self.chunks: Counter
+        self.tokens: Counter
+        self.jobs: Counter
+        self.sessions_turns: Counter
+        self.latency: Histogram
+        self.ttft: Histogram
+        self.queue_wait: Histogram
+        self.fusion_kl: Histogram
+        for attribute, name, help_text, labels in _COUNTERS:
+            setattr(self, attribute, Counter(name, help_text, labels, registry=r))
+        for attribute, name, help_text, labels, buckets in _HISTOGRAMS:
+            setattr(self, attribute, Histogram(name, help_text, labels, buckets=buckets, registry=r))
         self.fidelity_dropped = Counter(
             "ragkv_fusion_fidelity_samples_dropped",
             "Fidelity samples given up (the queue of samples was full, or their full prefill failed)",
