@@ -113,8 +113,6 @@ def metadata_filter(raw: dict | None) -> MetadataFilter | None:
 
 def sparse_config(options: SparseOptions):
     """ValueError (-> 400) when the SparseConfig refuses the values."""
-    if SparseConfig is None:
-        raise ApiError(400, "unsupported_selector", "this build serves dense decode only", param="selector")
     values = {"selector": options.selector}
     if options.budget is not None:
         values["budget"] = options.budget
