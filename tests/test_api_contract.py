@@ -23,16 +23,16 @@ import uvicorn
 from fastapi import FastAPI, Request
 
 from ragkv.api.auth import Authenticator
+from ragkv.api.common.protocol import SEED_MAX
 from ragkv.api.errors import install_error_handlers
+from ragkv.api.json_response import SafeJSONResponse
 from ragkv.api.launcher import ServerProcess, free_port
 from ragkv.api.metrics import Metrics
 from ragkv.api.middleware import ServingMiddleware
-from ragkv.api.responses import SafeJSONResponse
-from ragkv.api.schemas import SEED_MAX
 from ragkv.engine.model_files import resolve_model_dir
 from ragkv.ingest.embedder import Embedder
 from ragkv.ingest.registry import ChunkRecord, DocumentRecord
-from ragkv.ingest.registry_lmdb import LMDBRegistry
+from ragkv.ingest.registry_lmdb import LMDBDocumentRegistry
 from ragkv.store.lmdb_env import LMDBEnvironment
 from ragkv.store.lmdb_store import CHUNKS_DB
 
@@ -57,7 +57,7 @@ def _seed_odd_document(db_path: Path) -> None:
             [ChunkRecord(0, "chunk_odd", 0, 3, 0, 11)],
             {"k": "\udfff"},
         )
-        LMDBRegistry(env).add(record, "odd content", np.zeros((1, 384), dtype=np.float32))
+        LMDBDocumentRegistry(env).add(record, "odd content", np.zeros((1, 384), dtype=np.float32))
     finally:
         env.close()
 
@@ -108,12 +108,14 @@ CHAT = {"model": "ragkv", "max_tokens": 2, "messages": [{"role": "user", "conten
 # -- what used to be a 500 ----------------------------------------------------------------------
 
 
+@pytest.mark.model
 def test_snapkv_capacity_below_the_rows_it_must_keep_is_400(http):
     error = _error(http.post("/v1/query", json={**QUESTION, "snapkv_capacity": 1}), 400)
     assert error["code"] == "snapkv_capacity_too_small" and "prefix and question rows" in error["message"]
     assert http.post("/v1/query", json={**QUESTION, "snapkv_capacity": 4096}).status_code == 200
 
 
+@pytest.mark.model
 def test_seed_outside_64_bits_is_400_and_greedy_decoding_ignores_the_seed(http):
     assert "seed" in _error(http.post("/v1/query", json={**QUESTION, "seed": 2**64}), 400)["message"]
     assert "seed" in _error(http.post("/v1/chat/completions", json={**CHAT, "seed": -(2**63) - 1}), 400)["message"]
@@ -124,6 +126,7 @@ def test_seed_outside_64_bits_is_400_and_greedy_decoding_ignores_the_seed(http):
     assert sampled.status_code == 200, sampled.text
 
 
+@pytest.mark.model
 def test_unpaired_surrogate_in_a_chat_message_is_the_same_400_as_in_a_query(http):
     body = b'{"model": "ragkv", "max_tokens": 2, "messages": [{"role": "user", "content": "hi \\udc80"}]}'
     chat = _error(http.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"}), 400)
@@ -139,6 +142,7 @@ def test_unpaired_surrogate_in_a_chat_message_is_the_same_400_as_in_a_query(http
     )
 
 
+@pytest.mark.model
 def test_unpaired_surrogate_in_metadata_is_refused_before_anything_is_committed(http):
     before = http.get("/v1/documents").json()["data"]
     body = b'{"text": "A note about the harbour.", "name": "note.txt", "metadata": {"k": "\\udfff"}}'
@@ -153,6 +157,7 @@ def test_unpaired_surrogate_in_metadata_is_refused_before_anything_is_committed(
     assert http.get("/v1/documents").json()["data"] == before
 
 
+@pytest.mark.model
 def test_documents_with_any_stored_metadata_still_list_and_show(server):
     headers = {"Authorization": f"Bearer {ODD_KEY}"}
     with httpx.Client(base_url=server["process"].url, headers=headers, timeout=60) as odd:
@@ -205,6 +210,7 @@ def test_a_500_leaves_the_keep_alive_connection_usable():
         thread.join(10)
 
 
+@pytest.mark.model
 def test_query_refuses_a_prompt_and_answer_past_the_model_context(http):
     error = _error(http.post("/v1/query", json={**QUESTION, "top_k": 3, "max_tokens": MODEL_CONTEXT - 100}), 400)
     assert error["code"] == "context_length_exceeded" and str(MODEL_CONTEXT) in error["message"]
@@ -239,6 +245,7 @@ def _corrupt_count(http: httpx.Client) -> float:
     raise AssertionError("ragkv_store_corrupt is not exported")
 
 
+@pytest.mark.model
 def test_usage_counts_chunks_recomputed_for_a_corrupt_blob_as_computed(server, http):
     clean = http.post("/v1/query", json=QUESTION).json()["usage"]
     assert (
@@ -260,6 +267,7 @@ def test_usage_counts_chunks_recomputed_for_a_corrupt_blob_as_computed(server, h
 # -- validation, methods --------------------------------------------------------------------------
 
 
+@pytest.mark.model
 def test_validation_errors_are_400_in_the_openai_shape(http):
     for response in (
         http.post("/v1/query", json={"question": ""}),
@@ -271,12 +279,14 @@ def test_validation_errors_are_400_in_the_openai_shape(http):
         assert error["type"] == "invalid_request_error" and error["code"] == "invalid_parameters"
 
 
+@pytest.mark.model
 def test_response_format_json_object_is_refused_and_text_accepted(http):
     error = _error(http.post("/v1/chat/completions", json={**CHAT, "response_format": {"type": "json_object"}}), 400)
     assert error["param"] == "response_format" and "json_object" in error["message"]
     assert http.post("/v1/chat/completions", json={**CHAT, "response_format": {"type": "text"}}).status_code == 200
 
 
+@pytest.mark.model
 def test_head_health(http):
     response = http.head("/health")
     assert response.status_code == 200 and response.content == b""
@@ -295,6 +305,7 @@ def _openai(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server["process"].url + "/v1", api_key=KEY, max_retries=0, timeout=300)
 
 
+@pytest.mark.model
 def test_completions_continue_the_prompt_as_transformers_greedy_does(server):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -332,6 +343,7 @@ def test_completions_continue_the_prompt_as_transformers_greedy_does(server):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
 
 
+@pytest.mark.model
 def test_completions_with_rag_answer_like_query_with_citations(server, http):
     client = _openai(server)
     answer = client.completions.create(
@@ -343,6 +355,7 @@ def test_completions_with_rag_answer_like_query_with_citations(server, http):
     assert answer.usage.prompt_tokens == query["usage"]["prompt_tokens"]
 
 
+@pytest.mark.model
 def test_completions_refuse_what_they_do_not_serve(server, http):
     with pytest.raises(openai.BadRequestError):
         _openai(server).completions.create(model="ragkv", prompt="x", max_tokens=2, echo=True)
@@ -358,6 +371,7 @@ def test_completions_refuse_what_they_do_not_serve(server, http):
     )
 
 
+@pytest.mark.model
 def test_embeddings_match_the_packaged_embedder(server, http):
     texts = ["Gull Point Light was first lit in 1871.", "Apples grow on the south-facing slope."]
     expected = Embedder().embed_passages(texts)
@@ -372,6 +386,7 @@ def test_embeddings_match_the_packaged_embedder(server, http):
     assert {m.id for m in _openai(server).models.list().data} >= {"all-MiniLM-L6-v2"}
 
 
+@pytest.mark.model
 def test_langchain_sees_numbered_sources_and_the_session(server, http):
     from langchain_openai import ChatOpenAI
 
@@ -410,6 +425,7 @@ def test_langchain_sees_numbered_sources_and_the_session(server, http):
 # -- OpenAPI document and offline docs -----------------------------------------------------------
 
 
+@pytest.mark.model
 def test_openapi_declares_bodies_errors_and_bearer_auth(http):
     schema = http.get("/openapi.json").json()
     assert schema["components"]["securitySchemes"]["bearerAuth"] == {
@@ -435,6 +451,7 @@ def test_openapi_declares_bodies_errors_and_bearer_auth(http):
     assert len(chat) >= 13 and all(field.get("description") for field in chat.values())
 
 
+@pytest.mark.model
 def test_docs_page_loads_swagger_from_the_server_itself(http):
     page = http.get("/docs")
     assert page.status_code == 200

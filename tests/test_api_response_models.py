@@ -16,23 +16,23 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel
 
 from ragkv.api.app import create_app
+from ragkv.api.chat.protocol import ChatCompletion, Model, ModelList, SessionList
+from ragkv.api.common.protocol import Deleted
+from ragkv.api.completions.protocol import Completion
+from ragkv.api.documents.protocol import DocumentCreated, DocumentDetail, DocumentList, JobList
+from ragkv.api.embeddings.protocol import EmbeddingList
 from ragkv.api.launcher import ServerProcess
-from ragkv.api.protocol.chat import ChatCompletion, Model, ModelList, SessionList
-from ragkv.api.protocol.common import Deleted
-from ragkv.api.protocol.completions import Completion, EmbeddingList
-from ragkv.api.protocol.documents import DocumentCreated, DocumentDetail, DocumentList, JobList
-from ragkv.api.protocol.query import QueryResponse
-from ragkv.api.protocol.responses import ResponseObject
-from ragkv.api.protocol.system import Health
-from ragkv.api.routes import chat, completions, documents, query, responses, system
+from ragkv.api.query.protocol import QueryResponse
+from ragkv.api.responses.protocol import ResponseObject
+from ragkv.api.routers import ROUTERS
+from ragkv.api.system.protocol import Health
 
 CORPUS = Path(__file__).resolve().parents[1] / "examples" / "corpus"
 NOT_JSON = {"/metrics"}
 
 
 def _json_routes() -> list[APIRoute]:
-    modules = (chat, completions, documents, query, responses, system)
-    found = [route for module in modules for route in module.router.routes]
+    found = [route for router in ROUTERS for route in router.routes]
     return [r for r in found if isinstance(r, APIRoute) and r.include_in_schema and r.path not in NOT_JSON]
 
 

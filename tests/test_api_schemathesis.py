@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "schemathesis-key-01"
-EXAMPLES_PER_OPERATION = 8
+EXAMPLES_PER_OPERATION = 10
 SEED = 20261123
 _CLI = "import sys; from schemathesis.cli import schemathesis; sys.exit(schemathesis())"
 

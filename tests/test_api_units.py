@@ -13,12 +13,14 @@ import time
 import pytest
 
 from ragkv.api.auth import Authenticator, load_api_keys
+from ragkv.api.chat.protocol import ChatRequest
+from ragkv.api.common.conversion import generation_config, query_config
 from ragkv.api.config import ServeConfig
+from ragkv.api.documents.protocol import JobProgress
+from ragkv.api.documents.serving import job_status
 from ragkv.api.errors import ApiError, QueueFullError
-from ragkv.api.protocol.documents import JobProgress
+from ragkv.api.query.protocol import QueryRequest
 from ragkv.api.request_stream import RequestStream
-from ragkv.api.schemas import ChatRequest, QueryRequest, generation_config, query_config
-from ragkv.api.serving.documents import job_status
 from ragkv.api.task import Task
 from ragkv.api.worker import ModelWorker
 from ragkv.app.ingest_records import SUCCEEDED, IngestRecords
@@ -259,14 +261,14 @@ def test_worker_runs_its_jobs_on_the_thread_that_calls_run():
 def test_registry_of_another_replica_sees_new_documents(tmp_path):
     import numpy as np
 
-    from ragkv.ingest.registry import ChunkRecord, DocumentRecord, Registry
-    from ragkv.ingest.registry_lmdb import LMDBRegistry
+    from ragkv.ingest.registry import ChunkRecord, DocumentRecord, DocumentRegistry
+    from ragkv.ingest.registry_lmdb import LMDBDocumentRegistry
     from ragkv.store.lmdb_env import LMDBEnvironment
 
     env = LMDBEnvironment(tmp_path / "db")
-    replica_a, replica_b = LMDBRegistry(env), LMDBRegistry(env)  # separate caches, as in two processes
+    replica_a, replica_b = LMDBDocumentRegistry(env), LMDBDocumentRegistry(env)  # separate caches, as in two processes
 
-    def add(registry: Registry, doc_id: str, vector: list[float]) -> None:
+    def add(registry: DocumentRegistry, doc_id: str, vector: list[float]) -> None:
         record = DocumentRecord(
             doc_id,
             "t",
@@ -290,7 +292,7 @@ def test_registry_of_another_replica_sees_new_documents(tmp_path):
 
 
 def test_finish_reasons_map_to_openai_values():
-    from ragkv.api.serving.common import openai_finish_reason
+    from ragkv.api.common.serving import openai_finish_reason
     from ragkv.app.request import FinishReason
 
     mapped = {reason: openai_finish_reason(reason) for reason in FinishReason}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_sparse_support import write_tiny_llama
+from tiny_models import make_tiny_model
 
 from ragkv.app.runtime import Runtime, RuntimeConfig
 from ragkv.engine import EngineConfig
@@ -26,7 +26,7 @@ TEXTS = {
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama-context"), with_tokenizer=True)
+    return make_tiny_model("llama-sparse", tmp_path_factory.mktemp("tiny-llama-context"), tokenizer=True)
 
 
 def _runtime(folder, home, neighbours: int) -> Runtime:

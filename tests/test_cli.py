@@ -28,6 +28,7 @@ def home(tmp_path_factory):
     return home
 
 
+@pytest.mark.model
 def test_docs_list_shows_the_corpus(home):
     result = ragkv(home, "docs", "list")
     assert result.returncode == 0
@@ -36,6 +37,7 @@ def test_docs_list_shows_the_corpus(home):
     }
 
 
+@pytest.mark.model
 def test_ask_answers_with_citations_and_timings(home):
     result = ragkv(
         home, "ask", "When was Gull Point Light automated?", "--json", "--max-new-tokens", "24", "--top-k", "2"
@@ -53,6 +55,7 @@ def test_ask_answers_with_citations_and_timings(home):
     assert answer["citations"][0]["document_id"].startswith("doc_")  # the API's field names
 
 
+@pytest.mark.model
 def test_docs_list_json_matches_the_api_fields(home):
     result = ragkv(home, "docs", "list", "--json")
     assert result.returncode == 0, result.stderr
@@ -63,6 +66,7 @@ def test_docs_list_json_matches_the_api_fields(home):
     assert shown["id"] == listed["data"][0]["id"] and shown["chunks"][0]["index"] == 0
 
 
+@pytest.mark.model
 def test_docs_list_does_not_import_the_model(home):
     probe = (
         "import sys, runpy; sys.argv = ['ragkv', 'docs', 'list', '--json']\n"
@@ -74,6 +78,7 @@ def test_docs_list_does_not_import_the_model(home):
     assert result.returncode == 0, result.stderr
 
 
+@pytest.mark.model
 def test_reingest_reuses_and_delete_removes(home):
     again = ragkv(home, "ingest", str(CORPUS / "orchard.txt"), "--no-progress")
     assert "identical text already ingested" in again.stdout
@@ -125,6 +130,7 @@ def test_read_only_commands_create_nothing(tmp_path, command):
     assert not (tmp_path / "nonexistent").exists() and not home.exists()
 
 
+@pytest.mark.model
 def test_an_unreachable_store_fails_the_ingestion(tmp_path):
     document = tmp_path / "note.txt"
     document.write_text("Gull Point Light was first lit in 1851 and automated in 1987. " * 20)
@@ -142,11 +148,13 @@ def test_bad_chunk_tokens_are_refused(tmp_path, value):
     assert result.returncode == 2 and "chunk_tokens must be in [16, 8192]" in result.stderr
 
 
+@pytest.mark.model
 def test_chunk_tokens_past_the_model_context_are_refused(tmp_path):
     result = ragkv(tmp_path, "ingest", str(CORPUS), "--chunk-tokens", "8192", "--no-progress")
     assert result.returncode == 2 and "does not fit the model's context" in result.stderr
 
 
+@pytest.mark.model
 def test_folder_summary_lists_unsupported_files_and_tenants_are_isolated(tmp_path):
     folder = tmp_path / "folder"
     folder.mkdir()
@@ -196,6 +204,7 @@ def _stored_blobs(db: Path) -> int:
         return sum(1 for _ in store.iter_keys())
 
 
+@pytest.mark.model
 def test_killed_ingestion_leaves_no_unreferenced_blob_after_the_next_start(tmp_path):
     home = tmp_path / "home"
     big = tmp_path / "big.txt"

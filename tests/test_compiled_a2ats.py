@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from compiled_kernels import SKIP_REASON, run_compiled_tests  # tests/ is on sys.path
-from test_sparse_support import write_tiny_llama
+from tiny_models import make_tiny_model
 
 from ragkv.engine.model import CausalLM
 from ragkv.engine.numerics import Numerics
@@ -20,8 +20,8 @@ pytestmark = pytest.mark.skipif(not run_compiled_tests(), reason=SKIP_REASON)
 
 ROWS = 700
 GEOMETRIES = {
-    "group2-d16": dict(heads=4, kv_heads=2, head_dim=16),
-    "group3-d64": dict(heads=9, kv_heads=3, head_dim=64, hidden=576),
+    "group2-d16": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    "group3-d64": dict(num_attention_heads=9, num_key_value_heads=3, head_dim=64, hidden_size=576),
 }
 
 
@@ -31,7 +31,7 @@ def _numerics(kv: str) -> Numerics:
 
 @pytest.fixture(scope="module", params=list(GEOMETRIES))
 def folder(request, tmp_path_factory):
-    return write_tiny_llama(tmp_path_factory.mktemp(request.param), **GEOMETRIES[request.param])
+    return make_tiny_model("llama-sparse", tmp_path_factory.mktemp(request.param), **GEOMETRIES[request.param])
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def codebook(folder):
 @pytest.fixture(scope="module")
 def small_folder(tmp_path_factory):
     """Whole decode runs: the small geometry, whose activations stay well scaled."""
-    return write_tiny_llama(tmp_path_factory.mktemp("small"), **GEOMETRIES["group2-d16"])
+    return make_tiny_model("llama-sparse", tmp_path_factory.mktemp("small"), **GEOMETRIES["group2-d16"])
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +148,7 @@ def test_compiled_plan_is_kept_across_steps_until_its_buffers_grow(folder, codeb
 def test_compiled_selection_under_a_scaled_rope(tmp_path):
     """YaRN folds an attention scaling into cos and sin: the mean-key term carries it once."""
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
-    folder = write_tiny_llama(tmp_path, rope_scaling=yarn, **GEOMETRIES["group3-d64"])
+    folder = make_tiny_model("llama-sparse", tmp_path, rope_scaling=yarn, **GEOMETRIES["group3-d64"])
     model = CausalLM.load(folder, numerics=_numerics("float32"))
     assert model.rotary.attention_scaling > 1.1
     ids, cache, _ = _prompt(model, 1)

@@ -7,9 +7,10 @@ import json
 import pytest
 from tiny_models import make_tiny_model
 
-from ragkv.bench.decode_bench import OPTIONS, format_table, kl_divergence, run_decode_bench
+from ragkv.bench.decode_bench import OPTIONS, format_table, run_decode_bench
 from ragkv.engine.kv_cache import window_slack
 from ragkv.engine.model import CausalLM
+from ragkv.fusion.fidelity import next_token_kl
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +85,8 @@ def test_kl_is_zero_for_equal_logits_and_positive_otherwise():
     import torch
 
     logits = torch.tensor([1.0, 2.0, 3.0])
-    assert kl_divergence(logits, logits) == pytest.approx(0.0, abs=1e-7)
-    assert kl_divergence(logits, logits.flip(0)) > 0.1
+    assert next_token_kl(logits, logits) == pytest.approx(0.0, abs=1e-7)
+    assert next_token_kl(logits, logits.flip(0)) > 0.1
     assert set(OPTIONS) >= {"float32", "int8", "bfloat16"}
 
 

@@ -42,16 +42,16 @@ def teacher_forced(model, ids: torch.Tensor, tokens: list[int] | None = None, st
 def fused_kl(model, spec: str) -> float:
     """KL(full prefill || fused) of the first answer token (tiny_models.fusion_case); also
     checks that the fused cache decodes."""
-    from tiny_models import fusion_case
+    from fusion_cases import fusion_case
 
-    from ragkv.bench.metrics import kl_divergence
     from ragkv.fusion import build_strategy
+    from ragkv.fusion.fidelity import next_token_kl
 
     fusion_input, prefix_cache, full = fusion_case(model, vocab=500)
     fused = build_strategy(spec).fuse(model, fusion_input, prefix_cache, extra_capacity=4)
     assert fused.cache.keys.dtype == model.dtype and torch.isfinite(fused.logits.float()).all()
     assert torch.isfinite(model.decode_step(int(fused.logits.argmax()), fused.cache).float()).all()
-    return float(kl_divergence(full.float().cpu(), fused.logits.float().cpu()))
+    return float(next_token_kl(full.float().cpu(), fused.logits.float().cpu()))
 
 
 def stored_fusion(folder: Path, device: str, dtype: str = "bfloat16") -> tuple[float, torch.Tensor]:
@@ -59,9 +59,9 @@ def stored_fusion(folder: Path, device: str, dtype: str = "bfloat16") -> tuple[f
     through the store's blob format in host memory and come back as int4 codes, are fused
     with the default strategy (returned: its first-token KL to the full prefill) and placed
     without recompute (returned: those logits, on the CPU)."""
-    from ragkv.bench.metrics import kl_divergence
     from ragkv.engine import Engine, EngineConfig
     from ragkv.fusion import DEFAULT_STRATEGY, FusionInput, LoadedChunk, build_strategy
+    from ragkv.fusion.fidelity import next_token_kl
     from ragkv.store.blob import decode_blob, encode_blob
 
     formats = dict(weights=dtype, prefill_weights=dtype, kv_cache_dtype=dtype, kv_storage="int4")
@@ -82,12 +82,13 @@ def stored_fusion(folder: Path, device: str, dtype: str = "bfloat16") -> tuple[f
     assert fused.logits.device.type == torch.device(device).type
     assert torch.isfinite(engine.model.decode_step(int(fused.logits.argmax()), fused.cache).float()).all()
     placed = build_strategy("full_reuse").fuse(engine.model, fusion_input, engine.chunk_prefix_cache())
-    return float(kl_divergence(full.float().cpu(), fused.logits.float().cpu())), placed.logits.float().cpu()
+    return float(next_token_kl(full.float().cpu(), fused.logits.float().cpu())), placed.logits.float().cpu()
 
 
 def check_on_gpu() -> list[str]:
     sys.path.insert(0, str(Path(__file__).parent))
-    from test_sparse_support import full_budget_and_dense, write_tiny_llama
+    from sparse_cases import full_budget_and_dense
+    from tiny_models import make_tiny_model
 
     from ragkv.engine.model import CausalLM
     from ragkv.fusion import STRATEGY_NAMES
@@ -103,7 +104,14 @@ def check_on_gpu() -> list[str]:
         except Exception:  # every failure is collected and reported together
             failures.append(f"{name}:\n{traceback.format_exc(limit=6)}")
 
-    folder = write_tiny_llama(Path(tempfile.mkdtemp()), heads=8, kv_heads=2, head_dim=64, hidden=256)
+    folder = make_tiny_model(
+        "llama-sparse",
+        Path(tempfile.mkdtemp()),
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        hidden_size=256,
+    )
     cpu = CausalLM.load(folder)
     codebook = calibrate(
         cpu,
@@ -118,8 +126,14 @@ def check_on_gpu() -> list[str]:
 
     def engine_on_gpu():
         # the same formats on the CPU set the bound: the device changes summation order only
-        with_tokenizer = write_tiny_llama(
-            Path(tempfile.mkdtemp()), with_tokenizer=True, heads=8, kv_heads=2, head_dim=64, hidden=256
+        with_tokenizer = make_tiny_model(
+            "llama-sparse",
+            Path(tempfile.mkdtemp()),
+            tokenizer=True,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=64,
+            hidden_size=256,
         )
         (kl, placed), (cpu_kl, cpu_placed) = stored_fusion(with_tokenizer, "cuda"), stored_fusion(with_tokenizer, "cpu")
         _, reference_placed = stored_fusion(with_tokenizer, "cpu", "float32")

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fusion_cases import fused_case
 
-from ragkv.bench.metrics import kl_divergence
-from ragkv.engine import Engine
 from ragkv.fusion import (
     A3,
     CacheBlend,
@@ -22,33 +21,12 @@ from ragkv.fusion import (
     Probe,
     build_strategy,
 )
-
-TEXTS = [
-    "Gull Point Light was first lit on 3 March 1851 and burned whale oil until 1890. " * 3,
-    "Linden Hill Orchard grows nineteen apple varieties on twelve hectares of slope. " * 3,
-    "Hallerberg Observatory sits at 1,240 metres on the ridge above the valley towns. " * 3,
-]
-QUESTION = "When was Gull Point Light first lit?"
+from ragkv.fusion.fidelity import next_token_kl
 
 
 @pytest.fixture(scope="module")
 def case(engine):
     return engine, *fused_case(engine)
-
-
-def fused_case(engine: Engine) -> tuple[FusionInput, torch.Tensor]:
-    chunks = []
-    for text in TEXTS:
-        ids = engine.tokenize(text)
-        keys, values = engine.model.chunk_kv(torch.tensor(ids), engine.chunk_prefix_cache())
-        chunks.append(LoadedChunk(ids, keys, values))
-    segments = engine.prompt.rag_segments(QUESTION)
-    fusion_input = FusionInput(
-        segments.prefix_ids, chunks, segments.question_ids, len(engine.chunk_prefix_ids), segments.question_text_span
-    )
-    prompt = segments.prefix_ids + sum((c.token_ids for c in chunks), []) + segments.question_ids
-    _, reference_logits = engine.prefill(prompt)
-    return fusion_input, reference_logits
 
 
 def _fuse(engine, strategy, fusion_input):
@@ -147,7 +125,7 @@ def test_selective_strategies_spend_exactly_their_budget(case, strategy):
 def test_partial_recompute_moves_towards_full(case):
     """More recompute brings the first-token distribution closer to the full prefill."""
     engine, fusion_input, reference = case
-    kls = [kl_divergence(reference, _fuse(engine, A3(ratio=r), fusion_input).logits) for r in (0.0, 0.5, 1.0)]
+    kls = [next_token_kl(reference, _fuse(engine, A3(ratio=r), fusion_input).logits) for r in (0.0, 0.5, 1.0)]
     assert kls[2] < 1e-6
     assert kls[0] > kls[1] > kls[2]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_sparse_support import write_tiny_llama
+from tiny_models import make_tiny_model
 
 from ragkv.api.launcher import ServerProcess
 from ragkv.app.fusion_calibration import (
@@ -21,13 +21,15 @@ from ragkv.cli.main import main
 from ragkv.engine import Engine, EngineConfig
 from ragkv.fusion import FusionConfig
 
+pytestmark = pytest.mark.model  # the packaged SmolLM2 tokenizer or model
+
 CORPUS = Path(__file__).resolve().parents[1] / "examples" / "corpus"
 FLOAT32 = ["--weights", "float32", "--prefill-weights", "float32", "--kv-cache-dtype", "float32"]
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    folder = write_tiny_llama(tmp_path_factory.mktemp("tiny-llama-calibration"), with_tokenizer=True)
+    folder = make_tiny_model("llama-sparse", tmp_path_factory.mktemp("tiny-llama-calibration"), tokenizer=True)
     patch = pytest.MonkeyPatch()
     patch.setenv("RAGKV_CACHE", str(tmp_path_factory.mktemp("ragkv-cache")))
     yield folder

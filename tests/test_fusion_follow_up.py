@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_fusion import fused_case
+from fusion_cases import fused_case
 
-from ragkv.bench.metrics import kl_divergence
 from ragkv.engine.model import Projection
 from ragkv.fusion import FusionInput, Probe
 from ragkv.fusion.base import attend
+from ragkv.fusion.fidelity import next_token_kl
 from ragkv.fusion.layout import Layout
 from ragkv.fusion.probe import PREFIX_SINK_ROWS, probe_columns
 
@@ -50,7 +50,7 @@ def test_a_prefix_window_stays_close_to_the_full_prefill_and_below_the_chosen_ro
     windowed = _fuse(engine, Probe(prefix_window=64), fusion_input, prefix)
     chosen = _fuse(engine, Probe(min_rows=0, prefix_window=0), fusion_input, prefix)
     assert not torch.allclose(windowed.logits, reference, atol=1e-4, rtol=1e-4)  # the window is in use
-    assert kl_divergence(reference, windowed.logits) < kl_divergence(reference, chosen.logits)
+    assert next_token_kl(reference, windowed.logits) < next_token_kl(reference, chosen.logits)
 
 
 def test_probe_columns_keep_the_first_rows_and_at_least_the_model_window():

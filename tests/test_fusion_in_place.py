@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_fusion import fused_case
+from fusion_cases import fused_case
 
 from ragkv.fusion import FusionInput, build_strategy
 

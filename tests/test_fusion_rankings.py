@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_fusion import fused_case
+from fusion_cases import fused_case
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from ragkv.fusion import A3, CacheBlend, Pie, Probe

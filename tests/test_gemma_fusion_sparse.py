@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import fusion_case, make_tiny_model
+from fusion_cases import fusion_case
+from tiny_models import make_tiny_model
 
 from ragkv.engine.model import CausalLM
 from ragkv.fusion import STRATEGY_NAMES, FusionInput, LoadedChunk, Pie, build_strategy

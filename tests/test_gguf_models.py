@@ -68,6 +68,7 @@ def _prompt(length: int, seed: int = 1) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(("family", "kind"), CASES)
+@pytest.mark.model
 def test_gguf_prefill_and_decode_match_transformers_on_the_same_file(files, family, kind):
     path = _gguf(files, family, kind)
     model_dir = resolve_model_dir(str(path))
@@ -95,6 +96,7 @@ def test_gguf_prefill_and_decode_match_transformers_on_the_same_file(files, fami
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+@pytest.mark.model
 def test_int4_decode_weights_are_the_files_own_blocks(files, kind):
     """Every layer's int4 decode kernel holds exactly the weights transformers dequantises
     from the file; for Q4_0 (codes -8..7 around zero) rounding those weights again by each
@@ -124,6 +126,7 @@ def test_int4_decode_weights_are_the_files_own_blocks(files, kind):
     assert requantised_differs == (kind == "Q4_0")
 
 
+@pytest.mark.model
 def test_the_file_carries_chat_template_special_tokens_and_context(files):
     path = _gguf(files, "qwen2", "Q4_1")
     model_dir = resolve_model_dir(str(path))
@@ -137,6 +140,7 @@ def test_the_file_carries_chat_template_special_tokens_and_context(files):
     assert model.spec.rope.max_position_embeddings == 512 and model.spec.eos_token_ids == (2,)
 
 
+@pytest.mark.model
 def test_fingerprint_separates_files_and_keeps_one_files_value(files, tmp_path):
     numerics = Numerics()
 
@@ -152,6 +156,7 @@ def test_fingerprint_separates_files_and_keeps_one_files_value(files, tmp_path):
     assert fingerprint(other_seed) != first
 
 
+@pytest.mark.model
 def test_unsupported_architecture_is_refused_by_name(files):
     path = write_tiny_gguf("llama", files / "phi.gguf", "F16", architecture="phi3")
     with pytest.raises(UnsupportedModelError) as refused:
@@ -178,6 +183,7 @@ def _hub_snapshot(org: str, name: str, revision: str = "0123abcd") -> Path:
     return snapshot
 
 
+@pytest.mark.model
 def test_hub_ids_resolve_from_the_local_cache_only(files):
     folder = make_tiny_model("qwen3", _hub_snapshot("tiny-org", "tiny-qwen3"))
     assert resolve_model_dir("tiny-org/tiny-qwen3") == folder

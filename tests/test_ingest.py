@@ -13,7 +13,7 @@ from ragkv.ingest.errors import InputError, NotFoundError
 from ragkv.ingest.journal import IngestJournal
 from ragkv.ingest.loaders import document_text
 from ragkv.ingest.pipeline import IngestConfig, Ingestor
-from ragkv.ingest.registry_lmdb import LMDBRegistry
+from ragkv.ingest.registry_lmdb import LMDBDocumentRegistry
 from ragkv.store.errors import StoreUnavailableError
 from ragkv.store.keys import ChunkKey
 from ragkv.store.lmdb_env import LMDBEnvironment
@@ -42,7 +42,7 @@ def make_ingestor(engine, embedder, tmp_path):
         store = store or LMDBStore(tmp_path / "db")
         opened.extend((store, env))
         config = {"chunk_tokens": 64, "show_progress": False, **config}
-        return Ingestor(engine, store, LMDBRegistry(env), embedder, IngestJournal(env), IngestConfig(**config))
+        return Ingestor(engine, store, LMDBDocumentRegistry(env), embedder, IngestJournal(env), IngestConfig(**config))
 
     yield make
     for resource in opened:

@@ -1,4 +1,4 @@
-"""PDF and DOCX reading (files generated here with fpdf2 and python-docx, so the text
+"""PDF and DOCX reading (files generated with fpdf2 and python-docx, tests/document_files.py, so the text
 each page holds is known), and `ragkv ingest` refusing unusable files before the model
 loads. No model runs in this file."""
 
@@ -12,53 +12,13 @@ import sys
 import zipfile
 from pathlib import Path
 
-import docx
 import pytest
-from fpdf import FPDF
+from document_files import PAGE_FACTS, docx_bytes, pdf_bytes, scanned_pdf_bytes
 
 from ragkv.ingest.errors import InputError
 from ragkv.ingest.formats import CONTAINER_FACTOR
 from ragkv.ingest.loaders import load_document, load_path
 from ragkv.ingest.registry import DocumentRecord
-
-PAGE_FACTS = [
-    "The lighthouse keeper logged 41 storms in 1902.",
-    "The orchard's oldest tree is a Bramley planted in 1871.",
-    "The ferry to Inish More leaves at 07:45 on weekdays.",
-]
-
-
-def pdf_bytes(pages: list[str]) -> bytes:
-    pdf = FPDF()
-    pdf.set_font("Helvetica", size=11)
-    for text in pages:
-        pdf.add_page()
-        pdf.multi_cell(0, 7, text)
-    return bytes(pdf.output())
-
-
-def scanned_pdf_bytes() -> bytes:
-    """Pages that carry only drawings: what a scan without OCR looks like to a text reader."""
-    pdf = FPDF()
-    for _ in range(2):
-        pdf.add_page()
-        pdf.rect(20, 20, 120, 160, style="F")
-    return bytes(pdf.output())
-
-
-def docx_bytes(paragraphs: list[str], table: list[list[str]] | None = None) -> bytes:
-    document = docx.Document()
-    for paragraph in paragraphs:
-        document.add_paragraph(paragraph)
-    if table:
-        grid = document.add_table(rows=len(table), cols=len(table[0]))
-        for r, row in enumerate(table):
-            for c, value in enumerate(row):
-                grid.cell(r, c).text = value
-    document.add_paragraph("After the table.")
-    out = io.BytesIO()
-    document.save(out)
-    return out.getvalue()
 
 
 def test_pdf_pages_keep_their_spans_and_a_chunk_knows_its_page():

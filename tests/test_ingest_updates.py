@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from document_files import PAGE_FACTS, docx_bytes, pdf_bytes
 
 from ragkv.app.rag import RagPipeline
 from ragkv.app.storage import Storage, StorageConfig
@@ -23,10 +24,9 @@ from ragkv.ingest.errors import InputError, NotFoundError
 from ragkv.ingest.journal import IngestJournal
 from ragkv.ingest.loaders import load_document
 from ragkv.ingest.pipeline import IngestConfig, Ingestor
-from ragkv.ingest.registry_lmdb import LMDBRegistry
+from ragkv.ingest.registry_lmdb import LMDBDocumentRegistry
 from ragkv.store.lmdb_env import LMDBEnvironment
 from ragkv.store.lmdb_store import LMDBStore
-from tests.test_ingest_formats import PAGE_FACTS, docx_bytes, pdf_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -53,7 +53,7 @@ def make_ingestor(engine, embedder, tmp_path):
         store = store or LMDBStore(tmp_path / "db")
         opened.extend((store, env))
         config = IngestConfig(chunk_tokens=32, show_progress=False)
-        return Ingestor(engine, store, LMDBRegistry(env), embedder, IngestJournal(env), config)
+        return Ingestor(engine, store, LMDBDocumentRegistry(env), embedder, IngestJournal(env), config)
 
     yield make
     for resource in opened:
@@ -137,13 +137,13 @@ from ragkv.engine import Engine, EngineConfig
 from ragkv.ingest.embedder import Embedder
 from ragkv.ingest.journal import IngestJournal
 from ragkv.ingest.pipeline import IngestConfig, Ingestor
-from ragkv.ingest.registry_lmdb import LMDBRegistry
+from ragkv.ingest.registry_lmdb import LMDBDocumentRegistry
 from ragkv.store.lmdb_env import LMDBEnvironment
 from ragkv.store.lmdb_store import LMDBStore
 
 db, point, version_1, version_2 = sys.argv[1:]
 env = LMDBEnvironment(db)
-registry = LMDBRegistry(env)
+registry = LMDBDocumentRegistry(env)
 engine = Engine(EngineConfig(weights="float32", prefill_weights="float32", kv_cache_dtype="float32"))
 ingestor = Ingestor(engine, LMDBStore(db), registry, Embedder(), IngestJournal(env),
                     IngestConfig(chunk_tokens=32, show_progress=False))

@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from ragkv.app.rag import RagPipeline
-from ragkv.bench.metrics import kl_divergence
 from ragkv.engine.fingerprint import model_fingerprint
 from ragkv.engine.kv_storage import KV_STORAGE_FORMATS
 from ragkv.fusion import FullReuse, FusionInput, LoadedChunk
+from ragkv.fusion.fidelity import next_token_kl
 from ragkv.ingest.embedder import Embedder
 from ragkv.ingest.journal import IngestJournal
 from ragkv.ingest.pipeline import IngestConfig, Ingestor
-from ragkv.ingest.registry_lmdb import LMDBRegistry
+from ragkv.ingest.registry_lmdb import LMDBDocumentRegistry
 from ragkv.store.keys import ChunkKey, hash_tokens
 from ragkv.store.lmdb_env import LMDBEnvironment
 from ragkv.store.lmdb_store import LMDBStore
@@ -64,7 +64,7 @@ def _first_token_logits(engine, raw_chunks, fmt_name: str) -> torch.Tensor:
 def test_quantised_chunks_fuse_close_to_float16(engine, raw_chunks, name, max_kl):
     reference = _first_token_logits(engine, raw_chunks, "float16")
     logits = _first_token_logits(engine, raw_chunks, name)
-    assert kl_divergence(reference, logits) < max_kl
+    assert next_token_kl(reference, logits) < max_kl
     assert int(logits.argmax()) == int(reference.argmax())
 
 
@@ -84,7 +84,7 @@ def test_an_evicted_chunk_is_recomputed_and_put_back(engine, embedder, tmp_path)
         ingestor = Ingestor(
             engine,
             store,
-            LMDBRegistry(env),
+            LMDBDocumentRegistry(env),
             embedder,
             IngestJournal(env),
             IngestConfig(chunk_tokens=64, show_progress=False),

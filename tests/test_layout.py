@@ -118,6 +118,22 @@ def test_the_api_may_import_only_the_application_and_shared_errors():
         assert not within(below, api), below
 
 
+def test_no_endpoint_imports_another_endpoint():
+    """ragkv/api/<endpoint>/ (a folder with a router.py) imports ragkv.api's shared modules and
+    ragkv.api.common, never another endpoint's folder."""
+    api = PACKAGE / "api"
+    endpoints = sorted(folder.name for folder in api.iterdir() if (folder / "router.py").is_file())
+    assert {"chat", "completions", "documents", "embeddings", "query", "responses", "system"} <= set(endpoints)
+    crossings = []
+    for name in endpoints:
+        for path in (api / name).glob("*.py"):
+            for imported in ragkv_imports(path):
+                other = imported.split(".")[2] if imported.count(".") >= 2 else None
+                if other in endpoints and other != name:
+                    crossings.append(f"{path.relative_to(REPO)} imports {imported}")
+    assert not crossings, crossings
+
+
 @pytest.mark.slow
 def test_wheel_installs_no_top_level_name_but_ragkv(tmp_path):
     subprocess.run(

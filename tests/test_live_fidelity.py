@@ -9,8 +9,8 @@ import time
 
 import pytest
 import torch
-from test_fusion import TEXTS
-from test_sparse_support import write_tiny_llama
+from fusion_cases import TEXTS
+from tiny_models import make_tiny_model
 
 from ragkv.api.config import ServeConfig
 from ragkv.api.metrics import Metrics
@@ -23,7 +23,7 @@ from ragkv.app.query import fused_prompt_ids, query_request
 from ragkv.app.rag import QueryConfig, RagPipeline
 from ragkv.app.request import Phase, Prepared, Request
 from ragkv.app.scheduler import Scheduler
-from ragkv.app.usage import Usage
+from ragkv.app.usage import TokenUsage
 from ragkv.cli.main import main
 from ragkv.engine import Engine, EngineConfig
 from ragkv.engine.chunked_prefill import ChunkedPrefill
@@ -33,7 +33,7 @@ from ragkv.fusion.fidelity import next_token_kl
 from ragkv.ingest.embedder import Embedder
 from ragkv.ingest.journal import IngestJournal
 from ragkv.ingest.pipeline import IngestConfig, Ingestor
-from ragkv.ingest.registry_lmdb import LMDBRegistry
+from ragkv.ingest.registry_lmdb import LMDBDocumentRegistry
 from ragkv.store.lmdb_env import LMDBEnvironment
 from ragkv.store.lmdb_store import LMDBStore
 
@@ -43,7 +43,7 @@ PIECE = 32
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    folder = write_tiny_llama(tmp_path_factory.mktemp("tiny-llama-live-fidelity"), with_tokenizer=True)
+    folder = make_tiny_model("llama-sparse", tmp_path_factory.mktemp("tiny-llama-live-fidelity"), tokenizer=True)
     previous = os.environ.get("RAGKV_CACHE")
     os.environ["RAGKV_CACHE"] = str(tmp_path_factory.mktemp("ragkv-cache"))  # weight digests stay out of ~/.cache
     try:
@@ -76,7 +76,7 @@ def _fused_request(engine, strategy, fused: list, max_new_tokens: int = 4) -> Re
     def prepare(request: Request) -> Prepared:
         fusion = strategy.fuse(engine.model, _fusion_input(engine), engine.chunk_prefix_cache(), max_new_tokens)
         fused.append(fusion)
-        usage = Usage.of_fusion(fusion)
+        usage = TokenUsage.of_fusion(fusion)
         return Prepared(fusion.cache, fusion.logits, usage, strategy.name, fused_prompt_ids=fused_prompt_ids(fusion))
 
     return Request("query", prepare, GenerationConfig(max_new_tokens=max_new_tokens), CollectingSink())
@@ -86,7 +86,7 @@ def _prefill_request(engine, max_new_tokens: int = 4) -> Request:
     def prepare(request: Request) -> Prepared:
         ids = engine.prompt.encode_messages([{"role": "user", "content": "Name three colours."}])
         cache, logits = engine.prefill(ids, max_new_tokens)
-        return Prepared(cache, logits, Usage(prompt_tokens=len(ids)), "none")
+        return Prepared(cache, logits, TokenUsage(prompt_tokens=len(ids)), "none")
 
     return Request("completion", prepare, GenerationConfig(max_new_tokens=max_new_tokens), CollectingSink())
 
@@ -116,6 +116,7 @@ def _kl_samples(metrics: Metrics, strategy: str) -> tuple[float | None, float | 
     )
 
 
+@pytest.mark.model
 def test_a_sampled_fused_request_is_measured_when_idle_against_a_full_prefill(engine):
     metrics = Metrics()
     scheduler = _scheduler(engine, 1.0, metrics, piece_tokens=PIECE)
@@ -139,6 +140,7 @@ def test_a_sampled_fused_request_is_measured_when_idle_against_a_full_prefill(en
     assert metrics.registry.get_sample_value("ragkv_fusion_fidelity_samples_dropped_total") == 0
 
 
+@pytest.mark.model
 def test_rate_zero_samples_nothing_and_a_full_recompute_is_never_sampled(engine):
     for rate, strategy in ((0.0, Probe(ratio=0.1)), (1.0, Full())):
         metrics = Metrics()
@@ -152,6 +154,7 @@ def test_rate_zero_samples_nothing_and_a_full_recompute_is_never_sampled(engine)
     assert fused_prompt_ids(fused[0]) is None  # full reused nothing
 
 
+@pytest.mark.model
 def test_a_request_arriving_during_a_sample_prefill_is_admitted_at_the_next_step(engine):
     metrics = Metrics()
     scheduler = _scheduler(engine, 1.0, metrics, piece_tokens=PIECE)
@@ -184,13 +187,14 @@ def rag(engine, tmp_path_factory):
     store = LMDBStore(root / "chunks")
     embedder = Embedder()
     config = IngestConfig(chunk_tokens=48, show_progress=False)
-    ingestor = Ingestor(engine, store, LMDBRegistry(env), embedder, IngestJournal(env), config)
+    ingestor = Ingestor(engine, store, LMDBDocumentRegistry(env), embedder, IngestJournal(env), config)
     ingestor.ingest_text(" ".join(TEXTS), "places.txt")
     yield RagPipeline(engine, store, ingestor.registry, embedder)
     store.close()
     env.close()
 
 
+@pytest.mark.model
 def test_a_rag_query_and_a_rag_chat_turn_keep_their_fused_prompts(engine, rag):
     metrics = Metrics()
     scheduler = _scheduler(engine, 1.0, metrics)
@@ -220,6 +224,7 @@ def test_a_rag_query_and_a_rag_chat_turn_keep_their_fused_prompts(engine, rag):
     assert _kl_samples(metrics, "probe")[0] == 2
 
 
+@pytest.mark.model
 def test_the_model_worker_measures_samples_when_nothing_else_runs(engine):
     metrics = Metrics()
     scheduler = _scheduler(engine, 1.0, metrics, piece_tokens=PIECE)
@@ -247,6 +252,7 @@ def test_the_queue_of_samples_is_bounded_dropping_the_oldest():
     assert [s.strategy for s in fidelity.pending] == ["s1", "s2"] and fidelity.dropped == 1 and dropped == [1]
 
 
+@pytest.mark.model
 def test_chunked_prefill_gives_the_full_prefill_logits(engine):
     ids = engine.tokenize(TEXTS[0])
     prefill = ChunkedPrefill(engine.model, ids, 7)

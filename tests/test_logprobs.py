@@ -12,7 +12,7 @@ from ragkv.app.completion import completion_request
 from ragkv.app.generate import CollectingSink
 from ragkv.app.request import Prepared, Request
 from ragkv.app.scheduler import Scheduler, SchedulerConfig
-from ragkv.app.usage import Usage
+from ragkv.app.usage import TokenUsage
 from ragkv.engine.generation import GenerationConfig
 from ragkv.engine.sampling import SamplingConfig
 
@@ -35,7 +35,7 @@ def _request(engine, question: str, generation: GenerationConfig, sink) -> tuple
 
     def prepare(request: Request) -> Prepared:
         cache, logits = engine.prefill(ids, generation.max_new_tokens)
-        return Prepared(cache, logits, Usage(prompt_tokens=len(ids)), "none")
+        return Prepared(cache, logits, TokenUsage(prompt_tokens=len(ids)), "none")
 
     return Request("test", prepare, generation, sink), ids
 

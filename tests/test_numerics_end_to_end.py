@@ -6,10 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_sparse_support import write_tiny_llama
+from tiny_models import make_tiny_model
 
 from ragkv.cli.main import main
 from ragkv.fusion import STRATEGY_NAMES
+
+pytestmark = pytest.mark.model  # the packaged SmolLM2 tokenizer or model
 
 CORPUS = Path(__file__).resolve().parents[1] / "examples" / "corpus"
 OPTIONS = {
@@ -23,7 +25,7 @@ OPTIONS = {
 def folder(tmp_path_factory):
     patch = pytest.MonkeyPatch()
     patch.setenv("RAGKV_CACHE", str(tmp_path_factory.mktemp("ragkv-cache")))
-    yield write_tiny_llama(tmp_path_factory.mktemp("tiny-llama-numerics"), with_tokenizer=True)
+    yield make_tiny_model("llama-sparse", tmp_path_factory.mktemp("tiny-llama-numerics"), tokenizer=True)
     patch.undo()
 
 

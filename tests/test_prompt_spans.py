@@ -10,8 +10,8 @@ import torch
 
 from ragkv.app.conversation import render_conversation
 from ragkv.app.prompt_passages import PromptPassages
-from ragkv.bench.metrics import kl_divergence
 from ragkv.fusion import STRATEGY_NAMES, FusionInput, LoadedChunk, build_strategy
+from ragkv.fusion.fidelity import next_token_kl
 from ragkv.ingest.spans import SpanConfig, SpanFinder
 from ragkv.store.url import open_store
 
@@ -140,7 +140,7 @@ def test_mixed_fresh_and_stored_chunks_stay_near_the_full_prefill(engine):
     assert fusion.recomputed_tokens == round(strategy.ratio * stored)
     stored_input = _fresh_input(engine, [2, 0, 3, 1], fresh=set())[0]
     reuse_all = build_strategy("pie").fuse(engine.model, stored_input, _prefix_cache(engine, stored_input.prefix_ids))
-    assert kl_divergence(reference, fusion.logits) < kl_divergence(reference, reuse_all.logits)
+    assert next_token_kl(reference, fusion.logits) < next_token_kl(reference, reuse_all.logits)
 
 
 @pytest.fixture
@@ -175,7 +175,7 @@ def test_passages_seen_once_are_reused_from_the_store_in_another_order(engine, p
     assert warm.plan.reused_tokens == passage_tokens
     # cached = the passages' rows less the probe's recomputed share
     assert warm.usage.cached_tokens == passage_tokens - warm.fusion.recomputed_tokens
-    assert kl_divergence(warm_reference, warm.fusion.logits) < 0.1
+    assert next_token_kl(warm_reference, warm.fusion.logits) < 0.1
     counters = passages.counters.snapshot()
     assert (counters.hits, counters.misses, counters.tokens_reused) == (4, 4, passage_tokens)
 

@@ -1,4 +1,4 @@
-"""The Registry contract, run unchanged against every backend: a real LMDB file and a real
+"""The DocumentRegistry contract, run unchanged against every backend: a real LMDB file and a real
 redis-server. Two registry objects on one backend stand for two replicas (separate
 processes: separate embedding caches)."""
 
@@ -12,8 +12,8 @@ import pytest
 from redis.cluster import RedisCluster
 
 from ragkv.ingest.errors import NotFoundError, RegistryUnavailableError
-from ragkv.ingest.registry import ChunkRecord, DocumentRecord, Registry
-from ragkv.ingest.registry_lmdb import LMDBRegistry
+from ragkv.ingest.registry import ChunkRecord, DocumentRecord, DocumentRegistry
+from ragkv.ingest.registry_lmdb import LMDBDocumentRegistry
 from ragkv.ingest.registry_url import open_registry
 from ragkv.store.errors import StoreError
 from ragkv.store.lmdb_env import LMDBEnvironment
@@ -27,7 +27,7 @@ def replicas(request: pytest.FixtureRequest, tmp_path):
     """Two registries over one backend, as two replicas would open it."""
     if request.param == "lmdb":
         env = LMDBEnvironment(tmp_path / "db")
-        opened: list[Registry] = [LMDBRegistry(env), LMDBRegistry(env)]
+        opened: list[DocumentRegistry] = [LMDBDocumentRegistry(env), LMDBDocumentRegistry(env)]
     else:
         url = request.getfixturevalue("redis_url" if request.param == "redis" else "redis_cluster_url")
         client = redis_client(url, connect_timeout_s=2, op_timeout_s=5)
@@ -42,7 +42,7 @@ def replicas(request: pytest.FixtureRequest, tmp_path):
 
 
 @pytest.fixture
-def registry(replicas) -> Registry:
+def registry(replicas) -> DocumentRegistry:
     return replicas[0]
 
 
@@ -187,7 +187,7 @@ def test_concurrent_adds_of_one_document_count_its_chunks_once(replicas):
     barrier = threading.Barrier(8)
     results = []
 
-    def add(registry: Registry) -> None:
+    def add(registry: DocumentRegistry) -> None:
         barrier.wait()
         results.append(registry.add(document("doc_a", ["h1", "h2"]), "a", unit_rows(0, 1)))
 
@@ -206,7 +206,7 @@ def test_concurrent_removes_of_one_document_release_its_chunks_once(replicas):
     barrier = threading.Barrier(8)
     outcomes = []
 
-    def remove(registry: Registry) -> None:
+    def remove(registry: DocumentRegistry) -> None:
         barrier.wait()
         try:
             outcomes.append(registry.remove("t", "doc_a")[1])

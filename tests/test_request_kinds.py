@@ -21,7 +21,7 @@ from ragkv.ingest.embedder import Embedder
 from ragkv.ingest.errors import InputError
 from ragkv.ingest.journal import IngestJournal
 from ragkv.ingest.pipeline import IngestConfig, Ingestor
-from ragkv.ingest.registry_lmdb import LMDBRegistry
+from ragkv.ingest.registry_lmdb import LMDBDocumentRegistry
 from ragkv.store.lmdb_env import LMDBEnvironment
 from ragkv.store.lmdb_store import LMDBStore
 
@@ -42,7 +42,7 @@ def rag(engine, tmp_path_factory):
     ingestor = Ingestor(
         engine,
         store,
-        LMDBRegistry(env),
+        LMDBDocumentRegistry(env),
         embedder,
         IngestJournal(env),
         IngestConfig(chunk_tokens=64, show_progress=False),

@@ -411,9 +411,10 @@ def test_the_pipeline_retrieves_k_hits_inside_the_filter_and_the_tenant(lmdb_reg
 
 
 def test_the_api_refuses_a_bad_filter_with_a_400():
+    from ragkv.api.common.conversion import query_config
     from ragkv.api.config import ServeConfig
     from ragkv.api.errors import ApiError
-    from ragkv.api.schemas import QueryRequest, query_config
+    from ragkv.api.query.protocol import QueryRequest
     from ragkv.engine.generation import GenerationConfig
 
     request = QueryRequest(question="q", filter={"year": {"$gte": "2020"}})

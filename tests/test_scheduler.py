@@ -9,7 +9,7 @@ import pytest
 from ragkv.app.generate import CollectingSink, complete
 from ragkv.app.request import Phase, Prepared, Request, RequestCancelled
 from ragkv.app.scheduler import QueueFull, Scheduler, SchedulerConfig
-from ragkv.app.usage import Usage
+from ragkv.app.usage import TokenUsage
 from ragkv.engine.generation import GenerationConfig
 
 pytestmark = pytest.mark.model
@@ -30,7 +30,7 @@ def _request(engine, question: str, max_new_tokens: int, sink, **options) -> Req
     def prepare(request: Request) -> Prepared:
         ids = engine.prompt.encode_messages(_messages(question))
         cache, logits = engine.prefill(ids, max_new_tokens)
-        return Prepared(cache, logits, Usage(prompt_tokens=len(ids)), "none")
+        return Prepared(cache, logits, TokenUsage(prompt_tokens=len(ids)), "none")
 
     return Request("test", prepare, GenerationConfig(max_new_tokens=max_new_tokens), sink, **options)
 

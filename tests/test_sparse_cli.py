@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_sparse_support import write_tiny_llama
+from tiny_models import make_tiny_model
 
 from ragkv.app.codebooks import load_codebook
 from ragkv.app.runtime import Runtime, RuntimeConfig
@@ -19,7 +19,7 @@ CORPUS = Path(__file__).resolve().parents[1] / "examples" / "corpus"
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    folder = write_tiny_llama(tmp_path_factory.mktemp("tiny-llama-cli"), with_tokenizer=True)
+    folder = make_tiny_model("llama-sparse", tmp_path_factory.mktemp("tiny-llama-cli"), tokenizer=True)
     home = tmp_path_factory.mktemp("ragkv-home")
     patch = pytest.MonkeyPatch()
     patch.setenv("RAGKV_CACHE", str(tmp_path_factory.mktemp("ragkv-cache")))
@@ -50,6 +50,7 @@ def test_parser_knows_the_sparse_commands():
     assert args.bench == "sparse" and args.selectors == ["a2ats", "lrqk"] and args.context_lengths == [2048, 4096]
 
 
+@pytest.mark.model
 def test_calibrate_stores_the_codebook_and_backfills_codes(setup, capsys):
     folder, home = setup
     common = ["--data-dir", str(home), "--model", str(folder)]
@@ -85,6 +86,7 @@ def test_calibrate_stores_the_codebook_and_backfills_codes(setup, capsys):
             assert torch.equal(codebook.codes_of(tensors), codebook.encode(keys))
 
 
+@pytest.mark.model
 def test_bench_sparse_writes_figures(setup, tmp_path, capsys):
     folder, home = setup
     data = tmp_path / "qa.json"

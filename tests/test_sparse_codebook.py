@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from test_sparse_support import write_tiny_llama
+from tiny_models import make_tiny_model
 
 from ragkv.app.codebooks import CODEBOOK_DB, attach_codebook, load_codebook, save_codebook
 from ragkv.app.generate import decode
@@ -32,7 +32,7 @@ TEXT = (
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    folder = write_tiny_llama(tmp_path_factory.mktemp("tiny-llama-tok"), with_tokenizer=True)
+    folder = make_tiny_model("llama-sparse", tmp_path_factory.mktemp("tiny-llama-tok"), tokenizer=True)
     previous = os.environ.get("RAGKV_CACHE")
     os.environ["RAGKV_CACHE"] = str(tmp_path_factory.mktemp("ragkv-cache"))  # weight digests stay out of ~/.cache
     try:
@@ -54,6 +54,7 @@ def codebook(engine):
     return make_codebook(engine)
 
 
+@pytest.mark.model
 def test_calibration_shapes_and_uuid_mix(engine, codebook):
     spec = engine.spec
     assert codebook.centroids.shape == (spec.num_layers, spec.num_kv_heads, 32, spec.head_dim)
@@ -79,6 +80,7 @@ def test_scoring_centroids_round_each_centroid_to_int8_within_half_a_step():
     assert relative.max() <= 0.5 / 127 * (1 + 1e-5)
 
 
+@pytest.mark.model
 def test_codebook_round_trips_through_lmdb(tmp_path, engine, codebook):
     with LMDBEnvironment(tmp_path / "db") as env:
         assert load_codebook(env, engine.fingerprint) is None
@@ -142,6 +144,7 @@ def fuse(engine, chunks, strategy, ratio=0.3):
     )
 
 
+@pytest.mark.model
 def test_codes_stored_at_ingestion_equal_codes_at_query_time(tmp_path, engine, codebook):
     chunks, stored = ingest_chunks(engine, tmp_path, codebook)
     for chunk, tensors in zip(chunks, stored):
@@ -168,6 +171,7 @@ def test_codes_stored_at_ingestion_equal_codes_at_query_time(tmp_path, engine, c
         engine.codebook = None
 
 
+@pytest.mark.model
 def test_changed_codebook_never_serves_stale_codes(tmp_path, engine, codebook):
     chunks, stored = ingest_chunks(engine, tmp_path, codebook)
     newer = make_codebook(engine, seed=7)
@@ -190,6 +194,7 @@ def test_changed_codebook_never_serves_stale_codes(tmp_path, engine, codebook):
     assert all(torch.equal(got, t["codes"]) for got, t in zip(codes, stored))
 
 
+@pytest.mark.model
 def test_recomputed_rows_get_fresh_codes(tmp_path, engine, codebook):
     chunks, stored = ingest_chunks(engine, tmp_path, codebook)
     result = fuse(engine, chunks, "a3", ratio=0.3)
@@ -213,6 +218,7 @@ def test_recomputed_rows_get_fresh_codes(tmp_path, engine, codebook):
     assert changed > 0  # recomputation really changed some keys' codes
 
 
+@pytest.mark.model
 def test_a_fused_prompt_decodes_with_the_configured_selector(tmp_path, engine, codebook):
     chunks, stored = ingest_chunks(engine, tmp_path, codebook)
     generation = GenerationConfig(max_new_tokens=6)

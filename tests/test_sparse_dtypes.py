@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_sparse_support import full_budget_and_dense, write_tiny_llama
+from sparse_cases import full_budget_and_dense
+from tiny_models import make_tiny_model
 
 from ragkv.engine.model import CausalLM
 from ragkv.kernels import reference
@@ -31,7 +32,7 @@ ROWS = 200
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama-dtypes"))
+    return make_tiny_model("llama-sparse", tmp_path_factory.mktemp("tiny-llama-dtypes"))
 
 
 @pytest.fixture(scope="module")

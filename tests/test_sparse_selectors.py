@@ -8,9 +8,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from test_sparse_support import structured_case, tiny_model
+from sparse_cases import structured_case
+from tiny_models import make_tiny_model
 
 from ragkv.bench.sparse_bench import RecallMeter
+from ragkv.engine.model import CausalLM
 from ragkv.sparse import A2ATSCodebook, PromptState, SparseConfig, selector_names
 from ragkv.sparse.base import EXTEND_BATCH
 from ragkv.sparse.calibrate import CalibrationConfig, calibrate, fit_codebook
@@ -23,7 +25,7 @@ ROWS = 320
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+    return CausalLM.load(make_tiny_model("llama-sparse", tmp_path_factory.mktemp("tiny-llama")))
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_sparse_support import write_tiny_llama
+from tiny_models import make_tiny_model
 from transformers import LlamaForCausalLM
 
 from ragkv.engine.model import CausalLM
@@ -18,7 +18,7 @@ ROWS, PREFIX, QUESTION = 200, 6, 10
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama-snap"))
+    return make_tiny_model("llama-sparse", tmp_path_factory.mktemp("tiny-llama-snap"))
 
 
 @pytest.fixture(scope="module")

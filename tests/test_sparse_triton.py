@@ -25,12 +25,13 @@ CASES = (("a2ats", "logits"), ("pqcache", "logits"), ("lrqk", "probs"), ("oracle
 
 def compare_backends() -> None:
     import torch
-    from test_sparse_support import tiny_model
+    from tiny_models import make_tiny_model
 
+    from ragkv.engine.model import CausalLM
     from ragkv.sparse import PromptState, SparseConfig
     from ragkv.sparse.calibrate import CalibrationConfig, calibrate
 
-    model = tiny_model(Path(tempfile.mkdtemp()), layers=1)
+    model = CausalLM.load(make_tiny_model("llama-sparse", Path(tempfile.mkdtemp()), num_hidden_layers=1))
     config = CalibrationConfig(codebook_size=16, tokens=256, sequence_tokens=128, iterations=2)
     codebook = calibrate(
         model, lambda s: [b % 500 + 3 for b in s.encode()], ["some calibration text " * 20], [], config

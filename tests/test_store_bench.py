@@ -8,8 +8,8 @@ import pytest
 import redis
 import torch
 
+from ragkv.bench.store_bench import run_store_bench
 from ragkv.store import LMDBStore, RedisStore, TieredStore
-from ragkv.store.bench import run_store_bench
 
 
 @pytest.mark.redis

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_sparse_support import write_tiny_llama
+from tiny_models import make_tiny_model
 
 from ragkv.bench.vllm_connector_bench import complete, first_token_kl, prompt_ids
 from ragkv.bench.vllm_server import DEFAULT_PYTHON, VllmServer, vllm_available
@@ -43,7 +43,7 @@ def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-connector")
     # head_dim 32: the smallest the CPU attention backend takes
     (root / "model").mkdir()
-    model = write_tiny_llama(root / "model", layers=2, with_tokenizer=True, heads=4, kv_heads=2, head_dim=32)
+    model = make_tiny_model("llama-sparse", root / "model", tokenizer=True, head_dim=32)
     connector = {"store_url": f"lmdb://{root / 'store'}", "min_prefix_tokens": 16}
     with VllmServer(
         PYTHON, model, root / "vllm.log", connector=connector, max_model_len=2048, extra_args=("--enforce-eager",)

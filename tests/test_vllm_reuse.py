@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_sparse_support import write_tiny_llama
+from tiny_models import make_tiny_model
 
 from ragkv.app.prompt_passages import SpanKeys
 from ragkv.engine import Engine
@@ -59,7 +59,7 @@ def test_a_quantised_cache_is_refused():
 def parts(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-reuse")
     (root / "model").mkdir()
-    folder = write_tiny_llama(root / "model", layers=2, with_tokenizer=True, heads=4, kv_heads=2, head_dim=32)
+    folder = make_tiny_model("llama-sparse", root / "model", tokenizer=True, head_dim=32)
     config = ConnectorConfig(
         store_url=f"lmdb://{root / 'store'}",
         min_prefix_tokens=16,

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from document_files import docx_bytes, pdf_bytes
 from playwright.sync_api import expect, sync_playwright
-from test_ingest_formats import docx_bytes, pdf_bytes
 
 from ragkv.api.launcher import ServerProcess
 

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from tiny_models import CONFIGS
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from tiny_models import tiny_weights
+from transformers import AutoTokenizer
 
 from ragkv.app.chat import ChatTurn, ChatTurns
 from ragkv.app.contexts import ContextCache
@@ -21,6 +21,8 @@ from ragkv.engine.model import CausalLM
 from ragkv.engine.model_files import resolve_model_dir
 from ragkv.engine.prompt import ChatPrompt
 
+pytestmark = pytest.mark.model  # the packaged SmolLM2 tokenizer or model
+
 CONFIG = QueryConfig(generation=GenerationConfig(max_new_tokens=6))
 LONG = " ".join(f"word{i}" for i in range(30))
 
@@ -28,13 +30,7 @@ LONG = " ".join(f"word{i}" for i in range(30))
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(None))
-    config = CONFIGS["gemma3"]()
-    config.vocab_size = len(tokenizer)
-    torch.manual_seed(0)
-    reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for parameter in reference.parameters():
-            parameter.mul_(4.0 if parameter.dim() > 1 else 1.0)
+    reference = tiny_weights("gemma3", scale_only=True, vocab_size=len(tokenizer))
     folder = tmp_path_factory.mktemp("gemma3-chat")
     reference.save_pretrained(folder)
     model = CausalLM.load(folder)

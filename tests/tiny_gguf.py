@@ -10,9 +10,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-import torch
-from tiny_models import CONFIGS
-from transformers import AutoModelForCausalLM
+from tiny_models import tiny_weights
 
 VOCAB = 1024
 _FIRST_MERGED_ID = 252
@@ -87,16 +85,11 @@ def write_tiny_gguf(
     norms and biases as F32. `architecture` overrides the file's declared architecture,
     `context_length` the config's 512 positions. K-quant types (Q4_K, Q5_K, Q6_K) need rows
     of 256 (`hidden_size` 256): those matrices get random valid blocks, the others F16."""
-    torch.manual_seed(seed)
-    config = CONFIGS[family]()
-    config.vocab_size = VOCAB
-    config.intermediate_size = 96  # every width whole blocks of 32
-    config.max_position_embeddings = context_length or config.max_position_embeddings
-    config.hidden_size = hidden_size or config.hidden_size
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for parameter in model.parameters():  # spread logits out so greedy ties are unlikely
-            parameter.mul_(4.0 if parameter.dim() > 1 else 1.0)
+    sizes = {"max_position_embeddings": context_length, "hidden_size": hidden_size}
+    overrides = {name: value for name, value in sizes.items() if value}
+    # every width whole blocks of 32
+    model = tiny_weights(family, seed, scale_only=True, vocab_size=VOCAB, intermediate_size=96, **overrides)
+    config = model.config
     arch = architecture or _ARCH[family]
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(name or f"tiny-{family}")

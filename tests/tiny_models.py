@@ -1,8 +1,17 @@
-"""Tiny random-weight checkpoints of each supported family, written as Hugging Face
-folders, so the forward loop can be compared with transformers in seconds."""
+"""The one tiny-model factory of the tests: random-weight checkpoints of each supported
+family, written as Hugging Face folders, so the forward loop can be compared with
+transformers in seconds. `make_tiny_model` writes one (optionally with the packaged
+SmolLM2's tokenizer), `tiny_weights` builds it in memory (tests/tiny_gguf.py writes those as
+GGUF files).
+
+A plain module, not conftest.py: scripts that the tests run in a subprocess or on a GPU
+(tests/test_engine_gpu.py, tests/test_sparse_triton.py) import it too, and conftest.py sets
+TRITON_INTERPRET for the whole process."""
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -25,13 +34,20 @@ _COMMON = dict(
     pad_token_id=0,
 )
 
+
+def _config(config_class, **fields):
+    """A config maker for CONFIGS: `fields`, each replaceable by the maker's keyword arguments."""
+    return lambda **overrides: config_class(**{**fields, **overrides})
+
+
 CONFIGS = {
-    "llama": lambda: LlamaConfig(**_COMMON),
+    "llama": _config(LlamaConfig, **_COMMON),
     # widths in whole int4 groups of 32 (hidden 2, intermediate 3: an odd pair), weights
     # rounded to Q4_1 blocks like the packaged GGUF's (make_tiny_model: min/max blocks with a
     # float16 scale and minimum, as Int4Kernel quantizes)
-    "llama-int4": lambda: LlamaConfig(**{**_COMMON, "intermediate_size": 96}),
-    "llama3-rope": lambda: LlamaConfig(
+    "llama-int4": _config(LlamaConfig, **{**_COMMON, "intermediate_size": 96}),
+    "llama3-rope": _config(
+        LlamaConfig,
         **_COMMON,
         rope_parameters={
             "rope_type": "llama3",
@@ -42,10 +58,11 @@ CONFIGS = {
             "original_max_position_embeddings": 64,
         },
     ),
-    "mistral": lambda: MistralConfig(**_COMMON, sliding_window=None),
-    "qwen2": lambda: Qwen2Config(**_COMMON),
-    "qwen3": lambda: Qwen3Config(**_COMMON, head_dim=16),
-    "qwen3-yarn": lambda: Qwen3Config(
+    "mistral": _config(MistralConfig, **_COMMON, sliding_window=None),
+    "qwen2": _config(Qwen2Config, **_COMMON),
+    "qwen3": _config(Qwen3Config, **_COMMON, head_dim=16),
+    "qwen3-yarn": _config(
+        Qwen3Config,
         **_COMMON,
         head_dim=16,
         rope_parameters={
@@ -55,10 +72,29 @@ CONFIGS = {
             "original_max_position_embeddings": 128,
         },
     ),
+    # For the sparse decode and fusion tests: two tied layers, a wider vocabulary, long
+    # positions, and weights drawn in `tiny_weights` so attention is far from uniform
+    "llama-sparse": _config(
+        LlamaConfig,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=8192,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
     # Gemma 3's layout in small: sliding-window layers with their own RoPE base around a full
     # one, a window of 8 so it cuts into a 40-token prompt, one KV head, QK-norm, a softmax
     # scale that is not 1/sqrt(head_dim), tied and scaled embeddings
-    "gemma3": lambda: Gemma3TextConfig(
+    "gemma3": _config(
+        Gemma3TextConfig,
         **{
             **_COMMON,
             "num_hidden_layers": 4,
@@ -78,38 +114,57 @@ CONFIGS = {
 }
 
 
-def make_tiny_model(family: str, folder: Path, seed: int = 0) -> Path:
-    """Write a random tiny model of `family` to `folder`; return the folder."""
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+
+
+def tiny_weights(family: str, seed: int = 0, *, scale_only: bool = False, **overrides):
+    """A random tiny transformers model of `family` in memory, its config's fields replaced
+    by `overrides`. Weights larger than the default init spread the logits out, so greedy ties
+    are unlikely; `scale_only` skips the family's extras (Gemma's norm offsets, int4 rounding)."""
+    config = CONFIGS[family](**overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(CONFIGS[family](), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
-        # Larger-than-init weights make logits spread out, so greedy ties are unlikely.
+        if family == "llama-sparse":
+            for name, parameter in model.named_parameters():
+                if parameter.dim() == 2:
+                    parameter.normal_(0.0, 0.15 if "embed" not in name else 1.0)
+            return model
         for parameter in model.parameters():
             parameter.mul_(4.0 if parameter.dim() > 1 else 1.0)
+            if scale_only:
+                continue
             if family == "gemma3" and parameter.dim() == 1:
                 # Gemma norms store w around zero and scale by 1 + w: non-zero w tests the offset
                 parameter.add_(0.3 * torch.randn_like(parameter))
             if family == "llama-int4" and parameter.dim() == 2:
                 parameter.copy_(Int4Kernel(parameter).dequantized())
-    model.save_pretrained(folder)
+    return model
+
+
+def make_tiny_model(family: str, folder: Path, seed: int = 0, *, tokenizer: bool = False, **overrides) -> Path:
+    """Write a random tiny model of `family` to `folder` (`tiny_weights`); return the folder.
+    `tokenizer`: copy the packaged SmolLM2's tokenizer and chat template in, the vocabulary
+    sized to it."""
+    if tokenizer:
+        from transformers import AutoTokenizer
+
+        from ragkv.engine.model_files import resolve_model_dir
+
+        # scripts/gpu-check.sh brings the packaged tokenizer's files where the package is not
+        packaged = Path(os.environ.get("RAGKV_TEST_TOKENIZER") or resolve_model_dir(None))
+        folder.mkdir(parents=True, exist_ok=True)
+        for name in _TOKENIZER_FILES:
+            if (packaged / name).is_file():
+                shutil.copy(packaged / name, folder / name)
+        overrides["vocab_size"] = len(AutoTokenizer.from_pretrained(folder))
+    tiny_weights(family, seed, **overrides).save_pretrained(folder)
     return folder
-
-
-def fusion_case(model, vocab: int, seed: int = 3):
-    """(fusion input, prefix cache, full-prefill logits): three 40-token chunks of random ids
-    below `vocab`, encoded after a 6-token prefix, then an 8-token question."""
-    from ragkv.fusion import FusionInput, LoadedChunk
-
-    generator = torch.Generator().manual_seed(seed)
-    prefix = torch.randint(3, vocab, (6,), generator=generator)
-    prefix_cache = model.new_cache(prefix.numel())
-    model.prefill(prefix, prefix_cache)
-    chunks = []
-    for _ in range(3):
-        ids = torch.randint(3, vocab, (40,), generator=generator)
-        keys, values = model.chunk_kv(ids, prefix_cache)
-        chunks.append(LoadedChunk(ids.tolist(), keys, values))
-    question = torch.randint(3, vocab, (8,), generator=generator).tolist()
-    fusion_input = FusionInput(prefix.tolist(), chunks, question, chunk_precompute_offset=prefix.numel())
-    whole = torch.tensor(prefix.tolist() + sum((chunk.token_ids for chunk in chunks), []) + question)
-    return fusion_input, prefix_cache, model.prefill(whole, model.new_cache(whole.numel()))

@@ -11,7 +11,6 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from collections.abc import Iterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -20,14 +19,13 @@ from ragkv.api.access_log import AccessLogMiddleware
 from ragkv.api.auth import Authenticator, load_api_keys
 from ragkv.api.config import ServeConfig
 from ragkv.api.errors import install_error_handlers
-from ragkv.api.metrics import Metrics, Reading
+from ragkv.api.json_response import SafeJSONResponse
+from ragkv.api.metrics import Metrics, scrape_readings
 from ragkv.api.middleware import ServingMiddleware
+from ragkv.api.model_work import ModelWork
 from ragkv.api.openapi import install_docs
-from ragkv.api.responses import SafeJSONResponse
-from ragkv.api.routes import chat, completions, documents, query, responses, system
-from ragkv.api.service import Service
+from ragkv.api.routers import ROUTERS
 from ragkv.api.state import AppState
-from ragkv.api.vllm_metrics import scheduler_reading
 from ragkv.api.web_page import install_web
 from ragkv.api.worker import ModelWorker
 from ragkv.app.ingest_records import IngestRecords
@@ -37,100 +35,6 @@ from ragkv.app.scheduler import Scheduler, SchedulerConfig
 from ragkv.app.session_store import open_sessions, session_mac_key, sessions_url
 
 log = logging.getLogger("ragkv.api")
-
-
-def _readings(state: AppState) -> Iterator[Reading]:
-    stats = state.runtime.store.stats()
-    tiers = list(stats.tiers) or [stats]
-    for index, tier in enumerate(tiers):
-        labels = {"tier": f"{index}:{tier.backend}"}
-        yield "gauge", "ragkv_store_entries", "Chunks held by each store tier", labels, tier.entries
-        yield "gauge", "ragkv_store_bytes", "Bytes held by each store tier", labels, tier.bytes
-        yield "counter", "ragkv_store_hits", "Chunk lookups each tier answered", labels, tier.hits
-        yield "counter", "ragkv_store_misses", "Chunk lookups each tier missed", labels, tier.misses
-        yield (
-            "counter",
-            "ragkv_store_corrupt",
-            "Blobs each tier found corrupt (dropped, recomputed)",
-            labels,
-            tier.corrupt,
-        )
-        yield (
-            "counter",
-            "ragkv_store_errors",
-            "Backend operations that failed and were absorbed (Redis down)",
-            labels,
-            tier.errors,
-        )
-        yield (
-            "counter",
-            "ragkv_store_evictions",
-            "Chunks evicted to stay within --store-capacity (each recomputed on its next use)",
-            labels,
-            tier.evictions,
-        )
-        yield (
-            "gauge",
-            "ragkv_store_capacity_bytes",
-            "The --store-capacity bound of each tier",
-            labels,
-            tier.capacity_bytes,
-        )
-    if stats.lru is not None:
-        yield "gauge", "ragkv_store_lru_bytes", "Bytes in the in-process chunk LRU", {}, stats.lru.bytes
-    spans = state.runtime.passages.counters.snapshot()
-    for name, help_text, value in (
-        ("hits", "Passages found in prompts whose KV the store held", spans.hits),
-        ("misses", "Passages found in prompts computed for the request (then stored)", spans.misses),
-        ("tokens_reused", "Prompt tokens of passages whose KV came from the store", spans.tokens_reused),
-        ("tokens_stored", "Prompt tokens of new passages whose KV was stored", spans.tokens_stored),
-    ):
-        yield "counter", f"ragkv_prompt_span_{name}", help_text, {}, value
-    store_redis_up = state.runtime.store_status().redis_up
-    if store_redis_up is not None:
-        yield "gauge", "ragkv_redis_up", "1 if Redis answers PING", {"role": "chunks"}, float(store_redis_up)
-    sessions = state.sessions.stats()
-    if state.sessions.backend == "redis":
-        yield "gauge", "ragkv_redis_up", "1 if Redis answers PING", {"role": "sessions"}, float(sessions["redis_up"])
-    yield "gauge", "ragkv_sessions", "Chat sessions in this process's memory", {}, sessions["sessions"]
-    yield "gauge", "ragkv_session_bytes", "Bytes of session KV in this process's memory", {}, sessions["bytes"]
-    yield "counter", "ragkv_sessions_evicted", "Sessions dropped from memory for space", {}, sessions["evicted"]
-    yield (
-        "gauge",
-        "ragkv_anonymous_contexts",
-        "Cached contexts of turns without a session id",
-        {},
-        sessions["anonymous"],
-    )
-    yield (
-        "gauge",
-        "ragkv_anonymous_context_bytes",
-        "Bytes of anonymous context KV in this process's memory",
-        {},
-        sessions["anonymous_bytes"],
-    )
-    shared = sessions.get("shared_contexts")
-    if shared is not None:
-        for name, help_text in (
-            ("published", "Anonymous contexts published to Redis for other replicas"),
-            ("dropped", "Anonymous-context snapshots not published (queue full or Redis failed)"),
-            ("hits", "Turns that continued a context another replica published"),
-            ("hit_tokens", "Conversation tokens reused from contexts other replicas published"),
-            ("loaded", "Turns that continued, by the id its answer named, a context another replica published"),
-            ("publish_seconds", "Seconds from a context's snapshot to its publication, summed"),
-        ):
-            yield "counter", f"ragkv_shared_context_{name}", help_text, {}, shared[name]
-    registry_up = state.runtime.registry.healthy()
-    if registry_up is not None:
-        yield "gauge", "ragkv_redis_up", "1 if Redis answers PING", {"role": "registry"}, float(registry_up)
-    degraded = store_redis_up is False or sessions.get("redis_up") is False or registry_up is False
-    yield "gauge", "ragkv_degraded", "1 while a fallback is in use (Redis unreachable)", {}, float(bool(degraded))
-    for status, count in state.ingest_records.counts().items():
-        yield "gauge", "ragkv_ingest_jobs", "Ingestion jobs by status", {"status": status}, count
-    state.metrics.queue_depth.set(state.worker.queued)
-    state.metrics.active_jobs.set(state.worker.active)
-    if state.worker.scheduler is not None:
-        state.metrics.vllm.set_scheduler(state.model_id, scheduler_reading(state.worker))
 
 
 def _build_state(config: ServeConfig, metrics: Metrics) -> AppState:
@@ -169,11 +73,11 @@ def _build_state(config: ServeConfig, metrics: Metrics) -> AppState:
             max_queued=config.max_queued,
             on_finished=lambda task: metrics.jobs.labels(task.kind, task.outcome or "unknown").inc(),
         )
-        service = Service(runtime, config, metrics, sessions)
+        work = ModelWork(runtime, config, metrics, sessions)
         model_id = config.model_id or runtime.engine.model_name
         metrics.model_name = model_id
         metrics.vllm.declare(model_id)
-        state = AppState(config, runtime, worker, sessions, IngestRecords(runtime.env), metrics, service, model_id)
+        state = AppState(config, runtime, worker, sessions, IngestRecords(runtime.env), metrics, work, model_id)
     except BaseException:
         runtime.close()
         raise
@@ -205,7 +109,7 @@ def create_app(config: ServeConfig = ServeConfig()) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state = await _start_model_thread(config, metrics)
-        metrics.add_scrape_time(lambda: _readings(state))
+        metrics.add_scrape_time(lambda: scrape_readings(state))
         app.state.ragkv = state
         tenants = ", ".join(sorted(authenticator.tenants)) if authenticator.enabled else "default (no API keys)"
         log.info(
@@ -232,8 +136,8 @@ def create_app(config: ServeConfig = ServeConfig()) -> FastAPI:
     install_error_handlers(app)
     install_docs(app, config)
     install_web(app)
-    for module in (system, documents, query, chat, completions, responses):
-        app.include_router(module.router)
+    for router in ROUTERS:
+        app.include_router(router)
     app.add_middleware(
         ServingMiddleware,
         metrics=metrics,

@@ -17,7 +17,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from ragkv.api.responses import SafeJSONResponse
+from ragkv.api.json_response import SafeJSONResponse
 from ragkv.app.contexts import SessionBusyError, SessionStoreUnavailableError
 from ragkv.app.request import RequestCancelled
 from ragkv.ingest.errors import InputError, NotFoundError, RegistryUnavailableError
@@ -79,6 +79,13 @@ def request_id_of(request: Request) -> str | None:
     return getattr(request.state, "request_id", None)
 
 
+_UNAVAILABLE = {
+    RegistryUnavailableError: ("registry_unavailable", "the document registry is unreachable; retry shortly"),
+    StoreUnavailableError: ("store_unavailable", "the chunk store cannot take writes now; nothing was ingested"),
+}
+"""503s with a Retry-After: what cannot be reached, by error type (checked in this order)."""
+
+
 def as_api_error(error: BaseException) -> ApiError | None:
     """The client-facing form of errors raised by ingestion, retrieval or the configs."""
     if isinstance(error, ApiError):
@@ -92,20 +99,9 @@ def as_api_error(error: BaseException) -> ApiError | None:
     if isinstance(error, InputError):
         status = 413 if error.reason == "too_large" else 400
         return ApiError(status, error.reason, str(error))
-    if isinstance(error, RegistryUnavailableError):
-        return ApiError(
-            503,
-            "registry_unavailable",
-            f"the document registry is unreachable; retry shortly: {error}",
-            headers={"Retry-After": "5"},
-        )
-    if isinstance(error, StoreUnavailableError):
-        return ApiError(
-            503,
-            "store_unavailable",
-            f"the chunk store cannot take writes now; nothing was ingested: {error}",
-            headers={"Retry-After": "5"},
-        )
+    for kind, (code, what) in _UNAVAILABLE.items():
+        if isinstance(error, kind):
+            return ApiError(503, code, f"{what}: {error}", headers={"Retry-After": "5"})
     return None
 
 

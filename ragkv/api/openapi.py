@@ -16,9 +16,9 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, Response
 from fastapi.staticfiles import StaticFiles
 
+from ragkv.api.common.protocol import ErrorResponse
 from ragkv.api.config import ServeConfig
-from ragkv.api.protocol.common import ErrorResponse
-from ragkv.api.schemas import DocumentCreate
+from ragkv.api.documents.protocol import DocumentCreate
 
 SWAGGER_ASSETS = Path(__file__).resolve().parent / "static" / "swagger-ui"
 ASSETS_PATH = "/docs/assets"

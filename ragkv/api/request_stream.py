@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ragkv.app.logprobs import TokenLogprob
-from ragkv.app.request import Completion, Request, RequestCancelled, Started
+from ragkv.app.request import Request, RequestCancelled, RequestOutput, Started
 
 OK, ERROR, CANCELLED = "ok", "error", "cancelled"
 
@@ -42,7 +42,7 @@ class RequestStream:
             raise ValueError("a request stream needs at least one request")
         self.kind = kind
         self.requests = requests
-        self.completions: list[Completion | None] = [None] * len(requests)
+        self.completions: list[RequestOutput | None] = [None] * len(requests)
         self.outcome: str | None = None
         """ok, error or cancelled, once every request ended."""
         self._loop = asyncio.get_running_loop()
@@ -80,7 +80,7 @@ class RequestStream:
             else:
                 yield StreamEvent(kind, index, value)
 
-    async def wait(self) -> list[Completion]:
+    async def wait(self) -> list[RequestOutput]:
         """Every request's completion, in the order of the requests."""
         async for _ in self.events():
             pass
@@ -124,7 +124,7 @@ class _Sink:
     def token(self, text: str) -> None:
         self.stream._emit("token", self.index, text)
 
-    def finished(self, completion: Completion) -> None:
+    def finished(self, completion: RequestOutput) -> None:
         self.stream._emit("finished", self.index, completion)
         self.stream._ended(OK)
 

@@ -1,15 +1,19 @@
-"""The session id a client names, checked at the API's edge, and the wait that lets an
-answer end only once its context can be continued on another replica (the store itself is
+"""The session id a client names, checked at the API's edge, the session side of a chat
+turn's answer (chat completions and responses), and the wait that lets an answer end only
+once its context can be continued on another replica (the store itself is
 ragkv.app.session_store)."""
 
 from __future__ import annotations
 
 import asyncio
 import re
+from dataclasses import dataclass
 
+from ragkv.api.common.serving import citations_of
 from ragkv.api.errors import ApiError
-from ragkv.app.contexts import ContextStore
-from ragkv.app.request import Completion
+from ragkv.api.sources import sources_block
+from ragkv.app.contexts import ContextStore, new_context_id
+from ragkv.app.request import RequestOutput
 
 _SESSION_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 
@@ -23,7 +27,7 @@ def check_session_id(session_id: str) -> str:
 
 
 async def settle_shared(
-    sessions: ContextStore, tenant: str, session_id: str, outcome: Completion, wait_s: float
+    sessions: ContextStore, tenant: str, session_id: str, outcome: RequestOutput, wait_s: float
 ) -> None:
     """Wait (at most `wait_s`) until the anonymous context the turn left is published for
     other replicas, and say in the answer's `session.shared` whether it is: an answer whose
@@ -42,3 +46,39 @@ async def settle_shared(
     session = getattr(outcome.info, "session", None)
     if session:
         session["shared"] = shared
+
+
+@dataclass
+class ChatTurnAnswer:
+    """Which id a chat turn's context is kept under, and what its answer awaits and adds."""
+
+    session_id: str
+    named: str | None
+    """The session the client named; None: the turn continues the longest cached prefix."""
+    sessions: ContextStore
+    tenant: str
+    wait_s: float
+    with_sources: bool = False
+    """End the answer's text with the sources block (`sources: true`)."""
+
+    @classmethod
+    def of(
+        cls, top_level: str | None, in_rag: str | None, sessions: ContextStore, tenant: str, wait_s: float, **options
+    ) -> ChatTurnAnswer:
+        """From the request's `session_id` and `rag.session_id` (the same, when both are given)."""
+        if top_level and in_rag and top_level != in_rag:
+            raise ApiError(400, "conflicting_session_id", "session_id and rag.session_id differ", param="session_id")
+        named = top_level or in_rag
+        session_id = check_session_id(named) if named else new_context_id()
+        return cls(session_id, session_id if named else None, sessions, tenant, wait_s, **options)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"X-Session-Id": self.session_id}
+
+    async def settle(self, outcome: RequestOutput) -> None:
+        """The context reaches other replicas before the answer ends."""
+        await settle_shared(self.sessions, self.tenant, self.session_id, outcome, self.wait_s)
+
+    def sources(self, outcome: RequestOutput) -> str:
+        return sources_block(citations_of(outcome.citations), self.session_id)

@@ -17,7 +17,7 @@ The block is not part of the session: the next turn re-reads the answer without 
 
 from __future__ import annotations
 
-from ragkv.api.protocol.common import Citation
+from ragkv.api.common.protocol import Citation
 
 
 def sources_block(citations: list[Citation], session_id: str) -> str:

@@ -11,7 +11,7 @@ from fastapi import Request
 from ragkv.api.config import ServeConfig
 from ragkv.api.errors import ApiError
 from ragkv.api.metrics import Metrics
-from ragkv.api.service import Service
+from ragkv.api.model_work import ModelWork
 from ragkv.api.worker import ModelWorker
 from ragkv.app.contexts import ContextStore
 from ragkv.app.ingest_records import IngestRecords
@@ -28,7 +28,7 @@ class AppState:
     sessions: ContextStore
     ingest_records: IngestRecords
     metrics: Metrics
-    service: Service
+    work: ModelWork
     model_id: str
     started: float = field(default_factory=time.time)
 

@@ -12,18 +12,23 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
 
 from ragkv.api.errors import ApiError, ClientGone, as_api_error, error_body, request_id_of
 from ragkv.api.request_stream import RequestStream, StreamEvent
 from ragkv.api.task import Task
 from ragkv.api.worker import ModelWorker
-from ragkv.app.request import Completion, RequestCancelled
+from ragkv.app.request import RequestCancelled, RequestOutput
 
 log = logging.getLogger("ragkv.api")
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+"""Headers of every server-sent event stream: no caching, no proxy buffering."""
 
 
 async def _disconnected(request: Request) -> None:
@@ -75,7 +80,7 @@ async def run_task(request: Request, worker: ModelWorker, task: Task) -> Any:
     return await _awaited(request, task)
 
 
-async def run_requests(request: Request, worker: ModelWorker, stream: RequestStream) -> list[Completion]:
+async def run_requests(request: Request, worker: ModelWorker, stream: RequestStream) -> list[RequestOutput]:
     """Submit the stream's requests and return their completions; cancel them if the
     client disconnects first."""
     worker.submit_requests(stream)
@@ -110,7 +115,7 @@ class EventStream:
             yield event
 
     @property
-    def completions(self) -> list[Completion]:
+    def completions(self) -> list[RequestOutput]:
         return self.stream.completions
 
     def cancel(self) -> None:
@@ -122,43 +127,74 @@ def sse(data: Any) -> str:
     return f"data: {payload}\n\n"
 
 
-async def sse_events(
-    request: Request,
-    stream: EventStream,
-    render: Callable[[StreamEvent], list[Any]],
-    finish: Callable[[list[Completion]], list[Any]],
-    encode: Callable[[Any], str] = sse,
-    done: bool = True,
-    settle: Callable[[list[Completion]], Awaitable[None]] | None = None,
-) -> AsyncIterator[str]:
-    """SSE body: `render(event)` for each event after the first, `finish(completions)` at
-    the end, then [DONE] (unless `done` is false). An error mid-stream becomes one error
-    event (the status line is already sent). `encode` writes one event (the Responses API
-    names its events). `settle(completions)` is awaited before the final events (a chat
-    turn's context reaching the shared store)."""
+class StreamRenderer:
+    """How one endpoint's answer streams; the endpoint's serving module subclasses it, and
+    `stream_response` is the one way every endpoint streams. Each event is a protocol model
+    (the endpoint's stream chunk), written by `encode`."""
+
+    done_marker = True
+    """End the stream with `data: [DONE]` (OpenAI's chat and completions, ragkv's query)."""
+
+    def opening(self, first: StreamEvent | None) -> list[BaseModel]:
+        """Events before the first token; `first` is the stream's first event (the retrieval)."""
+        return []
+
+    def render(self, event: StreamEvent) -> list[BaseModel]:
+        """Events for one event of the requests (a token, a logprob)."""
+        return []
+
+    def finish(self, completions: list[RequestOutput]) -> list[BaseModel]:
+        """The last events, once every request has finished."""
+        return []
+
+    async def settle(self, completions: list[RequestOutput]) -> None:
+        """Awaited before the final events (a chat turn's context reaching the shared store)."""
+
+    def encode(self, event: BaseModel) -> str:
+        return sse(event.model_dump(mode="json"))
+
+
+def stream_response(
+    request: Request, stream: EventStream, renderer: StreamRenderer, headers: dict[str, str] | None = None
+) -> StreamingResponse:
+    """The server-sent events of a started stream, as `renderer` writes them."""
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            for event in renderer.opening(stream.first):
+                yield renderer.encode(event)
+            async for item in _sse_events(request, stream, renderer):
+                yield item
+        finally:
+            stream.cancel()  # no-op when it finished; frees the worker when the client left
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={**SSE_HEADERS, **(headers or {})})
+
+
+async def _sse_events(request: Request, stream: EventStream, renderer: StreamRenderer) -> AsyncIterator[str]:
+    """The events after the first; an error mid-stream becomes one error event (the status
+    line is already sent)."""
     try:
         async for item in stream.rest():
-            for event in render(item):
-                yield encode(event)
-        if settle is not None:
-            await settle(stream.completions)
-        for event in finish(stream.completions):
-            yield encode(event)
-        if done:
+            for event in renderer.render(item):
+                yield renderer.encode(event)
+        await renderer.settle(stream.completions)
+        for event in renderer.finish(stream.completions):
+            yield renderer.encode(event)
+        if renderer.done_marker:
             yield sse("[DONE]")
     except asyncio.CancelledError:
         raise
     except Exception as error:
-        mapped = _client_error(error)
-        request_id = request_id_of(request)
-        if isinstance(mapped, ApiError):
-            yield sse(error_body(mapped.status, mapped.code, mapped.message, request_id))
-        else:
-            log.error("stream %s failed", request_id, exc_info=error)
-            yield sse(
-                error_body(
-                    500, "internal_error", f"internal error; quote request id {request_id} to the operator", request_id
-                )
-            )
-    finally:
-        stream.cancel()  # no-op when it finished; frees the worker when the client left
+        yield _error_event(request, error)
+
+
+def _error_event(request: Request, error: Exception) -> str:
+    mapped = _client_error(error)
+    request_id = request_id_of(request)
+    if isinstance(mapped, ApiError):
+        return sse(error_body(mapped.status, mapped.code, mapped.message, request_id))
+    log.error("stream %s failed", request_id, exc_info=error)
+    return sse(
+        error_body(500, "internal_error", f"internal error; quote request id {request_id} to the operator", request_id)
+    )

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from ragkv.api.serving.common import openai_finish_reason
-from ragkv.app.request import Completion, Request
+from ragkv.api.common.serving import openai_finish_reason
+from ragkv.app.request import Request, RequestOutput
 
 LABELS = ["model_name", "engine"]
 ENGINE = "0"
@@ -102,7 +102,7 @@ class RequestRecord:
     """vLLM's reasons: 'stop' (end of sequence or a stop string) or 'length'."""
 
     @classmethod
-    def of(cls, request: Request, completion: Completion, finished: float | None = None) -> RequestRecord:
+    def of(cls, request: Request, completion: RequestOutput, finished: float | None = None) -> RequestRecord:
         """The record of a request that just finished (called from its on_finished hook)."""
         finished = time.perf_counter() if finished is None else finished
         timings = completion.timings
@@ -128,6 +128,51 @@ class SchedulerReading:
     """Fraction (0 to 1) of the scheduler's KV token budget the running requests hold."""
 
 
+_HISTOGRAMS = (  # (attribute, vLLM's name, its help, buckets)
+    ("request_prompt_tokens", "vllm:request_prompt_tokens", "Number of prefill tokens processed.", TOKEN_BUCKETS),
+    (
+        "request_generation_tokens",
+        "vllm:request_generation_tokens",
+        "Number of generation tokens processed.",
+        TOKEN_BUCKETS,
+    ),
+    (
+        "request_max_tokens",
+        "vllm:request_params_max_tokens",
+        "Histogram of the max_tokens request parameter.",
+        TOKEN_BUCKETS,
+    ),
+    ("ttft", "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS),
+    ("itl", "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS),
+    ("tpot", "vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.", ITL_BUCKETS),
+    ("e2e", "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", REQUEST_BUCKETS),
+    (
+        "queue_time",
+        "vllm:request_queue_time_seconds",
+        "Histogram of time spent in WAITING phase for request.",
+        REQUEST_BUCKETS,
+    ),
+    (
+        "inference_time",
+        "vllm:request_inference_time_seconds",
+        "Histogram of time spent in RUNNING phase for request.",
+        REQUEST_BUCKETS,
+    ),
+    (
+        "prefill_time",
+        "vllm:request_prefill_time_seconds",
+        "Histogram of time spent in PREFILL phase for request.",
+        REQUEST_BUCKETS,
+    ),
+    (
+        "decode_time",
+        "vllm:request_decode_time_seconds",
+        "Histogram of time spent in DECODE phase for request.",
+        REQUEST_BUCKETS,
+    ),
+)
+
+
 class VllmMetrics:
     def __init__(self, registry: CollectorRegistry):
         r = registry
@@ -135,6 +180,17 @@ class VllmMetrics:
         def histogram(name: str, help_text: str, buckets) -> Histogram:
             return Histogram(name, help_text, LABELS, buckets=buckets, registry=r)
 
+        self.request_prompt_tokens: Histogram
+        self.request_generation_tokens: Histogram
+        self.request_max_tokens: Histogram
+        self.ttft: Histogram
+        self.itl: Histogram
+        self.tpot: Histogram
+        self.e2e: Histogram
+        self.queue_time: Histogram
+        self.inference_time: Histogram
+        self.prefill_time: Histogram
+        self.decode_time: Histogram
         self.running = Gauge(
             "vllm:num_requests_running", "Number of requests in model execution batches.", LABELS, registry=r
         )
@@ -163,43 +219,8 @@ class VllmMetrics:
             LABELS + ["finished_reason"],
             registry=r,
         )
-        self.request_prompt_tokens = histogram(
-            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", TOKEN_BUCKETS
-        )
-        self.request_generation_tokens = histogram(
-            "vllm:request_generation_tokens", "Number of generation tokens processed.", TOKEN_BUCKETS
-        )
-        self.request_max_tokens = histogram(
-            "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", TOKEN_BUCKETS
-        )
-        self.ttft = histogram(
-            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
-        )
-        self.itl = histogram(
-            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS
-        )
-        self.tpot = histogram(
-            "vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.", ITL_BUCKETS
-        )
-        self.e2e = histogram(
-            "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", REQUEST_BUCKETS
-        )
-        self.queue_time = histogram(
-            "vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", REQUEST_BUCKETS
-        )
-        self.inference_time = histogram(
-            "vllm:request_inference_time_seconds",
-            "Histogram of time spent in RUNNING phase for request.",
-            REQUEST_BUCKETS,
-        )
-        self.prefill_time = histogram(
-            "vllm:request_prefill_time_seconds",
-            "Histogram of time spent in PREFILL phase for request.",
-            REQUEST_BUCKETS,
-        )
-        self.decode_time = histogram(
-            "vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", REQUEST_BUCKETS
-        )
+        for attribute, name, help_text, buckets in _HISTOGRAMS:
+            setattr(self, attribute, histogram(name, help_text, buckets))
 
     def declare(self, model_name: str) -> None:
         """Export every family for `model_name` at zero before the first request, as vLLM does,

@@ -34,8 +34,8 @@ from ragkv.app.limits import check_context_length
 from ragkv.app.prompt_passages import PassagePlan, PromptPassages
 from ragkv.app.query import CHUNK_TOKENS_ESTIMATE, check_input_tokens
 from ragkv.app.rag import QueryConfig, RagPipeline
-from ragkv.app.request import Completion, Prepared, Request, RequestInfo, fused_prompt_ids
-from ragkv.app.usage import Usage
+from ragkv.app.request import Prepared, Request, RequestInfo, RequestOutput, fused_prompt_ids
+from ragkv.app.usage import TokenUsage
 from ragkv.engine.kv_cache import KVCache, Tail
 from ragkv.engine.prompt import RAG_INSTRUCTION
 from ragkv.fusion import FusionInput
@@ -158,7 +158,7 @@ class ChatTurns:
         *,
         context_id: str | None = None,
         arrival: float | None = None,
-        on_finished: Callable[[Request, Completion], None] | None = None,
+        on_finished: Callable[[Request, RequestOutput], None] | None = None,
     ) -> Request:
         """`context_id`: the id the turn's context gets when no session is named (default: a new one)."""
         check_tenant(turn.tenant)
@@ -321,7 +321,7 @@ class _TurnState:
         logits = model.prefill(torch.tensor(tail), cache)
         request.timings.prefill = time.perf_counter() - started
         self.row_ids = self.row_ids + tail
-        usage = Usage(prompt_tokens=cache.length, cached_tokens=rows)
+        usage = TokenUsage(prompt_tokens=cache.length, cached_tokens=rows)
         return cache, logits, usage, "prefix" if rows else "none"
 
     def _passages(self, conversation: Conversation) -> tuple[list[int], PassagePlan] | None:
@@ -412,12 +412,12 @@ class _TurnState:
                 tuple(chunk.chunk_hash for _, chunk, _ in new),
             )
         ]
-        usage = Usage.of_fusion(fusion, computed_before, recomputed)
+        usage = TokenUsage.of_fusion(fusion, computed_before, recomputed)
         return fusion.cache, fusion.logits, usage, strategy.name, fused_prompt_ids(fusion)
 
     # -- after the turn -------------------------------------------------------------
 
-    def finished(self, request: Request, completion: Completion) -> None:
+    def finished(self, request: Request, completion: RequestOutput) -> None:
         cache = request.cache
         answered = request.output_ids[: cache.length - len(self.row_ids)]
         base = self.base.context

@@ -27,7 +27,7 @@ from ragkv.fusion import FusionInput, LoadedChunk
 from ragkv.fusion.base import FusionStrategy
 from ragkv.fusion.layout import Layout
 from ragkv.ingest.pipeline import chunk_key
-from ragkv.ingest.registry import DocumentRecord, Registry
+from ragkv.ingest.registry import DocumentRecord, DocumentRegistry
 from ragkv.store.base import ChunkStore
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class _Chunk:
 
 
 class ChunkContextualizer:
-    def __init__(self, engine: Engine, store: ChunkStore, registry: Registry, neighbours: int):
+    def __init__(self, engine: Engine, store: ChunkStore, registry: DocumentRegistry, neighbours: int):
         """`neighbours`: chunks placed before each chunk (IngestConfig.context_neighbours)."""
         if neighbours < 1:
             raise ValueError("a contextualizer needs at least one neighbour")

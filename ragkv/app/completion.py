@@ -16,8 +16,8 @@ import torch
 
 from ragkv.app.limits import check_context_length
 from ragkv.app.prompt_passages import PromptPassages
-from ragkv.app.request import Completion, Prepared, Request, RequestSink, fused_prompt_ids
-from ragkv.app.usage import Usage
+from ragkv.app.request import Prepared, Request, RequestOutput, RequestSink, fused_prompt_ids
+from ragkv.app.usage import TokenUsage
 from ragkv.engine import Engine
 from ragkv.engine.generation import GenerationConfig
 from ragkv.fusion import FusionConfig
@@ -63,7 +63,7 @@ def completion_request(
     sink: RequestSink | None = None,
     *,
     arrival: float | None = None,
-    on_finished: Callable[[Request, Completion], None] | None = None,
+    on_finished: Callable[[Request, RequestOutput], None] | None = None,
     passages: PassageRequest | None = None,
 ) -> Request:
     """A request that prefills `token_ids` (checked by `prompt_ids`) and continues them;
@@ -87,7 +87,7 @@ def completion_request(
             )
         cache, logits = engine.prefill(token_ids, generation.max_new_tokens)
         request.timings.prefill = time.perf_counter() - started
-        return Prepared(cache, logits, Usage(prompt_tokens=len(token_ids)), "none")
+        return Prepared(cache, logits, TokenUsage(prompt_tokens=len(token_ids)), "none")
 
     return Request(
         "completion",

@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 
 from ragkv.app.completion import completion_request
-from ragkv.app.request import Completion, Prepared, Request, Started
+from ragkv.app.request import Prepared, Request, RequestOutput, Started
 from ragkv.app.scheduler import Scheduler, SchedulerConfig
-from ragkv.app.usage import Usage
+from ragkv.app.usage import TokenUsage
 from ragkv.engine import Engine
 from ragkv.engine.generation import GenerationConfig
 from ragkv.engine.kv_cache import KVCache
@@ -25,7 +25,7 @@ class CollectingSink:
     def __init__(self):
         self.start: Started | None = None
         self.pieces: list[str] = []
-        self.completion: Completion | None = None
+        self.completion: RequestOutput | None = None
         self.error: BaseException | None = None
 
     def started(self, started: Started) -> None:
@@ -34,7 +34,7 @@ class CollectingSink:
     def token(self, text: str) -> None:
         self.pieces.append(text)
 
-    def finished(self, completion: Completion) -> None:
+    def finished(self, completion: RequestOutput) -> None:
         self.completion = completion
 
     def failed(self, error: BaseException) -> None:
@@ -43,7 +43,7 @@ class CollectingSink:
 
 def run_alone(
     engine: Engine, request: Request, sink: CollectingSink | None = None, config: SchedulerConfig = SchedulerConfig()
-) -> Completion:
+) -> RequestOutput:
     """Run `request` to its end on a scheduler of its own; its completion, or its error raised."""
     sink = sink if sink is not None else CollectingSink()
     request.sink = sink
@@ -64,19 +64,19 @@ def decode(
     *,
     strategy: str = "none",
     sink: CollectingSink | None = None,
-) -> Completion:
+) -> RequestOutput:
     """Decode from a prompt already in `cache`, whose last row produced `logits` (a fused or
     prefilled prompt); `attention`: sparse decode attention, None = dense. The cache keeps
     every row, so the caller may cut it back to the prompt afterwards."""
 
     def prepare(request: Request) -> Prepared:
-        return Prepared(cache, logits, Usage(prompt_tokens=cache.length), strategy, attention=attention)
+        return Prepared(cache, logits, TokenUsage(prompt_tokens=cache.length), strategy, attention=attention)
 
     keep_rows = SchedulerConfig(release_window_rows=False)
     return run_alone(engine, Request("decode", prepare, generation, strip_text=False), sink, keep_rows)
 
 
-def forced_answer_ids(completion: Completion) -> list[int]:
+def forced_answer_ids(completion: RequestOutput) -> list[int]:
     """The completion's tokens with the end-of-sequence token that ended them, if one did:
     what teacher forcing feeds back, so the position that predicts the end is compared too."""
     return completion.token_ids + ([completion.eos_token] if completion.eos_token is not None else [])
@@ -84,6 +84,6 @@ def forced_answer_ids(completion: Completion) -> list[int]:
 
 def complete(
     engine: Engine, token_ids: list[int], generation: GenerationConfig, sink: CollectingSink | None = None
-) -> Completion:
+) -> RequestOutput:
     """Continue `token_ids` with a plain prefill: what /v1/completions does."""
     return run_alone(engine, completion_request(engine, token_ids, generation), sink)

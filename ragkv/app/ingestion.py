@@ -7,10 +7,23 @@ The API reads documents through this module so that it needs no part of ragkv.in
 
 from __future__ import annotations
 
-from ragkv.ingest.loaders import LoadedDocument, load_document
+from ragkv.ingest.loaders import SUPPORTED_SUFFIXES, LoadedDocument, load_document
 from ragkv.ingest.pipeline import IngestResult
 from ragkv.ingest.registry import ChunkRecord, DocumentRecord
 from ragkv.ingest.validation import check_text
+
+UPLOAD_SUFFIXES = SUPPORTED_SUFFIXES
+"""File name endings an upload may have (or none: then it is read as text)."""
+
+UPLOAD_MEDIA_TYPES = (
+    "text/plain",
+    "text/markdown",
+    "text/html",
+    "text/csv",
+    "application/pdf",
+    "application/vnd.openxmlformats-officedocument.wordprocessingml.document",
+)
+"""The media types of those files, as the published schema declares them."""
 
 
 def read_upload(data: bytes, name: str, max_bytes: int) -> LoadedDocument:
@@ -23,4 +36,12 @@ def check_document_text(text: str, name: str, max_bytes: int) -> str:
     return check_text(text, name, max_bytes)
 
 
-__all__ = ["ChunkRecord", "DocumentRecord", "IngestResult", "check_document_text", "read_upload"]
+__all__ = [
+    "UPLOAD_MEDIA_TYPES",
+    "UPLOAD_SUFFIXES",
+    "ChunkRecord",
+    "DocumentRecord",
+    "IngestResult",
+    "check_document_text",
+    "read_upload",
+]

@@ -23,7 +23,7 @@ import logging
 import threading
 from dataclasses import dataclass
 
-from ragkv.app.usage import Usage
+from ragkv.app.usage import TokenUsage
 from ragkv.engine import Engine
 from ragkv.engine.fingerprint import KV_FORMAT_VERSION
 from ragkv.engine.kv_cache import KVCache
@@ -87,7 +87,7 @@ class SpanCounters:
 class FusedPassages:
     fusion: FusionResult
     plan: PassagePlan
-    usage: Usage
+    usage: TokenUsage
 
 
 class SpanKeys:
@@ -163,7 +163,7 @@ class PromptPassages:
         fusion = strategy.fuse(self.engine.model, fusion_input, prefix_cache, extra_capacity, in_place=True)
         stored_tokens = self._store_missed(plan, fusion, span_chunks)
         self.counters.add(plan, stored_tokens)
-        return FusedPassages(fusion, plan, Usage.of_fusion(fusion, computed_before))
+        return FusedPassages(fusion, plan, TokenUsage.of_fusion(fusion, computed_before))
 
     def _store_missed(self, plan: PassagePlan, fusion: FusionResult, span_chunks: list[int]) -> int:
         items, tokens, seen = [], 0, set()

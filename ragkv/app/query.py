@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 from ragkv.app.generate import run_alone
 from ragkv.app.rag import Citation, QueryConfig, RagPipeline
-from ragkv.app.request import Completion, FinishReason, Prepared, Request, RequestInfo, RequestSink, fused_prompt_ids
-from ragkv.app.usage import Usage
+from ragkv.app.request import FinishReason, Prepared, Request, RequestInfo, RequestOutput, RequestSink, fused_prompt_ids
+from ragkv.app.usage import TokenUsage
 from ragkv.engine import Engine
 from ragkv.ingest.errors import InputError
 from ragkv.sparse.wiring import sparse_attention
@@ -54,7 +54,7 @@ def query_request(
     *,
     max_input_tokens: int | None = None,
     arrival: float | None = None,
-    on_finished: Callable[[Request, Completion], None] | None = None,
+    on_finished: Callable[[Request, RequestOutput], None] | None = None,
 ) -> Request:
     engine = rag.engine
     question_tokens = check_input_tokens(engine, question, max_input_tokens, "the question")
@@ -67,7 +67,7 @@ def query_request(
         request.timings.load = prepared.timings["load"]
         request.timings.fuse = prepared.timings["fuse"]
         attention = sparse_attention(engine, config.sparse, fusion, prepared.chunk_codes)
-        usage = Usage.of_fusion(fusion, recomputed_chunks=prepared.recomputed_chunks)
+        usage = TokenUsage.of_fusion(fusion, recomputed_chunks=prepared.recomputed_chunks)
         return Prepared(
             fusion.cache,
             fusion.logits,
@@ -90,7 +90,7 @@ class Answer:
     text: str
     finish_reason: FinishReason
     citations: list[Citation]
-    usage: Usage
+    usage: TokenUsage
     timings: dict[str, float]
     strategy: str
 

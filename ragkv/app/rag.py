@@ -20,7 +20,7 @@ from ragkv.ingest.errors import InputError
 from ragkv.ingest.index.filters import MetadataFilter
 from ragkv.ingest.index.hybrid import DEFAULT_RETRIEVAL, check_mode
 from ragkv.ingest.pipeline import chunk_key
-from ragkv.ingest.registry import ChunkRecord, DocumentRecord, Registry, check_tenant
+from ragkv.ingest.registry import ChunkRecord, DocumentRecord, DocumentRegistry, check_tenant
 from ragkv.sparse import SparseConfig
 from ragkv.sparse.wiring import sparse_chunk_codes
 from ragkv.store.base import ChunkStore
@@ -86,7 +86,7 @@ class PreparedQuery:
 
 
 class RagPipeline:
-    def __init__(self, engine: Engine, store: ChunkStore, registry: Registry, embedder: Embedder):
+    def __init__(self, engine: Engine, store: ChunkStore, registry: DocumentRegistry, embedder: Embedder):
         self.engine = engine
         self.store = store
         self.registry = registry

@@ -5,7 +5,7 @@
 
 What a request produces goes to its `RequestSink` (the API's request stream, or a
 collector for the CLI): `started` once the first token's logits exist, `token` per piece
-of text, `finished` with the `Completion`, or `failed`. A sink whose client went away
+of text, `finished` with the `RequestOutput`, or `failed`. A sink whose client went away
 reports `cancelled`; the scheduler then drops the request and its cache.
 
 Every kind of request (a RAG query, a chat turn, a plain completion) is one `Request`
@@ -26,7 +26,7 @@ import torch
 
 from ragkv.app.detokenizer import Detokenizer
 from ragkv.app.logprobs import TokenLogprob, token_logprob
-from ragkv.app.usage import Timings, Usage
+from ragkv.app.usage import Timings, TokenUsage
 from ragkv.engine.generation import GenerationConfig
 from ragkv.engine.kv_cache import KVCache
 from ragkv.engine.model import DecodeAttention
@@ -87,7 +87,7 @@ class RequestSink(Protocol):
     # Optional: `logprob(entry)` with each accepted token's TokenLogprob, before its text
     # reaches `token` (only when the generation asks for logprobs).
 
-    def finished(self, completion: Completion) -> None: ...
+    def finished(self, completion: RequestOutput) -> None: ...
 
     def failed(self, error: BaseException) -> None: ...
 
@@ -98,7 +98,7 @@ class Prepared:
 
     cache: KVCache
     logits: torch.Tensor
-    usage: Usage
+    usage: TokenUsage
     strategy: str
     citations: list = field(default_factory=list)
     attention: DecodeAttention | None = None
@@ -115,11 +115,11 @@ class Prepared:
 
 
 @dataclass
-class Completion:
+class RequestOutput:
     text: str
     finish_reason: FinishReason
     citations: list
-    usage: Usage
+    usage: TokenUsage
     timings: Timings
     strategy: str
     info: RequestInfo | None = None
@@ -140,7 +140,7 @@ class Request:
         *,
         estimated_tokens: int = 0,
         arrival: float | None = None,
-        on_finished: Callable[[Request, Completion], None] | None = None,
+        on_finished: Callable[[Request, RequestOutput], None] | None = None,
         on_dropped: Callable[[Request], None] | None = None,
         strip_text: bool = True,
     ):
@@ -217,13 +217,13 @@ class Request:
         prepared = self.prepared
         return Started(prepared.citations, prepared.strategy, dataclasses.replace(self.timings), prepared.info)
 
-    def finish(self, finish_reason: FinishReason) -> Completion:
+    def finish(self, finish_reason: FinishReason) -> RequestOutput:
         prepared = self.prepared
         self.phase = Phase.FINISHED
         self.timings.decode = time.perf_counter() - self._decode_started
         prepared.usage.completion_tokens = len(self.output_ids)
         text = self.detokenizer.text.strip() if self._strip_text else self.detokenizer.text
-        completion = Completion(
+        completion = RequestOutput(
             text,
             finish_reason,
             prepared.citations,

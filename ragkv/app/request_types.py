@@ -11,11 +11,7 @@ from ragkv.fusion import DEFAULT_STRATEGY, STRATEGY_NAMES, FusionConfig
 from ragkv.ingest.index.filters import MetadataFilter
 from ragkv.ingest.index.hybrid import DEFAULT_RETRIEVAL, RETRIEVAL_MODES
 from ragkv.ingest.registry import check_tenant
-
-try:  # sparse decode (ragkv.sparse) is optional: without it only dense decode is served
-    from ragkv.sparse import SELECTOR_NAMES, SparseConfig
-except ImportError:  # pragma: no cover - depends on the engine build
-    SELECTOR_NAMES, SparseConfig = ("dense",), None
+from ragkv.sparse import SELECTOR_NAMES, SparseConfig
 
 __all__ = [
     "DEFAULT_RETRIEVAL",

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ragkv.app.storage_config import StorageConfig
 from ragkv.ingest.journal import IngestJournal
-from ragkv.ingest.registry import Registry
+from ragkv.ingest.registry import DocumentRegistry
 from ragkv.ingest.registry_url import open_registry
 from ragkv.ingest.store_binding import check_store
 from ragkv.store.base import ChunkStore
@@ -43,7 +43,9 @@ class Storage:
             raise
         try:
             # The retrieval index is a cache derived from the registry: written even when read_only.
-            self.registry: Registry = open_registry(config.registry_url, self.env, Path(config.data_dir) / "index")
+            self.registry: DocumentRegistry = open_registry(
+                config.registry_url, self.env, Path(config.data_dir) / "index"
+            )
         except BaseException:
             self.store.close()
             self.env.close()

@@ -22,7 +22,7 @@ from ragkv.fusion import FusionResult
 
 
 @dataclass
-class Usage:
+class TokenUsage:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     recomputed_tokens: int = 0
@@ -30,8 +30,10 @@ class Usage:
     completion_tokens: int = 0
 
     @classmethod
-    def of_fusion(cls, fusion: FusionResult, computed_before: int = 0, recomputed_chunks: Sequence[int] = ()) -> Usage:
-        """Usage of a fused prompt. `computed_before`: rows of the fusion's prefix that were
+    def of_fusion(
+        cls, fusion: FusionResult, computed_before: int = 0, recomputed_chunks: Sequence[int] = ()
+    ) -> TokenUsage:
+        """TokenUsage of a fused prompt. `computed_before`: rows of the fusion's prefix that were
         computed for this request (a prefilled glue before newly fused chunks);
         `recomputed_chunks`: chunks the store could not give, computed for this request."""
         length = fusion.layout.length

@@ -22,6 +22,7 @@ from ragkv.bench.datasets import Example
 from ragkv.engine.kv_cache import KVCache
 from ragkv.engine.model import CausalLM
 from ragkv.engine.numerics import Numerics, resolve_numerics
+from ragkv.fusion.fidelity import next_token_kl
 
 REFERENCE = "float32"
 OPTIONS: dict[str, Numerics] = {
@@ -201,11 +202,6 @@ def first_token_and_answer(model: CausalLM, ids: list[int], max_new_tokens: int)
     return first, answer
 
 
-def kl_divergence(reference: torch.Tensor, other: torch.Tensor) -> float:
-    log_p, log_q = reference.float().log_softmax(-1), other.float().log_softmax(-1)
-    return float((log_p.exp() * (log_p - log_q)).sum())
-
-
 def run_decode_bench(
     load: Callable[[Numerics], CausalLM],
     prompts: Sequence[list[int]],
@@ -265,7 +261,7 @@ def run_decode_bench(
             kls, top1, same = [], [], []
             for ids, (expected_first, expected_answer) in zip(prompts, reference):
                 first, answer = first_token_and_answer(model, ids, max_new_tokens)
-                kls.append(kl_divergence(expected_first, first))
+                kls.append(next_token_kl(expected_first, first))
                 top1.append(float(first.argmax() == expected_first.argmax()))
                 same.append(float(answer == expected_answer))
             result.quality.append(

@@ -35,12 +35,12 @@ import torch
 from ragkv.app.generate import decode, forced_answer_ids
 from ragkv.app.runtime import Runtime
 from ragkv.bench.datasets import Example
-from ragkv.bench.metrics import kl_divergence, normalize_answer, token_f1
+from ragkv.bench.metrics import normalize_answer, token_f1
 from ragkv.bench.weight_fidelity import run_weight_fidelity
 from ragkv.engine.generation import GenerationConfig
 from ragkv.engine.spec_string import spec_of
 from ragkv.fusion import FusionInput, FusionResult, FusionStrategy, build_strategy
-from ragkv.fusion.fidelity import TeacherForced, teacher_forced_logits
+from ragkv.fusion.fidelity import TeacherForced, next_token_kl, teacher_forced_logits
 
 BENCH_TENANT = "bench"
 REFERENCE = "full"
@@ -231,7 +231,7 @@ def _row(
     return {
         "ttft_s": ttft,
         "load_s": load,
-        "first_token_kl": kl_divergence(reference.logits, result.logits),
+        "first_token_kl": next_token_kl(reference.logits, result.logits),
         "top1_equal": int(result.logits.argmax()) == int(reference.logits.argmax()),
         "answer": answer,
         "answer_agreement": token_f1(answer, [reference_answer]),

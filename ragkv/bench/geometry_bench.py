@@ -25,7 +25,6 @@ from typing import TypeVar
 import torch
 
 from ragkv.bench.kernel_bench import GEOMETRIES, Geometry
-from ragkv.bench.metrics import kl_divergence
 from ragkv.engine.kv_storage import KV_STORAGE_FORMATS
 from ragkv.engine.linear import Linear
 from ragkv.engine.model import CausalLM
@@ -33,6 +32,7 @@ from ragkv.engine.model_spec import ModelSpec, RopeSpec
 from ragkv.engine.numerics import Numerics
 from ragkv.engine.weights import LayerWeights, ModelWeights
 from ragkv.fusion import DEFAULT_STRATEGY, FusionInput, LoadedChunk, build_strategy
+from ragkv.fusion.fidelity import next_token_kl
 
 T = TypeVar("T")
 CHUNK_TOKENS = 512
@@ -273,7 +273,7 @@ def measure_length(model: CausalLM, config: GeometryBenchConfig, length: int, fl
         decode_ms_per_token=1000 * statistics.median(steps[2:] or steps),
         decode_floor_ms=1000 * step_bytes / floor_bandwidth,
         decode_bytes_per_step=step_bytes,
-        first_token_kl_sanity=float(kl_divergence(logits.float().cpu(), result.logits.float().cpu())),
+        first_token_kl_sanity=float(next_token_kl(logits.float().cpu(), result.logits.float().cpu())),
         ingest_tokens_per_s=n_chunks * CHUNK_TOKENS / ingest_s,
     )
 

@@ -6,8 +6,6 @@ import re
 import string
 from collections import Counter
 
-import torch
-
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = str.maketrans("", "", string.punctuation)
 
@@ -30,10 +28,3 @@ def token_f1(prediction: str, references: list[str]) -> float:
             precision, recall = common / len(predicted), common / len(gold)
             best = max(best, 2 * precision * recall / (precision + recall))
     return best
-
-
-def kl_divergence(reference_logits: torch.Tensor, logits: torch.Tensor) -> float:
-    """KL(reference || other) of the two next-token distributions, in nats."""
-    reference = reference_logits.double().log_softmax(-1)
-    other = logits.double().log_softmax(-1)
-    return float((reference.exp() * (reference - other)).sum())

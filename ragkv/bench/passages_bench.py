@@ -33,11 +33,11 @@ from ragkv.app.generate import decode, forced_answer_ids
 from ragkv.app.prompt_passages import FusedPassages, PromptPassages
 from ragkv.bench.datasets import Example
 from ragkv.bench.fusion_bench import summarize
-from ragkv.bench.metrics import kl_divergence, normalize_answer, token_f1
+from ragkv.bench.metrics import normalize_answer, token_f1
 from ragkv.engine import Engine
 from ragkv.engine.generation import GenerationConfig
 from ragkv.fusion import FusionStrategy
-from ragkv.fusion.fidelity import TeacherForced, teacher_forced_logits
+from ragkv.fusion.fidelity import TeacherForced, next_token_kl, teacher_forced_logits
 from ragkv.ingest.spans import Span, SpanConfig, SpanFinder
 from ragkv.store.url import open_store
 
@@ -124,7 +124,7 @@ def run_passage_fidelity(
                     "ttft_s": cold_ttft,
                     "spans": len(cold.plan.spans),
                     "hits": cold.plan.hits,
-                    "first_token_kl": kl_divergence(cold_logits, cold.fusion.logits),
+                    "first_token_kl": next_token_kl(cold_logits, cold.fusion.logits),
                 }
             )
             order = list(range(len(example.passages)))
@@ -165,7 +165,7 @@ def _fidelity_row(ttft, logits, reference_logits, agreement, forced_kl, ids, fus
     return {
         "ttft_s": ttft,
         "load_s": 0.0,
-        "first_token_kl": kl_divergence(reference_logits, logits),
+        "first_token_kl": next_token_kl(reference_logits, logits),
         "top1_equal": int(logits.argmax()) == int(reference_logits.argmax()),
         "teacher_forced_agreement": agreement,
         "teacher_forced_kl": forced_kl,

@@ -184,7 +184,7 @@ def bench_decode(batches: list[int], prompt_tokens: int, steps: int, progress: C
     from ragkv.app.generate import CollectingSink
     from ragkv.app.request import Prepared, Request
     from ragkv.app.scheduler import Scheduler, SchedulerConfig
-    from ragkv.app.usage import Usage
+    from ragkv.app.usage import TokenUsage
     from ragkv.engine import Engine
     from ragkv.engine.generation import GenerationConfig
 
@@ -198,7 +198,7 @@ def bench_decode(batches: list[int], prompt_tokens: int, steps: int, progress: C
 
             def prepare(request: Request, ids=ids) -> Prepared:
                 cache, logits = engine.prefill(ids, steps + 1)
-                return Prepared(cache, logits, Usage(prompt_tokens=len(ids)), "none")
+                return Prepared(cache, logits, TokenUsage(prompt_tokens=len(ids)), "none")
 
             scheduler.add(Request("bench", prepare, GenerationConfig(max_new_tokens=steps + 1), CollectingSink()))
         while len(scheduler.running) < batch:

@@ -24,13 +24,14 @@ import torch
 
 from ragkv.app.generate import decode
 from ragkv.bench.datasets import Example
-from ragkv.bench.metrics import kl_divergence, token_f1
+from ragkv.bench.metrics import token_f1
 from ragkv.engine import Engine
 from ragkv.engine.generation import GenerationConfig
 from ragkv.engine.kv_storage import KV_STORAGE_FORMATS, KVStorageFormat
 from ragkv.engine.model_spec import ModelSpec
 from ragkv.engine.rope import Rotary
 from ragkv.fusion import FusionConfig, FusionInput, LoadedChunk
+from ragkv.fusion.fidelity import next_token_kl
 from ragkv.kernels.place_kv import place_keys, place_values
 from ragkv.store.blob import decode_blob, encode_blob
 from ragkv.store.keys import ChunkKey, hash_tokens
@@ -137,7 +138,7 @@ def run_format_fidelity_bench(
             for name in formats:
                 logits, answer = outcomes[name]
                 tally = tallies[label][name]
-                tally["kl"].append(kl_divergence(reference_logits, logits))
+                tally["kl"].append(next_token_kl(reference_logits, logits))
                 tally["top1"].append(float(int(logits.argmax()) == int(reference_logits.argmax())))
                 tally["answer_f1"].append(token_f1(answer, [reference_answer]))
                 tally["bytes"].append(sum(nbytes for _, nbytes in stored[name]))

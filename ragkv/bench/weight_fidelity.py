@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import torch
 
 from ragkv.app.generate import decode, forced_answer_ids
-from ragkv.bench.metrics import kl_divergence, token_f1
+from ragkv.bench.metrics import token_f1
 from ragkv.engine import Engine, EngineConfig
 from ragkv.engine.generation import GenerationConfig
-from ragkv.fusion.fidelity import TeacherForced, teacher_forced_logits
+from ragkv.fusion.fidelity import TeacherForced, next_token_kl, teacher_forced_logits
 
 REFERENCE_NUMERICS = {
     "dtype": "float32",
@@ -86,7 +86,7 @@ def run_weight_fidelity(
             )
             rows.append(
                 {
-                    "first_token_kl": kl_divergence(logits, own_logits),
+                    "first_token_kl": next_token_kl(logits, own_logits),
                     "top1_equal": int(own_logits.argmax()) == int(logits.argmax()),
                     "teacher_forced_agreement": forced.agreement,
                     "teacher_forced_kl": forced.kl,

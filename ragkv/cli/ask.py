@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     with Runtime(runtime_config(args, show_progress=False), read_only=True) as runtime:
         answer = ask(runtime.rag, args.question, args.tenant, query)
     if args.json:
-        from ragkv.api.serving.query import answer_fields
+        from ragkv.api.query.serving import answer_fields
 
         print(json.dumps(answer_fields(answer), indent=2))
         return 0

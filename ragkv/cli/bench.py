@@ -221,10 +221,10 @@ def _run_store(args: argparse.Namespace) -> dict:
     from transformers import AutoConfig
 
     from ragkv.bench.storage_bench import run_format_load_bench
+    from ragkv.bench.store_bench import run_store_bench
     from ragkv.engine.kv_storage import KV_STORAGE_FORMATS
     from ragkv.engine.model_files import resolve_model_dir
     from ragkv.engine.model_spec import ModelSpec
-    from ragkv.store.bench import run_store_bench
     from ragkv.store.url import open_store
 
     args.formats = args.formats or list(KV_STORAGE_FORMATS)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ragkv.ingest.journal import IngestJournal
-from ragkv.ingest.registry import DocumentRecord, Registry, check_tenant
+from ragkv.ingest.registry import DocumentRecord, DocumentRegistry, check_tenant
 from ragkv.store.base import ChunkStore
 from ragkv.store.keys import KEY_NAMESPACE, ChunkKey
 
@@ -29,7 +29,7 @@ def blobs_of(store: ChunkStore, chunk_hashes: set[str]) -> list[ChunkKey]:
     return [key for key in store.iter_keys(KEY_NAMESPACE) if key.chunk_hash in chunk_hashes]
 
 
-def delete_document(registry: Registry, store: ChunkStore, tenant: str, doc_id: str) -> DocumentRecord:
+def delete_document(registry: DocumentRegistry, store: ChunkStore, tenant: str, doc_id: str) -> DocumentRecord:
     """Unregister the document, then delete the blobs of chunks no other document uses."""
     record, orphans = registry.remove(check_tenant(tenant), doc_id)
     for key in blobs_of(store, set(orphans)):
@@ -49,7 +49,7 @@ class GarbageReport:
 
 
 def collect_garbage(
-    registry: Registry, store: ChunkStore, journal: IngestJournal, *, dry_run: bool = False
+    registry: DocumentRegistry, store: ChunkStore, journal: IngestJournal, *, dry_run: bool = False
 ) -> GarbageReport:
     spared = journal.live_keys()
     scanned = unreferenced = removed = freed = 0

@@ -28,7 +28,7 @@ from ragkv.ingest.config import IngestConfig
 from ragkv.ingest.embedder import Embedder
 from ragkv.ingest.errors import InputError
 from ragkv.ingest.journal import IngestJournal
-from ragkv.ingest.registry import ChunkRecord, DocumentRecord, Registry, check_tenant
+from ragkv.ingest.registry import ChunkRecord, DocumentRecord, DocumentRegistry, check_tenant
 from ragkv.ingest.validation import check_text
 from ragkv.store.base import ChunkStore
 from ragkv.store.keys import ChunkKey, hash_tokens
@@ -91,7 +91,7 @@ class Ingestor:
         self,
         engine: Engine,
         store: ChunkStore,
-        registry: Registry,
+        registry: DocumentRegistry,
         embedder: Embedder,
         journal: IngestJournal,
         config: IngestConfig = IngestConfig(),

@@ -1,8 +1,8 @@
 """The document registry: documents, their texts, chunk reference counts and the chunk
 embeddings retrieval searches, per tenant.
 
-`Registry` is the contract; the backends are `LMDBRegistry` (embedded, the data folder's
-LMDB environment: replicas on one host) and `RedisRegistry` (a Redis server: replicas on
+`DocumentRegistry` is the contract; the backends are `LMDBDocumentRegistry` (embedded, the data folder's
+LMDB environment: replicas on one host) and `RedisDocumentRegistry` (a Redis server: replicas on
 several hosts). `open_registry` (registry_url.py) picks one from a URL.
 
 What every backend guarantees (tests/test_registry_contract.py):
@@ -135,7 +135,7 @@ class SearchHit:
     score: float
 
 
-class Registry(ABC):
+class DocumentRegistry(ABC):
     """The registry contract; `search` (cosine top-k through the retrieval index) is shared."""
 
     backend: str

@@ -18,11 +18,11 @@ from __future__ import annotations
 import numpy as np
 
 from ragkv.ingest.errors import NotFoundError
-from ragkv.ingest.registry import CHANGE_LOG_KEEP, DocumentRecord, Registry
+from ragkv.ingest.registry import CHANGE_LOG_KEEP, DocumentRecord, DocumentRegistry
 from ragkv.store.lmdb_env import LMDBEnvironment
 
 
-class LMDBRegistry(Registry):
+class LMDBDocumentRegistry(DocumentRegistry):
     """`env` stays the caller's unless `owns_env` (then `close` closes it)."""
 
     backend = "lmdb"

@@ -33,7 +33,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from ragkv.ingest.errors import NotFoundError, RegistryUnavailableError
-from ragkv.ingest.registry import CHANGE_LOG_KEEP, DocumentRecord, Registry
+from ragkv.ingest.registry import CHANGE_LOG_KEEP, DocumentRecord, DocumentRegistry
 from ragkv.store.redis_client import (
     ERRORS,
     SCHEMES,
@@ -120,7 +120,7 @@ def _unpack(blob: bytes) -> tuple[np.ndarray, np.ndarray]:
     return indices, matrix
 
 
-class RedisRegistry(Registry):
+class RedisDocumentRegistry(DocumentRegistry):
     backend = "redis"
 
     def __init__(
@@ -130,7 +130,7 @@ class RedisRegistry(Registry):
         parts = urlsplit(url)
         if parts.scheme not in SCHEMES:
             raise ValueError(
-                f"RedisRegistry needs a redis://, rediss://, unix:// or redis+cluster:// URL; got {parts.scheme}://..."
+                f"RedisDocumentRegistry needs a redis://, rediss://, unix:// or redis+cluster:// URL; got {parts.scheme}://..."
             )
         self.cluster = is_cluster_url(url)
         if self.cluster and ("{" in prefix or "}" in prefix):

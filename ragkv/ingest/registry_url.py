@@ -20,9 +20,9 @@ import re
 from pathlib import Path
 from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
-from ragkv.ingest.registry import Registry
-from ragkv.ingest.registry_lmdb import LMDBRegistry
-from ragkv.ingest.registry_redis import DEFAULT_PREFIX, RedisRegistry
+from ragkv.ingest.registry import DocumentRegistry
+from ragkv.ingest.registry_lmdb import LMDBDocumentRegistry
+from ragkv.ingest.registry_redis import DEFAULT_PREFIX, RedisDocumentRegistry
 from ragkv.store.lmdb_env import LMDBEnvironment
 
 REGISTRY_ENV = "RAGKV_REGISTRY"
@@ -38,8 +38,8 @@ def registry_url_from_env() -> str | None:
     return os.environ.get(REGISTRY_ENV) or None
 
 
-def open_registry(url: str | None, env: LMDBEnvironment, index_dir: Path | None = None) -> Registry:
-    """The registry `url` names; None = LMDBRegistry over `env` (the data folder's). Its
+def open_registry(url: str | None, env: LMDBEnvironment, index_dir: Path | None = None) -> DocumentRegistry:
+    """The registry `url` names; None = LMDBDocumentRegistry over `env` (the data folder's). Its
     retrieval indexes live under `index_dir` (one folder per registry), in memory if None."""
     registry = _open(url, env)
     if index_dir is not None:
@@ -48,16 +48,16 @@ def open_registry(url: str | None, env: LMDBEnvironment, index_dir: Path | None 
     return registry
 
 
-def _open(url: str | None, env: LMDBEnvironment) -> Registry:
+def _open(url: str | None, env: LMDBEnvironment) -> DocumentRegistry:
     if url is None:
-        return LMDBRegistry(env)
+        return LMDBDocumentRegistry(env)
     shown = _PASSWORD.sub(r"\1***@", url)
     parts = urlsplit(url)
     if parts.scheme == "lmdb":
         location = unquote(parts.netloc + parts.path)
         if not location or location == "/" or parts.query:
             raise ValueError(f"registry URL {shown!r}: expected lmdb:///abs/path or lmdb://relative/path, no options")
-        return LMDBRegistry(LMDBEnvironment(os.path.expanduser(location)), owns_env=True)
+        return LMDBDocumentRegistry(LMDBEnvironment(os.path.expanduser(location)), owns_env=True)
     if parts.scheme in ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster"):
         options = {}
         for name, value in parse_qsl(parts.query, keep_blank_values=True):
@@ -75,7 +75,7 @@ def _open(url: str | None, env: LMDBEnvironment) -> Registry:
         if not options.get("prefix", DEFAULT_PREFIX):
             raise ValueError(f"registry URL {shown!r}: prefix must not be empty")
         # Our parameters are stripped: redis-py would read the query as its own.
-        return RedisRegistry(urlunsplit((parts.scheme, parts.netloc, parts.path, "", "")), **options)
+        return RedisDocumentRegistry(urlunsplit((parts.scheme, parts.netloc, parts.path, "", "")), **options)
     raise ValueError(
         f"unknown registry URL scheme {parts.scheme!r} in {shown!r}; expected lmdb:///abs/path or "
         "redis://host:port/db or redis+cluster://host:port,host:port/"

@@ -75,7 +75,7 @@ class Loaded:
         return len(self.blob)
 
 
-class Usage(NamedTuple):
+class StoreUsage(NamedTuple):
     """What a backend currently holds, as reported by ``_usage`` (``None``: unknown)."""
 
     entries: int | None
@@ -314,7 +314,7 @@ class ChunkStore(ABC):
     def _size_raw(self, key: bytes) -> int | None: ...
 
     @abstractmethod
-    def _usage(self) -> Usage: ...
+    def _usage(self) -> StoreUsage: ...
 
     @abstractmethod
     def _iter_raw_keys(self, prefix: bytes) -> Iterator[bytes]: ...

@@ -18,7 +18,7 @@ import logging
 import os
 from collections.abc import Iterator
 
-from ragkv.store.base import BlobStore, RawBlob, Usage
+from ragkv.store.base import BlobStore, RawBlob, StoreUsage
 from ragkv.store.lmdb_env import DEFAULT_MAP_SIZE, LMDBEnvironment
 from ragkv.store.recency import LRU_DB, USE_DB, RecencyIndex, TouchLog, now_stamp
 
@@ -141,9 +141,9 @@ class LMDBStore(BlobStore):
             value = txn.get(key, db=self._db)
             return None if value is None else len(value)
 
-    def _usage(self) -> Usage:
+    def _usage(self) -> StoreUsage:
         with self._env.read() as txn:
-            return Usage(entries=txn.stat(self._db)["entries"], bytes=self._bytes_in(txn))
+            return StoreUsage(entries=txn.stat(self._db)["entries"], bytes=self._bytes_in(txn))
 
     def _iter_raw_keys(self, prefix: bytes) -> Iterator[bytes]:
         # Short read transactions, so a long listing never holds back map

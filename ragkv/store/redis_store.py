@@ -26,7 +26,7 @@ import redis
 from redis.cluster import RedisCluster
 from redis.exceptions import ClusterDownError, RedisClusterException
 
-from ragkv.store.base import BlobStore, RawBlob, Usage
+from ragkv.store.base import BlobStore, RawBlob, StoreUsage
 from ragkv.store.errors import StoreUnavailableError
 from ragkv.store.redis_client import SCHEMES, where
 from ragkv.store.redis_link import RedisLink
@@ -130,16 +130,16 @@ class RedisStore(BlobStore):
         with self._call():
             return self._client.strlen(key) or None  # 0: no such key (blobs are never empty)
 
-    def _usage(self) -> Usage:
+    def _usage(self) -> StoreUsage:
         with self._call():
             if self._link.cluster:
                 masters = RedisCluster.PRIMARIES
                 memory = self._client.info("memory", target_nodes=masters)
-                return Usage(
+                return StoreUsage(
                     entries=self._client.dbsize(target_nodes=masters),
                     bytes=sum(info["used_memory"] for info in memory.values()),
                 )
-            return Usage(entries=self._client.dbsize(), bytes=self._client.info("memory")["used_memory"])
+            return StoreUsage(entries=self._client.dbsize(), bytes=self._client.info("memory")["used_memory"])
 
     def _iter_raw_keys(self, prefix: bytes) -> Iterator[bytes]:
         # SCAN may list a key twice; acceptable for garbage collection.

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Sequence
 
-from ragkv.store.base import ChunkStore, Loaded, RawBlob, Usage
+from ragkv.store.base import ChunkStore, Loaded, RawBlob, StoreUsage
 from ragkv.store.errors import StoreUnavailableError
 from ragkv.store.keys import ChunkKey
 from ragkv.store.lru import ByteLRU
@@ -117,9 +117,9 @@ class TieredStore(ChunkStore):
         sizes = [size for tier in self._tiers if (size := tier._attempt("size", tier._size_raw, key, fallback=None))]
         return sum(sizes) if sizes else None
 
-    def _usage(self) -> Usage:
+    def _usage(self) -> StoreUsage:
         primary = self._tiers[0].stats()
-        return Usage(entries=primary.entries, bytes=primary.bytes)
+        return StoreUsage(entries=primary.entries, bytes=primary.bytes)
 
     def _iter_raw_keys(self, prefix: bytes) -> Iterator[bytes]:
         seen: set[bytes] = set()

@@ -30,7 +30,7 @@ from ragkv.ingest.index.filters import MetadataFilter
 from ragkv.ingest.index.hybrid import HybridConfig, check_mode, reciprocal_rank_fusion
 
 if TYPE_CHECKING:
-    from ragkv.ingest.registry import Registry
+    from ragkv.ingest.registry import DocumentRegistry
 
 log = logging.getLogger("ragkv.ingest.index")
 
@@ -61,7 +61,7 @@ class FollowStats:
 
 
 class RetrievalIndex:
-    def __init__(self, registry: Registry, folder: Path | None, config: IndexConfig = IndexConfig()):
+    def __init__(self, registry: DocumentRegistry, folder: Path | None, config: IndexConfig = IndexConfig()):
         self.registry = registry
         self.folder = Path(folder) if folder is not None else None
         self.config = config

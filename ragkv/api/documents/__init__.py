@@ -1,0 +1,1 @@
+"""/v1/documents and /v1/jobs."""

@@ -1,0 +1,1 @@
+"""GET /health and GET /metrics."""
