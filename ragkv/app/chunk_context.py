@@ -75,6 +75,7 @@ class ChunkContextualizer:
     def contextualize(self, tenant: str, doc_ids: list[str]) -> ContextResult:
         """Recompute the stored K/V of every chunk of `doc_ids` in its context."""
         started = time.perf_counter()
+        self._records: dict[tuple[str, str], DocumentRecord] = {}
         plans = [plan for doc_id in doc_ids for plan in self._plans(tenant, doc_id)]
         needed = {c.chunk_hash for chunk, context in plans for c in (chunk, *context)}
         stored = dict(zip(needed, self.store.get_many([chunk_key(self.engine, h) for h in needed])))
@@ -107,6 +108,13 @@ class ChunkContextualizer:
             plans.append((_Chunk(doc_id, position, chunk.chunk_hash), context[-self.neighbours :]))
         return plans
 
+    def _record(self, tenant: str, doc_id: str) -> DocumentRecord:
+        """A neighbour's record, read once per contextualize call (many chunks share neighbours)."""
+        key = (tenant, doc_id)
+        if key not in self._records:
+            self._records[key] = self.registry.get(tenant, doc_id)
+        return self._records[key]
+
     def _nearest(self, tenant: str, record: DocumentRecord, position: int, vector, count: int) -> list[_Chunk]:
         """Up to `count` of the tenant's chunks nearest `vector`, other than this chunk and
         its predecessor, farthest first (the nearest sits next to the chunk)."""
@@ -116,7 +124,7 @@ class ChunkContextualizer:
         for hit in hits:
             if (hit.doc_id, hit.chunk_index) in skip or len(chosen) == count:
                 continue
-            other = record if hit.doc_id == record.doc_id else self.registry.get(tenant, hit.doc_id)
+            other = record if hit.doc_id == record.doc_id else self._record(tenant, hit.doc_id)
             chunk_hash = other.chunks[hit.chunk_index].chunk_hash
             if chunk_hash not in hashes:
                 hashes.add(chunk_hash)
