@@ -17,17 +17,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-from ragkv.api.launcher import free_port
 from ragkv.bench.redis_process import RedisServer
 from ragkv.bench.replica_followup_bench import metric_value
 from ragkv.bench.replicas import replica, start_all
+from ragkv.bench.router_process import RouterDidNotStart, RouterProcess
 
 _TOPICS = ["ferries", "lighthouses", "orchards", "observatories", "mills", "bridges", "libraries", "cranes"]
 
@@ -61,41 +60,29 @@ def _hits(urls: list[str]) -> float:
 
 
 def _through(router: str, binary: str, policy: str, workers: list[str], conversations: int, round_: int) -> dict:
-    port = free_port()
-    command = [binary, "--worker-urls", *workers, "--policy", policy, "--host", "127.0.0.1", "--port", str(port)]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or process.poll() is not None:
-                return {"error": "the router did not answer /health"}
-            time.sleep(0.5)
-        hits_before = _hits(workers)
-        follow_ups = []
-        for n in range(conversations):
-            topic = _TOPICS[n % len(_TOPICS)]
-            system = f"[{router} {policy} {round_}.{n}] You answer questions about {topic}. " * 120
-            history = [{"role": "system", "content": system}, {"role": "user", "content": f"Name one of the {topic}."}]
-            first = _turn(url, history)
-            history += [{"role": "assistant", "content": first["text"]}, {"role": "user", "content": "Why that one?"}]
-            follow_ups.append(_turn(url, history))
-        return {
-            "follow_up_ttft_s_median": round(statistics.median(t["ttft_s"] for t in follow_ups), 3),
-            "follow_up_cached_share": round(
-                sum(t["cached"] for t in follow_ups) / sum(t["prompt"] for t in follow_ups), 4
-            ),
-            "follow_ups_on_the_other_replica": int(_hits(workers) - hits_before),
-            "conversations": conversations,
-        }
-    finally:
-        process.terminate()
-        process.wait(10)
+        with RouterProcess(binary, policy, workers) as front:
+            return _conversations(front.url, router, policy, workers, conversations, round_)
+    except RouterDidNotStart:
+        return {"error": "the router did not answer /health"}
+
+
+def _conversations(url: str, router: str, policy: str, workers: list[str], conversations: int, round_: int) -> dict:
+    hits_before = _hits(workers)
+    follow_ups = []
+    for n in range(conversations):
+        topic = _TOPICS[n % len(_TOPICS)]
+        system = f"[{router} {policy} {round_}.{n}] You answer questions about {topic}. " * 120
+        history = [{"role": "system", "content": system}, {"role": "user", "content": f"Name one of the {topic}."}]
+        first = _turn(url, history)
+        history += [{"role": "assistant", "content": first["text"]}, {"role": "user", "content": "Why that one?"}]
+        follow_ups.append(_turn(url, history))
+    return {
+        "follow_up_ttft_s_median": round(statistics.median(t["ttft_s"] for t in follow_ups), 3),
+        "follow_up_cached_share": round(sum(t["cached"] for t in follow_ups) / sum(t["prompt"] for t in follow_ups), 4),
+        "follow_ups_on_the_other_replica": int(_hits(workers) - hits_before),
+        "conversations": conversations,
+    }
 
 
 def main() -> None:

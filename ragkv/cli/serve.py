@@ -4,6 +4,8 @@
     ragkv serve bench [--url http://HOST:PORT] [--clients 1 4 8] [--requests 32] [--max-tokens 16] [--json out.json]
     ragkv serve followup [--url http://HOST:PORT] [--dataset musique_dev.json] [--max-tokens 16] [--json out.json]
     ragkv serve followup --replicas --dataset musique_dev.json   (turn 2 on the other of two replicas)
+    ragkv serve followup --replicas --router [BIN] --clients 8 --turns 3 --dataset musique_dev.json
+        (many clients' chats pinned to a replica, through vllm-router round_robin and cache_aware)
     ragkv serve bench --target http://127.0.0.1:8080 --dataset musique_dev.json   (ragkv beside another server)
 
 Every ServeConfig field is an option (its docstring is the help).
@@ -104,6 +106,23 @@ def configure(serve: argparse.ArgumentParser) -> None:
         action="store_true",
         help="followup: start two replicas over one redis-server and send turn 2 to both (same replica vs other)",
     )
+    bench.add_argument(
+        "--router",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="BIN",
+        help="followup --replicas: instead, --clients chats of --turns turns at once, pinned to a replica, then "
+        "through vllm-router round_robin and cache_aware (BIN, else vllm-router on PATH or the one "
+        "scripts/install_router.sh installs)",
+    )
+    bench.add_argument("--turns", type=int, default=3, help="followup --replicas --router: turns per chat (default: 3)")
+    bench.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="followup --replicas --router: the three fronts this many times, every other round in reverse order",
+    )
     bench.add_argument("--json", type=Path, default=None, help="write the figures to this file")
 
 
@@ -195,15 +214,40 @@ def _run_bench(args: argparse.Namespace) -> int:
 
         if args.dataset is None:
             raise SystemExit("ragkv serve followup --replicas needs --dataset (MuSiQue-style JSON: ctxs, question)")
+        if args.router is not None:
+            return _report(_run_router_chats(args, progress), args.json)
         results = run_replica_followup(args.dataset, args.max_tokens, progress, args.shared_publish_wait_s)
     else:
         bench = run_followup_bench if args.action == "followup" else run_serve_bench
         results = bench(args, progress=progress)
+    return _report(results, args.json)
+
+
+def _run_router_chats(args: argparse.Namespace, progress) -> dict:
+    from ragkv.bench.router_chats_bench import RouterChatsConfig, run_router_chats
+    from ragkv.bench.router_process import find_router
+
+    try:
+        config = RouterChatsConfig(
+            args.dataset,
+            find_router(args.router or None),
+            max(args.clients),
+            args.turns,
+            args.passages,
+            args.max_tokens,
+            args.rounds,
+        )
+    except ValueError as error:
+        raise SystemExit(f"ragkv serve followup --router: {error}") from None
+    return run_router_chats(config, progress)
+
+
+def _report(results: dict, path: Path | None) -> int:
     print(json.dumps(results, indent=2))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2))
-        print(f"wrote {args.json}", file=sys.stderr)
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(results, indent=2))
+        print(f"wrote {path}", file=sys.stderr)
     return 0
 
 
