@@ -60,3 +60,16 @@ def test_a_missing_router_binary_says_how_to_get_one(tmp_path):
 def test_router_policy_is_checked():
     with pytest.raises(ValueError, match="policy"):
         RouterProcess("vllm-router", "random", ["http://127.0.0.1:1"])
+
+
+def test_rounds_pool_into_one_result_per_front():
+    first = FrontResult("pinned", other_replica_follow_ups=0, wall_s=2.0, requests_per_replica=[3, 3])
+    first.computed_tokens_per_replica = [100, 90]
+    first.turns = [Turn(0, 2, ttft_s=1.0, prompt_tokens=10, cached_tokens=9)]
+    second = FrontResult("pinned", other_replica_follow_ups=1, wall_s=3.0, requests_per_replica=[2, 4])
+    second.computed_tokens_per_replica = [50, 70]
+    second.turns = [Turn(1, 2, ttft_s=3.0, prompt_tokens=10, cached_tokens=9)]
+    pooled = FrontResult.pooled("pinned", [first, second])
+    assert (pooled.wall_s, pooled.other_replica_follow_ups) == (5.0, 1)
+    assert (pooled.requests_per_replica, pooled.computed_tokens_per_replica) == ([5, 7], [150, 160])
+    assert pooled.summary()["follow_up_ttft_p50_s"] == 2.0

@@ -45,7 +45,6 @@ FOLLOW_UPS = (
     "What else do the passages say about it?",
     "Are you sure? Answer again in a few words.",
 )
-FIRST_TURNS_SAMPLED_AFTER_S = 2.0
 SYSTEM = "Answer the user's questions from these passages only.\n\n"
 
 
@@ -97,9 +96,10 @@ class FrontResult:
     turns: list[Turn] = field(default_factory=list)
     other_replica_follow_ups: int = 0
     wall_s: float = 0.0
-    first_turns_per_replica: list[int] = field(default_factory=list)
-    """Requests in flight on each replica a moment after every client sent its first turn:
-    how the front spread the chats (a prefill takes far longer than the moment)."""
+    requests_per_replica: list[int] = field(default_factory=list)
+    computed_tokens_per_replica: list[int] = field(default_factory=list)
+    """Prompt tokens each replica computed (not found cached): how the front spread the
+    heavy work, the first turns' prefills."""
 
     @classmethod
     def pooled(cls, front: str, results: list[FrontResult]) -> FrontResult:
@@ -107,7 +107,10 @@ class FrontResult:
         pooled = cls(front, wall_s=sum(result.wall_s for result in results))
         pooled.turns = [turn for result in results for turn in result.turns]
         pooled.other_replica_follow_ups = sum(result.other_replica_follow_ups for result in results)
-        pooled.first_turns_per_replica = [sum(split) for split in zip(*(r.first_turns_per_replica for r in results))]
+        pooled.requests_per_replica = [sum(split) for split in zip(*(r.requests_per_replica for r in results))]
+        pooled.computed_tokens_per_replica = [
+            sum(split) for split in zip(*(r.computed_tokens_per_replica for r in results))
+        ]
         return pooled
 
     def summary(self) -> dict:
@@ -124,7 +127,8 @@ class FrontResult:
             ),
             "follow_ups": len(follow),
             "other_replica_follow_ups": self.other_replica_follow_ups,
-            "first_turns_per_replica": self.first_turns_per_replica,
+            "requests_per_replica": self.requests_per_replica,
+            "computed_tokens_per_replica": self.computed_tokens_per_replica,
             "errors": sum(turn.error is not None for turn in self.turns),
             "wall_s": round(self.wall_s, 2),
         }
@@ -198,17 +202,24 @@ def _shared_hits(workers: list[str]) -> float:
     return total
 
 
-def _in_flight(url: str) -> int:
-    """Requests running or waiting on a replica (vLLM's gauges, summed over their labels)."""
+def _served(url: str) -> tuple[int, int]:
+    """(requests finished, prompt tokens computed) so far on a replica, from vLLM's counters
+    (summed over their labels; computed = prefix-cache queries - hits)."""
     text = httpx.get(url + "/metrics", timeout=30).text
-    samples = re.findall(r"^vllm:num_requests_(?:running|waiting)(?:\{[^}]*\})? (\S+)$", text, re.MULTILINE)
-    return int(sum(float(value) for value in samples))
+
+    def total(name: str) -> float:
+        samples = re.findall(rf"^vllm:{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.MULTILINE)
+        return sum(float(value) for value in samples)
+
+    return int(total("request_success_total")), int(
+        total("prefix_cache_queries_total") - total("prefix_cache_hits_total")
+    )
 
 
 def run_front(front: str, urls: list[str], workers: list[str], chats: list[Chat], max_tokens: int) -> FrontResult:
     """Every chat at once, client i through urls[i mod len(urls)]."""
     result = FrontResult(front)
-    hits_before = _shared_hits(workers)
+    hits_before, served_before = _shared_hits(workers), [_served(url) for url in workers]
     start = threading.Barrier(len(chats))
     outcomes: list[list[Turn]] = [[] for _ in chats]
 
@@ -219,13 +230,14 @@ def run_front(front: str, urls: list[str], workers: list[str], chats: list[Chat]
     began = time.perf_counter()
     for thread in threads:
         thread.start()
-    time.sleep(FIRST_TURNS_SAMPLED_AFTER_S)
-    result.first_turns_per_replica = [_in_flight(url) for url in workers]
     for thread in threads:
         thread.join()
     result.wall_s = time.perf_counter() - began
     result.turns = [turn for turns in outcomes for turn in turns]
     result.other_replica_follow_ups = int(_shared_hits(workers) - hits_before)
+    served = [_served(url) for url in workers]
+    result.requests_per_replica = [after[0] - before[0] for before, after in zip(served_before, served)]
+    result.computed_tokens_per_replica = [after[1] - before[1] for before, after in zip(served_before, served)]
     return result
 
 
