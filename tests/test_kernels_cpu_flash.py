@@ -4,11 +4,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ragkv.kernels import cpu_flash, reference, selective_attention
+from ragkv.kernels import cpu_extension, cpu_flash, reference, selective_attention
 from ragkv.kernels.dispatch import BackendUnavailableError
 from ragkv.kernels.selective_attention import reads_cache_in_place
 
 BF16 = dict(atol=2e-2, rtol=2e-2)
+
+
+@pytest.fixture(params=["compiled", "loop"])
+def blocks_path(request, monkeypatch):
+    """The blocks run by the compiled extension (where it builds) or by the Python loop."""
+    if request.param == "loop":
+        monkeypatch.setattr(cpu_extension, "load", lambda: None)
+    elif cpu_extension.load() is None:
+        pytest.skip("the compiled CPU kernels are not built here")
+    return request.param
 
 
 def make_inputs(hkv, group, n, t, d, seed, spare=0):
@@ -26,7 +36,7 @@ def expected(q, k, v, positions, scale):
 
 @pytest.mark.parametrize("n,t", [(1, 9), (7, 40), (70, 300), (300, 700)])  # 1 to 5 row blocks, one partial
 @pytest.mark.parametrize("hkv,group", [(3, 3), (2, 1), (1, 8)])
-def test_matches_reference_on_unsorted_rows(hkv, group, n, t):
+def test_matches_reference_on_unsorted_rows(hkv, group, n, t, blocks_path):
     """Any row order, duplicates, position 0 and the last row."""
     q, k, v, g = make_inputs(hkv, group, n, t, 64, seed=n + t + group, spare=5)
     positions = torch.randint(0, t, (n,), generator=g)
@@ -39,7 +49,7 @@ def test_matches_reference_on_unsorted_rows(hkv, group, n, t):
 
 
 @pytest.mark.parametrize("d", [64, 128])
-def test_sorted_blocks_with_and_without_a_prefix_part(d):
+def test_sorted_blocks_with_and_without_a_prefix_part(d, blocks_path):
     """Sorted rows as the engine passes them: the first block starts at position 0 (no
     unmasked part), later blocks merge an unmasked prefix with their masked span; one block
     holds a single position many times."""
@@ -52,13 +62,13 @@ def test_sorted_blocks_with_and_without_a_prefix_part(d):
     torch.testing.assert_close(out.float(), expected(q, k, v, positions, scale), **BF16)
 
 
-def test_position_zero_sees_only_first_row():
+def test_position_zero_sees_only_first_row(blocks_path):
     q, k, v, _ = make_inputs(1, 2, 2, 40, 64, seed=12)
     out = selective_attention(q, k, v, torch.tensor([0, 39]), 0.125, backend="cpu_flash")
     torch.testing.assert_close(out[:, 0], v[0, 0].expand(2, 64))
 
 
-def test_all_rows_equals_causal_sdpa():
+def test_all_rows_equals_causal_sdpa(blocks_path):
     t = 150
     q, k, v, _ = make_inputs(3, 3, t, t, 64, seed=4)
     out = selective_attention(q, k, v, torch.arange(t), 0.2, backend="cpu_flash")

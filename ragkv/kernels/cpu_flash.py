@@ -6,6 +6,9 @@ before the block's first position, so that part is one unmasked call; the block'
 [first, last] is a second call with a causal-by-position mask. The two partial results are
 merged by their logsumexps (the flash kernel returns them). A KV head's query heads are
 stacked as rows of one call, so each key block is read once per KV head, as in GQA.
+
+Where the compiled CPU kernels are built, their `flash_blocks` runs the blocks (one parallel
+region per call, `cpu/flash_blocks.h`); elsewhere a loop here does, one flash call at a time.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from ragkv.kernels import cpu_extension
 REQUIRED_FLAGS = frozenset({"avx512_bf16"})
 """CPU flags under which "auto" picks this path: without them oneDNN emulates bfloat16
 matmuls, slower than the compiled float32 kernel."""
-BLOCK_ROWS = 64
+BLOCK_ROWS = 128
 """Query rows per block: larger blocks read the cache fewer times but compute more masked
 entries in their span (rows are spread over the whole prompt)."""
 
@@ -41,15 +44,37 @@ def selective_attention(
 ) -> torch.Tensor:
     """q_rows [Hq, N, D] attend to cache rows j <= row_positions[i] of k_cache, v_cache
     [Hkv, T, D] (one dtype, last dim contiguous); any row order. Returns [Hq, N, D]."""
-    hq, n, d = q_rows.shape
-    hkv = k_cache.shape[0]
-    group = hq // hkv
+    n = q_rows.shape[1]
     positions = row_positions.long()
     order = None
     if n > 1 and bool((positions[1:] < positions[:-1]).any()):
         order = torch.argsort(positions, stable=True)
         q_rows, positions = q_rows[:, order], positions[order]
     bounds = positions.tolist()
+    module = cpu_extension.load()
+    if module is not None:
+        out = module.flash_blocks(q_rows, k_cache, v_cache, bounds, scale, BLOCK_ROWS)
+    else:
+        out = _blocks(q_rows, k_cache, v_cache, positions, bounds, scale)
+    if order is not None:
+        unsorted = torch.empty_like(out)
+        unsorted[:, order] = out
+        return unsorted
+    return out
+
+
+def _blocks(
+    q_rows: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    positions: torch.Tensor,
+    bounds: list[int],
+    scale: float,
+) -> torch.Tensor:
+    """The blocks one flash call at a time: rows sorted, `bounds` their positions as a list."""
+    hq, n, d = q_rows.shape
+    hkv = k_cache.shape[0]
+    group = hq // hkv
     keys, values = k_cache[None], v_cache[None]
     out = torch.empty((hq, n, d), dtype=q_rows.dtype)
     for start in range(0, n, BLOCK_ROWS):
@@ -67,8 +92,4 @@ def selective_attention(
             weight = torch.sigmoid(before_lse - span_lse).unsqueeze(-1)
             span = torch.lerp(span.float(), before.float(), weight)
         out[:, start:end] = span.reshape(hq, rows, d)
-    if order is not None:
-        unsorted = torch.empty_like(out)
-        unsorted[:, order] = out
-        return unsorted
     return out
