@@ -51,7 +51,9 @@ def selective_attention(
         order = torch.argsort(positions, stable=True)
         q_rows, positions = q_rows[:, order], positions[order]
     bounds = positions.tolist()
-    module = cpu_extension.load()
+    from ragkv.kernels.dispatch import compiled  # dispatch imports this module
+
+    module = compiled()
     if module is not None:
         out = module.flash_blocks(q_rows, k_cache, v_cache, bounds, scale, BLOCK_ROWS)
     else:
