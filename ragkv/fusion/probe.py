@@ -188,15 +188,19 @@ def attention_with_column_mass(
     columns = torch.arange(length, device=q.device) if column_positions is None else column_positions
     for first in range(0, rows, block):
         end = min(rows, first + block)
-        # query head h reads KV head h // group: a KV head's group of heads is one GEMM
-        grouped = q[:, first:end].float().reshape(kv_heads, group * (end - first), dim)
-        logits = torch.matmul(grouped, keys_t) * scale
+        # query head h reads KV head h // group: a KV head's group of heads is one GEMM;
+        # the scale goes on the queries, the smaller operand
+        grouped = (q[:, first:end].float() * scale).reshape(kv_heads, group * (end - first), dim)
+        logits = torch.matmul(grouped, keys_t)
         row_positions = positions[first:end].repeat(group)[:, None]
-        hidden_columns = columns[None, :] > row_positions
+        # columns ascend: without a window only those past the block's first row can be hidden
+        start = 0 if window is not None else int(torch.searchsorted(columns, positions[first:end].min(), right=True))
+        hidden_columns = columns[None, start:] > row_positions
         if window is not None:
             hidden_columns |= columns[None, :] <= row_positions - window
-        probabilities = logits.masked_fill(hidden_columns, float("-inf")).softmax(dim=-1)
+        logits[:, :, start:].masked_fill_(hidden_columns, float("-inf"))
+        probabilities = logits.softmax(dim=-1)
         attention[:, first:end] = torch.matmul(probabilities, values).reshape(heads, end - first, dim)
-        per_row = probabilities.reshape(heads, end - first, length).sum(dim=0)
-        mass += per_row.sum(dim=0)
-    return attention, mass, per_row[-1]
+        mass += probabilities.reshape(-1, length).sum(dim=0)
+    last_row = probabilities.reshape(heads, end - first, length)[:, -1].sum(dim=0)
+    return attention, mass, last_row

@@ -38,6 +38,7 @@ HEADERS = tuple(
         "cache_views.h",
         "claimed_items.h",
         "decode_model.h",
+        "flash_blocks.h",
         "int4_linear.h",
         "int8_linear.h",
         "packed_linear.h",

@@ -4,12 +4,15 @@ Each launcher asks :func:`select_backend` once and then runs exactly one
 implementation, so the rules for "which code runs" live in one place:
 
 * ``"auto"`` picks Triton for CUDA tensors when Triton imports, then FlashInfer
-  (only for ops that have it) for CUDA tensors when FlashInfer imports, then the
-  compiled CPU kernel (``"cpp"``, only for ops that have it) for CPU tensors when it
-  builds on this machine, else the torch path. Triton never runs CPU tensors under
-  ``"auto"``: its CPU interpreter is a testing tool, far slower than torch.
+  (only for ops that have it) for CUDA tensors when FlashInfer imports, then torch's
+  CPU flash-attention kernel (``"cpu_flash"``, only for ops that have it) on CPUs with
+  AVX512-BF16, then the compiled CPU kernel (``"cpp"``, only for ops that have it) for
+  CPU tensors when it builds on this machine, else the torch path. Triton never runs
+  CPU tensors under ``"auto"``: its CPU interpreter is a testing tool, far slower than
+  torch.
 * ``"triton"`` additionally runs on CPU tensors when ``TRITON_INTERPRET=1`` is set,
-  which is how the test-suite exercises the kernels without a GPU.
+  which is how the test-suite exercises the kernels without a GPU; likewise
+  ``"cpu_flash"`` runs on any CPU when forced (correct, but slow without AVX512-BF16).
 * Forcing a backend the op lacks, or one that cannot run here, raises
   :class:`BackendUnavailableError` instead of silently falling back, so a test that
   asks for Triton really tests Triton.
@@ -28,15 +31,16 @@ from typing import Literal
 
 import torch
 
-from ragkv.kernels import cpu_extension
+from ragkv.kernels import cpu_extension, cpu_flash
 
-Backend = Literal["auto", "torch", "triton", "flashinfer", "cpp"]
-BACKENDS: tuple[str, ...] = ("auto", "torch", "triton", "flashinfer", "cpp")
+Backend = Literal["auto", "torch", "triton", "flashinfer", "cpu_flash", "cpp"]
+BACKENDS: tuple[str, ...] = ("auto", "torch", "triton", "flashinfer", "cpu_flash", "cpp")
 
 # Order in which "auto" tries the accelerated backends. Triton comes first because
 # it is the path the test-suite verifies (under the interpreter); the device decides
-# between the GPU ones and "cpp".
-_AUTO_ORDER: tuple[str, ...] = ("triton", "flashinfer", "cpp")
+# between the GPU ones and the CPU ones; where both CPU ones apply, torch's flash kernel
+# (bfloat16 matmuls on AMX/AVX512-BF16) outruns the compiled float32 FMA kernel.
+_AUTO_ORDER: tuple[str, ...] = ("triton", "flashinfer", "cpu_flash", "cpp")
 
 
 def compiled() -> ModuleType | None:
@@ -79,6 +83,14 @@ def _unusable_reason(backend: str, device: torch.device, forced: bool) -> str | 
             return f"the compiled CPU kernels need CPU tensors, got {device.type}"
         if compiled() is None:
             return "the compiled CPU kernels could not be built here (see the log)"
+        return None
+    if backend == "cpu_flash":
+        if device.type != "cpu":
+            return f"torch's CPU flash kernel needs CPU tensors, got {device.type}"
+        if not cpu_flash.available():
+            return "this torch has no CPU flash kernel returning logsumexps"
+        if not forced and not cpu_flash.fast_here():
+            return "this CPU lacks AVX512-BF16"
         return None
     if backend == "flashinfer":
         if device.type != "cuda":

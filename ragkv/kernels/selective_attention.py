@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from ragkv.kernels import cpu_extension, torch_cpu
+from ragkv.kernels import cpu_extension, cpu_flash, torch_cpu
 from ragkv.kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check_dtype, check_shape, common_device, require
 from ragkv.kernels.dispatch import Backend, compiled, select_backend
 
@@ -29,8 +29,11 @@ def _tile_sizes(dtype: torch.dtype, head_dim: int) -> tuple[int, int]:
 
 
 def _kernels(q_rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[str, ...]:
-    """The accelerated backends for these inputs: Triton always, the compiled CPU kernel
-    for float32/bfloat16 caches with contiguous rows and head_dim a multiple of 16."""
+    """The accelerated backends for these inputs: Triton always, torch's CPU flash kernel
+    for bfloat16 caches with contiguous rows, the compiled CPU kernel for float32/bfloat16
+    caches with contiguous rows and head_dim a multiple of 16."""
+    rows_contiguous = k_cache.stride(2) == 1 and v_cache.stride(2) == 1
+    flash = k_cache.dtype == torch.bfloat16 and rows_contiguous
     cpp = (
         k_cache.dtype in cpu_extension.CACHE_DTYPES
         and q_rows.shape[2] % 16 == 0
@@ -38,14 +41,15 @@ def _kernels(q_rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor)
         and k_cache.stride(2) == 1
         and v_cache.stride() == k_cache.stride()
     )
-    return ("triton", "cpp") if cpp else ("triton",)
+    return ("triton",) + (("cpu_flash",) if flash else ()) + (("cpp",) if cpp else ())
 
 
 def reads_cache_in_place(q_rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether backend "auto" runs the compiled CPU kernel for these inputs: it reads a
-    bfloat16 cache as stored and computes in float32, so callers need not widen it."""
+    """Whether backend "auto" runs a CPU kernel that reads a bfloat16 cache as stored (the
+    compiled one widens it in registers, torch's flash kernel multiplies bfloat16 and
+    accumulates in float32), so callers need not widen it."""
     kernels = _kernels(q_rows, k_cache, v_cache)
-    return select_backend("selective_attention", "auto", q_rows.device, kernels) == "cpp"
+    return select_backend("selective_attention", "auto", q_rows.device, kernels) in ("cpu_flash", "cpp")
 
 
 def selective_attention(
@@ -65,8 +69,8 @@ def selective_attention(
         row_positions: [N] int, absolute position of each query row, in [0, T)
             (precondition, unchecked); any order, duplicates allowed.
         scale: softmax scale, usually 1/sqrt(D).
-        backend: "auto", "torch", "triton" or "cpp" (CPU; float32/bfloat16 caches,
-            head_dim a multiple of 16).
+        backend: "auto", "torch", "triton", "cpu_flash" (CPU; bfloat16 caches) or "cpp"
+            (CPU; float32/bfloat16 caches, head_dim a multiple of 16).
 
     Returns out [Hq, N, D] in q_rows' dtype: row i attends to rows j <= row_positions[i].
     """
@@ -89,6 +93,8 @@ def selective_attention(
     chosen = select_backend("selective_attention", backend, device, kernels=_kernels(q_rows, k_cache, v_cache))
     if chosen == "torch":
         return torch_cpu.selective_attention(q_rows, k_cache, v_cache, row_positions, scale)
+    if chosen == "cpu_flash":
+        return cpu_flash.selective_attention(q_rows, k_cache, v_cache, row_positions, scale)
     if chosen == "cpp":
         limits = (row_positions.long() + 1).tolist()
         out = compiled().selective_attention(q_rows.transpose(0, 1), k_cache, v_cache, limits, scale)

@@ -15,6 +15,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         no_gil);
   m.def("selective_attention", &ragkv::selective_attention_op,
         "causal-by-position attention of many query rows over one cache layer", no_gil);
+  m.def("flash_blocks", &ragkv::flash_blocks_op,
+        "causal-by-position attention of sorted query rows in blocks of torch's CPU flash kernel", no_gil);
   m.def("a2ats_attention", &ragkv::a2ats_attention_op, "A2ATS sparse decode attention over one cache layer", no_gil);
   py::class_<ragkv::A2atsPlan>(m, "A2atsPlan")
       .def(py::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, bool>(), arg("codes"),

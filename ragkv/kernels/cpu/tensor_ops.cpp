@@ -4,6 +4,7 @@
 #include "attention.h"
 #include "cache_views.h"
 #include "packed_linear.h"
+#include "flash_blocks.h"
 #include "selective_attention.h"
 
 namespace ragkv {
@@ -51,6 +52,19 @@ at::Tensor selective_attention_op(const at::Tensor& q, const at::Tensor& keys, c
                                       values.data_ptr<at::BFloat16>(), keys.stride(0), keys.stride(1), limits.data(),
                                       n, heads, kv_heads, dim, out.data_ptr<float>());
   return out;
+}
+
+at::Tensor flash_blocks_op(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                           const std::vector<int64_t>& positions, double scale, int64_t block_rows) {
+  TORCH_CHECK(q.dim() == 3 && keys.dim() == 3 && values.sizes() == keys.sizes(), "q [Hq, N, D], keys/values [Hkv, T, D]");
+  TORCH_CHECK(q.size(0) % keys.size(0) == 0 && q.size(2) == keys.size(2), "query heads must be a multiple of KV heads");
+  TORCH_CHECK(q.scalar_type() == keys.scalar_type() && values.scalar_type() == keys.scalar_type(), "one dtype");
+  TORCH_CHECK(keys.stride(2) == 1 && values.stride(2) == 1, "cache rows must be contiguous");
+  TORCH_CHECK(static_cast<int64_t>(positions.size()) == q.size(1) && block_rows >= 1, "one position per query row");
+  for (size_t i = 0; i < positions.size(); ++i)
+    TORCH_CHECK(positions[i] >= 0 && positions[i] < keys.size(1) && (i == 0 || positions[i - 1] <= positions[i]),
+                "positions must be ascending and in range");
+  return flash_blocks(q, keys, values, positions, scale, block_rows);
 }
 
 // q [Hq, D] over one cache layer keys/values [Hkv, capacity, D] of `length` rows with the

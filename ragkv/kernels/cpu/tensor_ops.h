@@ -23,6 +23,12 @@ at::Tensor decode_attention_op(const at::Tensor& q, const std::vector<at::Tensor
 at::Tensor selective_attention_op(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                                   const std::vector<int64_t>& limits, double scale);
 
+// q [Hq, N, D] rows sorted by `positions`; keys/values one cache layer [Hkv, rows, D]; row
+// i attends to cache rows [0, positions[i]], in blocks of torch's flash kernel. Returns
+// [Hq, N, D] in q's dtype.
+at::Tensor flash_blocks_op(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                           const std::vector<int64_t>& positions, double scale, int64_t block_rows);
+
 // q [Hq, D] over one cache layer keys/values [Hkv, capacity, D] of `length` rows with the
 // A2ATS state of `layer`. Returns (out [Hq, D] float32, chosen rows [Hkv, k] int64, ascending).
 std::tuple<at::Tensor, at::Tensor> a2ats_attention_op(const at::Tensor& q, const at::Tensor& keys,
