@@ -28,7 +28,11 @@ def case(request, tmp_path_factory):
 
 
 def _full_prefill(model, fusion_input):
-    ids = fusion_input.prefix_ids + sum((chunk.token_ids for chunk in fusion_input.chunks), []) + fusion_input.question_ids
+    ids = (
+        fusion_input.prefix_ids
+        + sum((chunk.token_ids for chunk in fusion_input.chunks), [])
+        + fusion_input.question_ids
+    )
     cache = model.new_cache(len(ids) + 8)
     return cache, model.prefill(torch.tensor(ids), cache)
 
@@ -45,7 +49,9 @@ def test_a_refresh_of_every_row_is_the_full_prefill(case):
     torch.testing.assert_close(result.cache.values[:, :, :rows], full_cache.values[:, :, :rows], atol=1e-5, rtol=1e-5)
     answer = [int(full_logits.argmax()), 5, 9, 17]
     forced = teacher_forced_logits(model, result.cache, result.logits, answer)
-    torch.testing.assert_close(forced, teacher_forced_logits(model, full_cache, full_logits, answer), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        forced, teacher_forced_logits(model, full_cache, full_logits, answer), atol=1e-4, rtol=1e-4
+    )
 
 
 def test_the_refresh_recomputes_only_stale_rows_and_spends_its_budget(case, monkeypatch):
