@@ -37,9 +37,12 @@ def _full_prefill(model, fusion_input):
     return cache, model.prefill(torch.tensor(ids), cache)
 
 
-def test_a_refresh_of_every_row_is_the_full_prefill(case):
+@pytest.mark.parametrize(
+    "spec", [EVERY_ROW_BY_REFRESH, "probe:ratio=0.5,min_rows=0,refresh_ratio=1,refresh_rerun=true"]
+)
+def test_a_refresh_of_every_row_is_the_full_prefill(case, spec):
     model, fusion_input, prefix_cache, reference = case
-    result = build_strategy(EVERY_ROW_BY_REFRESH).fuse(model, fusion_input, prefix_cache, 8)
+    result = build_strategy(spec).fuse(model, fusion_input, prefix_cache, 8)
     assert next_token_kl(reference, result.logits) < 1e-7
     assert result.recomputed_tokens == result.layout.num_document_tokens and result.reused_tokens == 0
     assert result.cache.length == result.layout.length  # the drafts are gone
@@ -78,6 +81,25 @@ def test_the_refresh_recomputes_only_stale_rows_and_spends_its_budget(case, monk
     assert torch.equal(result.recomputed_rows(0), torch.cat((plain.final_rows, refreshed_documents)).unique())
     assert result.selection["refreshed_share"] == pytest.approx(refreshed_documents.numel() / documents)
     assert result.cache.length == layout.length
+
+
+def test_the_rerun_runs_the_probe_rows_again_with_the_refreshed_ones(case, monkeypatch):
+    model, fusion_input, prefix_cache, _ = case
+    refreshed = []
+    recompute = refresh_module.recompute
+
+    def spy(model, cache, layout, rows, columns):
+        refreshed.append(rows.clone())
+        return recompute(model, cache, layout, rows, columns)
+
+    monkeypatch.setattr(refresh_module, "recompute", spy)
+    plain = Probe(ratio=0.2, min_rows=0, refresh_ratio=0.25).fuse(model, fusion_input, prefix_cache, 8)
+    rerun = Probe(ratio=0.2, min_rows=0, refresh_ratio=0.25, refresh_rerun=True).fuse(
+        model, fusion_input, prefix_cache, 8
+    )
+    once, again = refreshed
+    assert torch.equal(again, torch.cat((once, plain.recomputed_rows(0))).unique())
+    assert rerun.recomputed_tokens == plain.recomputed_tokens
 
 
 def test_the_refresh_stops_at_the_rows_left_stale(case):
@@ -123,7 +145,9 @@ def test_refresh_in_place_equals_the_copy(case):
 
 
 def test_refresh_settings_are_validated():
-    assert build_strategy("probe:refresh_ratio=0.05,draft_tokens=4") == Probe(refresh_ratio=0.05, draft_tokens=4)
+    assert build_strategy("probe:refresh_ratio=0.05,draft_tokens=4,refresh_rerun=true") == Probe(
+        refresh_ratio=0.05, draft_tokens=4, refresh_rerun=True
+    )
     with pytest.raises(ValueError, match="refresh_ratio must be in"):
         Probe(refresh_ratio=1.5)
     with pytest.raises(ValueError, match="refresh_ratio must be in"):

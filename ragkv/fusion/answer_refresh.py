@@ -11,10 +11,11 @@ from layer 0 together with the question rows, reading the fused cache (so they s
 rows the probe already recomputed), and the draft rows are dropped: the cache ends at the
 prompt, and the logits are the last question row's after the refresh.
 
-The rows the probe recomputed are not run again: their K/V read the refreshed rows while
-still stale, which costs less than running them twice. With the probe's own budget at 0
-and the refresh covering every row, every document row and the question are computed in
-one causal pass after an exact prefix, which is the full prefill.
+By default the rows the probe recomputed are not run again: their K/V read the refreshed
+rows while still stale, which costs less than running them twice; `refresh_rerun` runs
+them again in the refresh pass. With the probe's own budget at 0 (or with the rerun) and
+the refresh covering every row, every document row and the question are computed in one
+causal pass after an exact prefix, which is the full prefill.
 """
 
 from __future__ import annotations
@@ -33,11 +34,17 @@ from ragkv.fusion.probe import attention_with_column_mass
 
 @torch.inference_mode()
 def refresh_for_answer(
-    model: CausalLM, result: FusionResult, ratio: float, draft_tokens: int, columns: torch.Tensor | None
+    model: CausalLM,
+    result: FusionResult,
+    ratio: float,
+    draft_tokens: int,
+    columns: torch.Tensor | None,
+    rerun: bool = False,
 ) -> FusionResult:
     """`result` with the top `ratio` share of its reused document rows, among those it left
     stale, recomputed by the drafts' attention (see the module docstring); `columns` are the
-    rows the recomputed document rows read (the strategy's `document_columns`)."""
+    rows the recomputed document rows read (the strategy's `document_columns`); `rerun`:
+    the document rows `result` recomputed run again with them."""
     started = time.perf_counter()
     layout, cache = result.layout, result.cache
     recomputed = result.final_rows.cpu()
@@ -51,7 +58,10 @@ def refresh_for_answer(
     shares = draft_attention_by_layer(model, cache, layout, drafts)
     scores = shares.sum(dim=0).cpu()[stale - layout.prefix_len]
     chosen = stale[top_k_rows(scores, budget).cpu()]
-    rows = torch.cat((chosen, layout.question_rows)).to(model.device)
+    rows = torch.cat((chosen, layout.question_rows))
+    if rerun:  # the probe's rows again, after the refreshed ones changed
+        rows = torch.cat((rows, recomputed[torch.isin(recomputed, reused)])).unique(sorted=True)
+    rows = rows.to(model.device)
     logits = recompute(model, cache, layout, rows, columns)
     every = torch.cat((result.final_rows, rows)).unique(sorted=True)
     report["refreshed_share"] = chosen.numel() / max(1, layout.num_reused_document_tokens)

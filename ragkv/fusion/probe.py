@@ -74,8 +74,13 @@ class Probe(FusionStrategy):
     """After the fuse, recompute this share of the document rows more, chosen among those
     left stale by where `draft_tokens` greedy draft tokens attend (ragkv.fusion.answer_refresh):
     the answer's later tokens read rows the question did not pick. 0 = no refresh."""
-    draft_tokens: int = 8
-    """Greedy draft tokens whose attention chooses the refreshed rows."""
+    draft_tokens: int = 32
+    """Greedy draft tokens whose attention chooses the refreshed rows. They should span the
+    answer's tokens that matter: a few drafts see only the answer's start, which reads
+    about what the question reads, so their rows add little."""
+    refresh_rerun: bool = False
+    """Run the probe's own document rows again in the refresh pass, so they read the
+    refreshed rows' new K/V instead of their stale one (their recompute is paid twice)."""
 
     def __post_init__(self) -> None:
         check_ratio(self.ratio)
@@ -116,7 +121,7 @@ class Probe(FusionStrategy):
             model, fusion_input, prefix_cache, max(extra_capacity, self.draft_tokens), in_place=in_place
         )
         columns = self.document_columns(model, result.layout)
-        return refresh_for_answer(model, result, self.refresh_ratio, self.draft_tokens, columns)
+        return refresh_for_answer(model, result, self.refresh_ratio, self.draft_tokens, columns, self.refresh_rerun)
 
     def initial_rows(self, layout: Layout) -> torch.Tensor:
         """The rows the probe runs (the question); `rows_for` adds the chosen documents'."""
