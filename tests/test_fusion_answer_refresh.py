@@ -109,6 +109,14 @@ def test_the_refresh_stops_at_the_rows_left_stale(case):
     assert result.selection["refreshed_share"] == pytest.approx(1 - round(0.7 * 120) / 120)
 
 
+def test_nothing_left_stale_means_no_drafts_and_the_probe_result(case):
+    model, fusion_input, prefix_cache, _ = case
+    plain = Probe(ratio=1.0).fuse(model, fusion_input, prefix_cache, 8)
+    result = Probe(ratio=1.0, refresh_ratio=0.5).fuse(model, fusion_input, prefix_cache, 8)
+    assert result.selection["draft_tokens"] == result.selection["refreshed_share"] == 0.0
+    assert torch.equal(result.logits, plain.logits) and torch.equal(result.final_rows, plain.final_rows)
+
+
 def test_the_drafts_are_the_greedy_answer_and_leave_the_cache_as_it_was(case):
     model, fusion_input, _, _ = case
     cache, logits = _full_prefill(model, fusion_input)

@@ -3,7 +3,7 @@ selective pass chosen by where the answer reads, not the question.
 
 The probe picks the document rows the question attends to; the answer's later tokens then
 read rows that pick left stale (placed from the store, never recomputed with the other
-chunks). After the probe's fuse, a few draft tokens are decoded greedily over the fused
+chunks). After the probe's fuse, `draft_tokens` tokens are decoded greedily over the fused
 cache, and one pass of those draft rows through every layer records how their attention
 spreads over the document rows (normalised to 1 per layer, as the probe's own scores are,
 so every layer has an equal vote). The stale rows with the highest score are recomputed
@@ -51,7 +51,7 @@ def refresh_for_answer(
     reused = layout.reused_document_rows
     stale = reused[~torch.isin(reused, recomputed)]
     budget = min(ratio_budget(ratio, layout), stale.numel())
-    report = {"refreshed_share": 0.0, "draft_tokens": 0.0}
+    report = {"refreshed_share": 0.0, "draft_tokens": 0.0, "refresh_covered": 0.0}
     if budget <= 0:
         return dataclasses.replace(result, selection={**result.selection, **report})
     drafts = greedy_drafts(model, cache, result.logits, draft_tokens)
