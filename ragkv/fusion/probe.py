@@ -18,6 +18,11 @@ than `min_rows` are recomputed whole (a 10% share of a 120-token chunk leaves th
 token far from the full prefill), and after a long prefix the recomputed document rows and
 the selection pass read only the prefix's first rows and its last `prefix_window` rows,
 the question rows every row: the fuse costs in proportion to what is new.
+
+The question is not the answer: the answer's later tokens read rows the question did not
+pick. With `refresh_ratio`, a few greedy draft tokens decoded over the fused cache choose
+a further share of the rows left stale, recomputed in a second, smaller pass
+(ragkv.fusion.answer_refresh).
 """
 
 from __future__ import annotations
@@ -28,8 +33,8 @@ import torch
 
 from ragkv.engine.kv_cache import KVCache
 from ragkv.engine.model import CausalLM
-from ragkv.fusion.base import FusionStrategy, check_ratio, ratio_budget, top_k_rows
-from ragkv.fusion.layout import Layout
+from ragkv.fusion.base import FusionResult, FusionStrategy, check_ratio, ratio_budget, top_k_rows
+from ragkv.fusion.layout import FusionInput, Layout
 
 LAYER_AGGREGATIONS = ("sum", "max")
 PROBABILITY_BYTES = 64 << 20
@@ -65,6 +70,17 @@ class Probe(FusionStrategy):
     read only its first PREFIX_SINK_ROWS and its last `prefix_window` rows; the question
     rows read every row. The cost of fusing a chunk then follows the chunk, not the
     conversation. 0 = every row."""
+    refresh_ratio: float = 0.0
+    """After the fuse, recompute this share of the document rows more, chosen among those
+    left stale by where `draft_tokens` greedy draft tokens attend (ragkv.fusion.answer_refresh):
+    the answer's later tokens read rows the question did not pick. 0 = no refresh."""
+    draft_tokens: int = 32
+    """Greedy draft tokens whose attention chooses the refreshed rows. They should span the
+    answer's tokens that matter: a few drafts see only the answer's start, which reads
+    about what the question reads, so their rows add little."""
+    refresh_rerun: bool = False
+    """Run the probe's own document rows again in the refresh pass, so they read the
+    refreshed rows' new K/V instead of their stale one (their recompute is paid twice)."""
 
     def __post_init__(self) -> None:
         check_ratio(self.ratio)
@@ -81,6 +97,31 @@ class Probe(FusionStrategy):
             raise ValueError(f"min_rows must be >= 0, got {self.min_rows}")
         if self.prefix_window < 0:
             raise ValueError(f"prefix_window must be >= 0, got {self.prefix_window}")
+        if not 0.0 <= self.refresh_ratio <= 1.0:
+            raise ValueError(f"refresh_ratio must be in [0, 1], got {self.refresh_ratio}")
+        if self.draft_tokens < 1:
+            raise ValueError(f"draft_tokens must be >= 1, got {self.draft_tokens}")
+
+    def fuse(
+        self,
+        model: CausalLM,
+        fusion_input: FusionInput,
+        prefix_cache: KVCache | None,
+        extra_capacity: int = 0,
+        *,
+        in_place: bool = False,
+    ) -> FusionResult:
+        if not self.refresh_ratio:
+            return super().fuse(model, fusion_input, prefix_cache, extra_capacity, in_place=in_place)
+        # imported here: the refresh reuses this module's attention pass
+        from ragkv.fusion.answer_refresh import refresh_for_answer
+
+        # room for the drafts, so decoding them never grows (copies) the cache
+        result = super().fuse(
+            model, fusion_input, prefix_cache, max(extra_capacity, self.draft_tokens), in_place=in_place
+        )
+        columns = self.document_columns(model, result.layout)
+        return refresh_for_answer(model, result, self.refresh_ratio, self.draft_tokens, columns, self.refresh_rerun)
 
     def initial_rows(self, layout: Layout) -> torch.Tensor:
         """The rows the probe runs (the question); `rows_for` adds the chosen documents'."""
