@@ -37,7 +37,7 @@ def test_chats_paste_the_passages_and_ask_the_follow_ups(tmp_path):
 
 
 def test_summary_counts_follow_ups_apart_from_first_turns():
-    result = FrontResult("cache_aware", other_replica_follow_ups=1, wall_s=3.0)
+    result = FrontResult("cache_aware", context_fetches=1, wall_s=3.0)
     result.turns = [
         Turn(0, 1, ttft_s=5.0, prompt_tokens=100, cached_tokens=0),
         Turn(0, 2, ttft_s=1.0, prompt_tokens=120, cached_tokens=100),
@@ -49,7 +49,7 @@ def test_summary_counts_follow_ups_apart_from_first_turns():
     assert summary["follow_up_ttft_p50_s"] == 2.0
     assert summary["turn_1_ttft_p50_s"] == 6.0
     assert summary["follow_up_cached_share"] == round(220 / 260, 4)
-    assert (summary["follow_ups"], summary["errors"], summary["other_replica_follow_ups"]) == (2, 1, 1)
+    assert (summary["follow_ups"], summary["errors"], summary["context_fetches"]) == (2, 1, 1)
 
 
 def test_a_missing_router_binary_says_how_to_get_one(tmp_path):
@@ -63,13 +63,13 @@ def test_router_policy_is_checked():
 
 
 def test_rounds_pool_into_one_result_per_front():
-    first = FrontResult("pinned", other_replica_follow_ups=0, wall_s=2.0, requests_per_replica=[3, 3])
+    first = FrontResult("pinned", context_fetches=0, wall_s=2.0, requests_per_replica=[3, 3])
     first.computed_tokens_per_replica = [100, 90]
     first.turns = [Turn(0, 2, ttft_s=1.0, prompt_tokens=10, cached_tokens=9)]
-    second = FrontResult("pinned", other_replica_follow_ups=1, wall_s=3.0, requests_per_replica=[2, 4])
+    second = FrontResult("pinned", context_fetches=1, wall_s=3.0, requests_per_replica=[2, 4])
     second.computed_tokens_per_replica = [50, 70]
     second.turns = [Turn(1, 2, ttft_s=3.0, prompt_tokens=10, cached_tokens=9)]
     pooled = FrontResult.pooled("pinned", [first, second])
-    assert (pooled.wall_s, pooled.other_replica_follow_ups) == (5.0, 1)
+    assert (pooled.wall_s, pooled.context_fetches) == (5.0, 1)
     assert (pooled.requests_per_replica, pooled.computed_tokens_per_replica) == ([5, 7], [150, 160])
     assert pooled.summary()["follow_up_ttft_p50_s"] == 2.0

@@ -35,6 +35,15 @@ def metric_value(http: httpx.Client, name: str) -> float | None:
     return float(found.group(1)) if found else None
 
 
+def shared_context_hits(urls: list[str]) -> float:
+    """Follow-ups that took their context from Redis, summed over the replicas at `urls`."""
+    total = 0.0
+    for url in urls:
+        with httpx.Client(base_url=url, timeout=30) as http:
+            total += metric_value(http, "ragkv_shared_context_hits_total") or 0.0
+    return total
+
+
 def _counter(http: httpx.Client, name: str) -> float:
     return metric_value(http, name) or 0.0
 

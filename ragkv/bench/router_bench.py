@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 
 from ragkv.bench.redis_process import RedisServer
-from ragkv.bench.replica_followup_bench import metric_value
+from ragkv.bench.replica_followup_bench import shared_context_hits
 from ragkv.bench.replicas import replica, start_all
 from ragkv.bench.router_process import RouterDidNotStart, RouterProcess
 
@@ -51,14 +51,6 @@ def _turn(url: str, messages: list[dict]) -> dict:
     return {"ttft_s": first, "text": "".join(text), "prompt": usage["prompt_tokens"], "cached": cached}
 
 
-def _hits(urls: list[str]) -> float:
-    total = 0.0
-    for url in urls:
-        with httpx.Client(base_url=url, timeout=30) as http:
-            total += metric_value(http, "ragkv_shared_context_hits_total") or 0.0
-    return total
-
-
 def _through(router: str, binary: str, policy: str, workers: list[str], conversations: int, round_: int) -> dict:
     try:
         with RouterProcess(binary, policy, workers) as front:
@@ -68,7 +60,7 @@ def _through(router: str, binary: str, policy: str, workers: list[str], conversa
 
 
 def _conversations(url: str, router: str, policy: str, workers: list[str], conversations: int, round_: int) -> dict:
-    hits_before = _hits(workers)
+    hits_before = shared_context_hits(workers)
     follow_ups = []
     for n in range(conversations):
         topic = _TOPICS[n % len(_TOPICS)]
@@ -80,7 +72,7 @@ def _conversations(url: str, router: str, policy: str, workers: list[str], conve
     return {
         "follow_up_ttft_s_median": round(statistics.median(t["ttft_s"] for t in follow_ups), 3),
         "follow_up_cached_share": round(sum(t["cached"] for t in follow_ups) / sum(t["prompt"] for t in follow_ups), 4),
-        "follow_ups_on_the_other_replica": int(_hits(workers) - hits_before),
+        "follow_ups_on_the_other_replica": int(shared_context_hits(workers) - hits_before),
         "conversations": conversations,
     }
 

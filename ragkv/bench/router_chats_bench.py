@@ -14,8 +14,9 @@ order so that a drift in the machine's load does not favour one front:
   cache_aware  vllm-router --policy cache_aware: the router's prefix tree sends a
                follow-up where its earlier turns went.
 Reported per front: follow-up TTFT p50/p90 (client-side, from the request to the first
-content token), turn-1 TTFT p50, the follow-ups' cached share, how many follow-ups another
-replica served (ragkv_shared_context_hits_total), errors, and the follow-up p50 over the
+content token), turn-1 TTFT p50, the follow-ups' cached share, how many follow-ups took their
+context from Redis (ragkv_shared_context_hits_total: a replica that does not hold it),
+requests and computed prompt tokens per replica, errors, and the follow-up p50 over the
 pinned front's: the routing's cost.
 """
 
@@ -34,7 +35,7 @@ from pathlib import Path
 import httpx
 
 from ragkv.bench.redis_process import RedisServer
-from ragkv.bench.replica_followup_bench import metric_value
+from ragkv.bench.replica_followup_bench import shared_context_hits
 from ragkv.bench.replicas import replica, start_all
 from ragkv.bench.router_process import RouterProcess
 
@@ -94,7 +95,7 @@ class Turn:
 class FrontResult:
     front: str
     turns: list[Turn] = field(default_factory=list)
-    other_replica_follow_ups: int = 0
+    context_fetches: int = 0
     wall_s: float = 0.0
     requests_per_replica: list[int] = field(default_factory=list)
     computed_tokens_per_replica: list[int] = field(default_factory=list)
@@ -106,7 +107,7 @@ class FrontResult:
         """One result over several rounds of the same front (wall time summed)."""
         pooled = cls(front, wall_s=sum(result.wall_s for result in results))
         pooled.turns = [turn for result in results for turn in result.turns]
-        pooled.other_replica_follow_ups = sum(result.other_replica_follow_ups for result in results)
+        pooled.context_fetches = sum(result.context_fetches for result in results)
         pooled.requests_per_replica = [sum(split) for split in zip(*(r.requests_per_replica for r in results))]
         pooled.computed_tokens_per_replica = [
             sum(split) for split in zip(*(r.computed_tokens_per_replica for r in results))
@@ -126,7 +127,7 @@ class FrontResult:
                 sum(turn.cached_tokens for turn in follow) / max(1, sum(turn.prompt_tokens for turn in follow)), 4
             ),
             "follow_ups": len(follow),
-            "other_replica_follow_ups": self.other_replica_follow_ups,
+            "context_fetches": self.context_fetches,
             "requests_per_replica": self.requests_per_replica,
             "computed_tokens_per_replica": self.computed_tokens_per_replica,
             "errors": sum(turn.error is not None for turn in self.turns),
@@ -194,14 +195,6 @@ def _converse(url: str, client: int, chat: Chat, max_tokens: int, start: threadi
     return turns
 
 
-def _shared_hits(workers: list[str]) -> float:
-    total = 0.0
-    for url in workers:
-        with httpx.Client(base_url=url, timeout=30) as http:
-            total += metric_value(http, "ragkv_shared_context_hits_total") or 0.0
-    return total
-
-
 def _served(url: str) -> tuple[int, int]:
     """(requests finished, prompt tokens computed) so far on a replica, from vLLM's counters
     (summed over their labels; computed = prefix-cache queries - hits)."""
@@ -219,7 +212,7 @@ def _served(url: str) -> tuple[int, int]:
 def run_front(front: str, urls: list[str], workers: list[str], chats: list[Chat], max_tokens: int) -> FrontResult:
     """Every chat at once, client i through urls[i mod len(urls)]."""
     result = FrontResult(front)
-    hits_before, served_before = _shared_hits(workers), [_served(url) for url in workers]
+    hits_before, served_before = shared_context_hits(workers), [_served(url) for url in workers]
     start = threading.Barrier(len(chats))
     outcomes: list[list[Turn]] = [[] for _ in chats]
 
@@ -234,7 +227,7 @@ def run_front(front: str, urls: list[str], workers: list[str], chats: list[Chat]
         thread.join()
     result.wall_s = time.perf_counter() - began
     result.turns = [turn for turns in outcomes for turn in turns]
-    result.other_replica_follow_ups = int(_shared_hits(workers) - hits_before)
+    result.context_fetches = int(shared_context_hits(workers) - hits_before)
     served = [_served(url) for url in workers]
     result.requests_per_replica = [after[0] - before[0] for before, after in zip(served_before, served)]
     result.computed_tokens_per_replica = [after[1] - before[1] for before, after in zip(served_before, served)]
