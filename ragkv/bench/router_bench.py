@@ -18,37 +18,23 @@ import argparse
 import json
 import statistics
 import tempfile
-import time
 from pathlib import Path
-
-import httpx
 
 from ragkv.bench.redis_process import RedisServer
 from ragkv.bench.replica_followup_bench import shared_context_hits
 from ragkv.bench.replicas import replica, start_all
+from ragkv.bench.router_chats_bench import Turn, stream_turn
 from ragkv.bench.router_process import RouterDidNotStart, RouterProcess
 
 _TOPICS = ["ferries", "lighthouses", "orchards", "observatories", "mills", "bridges", "libraries", "cranes"]
 
 
 def _turn(url: str, messages: list[dict]) -> dict:
-    started, first, text, usage = time.perf_counter(), None, [], None
-    body = {"model": "ragkv", "messages": messages, "max_tokens": 8, "stream": True}
-    body["stream_options"] = {"include_usage": True}
-    with httpx.Client(timeout=300) as http, http.stream("POST", url + "/v1/chat/completions", json=body) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if event.get("usage"):
-                usage = event["usage"]
-            for choice in event.get("choices") or []:
-                if choice["delta"].get("content"):
-                    first = first or time.perf_counter() - started
-                    text.append(choice["delta"]["content"])
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    return {"ttft_s": first, "text": "".join(text), "prompt": usage["prompt_tokens"], "cached": cached}
+    turn = Turn(0, 0)
+    text = stream_turn(url, messages, 8, turn)
+    if turn.error is not None:
+        raise RuntimeError(f"chat completion failed: {turn.error}")
+    return {"ttft_s": turn.ttft_s, "text": text, "prompt": turn.prompt_tokens, "cached": turn.cached_tokens}
 
 
 def _through(router: str, binary: str, policy: str, workers: list[str], conversations: int, round_: int) -> dict:

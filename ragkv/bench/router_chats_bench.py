@@ -150,7 +150,7 @@ def chats_for(dataset: Path, count: int, offset: int, config: RouterChatsConfig)
     ]
 
 
-def _stream_turn(url: str, messages: list[dict], max_tokens: int, turn: Turn) -> str:
+def stream_turn(url: str, messages: list[dict], max_tokens: int, turn: Turn) -> str:
     """One streamed chat completion; fills `turn` and returns the answer's text."""
     body = {"model": "ragkv", "messages": messages, "max_tokens": max_tokens, "stream": True}
     body["stream_options"] = {"include_usage": True}
@@ -186,7 +186,7 @@ def _converse(url: str, client: int, chat: Chat, max_tokens: int, start: threadi
         turn = Turn(client, number)
         turns.append(turn)
         try:
-            answer = _stream_turn(url, messages, max_tokens, turn)
+            answer = stream_turn(url, messages, max_tokens, turn)
         except httpx.HTTPError as error:
             turn.error = f"{type(error).__name__}: {error}"
         if turn.error is not None:
