@@ -44,7 +44,13 @@ def server(tmp_path_factory):
     # head_dim 32: the smallest the CPU attention backend takes
     (root / "model").mkdir()
     model = make_tiny_model("llama-sparse", root / "model", tokenizer=True, head_dim=32)
-    connector = {"store_url": f"lmdb://{root / 'store'}", "min_prefix_tokens": 16}
+    # float32 recompute (on bf16 CPUs "auto" would pick bfloat16): the `full` strategy is then
+    # vLLM's own prefill up to kernel rounding, which the reordered-passage check relies on
+    connector = {
+        "store_url": f"lmdb://{root / 'store'}",
+        "min_prefix_tokens": 16,
+        "engine": {"prefill_weights": "float32", "kv_cache_dtype": "float32"},
+    }
     with VllmServer(
         PYTHON, model, root / "vllm.log", connector=connector, max_model_len=2048, extra_args=("--enforce-eager",)
     ) as running:

@@ -113,3 +113,18 @@ def test_a_computed_prompt_is_saved_then_loaded_and_its_spans_fused(parts):
     n = len(shuffled)
     torch.testing.assert_close(fused_keys, full.keys[:, :, :n], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(fused_values, full.values[:, :, :n], atol=1e-4, rtol=1e-4)
+
+
+def test_the_connector_engine_takes_vllms_dtype_and_ragkvs_own_formats():
+    from ragkv.engine.config import EngineConfig
+
+    plain = ConnectorConfig().engine_config("/models/m", "float32")
+    ingestion = EngineConfig(model="/models/m", dtype="float32")
+    # the same numerics as `ragkv ingest --model /models/m`: one chunk key space
+    assert plain.numerics() == ingestion.numerics()
+    assert (plain.prefill_weights, plain.kv_cache_dtype) == ("auto", "auto")
+    pinned = ConnectorConfig(engine={"prefill_weights": "float32", "kv_cache_dtype": "float32"})
+    exact = pinned.engine_config("/models/m", "bfloat16")
+    assert (exact.dtype, exact.prefill_weights, exact.kv_cache_dtype) == ("bfloat16", "float32", "float32")
+    with pytest.raises(ValueError, match="unknown kv_connector_extra_config"):
+        ConnectorConfig.from_extra({"prefill_weights": "float32"})

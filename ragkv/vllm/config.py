@@ -1,7 +1,11 @@
 """What `kv_connector_extra_config` may say, validated on construction.
 
-Every field has ragkv's default; the engine numerics default to vLLM's model dtype so the
-rows ragkv computes match what vLLM computes (a float32 vLLM gets a float32 ragkv engine).
+Every field has ragkv's default. ragkv's engine takes vLLM's model dtype for its residual
+stream and ragkv's own "auto" formats for prefill weights and the KV cache (bfloat16 on CPUs
+with bf16 units, else the dtype), as `ragkv serve` and `ragkv ingest` do: a fused prompt is an
+approximation whose error the fusion's selection sets, not the recompute's rounding, and
+bfloat16 is what makes the recompute fast on such CPUs. The same defaults on both sides keep
+ingestion and the connector in one key space (the chunk fingerprint includes the numerics).
 """
 
 from __future__ import annotations
@@ -35,8 +39,9 @@ class ConnectorConfig:
     """Store the passage spans of prompts vLLM computed in full (pre-RoPE, ragkv's format)."""
     engine: dict[str, Any] = field(default_factory=dict)
     """ragkv.engine.EngineConfig fields for ragkv's own copy of the model (model = vLLM's
-    model folder unless given; dtype, prefill_weights and kv_cache_dtype = vLLM's dtype
-    unless given)."""
+    model folder and dtype = vLLM's dtype unless given; prefill_weights and kv_cache_dtype
+    "auto" unless given: `{"prefill_weights": "float32", "kv_cache_dtype": "float32"}` makes
+    a float32 recompute)."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.min_reused_share <= 1.0:
@@ -62,6 +67,6 @@ class ConnectorConfig:
         """The EngineConfig of ragkv's copy of vLLM's model."""
         from ragkv.engine.config import EngineConfig
 
-        options = {"model": model, "dtype": dtype, "prefill_weights": dtype, "kv_cache_dtype": dtype}
+        options = {"model": model, "dtype": dtype}
         options.update(self.engine)
         return EngineConfig(**options)
