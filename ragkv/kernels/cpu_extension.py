@@ -18,6 +18,7 @@ import logging
 import os
 import platform
 import shutil
+import sysconfig
 from pathlib import Path
 from types import ModuleType
 
@@ -94,6 +95,10 @@ def build_directory() -> Path:
     # torch rebuilds a build directory whose sources' paths changed: two checkouts sharing
     # one directory would rebuild it in turn (and wait on each other's build lock)
     digest.update(str(SOURCES[0].parent.resolve()).encode())
+    # and so would two environments building one checkout (ragkv's and vLLM's venv): their
+    # torch and Python headers differ, so the compile commands differ
+    digest.update(str(Path(torch.__file__).parent.resolve()).encode())
+    digest.update(sysconfig.get_paths()["include"].encode())
     return Path(os.environ.get(CACHE_VARIABLE, DEFAULT_CACHE)) / digest.hexdigest()[:16]
 
 
