@@ -3,6 +3,7 @@ from a typed config. The CLI, the benchmarks and the API all start from here."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ragkv.app.chunk_context import ChunkContextualizer, ContextResult
@@ -59,12 +60,14 @@ class Runtime:
         )
         """Recomputes new documents' chunk K/V in context (IngestConfig.context_neighbours)."""
 
-    def contextualize(self, tenant: str, doc_ids: list[str]) -> ContextResult | None:
+    def contextualize(
+        self, tenant: str, doc_ids: list[str], progress: Callable[[int, int], None] | None = None
+    ) -> ContextResult | None:
         """After ingesting `doc_ids`: their chunks' stored K/V recomputed in context, when
         the ingestion config asks for it (None when it does not)."""
         if self.contextualizer is None or not doc_ids:
             return None
-        return self.contextualizer.contextualize(tenant, doc_ids)
+        return self.contextualizer.contextualize(tenant, doc_ids, progress)
 
     def store_status(self) -> StoreStatus:
         """The chunk store's health; pings Redis (blocking: call from a thread)."""

@@ -24,6 +24,7 @@ from ragkv.cli import (
 )
 from ragkv.cli.command import Command, CommandParser
 from ragkv.cli.options import add_common_options, runtime_config
+from ragkv.ingest.config import IngestConfig
 
 
 def configure(bench: argparse.ArgumentParser) -> None:
@@ -89,10 +90,10 @@ def configure(bench: argparse.ArgumentParser) -> None:
     fusion.add_argument(
         "--context-neighbours",
         type=int,
-        default=0,
+        default=IngestConfig.context_neighbours,
         help="recompute each ingested chunk's K/V with this many related chunks placed before it "
         "(ingestion's --context-neighbours; use a fresh --data-dir per setting: a passage already "
-        "stored keeps its K/V) (default: 0)",
+        f"stored keeps its K/V) (default: {IngestConfig.context_neighbours}, ingestion's)",
     )
     fusion.add_argument("--json", type=Path, default=None, help="write all figures to this file")
 
