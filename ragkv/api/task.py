@@ -3,8 +3,8 @@ embedding texts, ingesting a document), run as a generator body on the worker th
 `next()` per unit of work.
 
 Created on the event loop thread, which awaits what the body yields, then its return value
-or its error. A cancelled task's generator is closed before its next step; a long body
-(ingestion) calls `check_cancelled()` between units of work.
+or its error. A cancelled task's generator is closed before its next step, so a long body
+(ingestion) yields between units of work and ends there.
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ _ids = itertools.count(1)
 
 class Task:
     def __init__(self, kind: str, body: Callable[[Task], Generator[Any, None, Any]], *, interactive: bool = True):
-        """`interactive`: served beside the requests (a deletion, embeddings); False: run when
-        nothing interactive waits (ingestion), yielding to it at its checkpoints."""
+        """`interactive`: served beside the requests (a deletion, embeddings); False: a
+        background task (ingestion), started when nothing interactive waits or runs and
+        then stepped between the interactive work (ModelWorker)."""
         self.id = next(_ids)
         self.kind = kind
         self.interactive = interactive
@@ -73,11 +74,6 @@ class Task:
         return self.result
 
     # -- worker side ---------------------------------------------------------------
-
-    def check_cancelled(self) -> None:
-        """For long bodies (ingestion) to call between units of work."""
-        if self._cancelled.is_set():
-            raise RequestCancelled(f"{self.kind} task {self.id} was cancelled")
 
     def step(self) -> bool:
         """Advance one unit of work (on the worker thread); False when the task ended."""
