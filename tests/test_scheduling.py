@@ -206,3 +206,32 @@ def test_requests_keep_decoding_while_a_background_task_runs():
     decodes = [index for index, step in enumerate(trace) if step == "decode"]
     between = trace[decodes[0] : decodes[-1]]
     assert len(decodes) == 11 and between.count("ingest") >= 10  # one ingestion step between two decodes
+
+
+def test_a_cancelled_background_task_sees_the_cancellation_where_it_stopped():
+    seen: list[str] = []
+
+    async def scenario():
+        worker = ModelWorker()
+        worker.start()
+
+        def body(task):
+            try:
+                while True:
+                    time.sleep(0.001)
+                    yield
+            except RequestCancelled:
+                seen.append("cancelled")  # what a job record's wrapper catches
+                raise
+
+        task = worker.submit(Task("ingest", body, interactive=False))
+        async for _ in task.items():
+            task.cancel()
+            break
+        with pytest.raises(RequestCancelled):
+            await task.wait()
+        worker.stop()
+        assert task.outcome == "cancelled"
+
+    asyncio.run(scenario())
+    assert seen == ["cancelled"]

@@ -3,8 +3,8 @@ embedding texts, ingesting a document), run as a generator body on the worker th
 `next()` per unit of work.
 
 Created on the event loop thread, which awaits what the body yields, then its return value
-or its error. A cancelled task's generator is closed before its next step, so a long body
-(ingestion) yields between units of work and ends there.
+or its error. A cancelled task's body gets RequestCancelled at the step it stopped at and
+is closed, so a long body (ingestion) yields between units of work and ends there.
 """
 
 from __future__ import annotations
@@ -78,7 +78,9 @@ class Task:
     def step(self) -> bool:
         """Advance one unit of work (on the worker thread); False when the task ended."""
         if self._cancelled.is_set():
-            self._finish("cancelled", _ERROR, RequestCancelled(f"{self.kind} task {self.id} was cancelled"))
+            error = RequestCancelled(f"{self.kind} task {self.id} was cancelled")
+            self._throw(error)
+            self._finish("cancelled", _ERROR, error)
             return False
         try:
             if self._generator is None:
@@ -96,6 +98,18 @@ class Task:
             return False
         self._emit(_ITEM, item)
         return True
+
+    def _throw(self, error: RequestCancelled) -> None:
+        """Raise the cancellation inside a started body, at the step it stopped at, so its
+        handlers see it (a background ingestion's job record says cancelled)."""
+        if self._generator is None:
+            return
+        try:
+            self._generator.throw(error)
+        except (RequestCancelled, StopIteration):
+            pass
+        except BaseException:  # a body that fails while cancelled must not kill the worker
+            log.exception("%s task %d failed while cancelled", self.kind, self.id)
 
     def _emit(self, kind: str, value: Any) -> None:
         try:
