@@ -155,25 +155,19 @@ class ModelWork:
         tenant: str,
         metadata: dict | None,
         progress=None,
-        checkpoint=None,
         pages: list[list[int]] | None = None,
         replaces: str | None = None,
     ):
-        def body(task: Task):
-            def on_progress(done: int, total: int) -> None:
-                if progress is not None:
-                    progress(done, total)
-                task.check_cancelled()
-                if checkpoint is not None:
-                    checkpoint()
-                task.check_cancelled()
+        """An ingestion as a task body: one step per batch of chunk encodes, so the worker
+        loop runs the requests' decode steps between them (a cancelled task is closed
+        between two steps, which rolls back what it wrote)."""
 
-            result = self.runtime.ingestor.ingest_text(
-                text, name, tenant=tenant, metadata=metadata, progress=on_progress, pages=pages, replaces=replaces
+        def body(task: Task):
+            result = yield from self.runtime.ingestor.ingest_steps(
+                text, name, tenant=tenant, metadata=metadata, progress=progress, pages=pages, replaces=replaces
             )
             self.runtime.contextualize(tenant, [result.doc_id])
             return result
-            yield  # a generator: the whole ingestion is one step (it yields to queries via checkpoint)
 
         return body
 

@@ -3,8 +3,8 @@ embedding texts, ingesting a document), run as a generator body on the worker th
 `next()` per unit of work.
 
 Created on the event loop thread, which awaits what the body yields, then its return value
-or its error. A cancelled task's generator is closed before its next step; a long body
-(ingestion) calls `check_cancelled()` between units of work.
+or its error. A cancelled task's body gets RequestCancelled at the step it stopped at and
+is closed, so a long body (ingestion) yields between units of work and ends there.
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ _ids = itertools.count(1)
 
 class Task:
     def __init__(self, kind: str, body: Callable[[Task], Generator[Any, None, Any]], *, interactive: bool = True):
-        """`interactive`: served beside the requests (a deletion, embeddings); False: run when
-        nothing interactive waits (ingestion), yielding to it at its checkpoints."""
+        """`interactive`: served beside the requests (a deletion, embeddings); False: a
+        background task (ingestion), started when nothing interactive waits or runs and
+        then stepped between the interactive work (ModelWorker)."""
         self.id = next(_ids)
         self.kind = kind
         self.interactive = interactive
@@ -74,15 +75,12 @@ class Task:
 
     # -- worker side ---------------------------------------------------------------
 
-    def check_cancelled(self) -> None:
-        """For long bodies (ingestion) to call between units of work."""
-        if self._cancelled.is_set():
-            raise RequestCancelled(f"{self.kind} task {self.id} was cancelled")
-
     def step(self) -> bool:
         """Advance one unit of work (on the worker thread); False when the task ended."""
         if self._cancelled.is_set():
-            self._finish("cancelled", _ERROR, RequestCancelled(f"{self.kind} task {self.id} was cancelled"))
+            error = RequestCancelled(f"{self.kind} task {self.id} was cancelled")
+            self._throw(error)
+            self._finish("cancelled", _ERROR, error)
             return False
         try:
             if self._generator is None:
@@ -100,6 +98,18 @@ class Task:
             return False
         self._emit(_ITEM, item)
         return True
+
+    def _throw(self, error: RequestCancelled) -> None:
+        """Raise the cancellation inside a started body, at the step it stopped at, so its
+        handlers see it (a background ingestion's job record says cancelled)."""
+        if self._generator is None:
+            return
+        try:
+            self._generator.throw(error)
+        except (RequestCancelled, StopIteration):
+            pass
+        except BaseException:  # a body that fails while cancelled must not kill the worker
+            log.exception("%s task %d failed while cancelled", self.kind, self.id)
 
     def _emit(self, kind: str, value: Any) -> None:
         try:

@@ -1,21 +1,29 @@
 """The scheduler: admits requests by a token budget, prepares them one at a time, and
 decodes every running request in one batched forward pass per step.
 
-One `step()`:
-  1. drop requests whose client went away (their caches are freed);
-  2. prepare at most one waiting request (retrieve + load + fuse, or a prefill), when the
-     KV rows of the running requests plus its estimate fit the token budget and a batch
-     row is free; so a long prepare delays the running decodes by one prepare, never more;
-  3. sample the next token of every running request from its logits, report it, and run
-     one `CausalLM.decode_batch` for all that continue: each weight is read once for all
-     rows; attention stays per request, over its own cache;
-  4. only when nothing waits and nothing runs: one piece of a live fidelity sample's full
-     prefill (ragkv.app.live_fidelity), so a request that arrives meanwhile is admitted
-     at the next step, after that piece at most.
+A step is decided, then done:
+  `schedule()`  a pure function of the waiting and running requests and the config: the
+                `StepPlan` says which requests to drop (their client went away), which ONE
+                waiting request to prepare (when the KV rows of the running requests plus
+                its estimate fit the token budget and a batch row is free; so a long
+                prepare delays the running decodes by one prepare, never more), which rows
+                the batch decodes, and whether the step is idle;
+  `execute()`   drops the dropped (their caches are freed), prepares the admitted one
+                (retrieve + load + fuse, or a prefill), then post-processes the last
+                forward pass (samples the next token of every row from its logits, reports
+                it, finishes what ends) and runs the model side: one
+                `CausalLM.decode_batch` for the rows that continue (each weight is read
+                once for all rows; attention stays per request, over its own cache);
+                an idle step (nothing waits, nothing runs) runs one piece of a live
+                fidelity sample's full prefill instead (ragkv.app.live_fidelity), so a
+                request that arrives meanwhile is admitted at the next step, after that
+                piece at most.
 
-Used by the API's model worker (one thread owns the engine and steps the scheduler) and by
-`ragkv ask` (one request). The scheduler alone holds the waiting and running requests and
-bounds the waiting ones (`max_waiting`); `add` may be called from any thread.
+Used by the API's model worker (one thread owns the engine and steps the scheduler in its
+one loop, beside the tasks) and by `ragkv ask` (one request). The scheduler alone holds the
+waiting and running requests and bounds the waiting ones (`max_waiting`); `add` may be
+called from any thread. `model` needs only `decode_batch`, so the admission and batching
+rules are tested with a stand-in model.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ragkv.app.live_fidelity import LiveFidelity
@@ -56,6 +65,44 @@ class QueueFull(Exception):
     def __init__(self, waiting: int):
         super().__init__(f"{waiting} requests are waiting")
         self.waiting = waiting
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What one scheduler step does, decided before anything runs."""
+
+    drop: tuple[Request, ...] = ()
+    """Waiting or running requests whose client went away: dropped, their caches freed."""
+    prepare: Request | None = None
+    """The one waiting request admitted this step (prepared, then decoded with the others)."""
+    decode: tuple[Request, ...] = ()
+    """The rows of this step's batch: the running requests that stay, then `prepare`."""
+    idle: bool = False
+    """Nothing waits and nothing runs, and there is idle work: one piece of it runs."""
+
+
+def admits(request: Request, running: Sequence[Request], config: SchedulerConfig) -> bool:
+    """Whether `request` may start beside `running`: a free batch row and room in the token
+    budget for its estimate (one request is always admitted when none runs)."""
+    if not running:
+        return True
+    if len(running) >= config.max_running:
+        return False
+    held = sum(r.held_tokens for r in running)
+    return held + request.estimated_tokens <= config.token_budget
+
+
+def schedule(
+    waiting: Sequence[Request], running: Sequence[Request], config: SchedulerConfig, idle_work: bool = False
+) -> StepPlan:
+    """The next step's plan; reads the requests (their sinks, held and estimated tokens)
+    and changes nothing."""
+    drop = tuple(r for r in (*waiting, *running) if r.sink.cancelled)
+    queue = [r for r in waiting if r not in drop]  # each sink read once: a cancel may come meanwhile
+    rows = tuple(r for r in running if r not in drop)
+    prepare = queue[0] if queue and admits(queue[0], rows, config) else None
+    decode = (*rows, prepare) if prepare is not None else rows
+    return StepPlan(drop, prepare, decode, idle=idle_work and not queue and not rows)
 
 
 class Scheduler:
@@ -94,15 +141,27 @@ class Scheduler:
                 raise QueueFull(len(self.waiting))
             self.waiting.extend(requests)
 
-    def step(self) -> None:
-        self._drop_cancelled()
+    def step(self) -> StepPlan:
+        """Decide the next step (`schedule`), take its requests off the queues, run it."""
         with self._lock:
-            admitted = self.waiting.popleft() if self.waiting and self._can_admit(self.waiting[0]) else None
-        if admitted is not None:
-            self._prepare(admitted)
-        if self.running:
-            self._decode()
-        elif admitted is None and self.has_idle_work:
+            plan = schedule(self.waiting, self.running, self.config, self.has_idle_work)
+            for request in plan.drop:
+                (self.waiting if request in self.waiting else self.running).remove(request)
+            if plan.prepare is not None:
+                self.waiting.remove(plan.prepare)
+        self.execute(plan)
+        return plan
+
+    def execute(self, plan: StepPlan) -> None:
+        """Run a plan that `step` took off the queues: drops, the prepare, then the batch."""
+        for request in plan.drop:
+            self._drop(request, RequestCancelled(f"{request.kind} request {request.id} was cancelled"))
+        if plan.prepare is not None:
+            self._prepare(plan.prepare)
+        rows = [r for r in plan.decode if r in self.running]  # a prepare that failed is gone
+        if rows:
+            self._decode(self._postprocess(rows))
+        elif plan.idle:
             with self._lock:
                 idle = not self.waiting  # a request added meanwhile goes first
             if idle:
@@ -125,25 +184,6 @@ class Scheduler:
 
     # -- the parts of a step --------------------------------------------------------
 
-    def _drop_cancelled(self) -> None:
-        with self._lock:
-            gone = [r for r in self.waiting if r.sink.cancelled]
-            for request in gone:
-                self.waiting.remove(request)
-        for request in [r for r in self.running if r.sink.cancelled]:
-            self.running.remove(request)
-            gone.append(request)
-        for request in gone:
-            self._drop(request, RequestCancelled(f"{request.kind} request {request.id} was cancelled"))
-
-    def _can_admit(self, request: Request) -> bool:
-        if not self.running:
-            return True
-        if len(self.running) >= self.config.max_running:
-            return False
-        held = sum(r.held_tokens for r in self.running)
-        return held + request.estimated_tokens <= self.config.token_budget
-
     def _prepare(self, request: Request) -> None:
         try:
             request.prepare(self.tokenizer)
@@ -155,9 +195,11 @@ class Scheduler:
             self.fidelity.prepared(request)
         request.sink.started(request.started())
 
-    def _decode(self) -> None:
+    def _postprocess(self, rows: list[Request]) -> list[Request]:
+        """Sample and report the next token of each row from the last forward pass's
+        logits; the rows that continue (the others finished, or failed and were dropped)."""
         continuing = []
-        for request in list(self.running):
+        for request in rows:
             try:
                 if self._advance(request):
                     continuing.append(request)
@@ -165,24 +207,26 @@ class Scheduler:
                 if request in self.running:
                     self.running.remove(request)
                 self._drop(request, error)
-        if not continuing:
+        return continuing
+
+    def _decode(self, rows: list[Request]) -> None:
+        """The model side: one batched decode step for `rows`, their next logits kept."""
+        if not rows:
             return
         try:
             logits = self.model.decode_batch(
-                [r.output_ids[-1] for r in continuing],
-                [r.cache for r in continuing],
-                [r.prepared.attention for r in continuing],
-                release_window_rows=[
-                    self.config.release_window_rows and r.prepared.release_window_rows for r in continuing
-                ],
+                [r.output_ids[-1] for r in rows],
+                [r.cache for r in rows],
+                [r.prepared.attention for r in rows],
+                release_window_rows=[self.config.release_window_rows and r.prepared.release_window_rows for r in rows],
             )
         except BaseException as error:
             log.exception("batched decode step failed")
-            for request in continuing:
+            for request in rows:
                 self.running.remove(request)
                 self._drop(request, error)
             return
-        for request, row in zip(continuing, logits):
+        for request, row in zip(rows, logits):
             request.pending_logits = row
 
     def _advance(self, request: Request) -> bool:

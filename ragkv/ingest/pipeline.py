@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 
 from tqdm import tqdm
@@ -113,7 +113,11 @@ class Ingestor:
     def chunk_key(self, chunk_hash: str) -> ChunkKey:
         return chunk_key(self.engine, chunk_hash)
 
-    def ingest_text(
+    def ingest_text(self, text: str, name: str, **options) -> IngestResult:
+        """Ingest a document in one call (`ingest_steps` run to its end; same options)."""
+        return run_steps(self.ingest_steps(text, name, **options))
+
+    def ingest_steps(
         self,
         text: str,
         name: str,
@@ -123,8 +127,11 @@ class Ingestor:
         progress: Progress | None = None,
         pages: list[list[int]] | None = None,
         replaces: str | None = None,
-    ) -> IngestResult:
-        """Ingest a document. `pages`: each page's [start, end) in `text` (PDF citations
+    ) -> Generator[int, None, IngestResult]:
+        """Ingest a document, one batch of chunk encodes per step: yields the chunks done
+        after each batch and returns the IngestResult (the model worker interleaves the
+        steps with decode steps). Closing the generator part-way rolls back what it wrote,
+        as a failure does. `pages`: each page's [start, end) in `text` (PDF citations
         name the page). `replaces`: the id of the tenant's document this text is a new
         version of; the document keeps its id, its old chunks leave retrieval when the new
         ones enter (one registry step) and chunks both versions share are not recomputed."""
@@ -143,7 +150,9 @@ class Ingestor:
                 f"{name}: document {existing} already holds this exact text; delete one of the two or change the text",
             )
         if existing is not None and not _changes(old if existing == replaces else None, name, metadata, pages):
-            return self._fill_existing(self.registry.get(tenant, existing), text, namespace, started, progress)
+            return (
+                yield from self._fill_existing(self.registry.get(tenant, existing), text, namespace, started, progress)
+            )
         # A new version with the same text but another name, metadata or pages goes on: its
         # chunks are all in the store, so only the embeddings are computed again.
 
@@ -158,7 +167,7 @@ class Ingestor:
         noted = [self.chunk_key(h) for _, h in todo] + retiring
         journal_entry = self.journal.begin(noted) if noted else None
         try:
-            stored_bytes, stored_tokens = self._precompute(name, todo, added, timings, progress)
+            stored_bytes, stored_tokens = yield from self._precompute(name, todo, added, timings, progress)
             embed_started = time.perf_counter()
             embeddings = self.embedder.embed_passages([text[c.char_start : c.char_end] for c in chunks])
             timings["embed"] = time.perf_counter() - embed_started
@@ -214,7 +223,7 @@ class Ingestor:
 
     def _fill_existing(
         self, record: DocumentRecord, text: str, namespace: str, started: float, progress: Progress | None
-    ) -> IngestResult:
+    ) -> Generator[int, None, IngestResult]:
         """Identical text is registered already: make sure its KV is in this store (the
         registry may have been filled through another store), computing what is missing."""
         chunks = chunk_document(self.engine.tokenizer, text, record.chunk_tokens)
@@ -237,7 +246,7 @@ class Ingestor:
             )
             journal_entry = self.journal.begin(self.chunk_key(h) for _, h in todo)
             try:
-                stored_bytes, stored_tokens = self._precompute(record.name, todo, added, timings, progress)
+                stored_bytes, stored_tokens = yield from self._precompute(record.name, todo, added, timings, progress)
             except BaseException:
                 self._roll_back(added)
                 raise
@@ -262,9 +271,10 @@ class Ingestor:
         todo = [(chunk, h) for chunk, h in zip(chunks, hashes) if not self.store.contains(self.chunk_key(h))]
         return list({h: (chunk, h) for chunk, h in todo}.values())
 
-    def _precompute(self, name, unique, added, timings, progress) -> tuple[int, int]:
+    def _precompute(self, name, unique, added, timings, progress) -> Generator[int, None, tuple[int, int]]:
         """Encode and store each chunk of `unique` (in batches of up to the configured tokens:
-        memory stays bounded by one batch); returns the blob bytes and tokens written."""
+        memory stays bounded by one batch), yielding the chunks done after each batch;
+        returns the blob bytes and tokens written."""
         bar = tqdm(
             total=len(unique),
             desc=f"precompute {name}",
@@ -272,26 +282,35 @@ class Ingestor:
             disable=not self.config.show_progress or not unique,
         )
         stored_bytes = stored_tokens = done = 0
-        for batch in self._batches(unique):
-            t0 = time.perf_counter()
-            if len(batch) == 1:
-                encoded = [self.engine.encode_chunk(batch[0][0].token_ids)]
-            else:
-                encoded = self.engine.encode_chunks([chunk.token_ids for chunk, _ in batch])
-            timings["precompute"] += time.perf_counter() - t0
-            for (chunk, chunk_hash), tensors in zip(batch, encoded):
-                t1 = time.perf_counter()
-                key = self.chunk_key(chunk_hash)
-                added.append(key)  # first: a put that fails half-way may still have written
-                stored_bytes += self.store.put(key, tensors, required=True)
-                stored_tokens += chunk.num_tokens
-                timings["store_write"] += time.perf_counter() - t1
-                done += 1
-                bar.update(1)
-                if progress is not None:
-                    progress(done, len(unique))
-        bar.close()
+        try:
+            for batch in self._batches(unique):
+                for chunk, written in self._encode_batch(batch, added, timings):
+                    stored_bytes += written
+                    stored_tokens += chunk.num_tokens
+                    done += 1
+                    bar.update(1)
+                    if progress is not None:
+                        progress(done, len(unique))
+                yield done
+        finally:
+            bar.close()
         return stored_bytes, stored_tokens
+
+    def _encode_batch(self, batch, added, timings):
+        """Encode one batch of (chunk, hash) and put each blob; yields (chunk, bytes written)."""
+        t0 = time.perf_counter()
+        if len(batch) == 1:
+            encoded = [self.engine.encode_chunk(batch[0][0].token_ids)]
+        else:
+            encoded = self.engine.encode_chunks([chunk.token_ids for chunk, _ in batch])
+        timings["precompute"] += time.perf_counter() - t0
+        for (chunk, chunk_hash), tensors in zip(batch, encoded):
+            t1 = time.perf_counter()
+            key = self.chunk_key(chunk_hash)
+            added.append(key)  # first: a put that fails half-way may still have written
+            written = self.store.put(key, tensors, required=True)
+            timings["store_write"] += time.perf_counter() - t1
+            yield chunk, written
 
     def _batches(self, unique: list) -> list[list]:
         """`unique` cut into runs of at most `encode_batch_tokens` tokens; a chunk of a
@@ -321,6 +340,15 @@ class Ingestor:
 
     def delete(self, doc_id: str, tenant: str = "default") -> DocumentRecord:
         return delete_document(self.registry, self.store, tenant, doc_id)
+
+
+def run_steps(steps: Generator[object, None, IngestResult]) -> IngestResult:
+    """Run an ingestion's steps to the end; its result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value
 
 
 def _changes(old: DocumentRecord | None, name: str, metadata: dict | None, pages: list[list[int]] | None) -> bool:

@@ -231,7 +231,7 @@ async def _ingest(
     if not background:
         task = Task(
             "ingest",
-            work.ingest_body(upload.text, name, tenant, metadata, checkpoint=state.worker.checkpoint, **options),
+            work.ingest_body(upload.text, name, tenant, metadata, **options),
             interactive=False,
         )
         result: IngestResult = await run_task(request, state.worker, task)
@@ -244,7 +244,6 @@ async def _ingest(
         tenant,
         metadata,
         progress=lambda done, total: state.ingest_records.progress(record, done, total),
-        checkpoint=state.worker.checkpoint,
         **options,
     )
     state.worker.submit(Task("ingest", _tracked(state, record, body), interactive=False))
