@@ -86,9 +86,27 @@ def test_chunks_are_recomputed_after_their_context(tiny, tmp_path):
         )
 
 
-def test_context_is_off_by_default_and_bounded(tiny, tmp_path):
+def test_context_is_on_by_default_can_be_turned_off_and_is_bounded(tiny, tmp_path):
+    assert IngestConfig().context_neighbours == 2
     with _runtime(tiny, tmp_path, neighbours=0) as runtime:
         doc = runtime.ingestor.ingest_text(TEXTS["rivers"], "rivers", tenant="t").doc_id
         assert runtime.contextualizer is None and runtime.contextualize("t", [doc]) is None
     with pytest.raises(InputError, match="context_neighbours must be in"):
         IngestConfig(context_neighbours=9)
+
+
+def test_the_recompute_runs_a_chunk_per_step_and_a_closed_one_writes_nothing(tiny, tmp_path):
+    with _runtime(tiny, tmp_path, neighbours=1) as runtime:
+        doc = runtime.ingestor.ingest_text(TEXTS["rivers"], "rivers", tenant="t").doc_id
+        chunks = runtime.registry.get("t", doc).chunks
+        plain = [_stored_kv(runtime, c.chunk_hash) for c in chunks]
+        steps = runtime.contextualize_steps("t", [doc])
+        assert [next(steps), next(steps)] == [1, 2]
+        steps.close()  # a cancelled ingestion task: every blob as ingestion stored it
+        for chunk, (_, keys, _) in zip(chunks, plain):
+            assert torch.equal(_stored_kv(runtime, chunk.chunk_hash)[1], keys)
+        steps = runtime.contextualize_steps("t", [doc])
+        done = list(iter(lambda: next(steps, None), None))
+        assert len(chunks) >= 3 and done == list(range(1, len(done) + 1)) and len(done) >= len(chunks) - 1
+        changed = [not torch.equal(_stored_kv(runtime, c.chunk_hash)[1], k) for c, (_, k, _) in zip(chunks, plain)]
+        assert sum(changed) == len(done) and all(changed[1:])  # every later chunk follows its preceding one

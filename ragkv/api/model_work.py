@@ -24,7 +24,7 @@ from ragkv.app.completion import PassageRequest, completion_request, prompt_ids
 from ragkv.app.contexts import ContextStore
 from ragkv.app.query import QueryInfo, query_request
 from ragkv.app.rag import QueryConfig
-from ragkv.app.request import Request, RequestOutput
+from ragkv.app.request import Request, RequestCancelled, RequestOutput
 from ragkv.app.request_types import FusionConfig, GenerationConfig
 from ragkv.app.runtime import Runtime
 from ragkv.ingest.errors import InputError
@@ -166,7 +166,11 @@ class ModelWork:
             result = yield from self.runtime.ingestor.ingest_steps(
                 text, name, tenant=tenant, metadata=metadata, progress=progress, pages=pages, replaces=replaces
             )
-            self.runtime.contextualize(tenant, [result.doc_id])
+            # chunks that carry context (--context-neighbours): one chunk's recompute per step
+            try:
+                yield from self.runtime.contextualize_steps(tenant, [result.doc_id])
+            except RequestCancelled:
+                pass  # the document is in; its chunks keep the K/V ingestion stored
             return result
 
         return body

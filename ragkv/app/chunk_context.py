@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Generator
 from dataclasses import dataclass
 
 import torch
@@ -73,12 +73,19 @@ class ChunkContextualizer:
         # the fusion needs a last segment it computes; one newline-like token costs nothing
         self._tail = engine.tokenize("\n")[-1:] or [0]
 
-    def contextualize(
-        self, tenant: str, doc_ids: list[str], progress: Callable[[int, int], None] | None = None
-    ) -> ContextResult:
-        """Recompute the stored K/V of every chunk of `doc_ids` in its context; `progress(done,
-        total)` after each chunk (a long document's recompute yields to queries there, and a
-        cancelled job stops there: every blob is whole, plain or in context)."""
+    def contextualize(self, tenant: str, doc_ids: list[str]) -> ContextResult:
+        """Recompute the stored K/V of every chunk of `doc_ids` in its context."""
+        steps = self.contextualize_steps(tenant, doc_ids)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def contextualize_steps(self, tenant: str, doc_ids: list[str]) -> Generator[int, None, ContextResult]:
+        """`contextualize` one chunk per step: yields the chunks done so far (the model
+        worker runs decode steps between them). The blobs are written after the last step,
+        so a generator closed part-way leaves every chunk as ingestion stored it."""
         started = time.perf_counter()
         self._records: dict[tuple[str, str], DocumentRecord] = {}
         plans = [plan for doc_id in doc_ids for plan in self._plans(tenant, doc_id)]
@@ -91,8 +98,7 @@ class ChunkContextualizer:
             if not placed or own is None:
                 continue  # nothing to read it after, or evicted: it keeps (or gets) the plain K/V
             results.append((chunk, placed, self._in_context(own["tokens"].tolist(), placed)))
-            if progress is not None:
-                progress(len(results), len(plans))
+            yield len(results)
         tokens = context_tokens = 0
         for chunk, placed, tensors in results:
             self.store.put(chunk_key(self.engine, chunk.chunk_hash), tensors)

@@ -3,7 +3,7 @@ from a typed config. The CLI, the benchmarks and the API all start from here."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Generator
 from dataclasses import dataclass, field
 
 from ragkv.app.chunk_context import ChunkContextualizer, ContextResult
@@ -60,14 +60,18 @@ class Runtime:
         )
         """Recomputes new documents' chunk K/V in context (IngestConfig.context_neighbours)."""
 
-    def contextualize(
-        self, tenant: str, doc_ids: list[str], progress: Callable[[int, int], None] | None = None
-    ) -> ContextResult | None:
+    def contextualize(self, tenant: str, doc_ids: list[str]) -> ContextResult | None:
         """After ingesting `doc_ids`: their chunks' stored K/V recomputed in context, when
         the ingestion config asks for it (None when it does not)."""
         if self.contextualizer is None or not doc_ids:
             return None
-        return self.contextualizer.contextualize(tenant, doc_ids, progress)
+        return self.contextualizer.contextualize(tenant, doc_ids)
+
+    def contextualize_steps(self, tenant: str, doc_ids: list[str]) -> Generator[int, None, ContextResult | None]:
+        """`contextualize` one chunk per step (the model worker's ingestion task)."""
+        if self.contextualizer is None or not doc_ids:
+            return None
+        return (yield from self.contextualizer.contextualize_steps(tenant, doc_ids))
 
     def store_status(self) -> StoreStatus:
         """The chunk store's health; pings Redis (blocking: call from a thread)."""
