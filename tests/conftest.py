@@ -8,6 +8,9 @@ run `RAGKV_TEST_HIDE_PACKAGED_MODEL=1 pytest -m "not model"`: the packaged model
 hidden from this process and every process it starts, so an unmarked test that needs it fails.
 Tiny random models for the rest come from tests/tiny_models.py (the one factory).
 
+`shared_server` is one `ragkv serve` for the API modules that need a server but none of
+their own settings; each of them is a tenant of it with its own API key.
+
 Triton kernels run in its CPU interpreter in this process (tests compare them with the
 torch references). The variable must be set before anything imports triton: triton
 decides when its own library functions (`tl.zeros`, ...) are defined whether they are
@@ -20,10 +23,12 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"
 
+import json  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
 
 import pytest  # noqa: E402
 from redis_server import RedisServer  # noqa: E402  pytest puts tests/ on sys.path (no tests/__init__.py)
@@ -108,3 +113,34 @@ def engine():
     from ragkv.engine import Engine, EngineConfig
 
     return Engine(EngineConfig(weights="float32", prefill_weights="float32", kv_cache_dtype="float32"))
+
+
+# tenant -> API key of `shared_server`, one tenant per module that uses it (two for the web page's)
+SHARED_SERVER_KEYS = {
+    "openai-surface": "openai-surface-key-1",
+    "response-models": "response-models-key-1",
+    "prompt-spans": "prompt-spans-key-1",
+    "web-alpha": "alpha-web-key-1",
+    "web-beta": "beta-web-key-02",
+}
+
+
+@pytest.fixture(scope="session")
+def shared_server(tmp_path_factory) -> Iterator[SimpleNamespace]:
+    """One `ragkv serve` on the packaged model (LMDB store, the default settings, API keys)
+    for the API modules that need a server but none of their own: `url`, and `key[tenant]`
+    for each tenant of SHARED_SERVER_KEYS. A tenant sees only its own documents, sessions,
+    pasted passages and chat contexts, so a module's tests pass alone or after the others';
+    they read the server-wide counters (/metrics) as differences. Started by the first
+    test that asks for it (a model load, not one per module)."""
+    from ragkv.api.launcher import ServerProcess
+
+    root = tmp_path_factory.mktemp("shared_server")
+    keys = root / "keys.json"
+    keys.write_text(json.dumps({key: tenant for tenant, key in SHARED_SERVER_KEYS.items()}))
+    args = ["--data-dir", str(root / "data"), "--api-keys", str(keys), "--log-level", "warning"]
+    process = ServerProcess(args, log_path=root / "serve.log").start(timeout_s=600)  # a loaded CI machine is slow
+    try:
+        yield SimpleNamespace(url=process.url, key=dict(SHARED_SERVER_KEYS), process=process)
+    finally:
+        process.stop()

@@ -7,12 +7,11 @@ max_output_tokens, the streamed events, the RAG extension)."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import openai
 import pytest
-
-from ragkv.api.launcher import ServerProcess
 
 pytestmark = pytest.mark.model
 
@@ -21,25 +20,23 @@ QUESTION = "Name three colours."
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("openai_surface")
-    process = ServerProcess(
-        ["--data-dir", str(root / "data"), "--log-level", "warning"], log_path=root / "serve.log"
-    ).start(timeout_s=600)  # a loaded CI machine is slow
-    try:
-        path = sorted(CORPUS.iterdir())[0]
-        response = httpx.post(
-            process.url + "/v1/documents", json={"text": path.read_text(), "name": path.name}, timeout=300
-        )
-        assert response.status_code == 201, response.text
-        yield process
-    finally:
-        process.stop()
+def server(shared_server):
+    """The shared server (tests/conftest.py), as this module's tenant, with one document."""
+    key = shared_server.key["openai-surface"]
+    path = sorted(CORPUS.iterdir())[0]
+    response = httpx.post(
+        shared_server.url + "/v1/documents",
+        json={"text": path.read_text(), "name": path.name},
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=300,
+    )
+    assert response.status_code == 201, response.text
+    return SimpleNamespace(url=shared_server.url, key=key)
 
 
 @pytest.fixture
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300.0)
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=server.key, max_retries=0, timeout=300.0)
 
 
 def test_chat_logprobs_plain_and_streamed_agree_and_are_the_models(client):

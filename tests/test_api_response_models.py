@@ -21,7 +21,6 @@ from ragkv.api.common.protocol import Deleted
 from ragkv.api.completions.protocol import Completion
 from ragkv.api.documents.protocol import DocumentCreated, DocumentDetail, DocumentList, JobList
 from ragkv.api.embeddings.protocol import EmbeddingList
-from ragkv.api.launcher import ServerProcess
 from ragkv.api.query.protocol import QueryResponse
 from ragkv.api.responses.protocol import ResponseObject
 from ragkv.api.routers import ROUTERS
@@ -57,18 +56,6 @@ def test_a_response_model_filters_what_it_does_not_declare():
     assert deleted.model_dump(mode="json") == {"id": "d", "object": "document", "deleted": True}
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("response_models")
-    process = ServerProcess(
-        ["--data-dir", str(root / "data"), "--log-level", "warning"], log_path=root / "serve.log"
-    ).start(timeout_s=600)
-    try:
-        yield process
-    finally:
-        process.stop()
-
-
 def _exactly(model: type[BaseModel], response: httpx.Response) -> BaseModel:
     assert response.status_code < 300, response.text
     body = response.json()
@@ -78,9 +65,11 @@ def _exactly(model: type[BaseModel], response: httpx.Response) -> BaseModel:
 
 
 @pytest.mark.model
-def test_real_answers_are_their_response_models(server):
+def test_real_answers_are_their_response_models(shared_server):
+    """On the shared server (tests/conftest.py), as this module's tenant."""
     path = sorted(CORPUS.iterdir())[0]
-    with httpx.Client(base_url=server.url, timeout=300) as client:
+    headers = {"Authorization": f"Bearer {shared_server.key['response-models']}"}
+    with httpx.Client(base_url=shared_server.url, headers=headers, timeout=300) as client:
         _exactly(Health, client.get("/health"))
         created = _exactly(DocumentCreated, client.post("/v1/documents", json={"text": path.read_text()}))
         doc_id = created.document.id

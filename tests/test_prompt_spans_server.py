@@ -1,4 +1,4 @@
-"""Passages pasted by the client, against a live `ragkv serve` with no documents ingested:
+"""Passages pasted by the client, against a live `ragkv serve` with no documents of its tenant ingested:
 the `openai` client on chat, completions and responses, LangChain's stuff-documents
 prompt over `ChatOpenAI`, the per-request switch, the usage and /metrics figures, and bad
 input answered as before."""
@@ -6,12 +6,11 @@ input answered as before."""
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import httpx
 import openai
 import pytest
-
-from ragkv.api.launcher import ServerProcess
 
 pytestmark = pytest.mark.model
 
@@ -42,20 +41,21 @@ def stuffed(order: list[int], question: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("prompt_spans")
-    process = ServerProcess(
-        ["--data-dir", str(root / "data"), "--log-level", "warning"], log_path=root / "serve.log"
-    ).start(timeout_s=600)
-    try:
-        yield process
-    finally:
-        process.stop()
+def server(shared_server) -> SimpleNamespace:
+    """The shared server (tests/conftest.py), as this module's tenant: no document of its
+    own until the last test ingests one, and no passage any other tenant pasted."""
+    return SimpleNamespace(url=shared_server.url, key=shared_server.key["prompt-spans"])
 
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=600.0)
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=server.key, max_retries=0, timeout=600.0)
+
+
+def counter(server, name: str) -> float:
+    """A server-wide counter of /metrics (other tenants' requests count too: read differences)."""
+    metrics = httpx.get(server.url + "/metrics", timeout=30).text
+    return float(re.search(rf"^{re.escape(name)}(?:\{{.*\}})? (\S+)$", metrics, re.M).group(1))
 
 
 def cached(usage) -> int:
@@ -63,6 +63,8 @@ def cached(usage) -> int:
 
 
 def test_chat_passages_in_a_new_order_come_from_the_store(client, server):
+    hits, misses = counter(server, "ragkv_prompt_span_hits_total"), counter(server, "ragkv_prompt_span_misses_total")
+    prefix_hits = counter(server, "vllm:prefix_cache_hits_total")
     cold = client.chat.completions.create(
         model="ragkv", messages=stuffed([0, 1, 2, 3, 4, 5], "When was Gull Point Light founded?"), max_tokens=4
     )
@@ -80,11 +82,10 @@ def test_chat_passages_in_a_new_order_come_from_the_store(client, server):
         extra_body={"prompt_spans": False},
     )
     assert cached(off.usage) < 0.1 * off.usage.prompt_tokens  # the template's opening at most
-    metrics = httpx.get(server.url + "/metrics", timeout=30).text
-    hits = float(re.search(r"^ragkv_prompt_span_hits_total (\S+)$", metrics, re.M).group(1))
-    misses = float(re.search(r"^ragkv_prompt_span_misses_total (\S+)$", metrics, re.M).group(1))
-    assert (hits, misses) == (len(PASSAGES), len(PASSAGES))
-    assert float(re.search(r"^vllm:prefix_cache_hits_total\{.*\} (\S+)$", metrics, re.M).group(1)) >= cached(warm.usage)
+    new_hits = counter(server, "ragkv_prompt_span_hits_total") - hits
+    new_misses = counter(server, "ragkv_prompt_span_misses_total") - misses
+    assert (new_hits, new_misses) == (len(PASSAGES), len(PASSAGES))
+    assert counter(server, "vllm:prefix_cache_hits_total") - prefix_hits >= cached(warm.usage)
 
 
 def test_completions_and_responses_reuse_the_same_passages(client):
@@ -111,7 +112,7 @@ def test_langchain_stuff_documents_prompt(server):
         [("system", "Answer using only this context:\n\n{context}"), ("human", "{question}")]
     )
     llm = ChatOpenAI(
-        model="ragkv", base_url=server.url + "/v1", api_key="unused", max_tokens=3, temperature=0, max_retries=0
+        model="ragkv", base_url=server.url + "/v1", api_key=server.key, max_tokens=3, temperature=0, max_retries=0
     )
 
     def ask(order: list[int], question: str):
@@ -140,7 +141,13 @@ def test_bad_input_is_answered_as_before(client):
 
 def test_a_pasted_chunk_of_an_ingested_document_is_found_in_the_store(client, server):
     passage = INGESTED.strip()
-    response = httpx.post(server.url + "/v1/documents", json={"text": passage, "name": "quarry.txt"}, timeout=600)
+    hits = counter(server, "ragkv_prompt_span_hits_total")
+    response = httpx.post(
+        server.url + "/v1/documents",
+        json={"text": passage, "name": "quarry.txt"},
+        headers={"Authorization": f"Bearer {server.key}"},
+        timeout=600,
+    )
     assert response.status_code == 201, response.text
     assert response.json()["document"]["chunks"] == 1  # one chunk: its tokens are the passage's
     messages = [{"role": "user", "content": f"Documents:\n{passage}\n\nQuestion: Who opened the quarry?"}]
@@ -154,5 +161,4 @@ def test_a_pasted_chunk_of_an_ingested_document_is_found_in_the_store(client, se
     # recomputed (all but its first rows: a short passage is under the probe's min_rows)
     usage = pasted.usage.model_extra
     assert cached(pasted.usage) == usage["document_tokens"] - usage["recomputed_tokens"] > 0
-    metrics = httpx.get(server.url + "/metrics", timeout=30).text
-    assert float(re.search(r"^ragkv_prompt_span_hits_total (\S+)$", metrics, re.M).group(1)) >= 1
+    assert counter(server, "ragkv_prompt_span_hits_total") - hits >= 1

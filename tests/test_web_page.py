@@ -1,5 +1,5 @@
 """The web page at `/` in a real browser: Debian's chromium driven by Playwright against a
-real `ragkv serve` (uvicorn, packaged model, two tenants). Upload a PDF and a DOCX, ask and
+real `ragkv serve` (uvicorn, packaged model, two tenants of the shared server). Upload a PDF and a DOCX, ask and
 watch the answer stream, open a citation and read its pages, a follow-up's cached tokens,
 the comparison with the full prefill, a re-upload that replaces, metadata editing,
 a dropped document full of markup shown as text, deletion, a wrong key refused, another tenant's
@@ -12,7 +12,6 @@ screenshot is the README's (docs/web-page.png; set RAGKV_SCREENSHOT=path to writ
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -22,8 +21,6 @@ import httpx
 import pytest
 from document_files import docx_bytes, pdf_bytes
 from playwright.sync_api import expect, sync_playwright
-
-from ragkv.api.launcher import ServerProcess
 
 pytestmark = pytest.mark.model
 
@@ -42,21 +39,15 @@ if not Path(CHROMIUM).exists():
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("web")
-    keys = root / "keys.json"
-    keys.write_text(json.dumps({ALPHA: "alpha", BETA: "beta"}))
-    args = ["--data-dir", str(root / "data"), "--api-keys", str(keys), "--log-level", "warning"]
-    process = ServerProcess(args, log_path=root / "serve.log").start(timeout_s=600)  # a loaded machine
-    process.root = root
-    yield process
-    process.stop()
+def server(shared_server):
+    """The shared server (tests/conftest.py), its web-alpha and web-beta tenants this module's."""
+    assert (shared_server.key["web-alpha"], shared_server.key["web-beta"]) == (ALPHA, BETA)
+    return shared_server
 
 
 @pytest.fixture(scope="module")
-def files(server) -> dict[str, Path]:
-    folder = server.root / "files"
-    folder.mkdir()
+def files(tmp_path_factory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("web_files")
     made = {
         # two short pages: one chunk spans both
         "report.pdf": pdf_bytes([PAGE_ONE, PAGE_TWO]),
