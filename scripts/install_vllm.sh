@@ -26,3 +26,6 @@ fi
 "$venv/bin/pip" install -q --no-deps -e .
 "$venv/bin/pip" install -q 'lmdb>=1.4' 'redis>=5.0' 'gguf>=0.10' 'ninja>=1.11'
 "$venv/bin/python" -c "import vllm, ragkv.vllm.reuse; print('vllm', vllm.__version__, 'with ragkv.vllm')"
+# The compiled CPU kernels for this venv's torch (a build directory of its own), built here
+# rather than on the connector's first start.
+"$venv/bin/python" -c 'from ragkv.kernels import cpu_extension; cpu_extension.build_and_report()'
