@@ -5,7 +5,7 @@ history (no session id) finds it by prefix, and a client that names the id an an
 
 After a turn the replica snapshots the context's rows (in the cache's 16-bit dtype, or
 float16 for a wider cache) and a background thread publishes them: the blob
-(app.context_blob, with the deployment's MAC when a store secret is set) under the
+(app.chat.context_blob, with the deployment's MAC when a store secret is set) under the
 context's id and, for a context of at least `min_rows` rows, per full 16-token block of the
 conversation, a key from the block's chained hash (rooted in tenant and model fingerprint,
 as the in-process prefix index) to the context's id. A turn whose conversation this process
@@ -34,14 +34,14 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from ragkv.app.context_blob import KV_CODES, compact_dtype, context_tensors, decode_context, encode_context_tensors
-from ragkv.app.contexts import BLOCK_TOKENS, Context, Match, block_hashes
-from ragkv.app.conversation import common_prefix
+from ragkv.app.chat.context_blob import KV_CODES, compact_dtype, context_tensors, decode_context, encode_context_tensors
+from ragkv.app.chat.contexts import BLOCK_TOKENS, Context, Match, block_hashes
+from ragkv.app.chat.conversation import common_prefix
 from ragkv.store.errors import CorruptBlobError
 from ragkv.store.redis_client import ERRORS, hash_tag
 from ragkv.store.redis_link import RedisLink
 
-log = logging.getLogger("ragkv.app.shared_contexts")
+log = logging.getLogger("ragkv.app.chat.shared_contexts")
 
 # KEYS: the tenant's LRU (zset id -> last use) and sizes (hash id -> bytes).
 # ARGV: id, size, now, budget, blob key prefix. Adds the context, then drops the least
@@ -83,7 +83,7 @@ class SharedContextConfig:
     queue: int = 4
     """Snapshots waiting to be published; a full queue drops the oldest."""
     kv_codes: str = "16bit"
-    """How the KV travels (app.context_blob.KV_CODES): the cache's 16-bit dtype, or int8
+    """How the KV travels (app.chat.context_blob.KV_CODES): the cache's 16-bit dtype, or int8
     codes (about half the bytes)."""
 
     def __post_init__(self) -> None:

@@ -1,7 +1,7 @@
 """Cached chat contexts: the KV of earlier turns, found again by token prefix.
 
 A `Context` holds a KV cache and what its rows are: the conversation's token ids (see
-ragkv.app.conversation) with document blocks spliced in (`insertions`). A new turn's
+ragkv.app.chat.conversation) with document blocks spliced in (`insertions`). A new turn's
 conversation ids are matched against the tenant's contexts by prefix, as vLLM's prefix
 cache does: the ids are cut into blocks of BLOCK_TOKENS and each block's hash chains the
 hash of the block before it (the chain's root is the tenant and the model fingerprint, so
@@ -30,7 +30,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ragkv.app.conversation import common_prefix
+from ragkv.app.chat.conversation import common_prefix
 from ragkv.engine.kv_cache import KVCache
 from ragkv.ingest.errors import NotFoundError
 
@@ -151,7 +151,7 @@ Key = tuple[str, str]
 
 class ContextStore(Protocol):
     """Where chat turns find and leave their contexts: `ContextCache` (this process) or
-    `ragkv.app.session_store.RedisSessions` (sessions shared by replicas through Redis)."""
+    `ragkv.app.chat.session_store.RedisSessions` (sessions shared by replicas through Redis)."""
 
     backend: str
 

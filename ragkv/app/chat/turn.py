@@ -1,8 +1,8 @@
 """A chat turn as a scheduler request: the longest cached prefix, then only what is new.
 
-    messages ─► conversation ids (chat template, roles kept; ragkv.app.conversation)
+    messages ─► conversation ids (chat template, roles kept; ragkv.app.chat.conversation)
              ─► base context: the named session (session_id), else the tenant's cached
-                context with the longest common prefix (ragkv.app.contexts)
+                context with the longest common prefix (ragkv.app.chat.contexts)
              ─► retrieval for the last user message; chunks the base already holds
                 before the matched point are not fused again
     no new chunks   prefill conversation ids past the matched prefix onto the base's rows
@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ragkv.app.contexts import Context, ContextStore, Insertion, new_context_id
-from ragkv.app.conversation import Conversation, common_prefix, continue_conversation, render_conversation
+from ragkv.app.chat.contexts import Context, ContextStore, Insertion, new_context_id
+from ragkv.app.chat.conversation import Conversation, common_prefix, continue_conversation, render_conversation
 from ragkv.app.limits import check_context_length
 from ragkv.app.prompt_passages import PassagePlan, PromptPassages
 from ragkv.app.query import CHUNK_TOKENS_ESTIMATE, check_input_tokens
