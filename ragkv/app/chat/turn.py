@@ -3,17 +3,22 @@
     messages ─► conversation ids (chat template, roles kept; ragkv.app.chat.conversation)
              ─► base context: the named session (session_id), else the tenant's cached
                 context with the longest common prefix (ragkv.app.chat.contexts)
-             ─► retrieval for the last user message; chunks the base already holds
-                before the matched point are not fused again
-    no new chunks   prefill conversation ids past the matched prefix onto the base's rows
+             ─► retrieval for the last user message
+             ─► the plan (ragkv.app.chat.plan): the base's rows reused, and one of
     new chunks      [base rows | conversation up to the last user message's content,
                     "Documents:\\n" | new chunks | "\\n\\nQuestion: " + the message and
                     the template's closing], fused by the query's strategy with everything
                     before the chunks as its prefix (position recovery puts the chunks'
-                    keys after it)
+                    keys after it); chunks the base holds before the reused point are not
+                    fused again
+    pasted passages the new tokens with the passages the chunk store holds fused in
+                    (ragkv.app.prompt_passages)
+    otherwise       prefill conversation ids past the reused prefix onto the base's rows
+             ─► the plan carried out (`Computed`: cache, logits, usage, what its rows are)
              ─► decode (batched with the other running requests)
-             ─► the turn's context (prompt rows + the answer's rows) is saved: under its
-                session id when the client named one, else as an anonymous context
+             ─► the turn's context (prompt rows + the answer's rows) is saved as the plan
+                says: under its session id when the client named one, else as an
+                anonymous context
 
 A base context found by prefix is taken over (moved, not copied) when the whole of it is
 the prefix and it is anonymous; otherwise its prefix rows are copied. A named session is
@@ -25,20 +30,35 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
 from ragkv.app.chat.contexts import Context, ContextStore, Insertion, new_context_id
-from ragkv.app.chat.conversation import Conversation, common_prefix, continue_conversation, render_conversation
+from ragkv.app.chat.conversation import render_conversation
+from ragkv.app.chat.plan import (
+    NO_BASE,
+    Base,
+    FuseChunks,
+    FusePassages,
+    Opening,
+    PassageLookup,
+    PrefillTail,
+    TurnIds,
+    TurnPlan,
+    plan_turn,
+    session_opening,
+    user_messages,
+)
 from ragkv.app.limits import check_context_length
-from ragkv.app.prompt_passages import PassagePlan, PromptPassages
+from ragkv.app.prompt_passages import PromptPassages
 from ragkv.app.query import CHUNK_TOKENS_ESTIMATE, check_input_tokens
 from ragkv.app.rag import QueryConfig, RagPipeline
 from ragkv.app.request import Prepared, Request, RequestInfo, RequestOutput, fused_prompt_ids
 from ragkv.app.usage import TokenUsage
 from ragkv.engine.kv_cache import KVCache, Tail
 from ragkv.engine.prompt import RAG_INSTRUCTION
-from ragkv.fusion import FusionInput
+from ragkv.fusion import FusionInput, FusionResult
 from ragkv.fusion.layout import Layout
 from ragkv.ingest.registry import check_tenant
 
@@ -76,18 +96,27 @@ class ChatInfo(RequestInfo):
     """The saved context's summary (Context.summary), once the turn finished."""
 
 
-@dataclass
-class _Base:
-    """What the turn starts from: a context, how much of it is reused, and whether the
-    turn holds it (checked out or taken) rather than copying its rows."""
+@dataclass(frozen=True)
+class Computed:
+    """What carrying out a plan's work gives: the prompt's cache and the logits of its last
+    row, and what the cache's rows are."""
 
-    context: Context | None
-    conversation_tokens: int
-    held: bool
+    cache: KVCache
+    logits: torch.Tensor
+    usage: TokenUsage
+    strategy: str
+    """The fusion strategy's name; "prefix" or "none" for a prefill."""
+    fused: list[int] | None
+    """The prompt ids as fused (request.fused_prompt_ids); None for a prefill."""
+    row_ids: list[int]
+    """Token id of every prompt row."""
+    insertions: list[Insertion]
+    """The document blocks among them."""
 
-    @property
-    def rows(self) -> int:
-        return self.context.rows_for(self.conversation_tokens) if self.context is not None else 0
+    @classmethod
+    def of_fusion(cls, fusion: FusionResult, usage: TokenUsage, strategy: str, insertions: list[Insertion]) -> Computed:
+        row_ids = fusion.layout.token_ids.tolist()
+        return cls(fusion.cache, fusion.logits, usage, strategy, fused_prompt_ids(fusion), row_ids, insertions)
 
 
 @dataclass
@@ -108,6 +137,7 @@ class _Saved:
 
     @classmethod
     def of(cls, context: Context, kept: int, window: int | None) -> _Saved:
+        """What the holder of `context` is about to cut to `kept` rows (before `Context.cut`)."""
         cache = context.cache
         return cls(
             cache,
@@ -120,6 +150,8 @@ class _Saved:
         )
 
     def restore(self, context: Context) -> None:
+        """Give `context` back as it was before the cut, its rows, ids and insertions (the
+        turn failed or was cancelled); its holder then releases it to the store."""
         cache = self.cache  # the turn may have moved the context to a larger copy; this one holds the prefix
         cache.restore(self.tail)
         context.cache = cache
@@ -163,7 +195,7 @@ class ChatTurns:
         """`context_id`: the id the turn's context gets when no session is named (default: a new one)."""
         check_tenant(turn.tenant)
         check_input_tokens(self.engine, turn.messages[-1]["content"], self.max_input_tokens, "the last message")
-        state = _TurnState(self, turn, turn.session_id or context_id or new_context_id(), on_finished)
+        state = _Turn(self, turn, turn.session_id or context_id or new_context_id(), on_finished)
         estimate = sum(len(m["content"]) for m in turn.messages) // 3 + turn.config.top_k * CHUNK_TOKENS_ESTIMATE
         return Request(
             "chat",
@@ -176,269 +208,222 @@ class ChatTurns:
         )
 
 
-class _TurnState:
+class _Turn:
+    """One turn: opens (holds or finds its base), plans, carries the plan out; then saves
+    what it leaves (`finished`) or gives a held base back whole (`dropped`)."""
+
     def __init__(self, turns: ChatTurns, turn: ChatTurn, context_id: str, on_finished):
         self.turns = turns
         self.turn = turn
         self.engine = turns.engine
-        self.base = _Base(None, 0, False)
         self.context_id = context_id
-        self.number = sum(m["role"] == "user" for m in turn.messages)
-        """The turn's number in its conversation (user messages so far, this one included)."""
-        self.conversation: Conversation | None = None
-        self.row_ids: list[int] = []
-        self.insertions: list[Insertion] = []
+        self._on_finished = on_finished
+        self.held: Context | None = None
+        """The base context this turn holds (checked out or taken): `dropped` gives it back."""
         self.saved: _Saved | None = None
         """The held base as it was before the turn cut it (given back if the turn fails)."""
-        self._on_finished = on_finished
+        self.plan: TurnPlan | None = None
+        self.computed: Computed | None = None
 
-    # -- prepare --------------------------------------------------------------------
+    # -- prepare: open, plan, run -----------------------------------------------------
 
     def prepare(self, request: Request) -> Prepared:
         turn = self.turn
-        conversation = self._base_and_conversation()
-        self.conversation = conversation
-        retrieved = []
-        if turn.rag:
-            started = time.perf_counter()
-            config = turn.config
-            retrieved = self.turns.rag.retrieve(
-                conversation_text(turn), turn.tenant, config.top_k, config.doc_ids, config.retrieval, config.filter
-            )
-            request.timings.retrieve = time.perf_counter() - started
-        held = (
-            self.base.context.chunks_before(self.base.conversation_tokens) if self.base.context is not None else set()
+        opening = self._open()
+        retrieved = self._retrieve(request)
+        self.plan = plan = plan_turn(
+            opening,
+            retrieved,
+            self._ids(),
+            lookup=self._lookup(),
+            context_id=self.context_id,
+            session=turn.session_id is not None,
         )
-        new = new_chunks(retrieved, held)
-        reuse = self.base.conversation_tokens
-        if new:
-            reuse = min(reuse, conversation.question_start)
-        reuse = min(reuse, len(conversation.token_ids) - 1)
-        if reuse and not self._reusable(reuse, bool(new)):
-            reuse = 0  # recomputed: the base's chunks are not in the prompt then, so all are new
-            new = new_chunks(retrieved, set())
-        cache = self._base_cache(
-            reuse, len(conversation.token_ids) - reuse + turn.config.generation.max_new_tokens + NEXT_TURN_ROWS
-        )
-        context_rows = len(self.row_ids)
         citations = self.turns.rag.cite(turn.tenant, retrieved) if retrieved else []
-        fused = None
-        passages = self._passages(conversation) if not new else None
-        if new:
-            cache, logits, usage, strategy, fused = self._fuse(request, conversation, cache, new)
-        elif passages is not None:
-            cache, logits, usage, strategy, fused = self._fuse_passages(request, conversation, cache, *passages)
-        else:
-            cache, logits, usage, strategy = self._prefill(request, conversation, cache)
-        info = ChatInfo(self.context_id, self.number, len(new), context_rows)
+        self.computed = computed = self._run(request, plan, self._prefix_cache(plan))
+        info = ChatInfo(plan.save.context_id, plan.save.turns, plan.new_chunks, plan.reuse.rows)
         return Prepared(
-            cache,
-            logits,
-            usage,
-            strategy,
+            computed.cache,
+            computed.logits,
+            computed.usage,
+            computed.strategy,
             citations,
             None,
             info,
-            fused,
+            computed.fused,
             release_window_rows=self.turns.release_window_rows,
         )
 
-    def _base_and_conversation(self) -> Conversation:
+    def _open(self) -> Opening:
+        """The named session, checked out; else the tenant's context with the longest common
+        prefix, taken when the whole of it is the prefix and it is anonymous."""
         turn, prompt, fingerprint = self.turn, self.engine.prompt, self.engine.fingerprint
+        contexts = self.turns.contexts
         if turn.session_id is not None:
-            context = self.turns.contexts.checkout(turn.tenant, turn.session_id)
-            self.base = _Base(context, 0, True)
-            # Another model's rows are not reused; the session keeps them until the turn succeeds.
-            held_ids = context.conversation_ids if context.fingerprint == fingerprint else []
-            only_new_message = all(m["role"] != "assistant" for m in turn.messages)
-            if only_new_message and context.turns and held_ids:
-                conversation = continue_conversation(prompt, held_ids, turn.messages[-1]["content"])
-                self.number = context.turns + 1
-            else:
-                conversation = render_conversation(prompt, turn.messages)
-            self.base.conversation_tokens = common_prefix(held_ids, conversation.token_ids)
-            return conversation
+            self.held = context = contexts.checkout(turn.tenant, turn.session_id)
+            return session_opening(prompt, fingerprint, context, turn.messages)
         conversation = render_conversation(prompt, turn.messages)
-        match = self.turns.contexts.match(turn.tenant, fingerprint, conversation.token_ids)
+        base = NO_BASE
+        match = contexts.match(turn.tenant, fingerprint, conversation.token_ids)
         if match is not None and match.conversation_tokens > 0:
             whole = match.conversation_tokens == len(match.context.conversation_ids)
-            held = whole and not match.context.explicit and self.turns.contexts.take(match.context)
-            self.base = _Base(match.context, match.conversation_tokens, held)
-        return conversation
+            held = whole and not match.context.explicit and contexts.take(match.context)
+            if held:
+                self.held = match.context
+            base = Base(match.context, match.conversation_tokens, held)
+        return Opening(conversation, base, user_messages(turn.messages))
 
-    def _reusable(self, reuse: int, fusing: bool) -> bool:
-        """Whether the base's rows for `reuse` tokens can be read. A cache whose sliding-window
-        layers released rows (in decode) serves a turn that appends to it, but not a cut
-        before its window nor a fusion (which reads every layer's prefix rows)."""
-        cache = self.base.context.cache
-        if not cache.trimmed:
-            return True
-        rows = self.base.context.rows_for(reuse)
-        return not fusing and (rows == cache.length or rows >= cache.earliest_cut)
-
-    def _base_cache(self, reuse: int, extra_capacity: int) -> KVCache | None:
-        """The base's rows for the first `reuse` conversation tokens, held, or copied with
-        room for `extra_capacity` more."""
-        base = self.base
-        base.conversation_tokens = reuse
-        if base.context is None or reuse == 0:
-            self.row_ids, self.insertions = [], []
-            return None
-        context = base.context
-        rows = context.rows_for(reuse)
-        self.row_ids = context.row_ids[:rows]
-        self.insertions = [i for i in context.insertions if i.at < reuse]
-        if base.held:
-            self.saved = _Saved.of(context, rows, self.engine.model.spec.sliding_window)
-            context.cut(reuse)
-            return context.cache
-        prefix = context.cache.clone(extra_capacity, rows=rows)
-        prefix.next_position = rows
-        return prefix
-
-    def _room(self, rows: int) -> None:
-        check_context_length(
-            self.engine,
-            rows,
-            self.turn.config.generation.max_new_tokens,
-            "the conversation",
-            "start a new conversation or lower max_tokens",
-        )
-
-    def _prefill(self, request: Request, conversation: Conversation, cache: KVCache | None):
-        model, max_new = self.engine.model, self.turn.config.generation.max_new_tokens
-        reused = self.base.conversation_tokens
-        tail = conversation.token_ids[reused:]
-        rows = len(self.row_ids)
-        self._room(rows + len(tail))
+    def _retrieve(self, request: Request) -> list:
+        turn = self.turn
+        if not turn.rag:
+            return []
         started = time.perf_counter()
-        if cache is None:
-            cache = model.new_cache(len(tail) + max_new + NEXT_TURN_ROWS)
-        elif cache.capacity < rows + len(tail) + max_new:
-            cache = cache.clone(extra_capacity=len(tail) + max_new + NEXT_TURN_ROWS)
-            if self.base.held:
-                self.base.context.cache = cache
-        logits = model.prefill(torch.tensor(tail), cache)
-        request.timings.prefill = time.perf_counter() - started
-        self.row_ids = self.row_ids + tail
-        usage = TokenUsage(prompt_tokens=cache.length, cached_tokens=rows)
-        return cache, logits, usage, "prefix" if rows else "none"
+        config = turn.config
+        retrieved = self.turns.rag.retrieve(
+            conversation_text(turn), turn.tenant, config.top_k, config.doc_ids, config.retrieval, config.filter
+        )
+        request.timings.retrieve = time.perf_counter() - started
+        return retrieved
 
-    def _passages(self, conversation: Conversation) -> tuple[list[int], PassagePlan] | None:
-        """The prompt's rows (the base's, then the new tokens) and the passages among its new
-        tokens, when the server and the turn reuse pasted passages."""
+    def _ids(self) -> TurnIds:
+        prompt = self.engine.prompt
+        return TurnIds(prompt.encode(RAG_INSTRUCTION), prompt.encode(QUESTION_LEAD), self.engine.chunk_prefix_ids)
+
+    def _lookup(self) -> PassageLookup | None:
         passages = self.turns.passages
         if passages is None or not self.turn.prompt_spans:
             return None
-        if self.base.context is not None and self.base.context.cache.trimmed:
-            return None  # a fusion reads every layer's prefix rows, which released windows lack
-        ids = self.row_ids + conversation.token_ids[self.base.conversation_tokens :]
-        plan = passages.plan(self.turn.tenant, ids, len(self.row_ids))
-        return None if plan is None else (ids, plan)
+        return partial(passages.plan, self.turn.tenant)
 
-    def _fuse_passages(
-        self, request: Request, conversation: Conversation, cache: KVCache | None, ids: list[int], plan: PassagePlan
-    ):
-        """The new tokens with their pasted passages fused in: the text before the first
-        passage is prefilled onto the base's rows, then fused into in place."""
-        engine, model = self.engine, self.engine.model
-        max_new = self.turn.config.generation.max_new_tokens
-        self._room(len(ids))
+    def _prefix_cache(self, plan: TurnPlan) -> KVCache | None:
+        """The reused rows: the held base cut to them (in place; what it cuts is saved), or a
+        copy with room for the rest of the prompt, the answer and the next turn."""
+        reuse, context = plan.reuse, plan.base.context
+        if reuse.conversation_tokens == 0:
+            return None
+        if plan.base.held:
+            self.saved = _Saved.of(context, reuse.rows, self.engine.model.spec.sliding_window)
+            context.cut(reuse.conversation_tokens)
+            return context.cache
+        new_tokens = len(plan.conversation.token_ids) - reuse.conversation_tokens
+        prefix = context.cache.clone(new_tokens + self._max_new + NEXT_TURN_ROWS, rows=reuse.rows)
+        prefix.next_position = reuse.rows
+        return prefix
+
+    @property
+    def _max_new(self) -> int:
+        return self.turn.config.generation.max_new_tokens
+
+    def _room(self, rows: int) -> None:
+        check_context_length(
+            self.engine, rows, self._max_new, "the conversation", "start a new conversation or lower max_tokens"
+        )
+
+    def _run(self, request: Request, plan: TurnPlan, cache: KVCache | None) -> Computed:
+        if isinstance(plan.work, FuseChunks):
+            return self._fuse(request, plan, plan.work, cache)
+        if isinstance(plan.work, FusePassages):
+            return self._fuse_passages(request, plan, plan.work, cache)
+        return self._prefill(request, plan, plan.work, cache)
+
+    def _prefill(self, request: Request, plan: TurnPlan, work: PrefillTail, cache: KVCache | None) -> Computed:
+        model, tail, rows = self.engine.model, work.ids, plan.reuse.rows
+        self._room(rows + len(tail))
         started = time.perf_counter()
-        glue = ids[len(self.row_ids) : plan.spans[0].start]
+        if cache is None:
+            cache = model.new_cache(len(tail) + self._max_new + NEXT_TURN_ROWS)
+        elif cache.capacity < rows + len(tail) + self._max_new:
+            cache = cache.clone(extra_capacity=len(tail) + self._max_new + NEXT_TURN_ROWS)
+            if plan.base.held:
+                plan.base.context.cache = cache
+        logits = model.prefill(torch.tensor(tail), cache)
+        request.timings.prefill = time.perf_counter() - started
+        usage = TokenUsage(prompt_tokens=cache.length, cached_tokens=rows)
+        strategy = "prefix" if rows else "none"
+        return Computed(cache, logits, usage, strategy, None, plan.reuse.row_ids + tail, plan.reuse.insertions)
+
+    def _fuse_passages(self, request: Request, plan: TurnPlan, work: FusePassages, cache: KVCache | None) -> Computed:
+        """The new tokens with their pasted passages fused in: the text before the first
+        passage is prefilled onto the reused rows, then fused into in place."""
+        engine, model = self.engine, self.engine.model
+        self._room(len(work.ids))
+        started = time.perf_counter()
+        glue = work.glue
         prefix_cache = cache if cache is not None else model.new_cache(len(glue))
         if glue:
             model.prefill(torch.tensor(glue), prefix_cache)
         request.timings.prefill = time.perf_counter() - started
         strategy = self.turn.config.fusion.build(engine.fusion_ratios)
         fuse_started = time.perf_counter()
-        fused = self.turns.passages.fuse(ids, plan, prefix_cache, strategy, max_new, len(glue))
+        fused = self.turns.passages.fuse(work.ids, work.passages, prefix_cache, strategy, self._max_new, len(glue))
         request.timings.fuse = time.perf_counter() - fuse_started
         fusion = fused.fusion
-        if self.base.held and fusion.cache is not self.base.context.cache:
-            self.base.context.cache.truncate(len(self.base.context.row_ids))  # the fusion copied what it needed
-        self.row_ids = fusion.layout.token_ids.tolist()
-        return fusion.cache, fusion.logits, fused.usage, strategy.name, fused_prompt_ids(fusion)
+        self._drop_copied(plan, fusion.cache)
+        return Computed.of_fusion(fusion, fused.usage, strategy.name, plan.reuse.insertions)
 
-    def _fuse(self, request: Request, conversation: Conversation, cache: KVCache | None, new: list):
-        engine, turn, model = self.engine, self.turn, self.engine.model
-        max_new = turn.config.generation.max_new_tokens
-        reused = self.base.conversation_tokens
-        glue = conversation.token_ids[reused : conversation.question_start] + engine.prompt.encode(RAG_INSTRUCTION)
-        prefix_ids = self.row_ids + glue
-        lead = engine.prompt.encode(QUESTION_LEAD)
-        question_ids = lead + conversation.token_ids[conversation.question_start :]
-        chunk_rows = sum(chunk.token_end - chunk.token_start for _, chunk, _ in new)
-        self._room(len(prefix_ids) + chunk_rows + len(question_ids))
+    def _fuse(self, request: Request, plan: TurnPlan, work: FuseChunks, cache: KVCache | None) -> Computed:
+        engine, model, max_new = self.engine, self.engine.model, self._max_new
+        self._room(len(work.prefix_ids) + work.chunk_rows + len(work.question_ids))
         started = time.perf_counter()
         computed_before = 0
-        shared_prefix = cache is None and prefix_ids == engine.chunk_prefix_ids
-        if shared_prefix:
+        if work.shared_prefix:
             prefix_cache = engine.chunk_prefix_cache()
         else:
-            prefix_cache = cache if cache is not None else model.new_cache(len(glue))
-            model.prefill(torch.tensor(glue), prefix_cache)
-            computed_before = len(glue)
+            prefix_cache = cache if cache is not None else model.new_cache(len(work.glue))
+            model.prefill(torch.tensor(work.glue), prefix_cache)
+            computed_before = len(work.glue)
             request.timings.prefill = time.perf_counter() - started
         load_started = time.perf_counter()
-        chunks, recomputed = self.turns.rag.load_chunks(turn.tenant, new)
+        chunks, recomputed = self.turns.rag.load_chunks(self.turn.tenant, work.chunks)
         request.timings.load = time.perf_counter() - load_started
         fuse_started = time.perf_counter()
-        strategy = turn.config.fusion.build(engine.fusion_ratios)
-        fusion_input = FusionInput(
-            prefix_ids,
-            chunks,
-            question_ids,
-            len(engine.chunk_prefix_ids),
-            (len(lead), len(lead) + conversation.question_end - conversation.question_start),
-        )
+        strategy = self.turn.config.fusion.build(engine.fusion_ratios)
+        prefix_len = len(engine.chunk_prefix_ids)
+        fusion_input = FusionInput(work.prefix_ids, chunks, work.question_ids, prefix_len, work.question_text)
         self._room(Layout.of(fusion_input).length)
         # a prefix this turn owns (the conversation's rows and the glue) is fused into in
         # place: copying it would cost in proportion to the conversation. In place it needs
         # room for the answer only: asking for the next turn's rows too would copy the
         # conversation whenever the previous turn's spare rows are used up (growing doubles).
-        in_place = not shared_prefix
+        in_place = not work.shared_prefix
         extra = max_new if in_place else max_new + NEXT_TURN_ROWS
         fusion = strategy.fuse(model, fusion_input, prefix_cache, extra, in_place=in_place)
         request.timings.fuse = time.perf_counter() - fuse_started
-        if self.base.held and fusion.cache is not self.base.context.cache:
-            self.base.context.cache.truncate(len(self.base.context.row_ids))  # the fusion copied what it needed
-        self.row_ids = fusion.layout.token_ids.tolist()
-        instruction = len(glue) - (conversation.question_start - reused)
-        self.insertions = self.insertions + [
-            Insertion(
-                conversation.question_start,
-                instruction + fusion.layout.num_document_tokens + len(lead),
-                tuple(chunk.chunk_hash for _, chunk, _ in new),
-            )
-        ]
+        self._drop_copied(plan, fusion.cache)
+        insertions = plan.reuse.insertions + [work.insertion(fusion.layout.num_document_tokens)]
         usage = TokenUsage.of_fusion(fusion, computed_before, recomputed)
-        return fusion.cache, fusion.logits, usage, strategy.name, fused_prompt_ids(fusion)
+        return Computed.of_fusion(fusion, usage, strategy.name, insertions)
+
+    def _drop_copied(self, plan: TurnPlan, fused: KVCache) -> None:
+        """A fusion that copied the held base's rows leaves the base at its own rows."""
+        context = plan.base.context
+        if plan.base.held and fused is not context.cache:
+            context.cache.truncate(len(context.row_ids))
 
     # -- after the turn -------------------------------------------------------------
 
     def finished(self, request: Request, completion: RequestOutput) -> None:
-        cache = request.cache
-        answered = request.output_ids[: cache.length - len(self.row_ids)]
-        base = self.base.context
+        plan, computed, turn = self.plan, self.computed, self.turn
+        save, cache = plan.save, request.cache
+        answered = request.output_ids[: cache.length - len(computed.row_ids)]
         context = Context(
-            self.context_id,
-            self.turn.tenant,
+            save.context_id,
+            turn.tenant,
             self.engine.fingerprint,
-            self.conversation.token_ids + answered,
-            self.row_ids + answered,
+            plan.conversation.token_ids + answered,
+            computed.row_ids + answered,
             cache,
-            self.insertions,
-            explicit=self.turn.session_id is not None,
-            turns=self.number,
-            created=base.created if base is not None and self.base.held else time.time(),
+            computed.insertions,
+            explicit=save.session,
+            turns=save.turns,
+            created=save.created if save.created is not None else time.time(),
         )
         contexts = self.turns.contexts
-        if self.turn.session_id is not None:
-            contexts.release(self.turn.tenant, self.turn.session_id, context)
+        if save.session:
+            contexts.release(turn.tenant, save.context_id, context)
         else:
-            if self.base.held:
-                contexts.release(base.tenant, base.id, None)
+            if self.held is not None:
+                contexts.release(self.held.tenant, self.held.id, None)
             contexts.put(context)
         completion.info.session = {**context.summary(), "shared": contexts.shared(context)}
         if self._on_finished is not None:
@@ -446,26 +431,14 @@ class _TurnState:
 
     def dropped(self, request: Request) -> None:
         """Failed or cancelled: a held base goes back whole, as it was before the turn."""
-        base = self.base
-        if base.context is None or not base.held:
+        context = self.held
+        if context is None:
             return
-        context = base.context
         if self.saved is not None:
             self.saved.restore(context)
         else:  # not cut: at most rows past its own were written
             context.cache.truncate(min(context.cache.length, len(context.row_ids)))
         self.turns.contexts.release(context.tenant, context.id, context)
-
-
-def new_chunks(retrieved: list, held: set[str]) -> list:
-    """The retrieved (record, chunk, score) whose chunk is not in `held`, each chunk once."""
-    return list(
-        {
-            chunk.chunk_hash: (record, chunk, score)
-            for record, chunk, score in retrieved
-            if chunk.chunk_hash not in held
-        }.values()
-    )
 
 
 def conversation_text(turn: ChatTurn) -> str:
