@@ -282,14 +282,8 @@ class SharedContexts:
         decides between memory and a retry-later)."""
         prefix = self._prefix(tenant)
         blob = self._client.get(prefix + "kv:" + context_id)
-        if blob is None:
-            return None
-        try:
-            context = decode_context(bytearray(blob), mac_key=self._mac_key)
-        except CorruptBlobError as error:
-            log.warning("ignoring a shared context that fails its check: %s", error)
-            return None
-        if context.tenant != tenant or context.id != context_id or context.explicit:
+        context = self._decoded(blob, tenant) if blob is not None else None
+        if context is None or context.id != context_id:
             return None
         self._client.zadd(prefix + "lru", {context_id: time.time()})
         self.stats.add(loaded=1)
@@ -306,13 +300,19 @@ class SharedContexts:
         pipe.hdel(prefix + "sizes", context_id)
         return bool(pipe.execute()[0])
 
-    def _match(self, blob, tenant: str, fingerprint: str, conversation_ids: list[int], at_least: int) -> Match | None:
+    def _decoded(self, blob, tenant: str) -> Context | None:
+        """The anonymous context of `tenant` a published blob holds; None when it fails its
+        check or is another tenant's or a session."""
         try:
             context = decode_context(bytearray(blob), mac_key=self._mac_key)
         except CorruptBlobError as error:
             log.warning("ignoring a shared context that fails its check: %s", error)
             return None
-        if context.tenant != tenant or context.fingerprint != fingerprint or context.explicit:
+        return None if context.tenant != tenant or context.explicit else context
+
+    def _match(self, blob, tenant: str, fingerprint: str, conversation_ids: list[int], at_least: int) -> Match | None:
+        context = self._decoded(blob, tenant)
+        if context is None or context.fingerprint != fingerprint:
             return None
         shared = common_prefix(context.conversation_ids, conversation_ids)
         enough = at_least + self.config.min_gain if at_least > 0 else 0
