@@ -149,3 +149,13 @@ def test_a_base_whose_windows_released_rows_is_reused_only_by_appending(fusing):
         assert appended.reuse.rows == 8 and appended.work == PrefillTail([50, 51, 9])
     cut_early = plan(Opening(Conversation([1, 2, 3, 4, 60, 9], 4, 5), Base(base, 4, True), 2))
     assert cut_early.reuse.rows == 0 and cut_early.work == PrefillTail([1, 2, 3, 4, 60, 9])
+
+
+def test_only_a_turn_that_retrieved_chunks_needs_the_fusion_ids():
+    conversation = Conversation([1, 2, 3, 60, 9], 3, 4)
+    opening = Opening(conversation, NO_BASE, 1)
+    assert plan_turn(opening, [], None, lookup=None, context_id="new", session=False).work == PrefillTail(
+        [1, 2, 3, 60, 9]
+    )
+    with pytest.raises(ValueError):
+        plan_turn(opening, retrieved(_Chunk("c", 0, 4)), None, lookup=None, context_id="new", session=False)

@@ -189,13 +189,14 @@ def session_opening(prompt: ChatPrompt, fingerprint: str, context: Context, mess
 def plan_turn(
     opening: Opening,
     retrieved: list,
-    ids: TurnIds,
+    ids: TurnIds | None,
     *,
     lookup: PassageLookup | None,
     context_id: str,
     session: bool,
 ) -> TurnPlan:
-    """The plan of a turn that opened as `opening` and retrieved `retrieved`; `lookup` finds
+    """The plan of a turn that opened as `opening` and retrieved `retrieved`; `ids` are
+    what a chunk fusion splices in (needed only when chunks were retrieved); `lookup` finds
     pasted passages (None: the server or the turn does not reuse them)."""
     conversation, base = opening.conversation, opening.base
     context = base.context
@@ -209,6 +210,8 @@ def plan_turn(
         new = new_chunks(retrieved, set())
     reuse = _reuse(context, reused)
     if new:
+        if ids is None:
+            raise ValueError("a turn that retrieved chunks needs the ids a fusion splices in")
         work = _fuse_chunks(conversation, reuse, new, ids)
     else:
         work = _passages(conversation, reuse, context, lookup) or PrefillTail(conversation.token_ids[reused:])

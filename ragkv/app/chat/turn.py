@@ -234,7 +234,7 @@ class _Turn:
         self.plan = plan = plan_turn(
             opening,
             retrieved,
-            self._ids(),
+            self._ids() if retrieved else None,
             lookup=self._lookup(),
             context_id=self.context_id,
             session=turn.session_id is not None,
@@ -286,6 +286,7 @@ class _Turn:
         return retrieved
 
     def _ids(self) -> TurnIds:
+        """What a fusion of retrieved chunks splices in (asked only when chunks were retrieved)."""
         prompt = self.engine.prompt
         return TurnIds(prompt.encode(RAG_INSTRUCTION), prompt.encode(QUESTION_LEAD), self.engine.chunk_prefix_ids)
 
