@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ragkv.app.chat import ChatTurn, ChatTurns
-from ragkv.app.contexts import ContextCache, SessionNotFoundError
+from ragkv.app.chat.contexts import ContextCache, SessionNotFoundError
+from ragkv.app.chat.turn import ChatTurn, ChatTurns
 from ragkv.app.generate import CollectingSink, complete, run_alone
 from ragkv.app.rag import QueryConfig
 from ragkv.app.scheduler import Scheduler

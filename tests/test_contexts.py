@@ -12,8 +12,8 @@ import pytest
 import redis
 import torch
 
-from ragkv.app.context_blob import decode_context, encode_context
-from ragkv.app.contexts import (
+from ragkv.app.chat.context_blob import decode_context, encode_context
+from ragkv.app.chat.contexts import (
     BLOCK_TOKENS,
     Context,
     ContextCache,
@@ -23,8 +23,8 @@ from ragkv.app.contexts import (
     SessionStoreUnavailableError,
     block_hashes,
 )
-from ragkv.app.session_store import RedisSessions
-from ragkv.app.shared_contexts import SharedContextConfig
+from ragkv.app.chat.session_store import RedisSessions
+from ragkv.app.chat.shared_contexts import SharedContextConfig
 from ragkv.engine.kv_cache import KVCache
 from ragkv.store.errors import CorruptBlobError
 

@@ -15,8 +15,8 @@ from tiny_models import make_tiny_model
 from ragkv.api.config import ServeConfig
 from ragkv.api.metrics import Metrics
 from ragkv.api.worker import ModelWorker
-from ragkv.app.chat import ChatTurn, ChatTurns
-from ragkv.app.contexts import ContextCache
+from ragkv.app.chat.contexts import ContextCache
+from ragkv.app.chat.turn import ChatTurn, ChatTurns
 from ragkv.app.generate import CollectingSink
 from ragkv.app.live_fidelity import FidelitySample, LiveFidelity, LiveFidelityConfig
 from ragkv.app.query import fused_prompt_ids, query_request

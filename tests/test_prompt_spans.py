@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from ragkv.app.conversation import render_conversation
+from ragkv.app.chat.conversation import render_conversation
 from ragkv.app.prompt_passages import PromptPassages
 from ragkv.fusion import STRATEGY_NAMES, FusionInput, LoadedChunk, build_strategy
 from ragkv.fusion.fidelity import next_token_kl

@@ -15,9 +15,9 @@ import pytest
 import torch
 from redis_cluster import RedisClusterServers
 
-from ragkv.app.contexts import Context, ContextCache, SessionNotFoundError, SessionStoreUnavailableError
-from ragkv.app.session_store import RedisSessions
-from ragkv.app.shared_contexts import SharedContextConfig
+from ragkv.app.chat.contexts import Context, ContextCache, SessionNotFoundError, SessionStoreUnavailableError
+from ragkv.app.chat.session_store import RedisSessions
+from ragkv.app.chat.shared_contexts import SharedContextConfig
 from ragkv.engine.kv_cache import KVCache
 from ragkv.ingest.errors import RegistryUnavailableError
 from ragkv.ingest.registry import ChunkRecord, DocumentRecord

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from ragkv.app.chat import ChatInfo, ChatTurn, ChatTurns
+from ragkv.app.chat.contexts import ContextCache
+from ragkv.app.chat.turn import ChatInfo, ChatTurn, ChatTurns
 from ragkv.app.completion import completion_request, prompt_ids
-from ragkv.app.contexts import ContextCache
 from ragkv.app.generate import CollectingSink, run_alone
 from ragkv.app.query import QueryInfo, query_request
 from ragkv.app.rag import QueryConfig, RagPipeline

@@ -10,8 +10,8 @@ import pytest
 import torch
 from tiny_models import make_tiny_model
 
-from ragkv.app.context_blob import decode_context, encode_context
-from ragkv.app.contexts import Context
+from ragkv.app.chat.context_blob import decode_context, encode_context
+from ragkv.app.chat.contexts import Context
 from ragkv.engine.kv_cache import window_slack
 from ragkv.engine.model import CausalLM
 

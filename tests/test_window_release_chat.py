@@ -12,8 +12,8 @@ import torch
 from tiny_models import tiny_weights
 from transformers import AutoTokenizer
 
-from ragkv.app.chat import ChatTurn, ChatTurns
-from ragkv.app.contexts import ContextCache
+from ragkv.app.chat.contexts import ContextCache
+from ragkv.app.chat.turn import ChatTurn, ChatTurns
 from ragkv.app.generate import run_alone
 from ragkv.app.rag import QueryConfig
 from ragkv.engine.generation import GenerationConfig

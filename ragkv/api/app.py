@@ -28,11 +28,11 @@ from ragkv.api.routers import ROUTERS
 from ragkv.api.state import AppState
 from ragkv.api.web_page import install_web
 from ragkv.api.worker import ModelWorker
+from ragkv.app.chat.session_store import open_sessions, session_mac_key, sessions_url
 from ragkv.app.ingest_records import IngestRecords
 from ragkv.app.live_fidelity import LiveFidelity, LiveFidelityConfig
 from ragkv.app.runtime import Runtime
 from ragkv.app.scheduler import Scheduler, SchedulerConfig
-from ragkv.app.session_store import open_sessions, session_mac_key, sessions_url
 
 log = logging.getLogger("ragkv.api")
 

@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from ragkv.api.json_response import SafeJSONResponse
-from ragkv.app.contexts import SessionBusyError, SessionStoreUnavailableError
+from ragkv.app.chat.contexts import SessionBusyError, SessionStoreUnavailableError
 from ragkv.app.request import RequestCancelled
 from ragkv.ingest.errors import InputError, NotFoundError, RegistryUnavailableError
 from ragkv.store.errors import StoreUnavailableError

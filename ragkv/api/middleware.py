@@ -20,6 +20,7 @@ import logging
 import re
 import time
 import uuid
+from dataclasses import dataclass
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -36,6 +37,36 @@ _REQUEST_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 class BodyTooLarge(HTTPException):
     def __init__(self, limit: int):
         super().__init__(413, f"the request body exceeds the limit of {limit} bytes")
+
+
+@dataclass(frozen=True)
+class _Incoming:
+    """What the middleware reads of a request before the app sees it."""
+
+    id: str
+    path: str
+    headers: dict[str, str]
+    """Lower-case names."""
+    limit: int
+    """Body bytes the path may send."""
+
+
+class _Response:
+    """The response side of one request: its messages carry the request id, and its status
+    is kept for the metrics (500 until a response starts)."""
+
+    def __init__(self, send: Send, request_id: str):
+        self._send = send
+        self.request_id = request_id
+        self.status = 500
+        self.started = False
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.status, self.started = message["status"], True
+            message.setdefault("headers", [])
+            message["headers"] = list(message["headers"]) + [(b"x-request-id", self.request_id.encode())]
+        await self._send(message)
 
 
 class ServingMiddleware:
@@ -62,80 +93,80 @@ class ServingMiddleware:
             await self.app(scope, receive, send)
             return
         started = time.perf_counter()
+        request = self._incoming(scope)
+        scope.setdefault("state", {})["request_id"] = request.id
+        response = _Response(send, request.id)
+        try:
+            if await self._authenticate(scope, request, response) and await self._declared_size(request, response):
+                await self._serve(scope, receive, request, response)
+        finally:
+            self._count(scope, response.status, started)
+
+    def _incoming(self, scope: Scope) -> _Incoming:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         given = headers.get("x-request-id", "")
         request_id = given if _REQUEST_ID.match(given) else "req_" + uuid.uuid4().hex[:16]
-        scope.setdefault("state", {})["request_id"] = request_id
         path = scope.get("path", "")
         limit = self.max_document_body_bytes if path.startswith(self.document_prefix) else self.max_body_bytes
-        status = {"code": 500, "started": False}
+        return _Incoming(request_id, path, headers, limit)
 
-        async def send_with_id(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                status["code"], status["started"] = message["status"], True
-                message.setdefault("headers", [])
-                message["headers"] = list(message["headers"]) + [(b"x-request-id", request_id.encode())]
-            await send(message)
+    async def _authenticate(self, scope: Scope, request: _Incoming, response: _Response) -> bool:
+        """The tenant of a protected path's key, in the scope's state; False once refused."""
+        if not request.path.startswith(self.protected_prefix):
+            return True
+        try:
+            scope["state"]["tenant"] = self.authenticator.tenant_for(request.headers.get("authorization"))
+        except ApiError as error:
+            extra = [(k.lower().encode(), v.encode()) for k, v in (error.headers or {}).items()]
+            await self._reject(response, error.status, error.code, error.message, request.id, extra)
+            return False
+        return True
+
+    async def _declared_size(self, request: _Incoming, response: _Response) -> bool:
+        """False once a Content-Length over the limit (413) or not a number (400) is refused."""
+        limit, declared = request.limit, request.headers.get("content-length")
+        if declared is None or (declared.isdigit() and int(declared) <= limit):
+            return True
+        if declared.isdigit():
+            code, message = 413, f"the request body is {declared} bytes; the limit is {limit} bytes"
+        else:
+            code, message = 400, "the Content-Length header is not a number"
+        error = "body_too_large" if code == 413 else "bad_content_length"
+        await self._reject(response, code, error, message, request.id)
+        return False
+
+    async def _serve(self, scope: Scope, receive: Receive, request: _Incoming, response: _Response) -> None:
+        """The app, reading at most the limit's bytes of body; an unexpected error before the
+        response started is answered with a 500 (after it started, it ends the connection)."""
+        limit, received = request.limit, {"bytes": 0}
+
+        async def limited_receive() -> Message:
+            message = await receive()
+            if message["type"] == "http.request":
+                received["bytes"] += len(message.get("body", b""))
+                if received["bytes"] > limit:
+                    raise BodyTooLarge(limit)
+            return message
 
         try:
-            if path.startswith(self.protected_prefix):
-                try:
-                    scope["state"]["tenant"] = self.authenticator.tenant_for(headers.get("authorization"))
-                except ApiError as error:
-                    await self._reject(
-                        send_with_id,
-                        error.status,
-                        error.code,
-                        error.message,
-                        request_id,
-                        [(k.lower().encode(), v.encode()) for k, v in (error.headers or {}).items()],
-                    )
-                    return
-            declared = headers.get("content-length")
-            if declared is not None and (not declared.isdigit() or int(declared) > limit):
-                message = (
-                    f"the request body is {declared} bytes; the limit is {limit} bytes"
-                    if declared.isdigit()
-                    else "the Content-Length header is not a number"
-                )
-                code = 413 if declared.isdigit() else 400
-                await self._reject(
-                    send_with_id, code, "body_too_large" if code == 413 else "bad_content_length", message, request_id
-                )
-                return
-            received = {"bytes": 0}
+            await self.app(scope, limited_receive, response.send)
+        except Exception as error:
+            if response.started:
+                raise
+            log.error("request %s %s %s failed", request.id, scope.get("method"), request.path, exc_info=error)
+            message = f"internal error; quote request id {request.id} to the operator"
+            await self._reject(response, 500, "internal_error", message, request.id)
 
-            async def limited_receive() -> Message:
-                message = await receive()
-                if message["type"] == "http.request":
-                    received["bytes"] += len(message.get("body", b""))
-                    if received["bytes"] > limit:
-                        raise BodyTooLarge(limit)
-                return message
-
-            try:
-                await self.app(scope, limited_receive, send_with_id)
-            except Exception as error:
-                if status["started"]:
-                    raise
-                log.error("request %s %s %s failed", request_id, scope.get("method"), path, exc_info=error)
-                await self._reject(
-                    send_with_id,
-                    500,
-                    "internal_error",
-                    f"internal error; quote request id {request_id} to the operator",
-                    request_id,
-                )
-        finally:
-            route = scope.get("route")
-            label = getattr(route, "path", None) or "unmatched"
-            method = scope.get("method", "")
-            self.metrics.requests.labels(label, method, str(status["code"])).inc()
-            self.metrics.latency.labels(label, method).observe(time.perf_counter() - started)
+    def _count(self, scope: Scope, status: int, started: float) -> None:
+        route = scope.get("route")
+        label = getattr(route, "path", None) or "unmatched"
+        method = scope.get("method", "")
+        self.metrics.requests.labels(label, method, str(status)).inc()
+        self.metrics.latency.labels(label, method).observe(time.perf_counter() - started)
 
     @staticmethod
     async def _reject(
-        send: Send,
+        response: _Response,
         status: int,
         code: str,
         message: str,
@@ -146,5 +177,7 @@ class ServingMiddleware:
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         if status == 413:
             headers.append((b"connection", b"close"))  # the unread body must not be parsed as the next request
-        await send({"type": "http.response.start", "status": status, "headers": headers + (extra_headers or [])})
-        await send({"type": "http.response.body", "body": body})
+        await response.send(
+            {"type": "http.response.start", "status": status, "headers": headers + (extra_headers or [])}
+        )
+        await response.send({"type": "http.response.body", "body": body})

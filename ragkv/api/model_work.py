@@ -2,7 +2,7 @@
 turns, completions) and task bodies (ingestion, deletion, embeddings).
 
 The query path and the chat-turn algorithm live in the application layer
-(ragkv.app.query, ragkv.app.chat); this module converts their errors to API errors and
+(ragkv.app.query, ragkv.app.chat.turn); this module converts their errors to API errors and
 records their metrics.
 """
 
@@ -19,9 +19,9 @@ from ragkv.api.metrics import Metrics
 from ragkv.api.request_stream import RequestStream
 from ragkv.api.task import Task
 from ragkv.api.vllm_metrics import RequestRecord
-from ragkv.app.chat import ChatInfo, ChatTurn, ChatTurns
+from ragkv.app.chat.contexts import ContextStore
+from ragkv.app.chat.turn import ChatInfo, ChatTurn, ChatTurns
 from ragkv.app.completion import PassageRequest, completion_request, prompt_ids
-from ragkv.app.contexts import ContextStore
 from ragkv.app.query import QueryInfo, query_request
 from ragkv.app.rag import QueryConfig
 from ragkv.app.request import Request, RequestCancelled, RequestOutput

@@ -1,7 +1,7 @@
 """The session id a client names, checked at the API's edge, the session side of a chat
 turn's answer (chat completions and responses), and the wait that lets an answer end only
 once its context can be continued on another replica (the store itself is
-ragkv.app.session_store)."""
+ragkv.app.chat.session_store)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from ragkv.api.common.serving import citations_of
 from ragkv.api.errors import ApiError
 from ragkv.api.sources import sources_block
-from ragkv.app.contexts import ContextStore, new_context_id
+from ragkv.app.chat.contexts import ContextStore, new_context_id
 from ragkv.app.request import RequestOutput
 
 _SESSION_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")

@@ -13,7 +13,7 @@ from ragkv.api.errors import ApiError
 from ragkv.api.metrics import Metrics
 from ragkv.api.model_work import ModelWork
 from ragkv.api.worker import ModelWorker
-from ragkv.app.contexts import ContextStore
+from ragkv.app.chat.contexts import ContextStore
 from ragkv.app.ingest_records import IngestRecords
 from ragkv.app.runtime import Runtime
 

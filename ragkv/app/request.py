@@ -62,7 +62,7 @@ class RequestCancelled(Exception):
 @dataclass
 class RequestInfo:
     """What one kind of request reports beside the shared fields; each kind subclasses it
-    (ragkv.app.query.QueryInfo, ragkv.app.chat.ChatInfo)."""
+    (ragkv.app.query.QueryInfo, ragkv.app.chat.turn.ChatInfo)."""
 
 
 @dataclass(frozen=True)

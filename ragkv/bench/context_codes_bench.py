@@ -38,9 +38,9 @@ def _timed(action, repeats: int = 5):
 def run(dataset: Path, samples: int) -> dict:
     import redis
 
-    from ragkv.app.context_blob import decode_context, encode_context
-    from ragkv.app.contexts import Context
-    from ragkv.app.conversation import continue_conversation, render_conversation
+    from ragkv.app.chat.context_blob import decode_context, encode_context
+    from ragkv.app.chat.contexts import Context
+    from ragkv.app.chat.conversation import continue_conversation, render_conversation
     from ragkv.bench.followup_bench import _samples
     from ragkv.bench.redis_process import RedisServer
     from ragkv.engine import Engine, EngineConfig

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ragkv.app.chat import ChatTurn, ChatTurns
-from ragkv.app.contexts import ContextCache
+from ragkv.app.chat.contexts import ContextCache
+from ragkv.app.chat.turn import ChatTurn, ChatTurns
 from ragkv.app.generate import run_alone
 from ragkv.app.rag import QueryConfig
 from ragkv.app.runtime import Runtime

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ragkv.app.conversation import render_conversation
+from ragkv.app.chat.conversation import render_conversation
 from ragkv.app.generate import decode, forced_answer_ids
 from ragkv.app.prompt_passages import FusedPassages, PromptPassages
 from ragkv.bench.datasets import Example

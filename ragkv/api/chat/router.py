@@ -4,7 +4,7 @@ and the session routes.
 Messages keep their roles through the model's chat template (a system message replaces
 the default system prompt). A client that resends the whole history, as OpenAI clients
 do, reuses the longest cached prefix of it: only new tokens are computed, and
-`usage.prompt_tokens_details.cached_tokens` says how many were not (see ragkv.app.chat).
+`usage.prompt_tokens_details.cached_tokens` says how many were not (see ragkv.app.chat.turn).
 
 Extensions (the openai client sends them with `extra_body=`):
   rag         {"enabled", "top_k", "document_ids", "strategy", "ratio", "session_id"}

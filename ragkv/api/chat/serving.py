@@ -22,7 +22,7 @@ from ragkv.api.common.protocol import SessionSummary
 from ragkv.api.common.serving import openai_finish_reason, openai_usage_of, rag_extension_of
 from ragkv.api.sessions import ChatTurnAnswer
 from ragkv.api.streaming import StreamRenderer
-from ragkv.app.contexts import Context
+from ragkv.app.chat.contexts import Context
 from ragkv.app.logprobs import TokenLogprob as AppTokenLogprob
 from ragkv.app.request import RequestOutput
 from ragkv.app.status import DefaultFusion

@@ -9,7 +9,7 @@ from __future__ import annotations
 from ragkv.api.common.protocol import GenerationRequest, RetrievalOptions, SparseOptions
 from ragkv.api.config import ServeConfig
 from ragkv.api.errors import ApiError
-from ragkv.app.chat import ChatTurn
+from ragkv.app.chat.turn import ChatTurn
 from ragkv.app.rag import QueryConfig
 from ragkv.app.request_types import (
     FusionConfig,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ragkv.api.common.protocol import CachedTokens, Citation, OpenAIUsage, RagExtension, SessionSummary, Usage
-from ragkv.app.chat import ChatInfo
+from ragkv.app.chat.turn import ChatInfo
 from ragkv.app.rag import Citation as AppCitation
 from ragkv.app.request import FinishReason, RequestOutput
 from ragkv.app.usage import TokenUsage

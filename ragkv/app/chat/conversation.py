@@ -5,7 +5,7 @@ are the concatenation of the template's text pieces and of each user message's c
 tokenized separately, so the same history always gives the same ids and a longer history
 starts with the ids of a shorter one: the property prefix matching relies on. Documents
 are not part of these ids; a chat turn splices them in before the last user message's
-content (see ragkv.app.chat).
+content (see ragkv.app.chat.turn).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ history (no session id) finds it by prefix, and a client that names the id an an
 
 After a turn the replica snapshots the context's rows (in the cache's 16-bit dtype, or
 float16 for a wider cache) and a background thread publishes them: the blob
-(app.context_blob, with the deployment's MAC when a store secret is set) under the
+(app.chat.context_blob, with the deployment's MAC when a store secret is set) under the
 context's id and, for a context of at least `min_rows` rows, per full 16-token block of the
 conversation, a key from the block's chained hash (rooted in tenant and model fingerprint,
 as the in-process prefix index) to the context's id. A turn whose conversation this process
@@ -34,14 +34,14 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from ragkv.app.context_blob import KV_CODES, compact_dtype, context_tensors, decode_context, encode_context_tensors
-from ragkv.app.contexts import BLOCK_TOKENS, Context, Match, block_hashes
-from ragkv.app.conversation import common_prefix
+from ragkv.app.chat.context_blob import KV_CODES, compact_dtype, context_tensors, decode_context, encode_context_tensors
+from ragkv.app.chat.contexts import BLOCK_TOKENS, Context, Match, block_hashes
+from ragkv.app.chat.conversation import common_prefix
 from ragkv.store.errors import CorruptBlobError
 from ragkv.store.redis_client import ERRORS, hash_tag
 from ragkv.store.redis_link import RedisLink
 
-log = logging.getLogger("ragkv.app.shared_contexts")
+log = logging.getLogger("ragkv.app.chat.shared_contexts")
 
 # KEYS: the tenant's LRU (zset id -> last use) and sizes (hash id -> bytes).
 # ARGV: id, size, now, budget, blob key prefix. Adds the context, then drops the least
@@ -83,7 +83,7 @@ class SharedContextConfig:
     queue: int = 4
     """Snapshots waiting to be published; a full queue drops the oldest."""
     kv_codes: str = "16bit"
-    """How the KV travels (app.context_blob.KV_CODES): the cache's 16-bit dtype, or int8
+    """How the KV travels (app.chat.context_blob.KV_CODES): the cache's 16-bit dtype, or int8
     codes (about half the bytes)."""
 
     def __post_init__(self) -> None:
@@ -282,14 +282,8 @@ class SharedContexts:
         decides between memory and a retry-later)."""
         prefix = self._prefix(tenant)
         blob = self._client.get(prefix + "kv:" + context_id)
-        if blob is None:
-            return None
-        try:
-            context = decode_context(bytearray(blob), mac_key=self._mac_key)
-        except CorruptBlobError as error:
-            log.warning("ignoring a shared context that fails its check: %s", error)
-            return None
-        if context.tenant != tenant or context.id != context_id or context.explicit:
+        context = self._decoded(blob, tenant) if blob is not None else None
+        if context is None or context.id != context_id:
             return None
         self._client.zadd(prefix + "lru", {context_id: time.time()})
         self.stats.add(loaded=1)
@@ -306,13 +300,19 @@ class SharedContexts:
         pipe.hdel(prefix + "sizes", context_id)
         return bool(pipe.execute()[0])
 
-    def _match(self, blob, tenant: str, fingerprint: str, conversation_ids: list[int], at_least: int) -> Match | None:
+    def _decoded(self, blob, tenant: str) -> Context | None:
+        """The anonymous context of `tenant` a published blob holds; None when it fails its
+        check or is another tenant's or a session."""
         try:
             context = decode_context(bytearray(blob), mac_key=self._mac_key)
         except CorruptBlobError as error:
             log.warning("ignoring a shared context that fails its check: %s", error)
             return None
-        if context.tenant != tenant or context.fingerprint != fingerprint or context.explicit:
+        return None if context.tenant != tenant or context.explicit else context
+
+    def _match(self, blob, tenant: str, fingerprint: str, conversation_ids: list[int], at_least: int) -> Match | None:
+        context = self._decoded(blob, tenant)
+        if context is None or context.fingerprint != fingerprint:
             return None
         shared = common_prefix(context.conversation_ids, conversation_ids)
         enough = at_least + self.config.min_gain if at_least > 0 else 0

@@ -19,7 +19,7 @@ import json
 
 import torch
 
-from ragkv.app.contexts import Context, Insertion
+from ragkv.app.chat.contexts import Context, Insertion
 from ragkv.engine.kv_cache import KVCache, WindowRows
 from ragkv.engine.kv_storage import KVStorageFormat
 from ragkv.store.blob import decode_blob, encode_blob

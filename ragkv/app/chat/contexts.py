@@ -1,7 +1,7 @@
 """Cached chat contexts: the KV of earlier turns, found again by token prefix.
 
 A `Context` holds a KV cache and what its rows are: the conversation's token ids (see
-ragkv.app.conversation) with document blocks spliced in (`insertions`). A new turn's
+ragkv.app.chat.conversation) with document blocks spliced in (`insertions`). A new turn's
 conversation ids are matched against the tenant's contexts by prefix, as vLLM's prefix
 cache does: the ids are cut into blocks of BLOCK_TOKENS and each block's hash chains the
 hash of the block before it (the chain's root is the tenant and the model fingerprint, so
@@ -30,7 +30,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ragkv.app.conversation import common_prefix
+from ragkv.app.chat.conversation import common_prefix
 from ragkv.engine.kv_cache import KVCache
 from ragkv.ingest.errors import NotFoundError
 
@@ -110,7 +110,11 @@ class Context:
         return {h for i in self.insertions if i.at < conversation_tokens for h in i.chunk_hashes}
 
     def cut(self, conversation_tokens: int) -> None:
-        """Keep only what holds the first `conversation_tokens` conversation tokens."""
+        """Keep only what holds the first `conversation_tokens` conversation tokens, in place.
+        Only the context's holder (a `checkout` or a `take`) may cut it, and what it cuts is
+        lost unless saved first (a chat turn saves it: `_Saved` in ragkv.app.chat.turn).
+        Raises ValueError, changing nothing, for a cut before the rows a released sliding
+        window still needs (`KVCache.earliest_cut`)."""
         rows = self.rows_for(conversation_tokens)
         self.cache.truncate(rows)
         self.conversation_ids = self.conversation_ids[:conversation_tokens]
@@ -151,30 +155,92 @@ Key = tuple[str, str]
 
 class ContextStore(Protocol):
     """Where chat turns find and leave their contexts: `ContextCache` (this process) or
-    `ragkv.app.session_store.RedisSessions` (sessions shared by replicas through Redis)."""
+    `ragkv.app.chat.session_store.RedisSessions` (sessions shared by replicas through Redis).
+
+    Ownership: a context in the store belongs to the store; a turn reads its rows (copies a
+    prefix) but writes them only while it holds the context, from a `checkout` (a session,
+    by id) or a successful `take` (an anonymous context found by `match`) until its
+    `release`. While held, a context is in no index: no other turn finds, takes or checks
+    it out. A holder may `Context.cut` it and write rows after the cut; a turn that fails
+    puts back what it cut (`ragkv.app.chat.turn`: `_Saved.restore`) before it releases
+    the context. A context the turn built is handed over with `put` (anonymous) or with
+    `release(..., context)` (a session).
+
+    Failures of a remote store (Redis) are never raised by `match`, `put`, `release`,
+    `shared`, `publication`, `delete`, `list` or `stats`: the store marks Redis down, keeps
+    working from process memory and catches up once Redis answers. Only `checkout` raises,
+    and it then holds nothing.
+    """
 
     backend: str
 
-    def match(self, tenant: str, fingerprint: str, conversation_ids: list[int]) -> Match | None: ...
+    def match(self, tenant: str, fingerprint: str, conversation_ids: list[int]) -> Match | None:
+        """The tenant's context (of this model) sharing the longest prefix with
+        `conversation_ids`, or None. Changes no ownership: the store still owns the match,
+        whose rows the caller may copy but not write (`take` it to write them). With Redis,
+        a longer context another replica published may be the match: a decoded copy no one
+        else holds. A failed Redis lookup gives the local match."""
+        ...
 
-    def take(self, context: Context) -> bool: ...
+    def take(self, context: Context) -> bool:
+        """Take an anonymous context found by `match` out of the store for a turn.
+        True: the caller holds it (out of the index) until it releases it, with None when
+        the turn leaves a new context in its place (`put`) or as it was when the turn
+        failed. False, changing nothing: it is gone (evicted, or taken by another turn
+        meanwhile) or is not in this process's memory (a published copy); the caller then
+        copies its rows, never writes them."""
+        ...
 
-    def put(self, context: Context) -> None: ...
+    def put(self, context: Context) -> None:
+        """Hand a new anonymous context to the store: before, the caller owns it (it built
+        it and holds no checkout of its id); after, the store does and the caller must not
+        write its rows (a later turn takes it). A context larger than the anonymous budget
+        is dropped at once, and the least recently used ones are evicted to make room
+        (counted in `stats`, not raised). With shared contexts, a snapshot is queued for
+        Redis (`publication`); a full queue drops the oldest snapshot, a failed publish
+        this one, both counted."""
+        ...
 
-    def checkout(self, tenant: str, session_id: str) -> Context: ...
+    def checkout(self, tenant: str, session_id: str) -> Context:
+        """Hold a context by id for one turn: before, the store owns it; after, the caller
+        does, alone, until `release` (in Redis the session's lock, renewed by a heartbeat,
+        keeps other replicas out; it expires if this process dies). An id that is not a
+        session but an anonymous context, here or published by another replica, is checked
+        out the same way and continues as a session. Raises, holding nothing:
+        SessionBusyError while another turn holds it, SessionNotFoundError when there is no
+        such context, SessionStoreUnavailableError when Redis cannot be asked and this
+        process has no copy."""
+        ...
 
-    def release(self, tenant: str, session_id: str, context: Context | None) -> None: ...
+    def release(self, tenant: str, session_id: str, context: Context | None) -> None:
+        """End the caller's hold on `session_id` (from `checkout` or `take`): the store owns
+        `context` from then on (the turn's new state, or the held context given back as it
+        was), or, with None, keeps nothing under that id. A context deleted while held is
+        not kept. With Redis, a session is written there and its lock freed; if Redis
+        fails, the session is kept in memory, marked unshared (`shared`), and the heartbeat
+        publishes it and frees the lock once Redis answers. Never raises for Redis."""
+        ...
 
-    def shared(self, context: Context) -> bool: ...
+    def shared(self, context: Context) -> bool:
+        """Whether another replica can continue `context` by its id now (in Redis). Reads
+        only; changes no ownership."""
+        ...
 
     def publication(self, tenant: str, context_id: str) -> Future[bool] | None:
         """The pending publish of the anonymous context a turn just left (resolved True once
-        other replicas can find it), handed out once; None when none is pending."""
+        other replicas can find it, False if it will not be), handed out once; None when
+        none is pending."""
         ...
 
-    def delete(self, tenant: str, session_id: str) -> bool: ...
+    def delete(self, tenant: str, session_id: str) -> bool:
+        """Forget a context everywhere (True if there was one). A context held now stays
+        with its holder, and the store does not keep it when released."""
+        ...
 
-    def list(self, tenant: str) -> list[Context]: ...
+    def list(self, tenant: str) -> list[Context]:
+        """The tenant's sessions held in this process's memory (not anonymous contexts, not
+        the ones checked out now). The store keeps owning them: read only."""
+        ...
 
     def stats(self) -> dict: ...
 

@@ -1,14 +1,14 @@
-"""Where chat contexts live: process memory (ragkv.app.contexts.ContextCache), and Redis
+"""Where chat contexts live: process memory (ragkv.app.chat.contexts.ContextCache), and Redis
 for sessions shared by API replicas.
 
 RedisSessions keeps every context in a ContextCache and, for sessions (contexts a client
-named), also in Redis: the KV as a blob (app.context_blob: a checksum, or the deployment
+named), also in Redis: the KV as a blob (app.chat.context_blob: a checksum, or the deployment
 secret's MAC; never pickle) and a small JSON meta record, both with the session TTL. A
 memory copy is used when its version matches the meta in Redis, so a turn on the replica
 that served the previous one reads a few bytes from Redis, not the KV. Anonymous contexts
 (turns without a session id) live in process memory within their own byte budget and,
 when a shared budget is given, are also published for other replicas to find by prefix
-(app.shared_contexts) or by id: an id an anonymous turn's answer named, sent to any
+(app.chat.shared_contexts) or by id: an id an anonymous turn's answer named, sent to any
 replica with only the new message, continues there as a session (`checkout` reads the
 published blob when Redis holds no session of that id). `publication` hands the API the
 pending publish of the context a turn just left, so the answer's last event can wait for it.
@@ -37,8 +37,8 @@ import uuid
 from collections import OrderedDict
 from concurrent.futures import Future
 
-from ragkv.app.context_blob import context_meta, decode_context, encode_context
-from ragkv.app.contexts import (
+from ragkv.app.chat.context_blob import context_meta, decode_context, encode_context
+from ragkv.app.chat.contexts import (
     Context,
     ContextCache,
     ContextStore,
@@ -47,14 +47,14 @@ from ragkv.app.contexts import (
     SessionNotFoundError,
     SessionStoreUnavailableError,
 )
-from ragkv.app.shared_contexts import SharedContextConfig, SharedContexts
+from ragkv.app.chat.shared_contexts import SharedContextConfig, SharedContexts
 from ragkv.store.blob import mac_key_of
 from ragkv.store.errors import CorruptBlobError
 from ragkv.store.redis_client import ERRORS, hash_tag
 from ragkv.store.redis_link import RedisLink
 from ragkv.store.url import redis_url_of_store
 
-log = logging.getLogger("ragkv.app.session_store")
+log = logging.getLogger("ragkv.app.chat.session_store")
 
 _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
 # Publish a session kept in memory while Redis was away: not over a newer turn written by
