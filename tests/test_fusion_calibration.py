@@ -111,3 +111,21 @@ def test_calibrated_ratio_is_stored_used_and_reported(tiny, tmp_path, capsys):
         assert "uses the calibrated ratio 1.00" in server.log()
     finally:
         server.stop()
+
+
+def test_calibration_reads_chunks_as_ingestion_stores_them_in_context(tiny):
+    engine = Engine(_engine_config(tiny))
+    texts = [path.read_text() for path in sorted(CORPUS.iterdir())]
+    config = FusionCalibrationConfig(
+        ratios=(0.0, 1.0), samples=2, chunks_per_sample=3, chunk_tokens=64, max_new_tokens=4
+    )
+    plain = calibrate_fusion(engine, texts, config).figures
+    in_context = FusionCalibrationConfig(**{**config.__dict__, "context_chunks": 1})
+    placed = calibrate_fusion(engine, texts, in_context).figures
+    # the full recompute does not read stored rows; with none, rows computed after their
+    # preceding chunk (the sample's chunks are consecutive) sit closer to the full prefill
+    assert placed["1"]["first_token_kl"] < 1e-6 and plain["1"]["first_token_kl"] < 1e-6
+    assert placed["0"]["first_token_kl"] != plain["0"]["first_token_kl"]
+    assert placed["0"]["teacher_forced_kl"] < plain["0"]["teacher_forced_kl"]
+    with pytest.raises(ValueError, match="context_chunks"):
+        FusionCalibrationConfig(context_chunks=-1)

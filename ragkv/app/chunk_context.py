@@ -69,7 +69,6 @@ class ChunkContextualizer:
         if neighbours < 1:
             raise ValueError("a contextualizer needs at least one neighbour")
         self.engine, self.store, self.registry, self.neighbours = engine, store, registry, neighbours
-        self._strategy = _PlacedContext()
         # the fusion needs a last segment it computes; one newline-like token costs nothing
         self._tail = engine.tokenize("\n")[-1:] or [0]
 
@@ -145,11 +144,21 @@ class ChunkContextualizer:
         return chosen[::-1]
 
     def _in_context(self, token_ids: list[int], context: list[dict]) -> dict[str, torch.Tensor]:
-        engine = self.engine
-        chunks = [LoadedChunk(t["tokens"].tolist(), *engine.kv_format.unpack(t)) for t in context]
-        chunks.append(LoadedChunk(token_ids))
-        prefix = list(engine.chunk_prefix_ids)
-        fusion_input = FusionInput(prefix, chunks, self._tail, chunk_precompute_offset=len(prefix))
-        result = self._strategy.fuse(engine.model, fusion_input, engine.chunk_prefix_cache())
-        keys, values = result.fresh_chunk_kv(len(chunks) - 1)
-        return engine.stored_chunk(token_ids, keys, values)
+        return stored_in_context(self.engine, token_ids, context, self._tail)
+
+
+def stored_in_context(
+    engine: Engine, token_ids: list[int], context: list[dict], tail: list[int] | None = None
+) -> dict[str, torch.Tensor]:
+    """The stored blob of the chunk `token_ids` computed after the stored chunks `context`
+    (blobs, in prompt order; their K/V placed, not recomputed). `ragkv calibrate fusion`
+    uses it too, so what it calibrates on is what ingestion stores."""
+    if tail is None:
+        tail = engine.tokenize("\n")[-1:] or [0]
+    chunks = [LoadedChunk(t["tokens"].tolist(), *engine.kv_format.unpack(t)) for t in context]
+    chunks.append(LoadedChunk(token_ids))
+    prefix = list(engine.chunk_prefix_ids)
+    fusion_input = FusionInput(prefix, chunks, tail, chunk_precompute_offset=len(prefix))
+    result = _PlacedContext().fuse(engine.model, fusion_input, engine.chunk_prefix_cache())
+    keys, values = result.fresh_chunk_kv(len(chunks) - 1)
+    return engine.stored_chunk(token_ids, keys, values)

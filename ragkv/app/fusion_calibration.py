@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ragkv.app.chunk_context import stored_in_context
 from ragkv.app.generate import decode, forced_answer_ids
 from ragkv.engine.generation import GenerationConfig
 from ragkv.fusion import FusionInput, LoadedChunk, build_strategy
@@ -53,6 +54,10 @@ class FusionCalibrationConfig:
     chunk_tokens: int = 128
     max_new_tokens: int = 16
     """Length of the full prefill's answer the teacher-forced KL runs along."""
+    context_chunks: int = 0
+    """Chunks of its document placed before each chunk when its K/V is computed, as ingestion's
+    --context-neighbours stores it (`ragkv calibrate fusion` passes the server's setting).
+    Calibration has no retrieval index: the preceding chunks stand in for the nearest ones."""
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -63,6 +68,8 @@ class FusionCalibrationConfig:
             raise ValueError("ratios must be a non-empty list of values in [0, 1]")
         if not self.target_kl > 0.0:
             raise ValueError("target_kl must be > 0")
+        if self.context_chunks < 0:
+            raise ValueError("context_chunks must be >= 0")
         if self.samples < 1 or self.chunks_per_sample < 1 or self.chunk_tokens < 16 or self.max_new_tokens < 1:
             raise ValueError("samples, chunks_per_sample and max_new_tokens must be >= 1, chunk_tokens >= 16")
 
@@ -141,17 +148,29 @@ def calibrate_fusion(
     progress: Callable[[str], None] = lambda message: None,
 ) -> FusionCalibration:
     rng = random.Random(config.seed)
-    pool = [chunk.token_ids for text in texts for chunk in chunk_document(engine.tokenizer, text, config.chunk_tokens)]
+    documents = [
+        [chunk.token_ids for chunk in chunk_document(engine.tokenizer, text, config.chunk_tokens)] for text in texts
+    ]
+    pool = [ids for chunks in documents for ids in chunks]
+    # each pool chunk's index in its document: its preceding chunks are its context
+    position = [index for chunks in documents for index in range(len(chunks))]
     if not pool:
         raise ValueError("the documents are empty")
     questions = list(questions or sample_questions(texts, config.samples, rng))[: config.samples]
     model, strategy = engine.model, build_strategy(config.strategy)
     prefix_cache = engine.chunk_prefix_cache()
+    plain: dict[int, dict] = {}
     kv_cache: dict[int, LoadedChunk] = {}
+
+    def encoded(index: int) -> dict:
+        if index not in plain:
+            plain[index] = engine.encode_chunk(pool[index])
+        return plain[index]
 
     def loaded(index: int) -> LoadedChunk:
         if index not in kv_cache:
-            tensors = engine.encode_chunk(pool[index])
+            before = range(index - min(config.context_chunks, position[index]), index)
+            tensors = stored_in_context(engine, pool[index], [encoded(i) for i in before]) if before else encoded(index)
             kv_cache[index] = LoadedChunk(pool[index], *engine.kv_format.unpack(tensors))
         return kv_cache[index]
 

@@ -5,6 +5,7 @@ KL target of the full prefill on the user's documents (ragkv.app.fusion_calibrat
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -88,6 +89,8 @@ def run_fusion(args: argparse.Namespace) -> int:
         if not texts:
             raise ValueError("nothing to calibrate on: give files, or ingest documents first")
         engine = runtime.engine
+        # chunks as this data folder's ingestion stores them (--context-neighbours)
+        config = dataclasses.replace(config, context_chunks=runtime.config.ingest.context_neighbours)
         calibration = calibrate_fusion(engine, texts, config, questions, _progress)
         for ratio, figure in calibration.figures.items():
             print(
