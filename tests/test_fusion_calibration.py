@@ -13,13 +13,16 @@ from tiny_models import make_tiny_model
 from ragkv.api.launcher import ServerProcess
 from ragkv.app.fusion_calibration import (
     FusionCalibrationConfig,
+    attach_calibration,
     calibrate_fusion,
+    grid,
     load_calibration,
+    save_calibration,
 )
 from ragkv.app.runtime import Runtime, RuntimeConfig
 from ragkv.cli.main import main
 from ragkv.engine import Engine, EngineConfig
-from ragkv.fusion import FusionConfig
+from ragkv.fusion import CalibratedFusion, FusionConfig
 
 pytestmark = pytest.mark.model  # the packaged SmolLM2 tokenizer or model
 
@@ -44,7 +47,13 @@ def test_calibration_picks_the_smallest_ratio_within_the_target(tiny):
     engine = Engine(_engine_config(tiny))
     texts = [path.read_text() for path in sorted(CORPUS.iterdir())]
     config = FusionCalibrationConfig(
-        ratios=(0.0, 0.5, 1.0), samples=2, chunks_per_sample=3, chunk_tokens=64, max_new_tokens=4, target_kl=1.0
+        ratios=(0.0, 0.5, 1.0),
+        refresh_ratios=(0.0,),
+        samples=2,
+        chunks_per_sample=3,
+        chunk_tokens=64,
+        max_new_tokens=4,
+        target_kl=1.0,
     )
     figures = calibrate_fusion(engine, texts, config).figures
     # ratio 1 recomputes everything: the full prefill up to float rounding
@@ -73,11 +82,11 @@ def test_calibrated_ratio_is_stored_used_and_reported(tiny, tmp_path, capsys):
     with Runtime(RuntimeConfig(data_dir=home, engine=_engine_config(tiny))) as runtime:
         stored = load_calibration(runtime.env, runtime.engine.fingerprint, "probe")
         assert stored is not None and stored.ratio == 1.0
-        assert runtime.engine.fusion_ratios == {"probe": 1.0}
-        assert FusionConfig().build(runtime.engine.fusion_ratios).ratio == 1.0
+        assert runtime.engine.fusion_calibrated == {"probe": CalibratedFusion(1.0, 0.0)}
+        assert FusionConfig().build(runtime.engine.fusion_calibrated).ratio == 1.0
         # a request's own ratio, or a spec naming one, wins over the calibrated one
-        assert FusionConfig(ratio=0.2).build(runtime.engine.fusion_ratios).ratio == 0.2
-        assert FusionConfig("probe:ratio=0.3").build(runtime.engine.fusion_ratios).ratio == 0.3
+        assert FusionConfig(ratio=0.2).build(runtime.engine.fusion_calibrated).ratio == 0.2
+        assert FusionConfig("probe:ratio=0.3").build(runtime.engine.fusion_calibrated).ratio == 0.3
     # a grid where no ratio meets the target stores nothing and says so
     assert (
         main(
@@ -107,8 +116,8 @@ def test_calibrated_ratio_is_stored_used_and_reported(tiny, tmp_path, capsys):
     try:
         models = httpx.get(server.url + "/v1/models", timeout=30).json()["data"]
         fusion = models[0]["fusion"]
-        assert fusion == {"strategy": "probe", "ratio": 1.0, "calibrated": True}
-        assert "uses the calibrated ratio 1.00" in server.log()
+        assert fusion == {"strategy": "probe", "ratio": 1.0, "calibrated": True, "refresh_ratio": 0.0}
+        assert "uses the calibrated ratio 1.00, answer refresh 0.00" in server.log()
     finally:
         server.stop()
 
@@ -129,3 +138,57 @@ def test_calibration_reads_chunks_as_ingestion_stores_them_in_context(tiny):
     assert placed["0"]["teacher_forced_kl"] < plain["0"]["teacher_forced_kl"]
     with pytest.raises(ValueError, match="context_chunks"):
         FusionCalibrationConfig(context_chunks=-1)
+
+
+def test_the_grid_runs_cheapest_first_and_refreshes_only_the_probe():
+    labels = [point.label for point in grid(FusionCalibrationConfig(ratios=(0.1, 0.2, 1.0), refresh_ratios=(0.0, 0.1)))]
+    # equal rows recomputed: the plain ratio before the refresh; nothing past every row
+    assert labels == ["0.1", "0.2", "0.1+refresh 0.1", "0.2+refresh 0.1", "1"]
+    assert [point.label for point in grid(FusionCalibrationConfig(strategy="a3", ratios=(0.1,)))] == ["0.1"]
+    with pytest.raises(ValueError, match="no answer refresh"):
+        FusionCalibrationConfig(strategy="a3", refresh_ratios=(0.1,))
+    with pytest.raises(ValueError, match="refresh_ratios"):
+        FusionCalibrationConfig(refresh_ratios=(1.5,))
+
+
+def test_an_answer_refresh_is_chosen_stored_and_applied_when_only_it_meets_the_target(tiny, tmp_path):
+    engine = Engine(_engine_config(tiny))
+    texts = [path.read_text() for path in sorted(CORPUS.iterdir())]
+    config = FusionCalibrationConfig(
+        # the rerun: the probe's own rows (min_rows of them) run again after the refreshed ones
+        strategy="probe:refresh_rerun=true",
+        ratios=(0.0,),
+        refresh_ratios=(0.0, 1.0),
+        samples=2,
+        chunks_per_sample=3,
+        chunk_tokens=64,
+        max_new_tokens=4,
+        target_kl=1e-6,
+    )
+    calibration = calibrate_fusion(engine, texts, config)
+    # no recompute is far from the full prefill; a refresh of every stale row is the full
+    # prefill up to float rounding
+    assert calibration.figures["0"]["first_token_kl"] > 1e-4
+    assert calibration.figures["0+refresh 1"]["first_token_kl"] < 1e-6
+    assert (calibration.ratio, calibration.refresh_ratio) == (0.0, 1.0)
+    # with every point within the KL target, an agreement target decides
+    agreeing = calibrate_fusion(engine, texts, FusionCalibrationConfig(**{**config.__dict__, "target_kl": 10.0}))
+    assert (agreeing.ratio, agreeing.refresh_ratio) == (0.0, 0.0)
+    plain_agreement = calibration.figures["0"]["teacher_forced_agreement"]
+    assert calibration.figures["0+refresh 1"]["teacher_forced_agreement"] == 1.0
+    if plain_agreement < 1.0:
+        strict = FusionCalibrationConfig(**{**config.__dict__, "target_kl": 10.0, "min_agreement": 1.0})
+        assert calibrate_fusion(engine, texts, strict).refresh_ratio == 1.0
+    with pytest.raises(ValueError, match="min_agreement"):
+        FusionCalibrationConfig(min_agreement=1.5)
+
+    with Runtime(RuntimeConfig(data_dir=tmp_path, engine=_engine_config(tiny))) as runtime:
+        save_calibration(runtime.env, engine.fingerprint, calibration)
+        attach_calibration(runtime.engine, runtime.env)
+        assert runtime.engine.fusion_calibrated == {"probe": CalibratedFusion(0.0, 1.0)}
+        built = FusionConfig().build(runtime.engine.fusion_calibrated)
+        assert (built.ratio, built.refresh_ratio) == (0.0, 1.0)
+        # a request naming its own ratio, or a spec naming the refresh, keeps its own
+        assert FusionConfig(ratio=0.2).build(runtime.engine.fusion_calibrated).refresh_ratio == 0.0
+        spec = FusionConfig("probe:refresh_ratio=0.05").build(runtime.engine.fusion_calibrated)
+        assert (spec.ratio, spec.refresh_ratio) == (0.0, 0.05)

@@ -77,7 +77,7 @@ def completion_request(
             prefix_cache = engine.model.new_cache(first)
             engine.model.prefill(torch.tensor(token_ids[:first]), prefix_cache)
             request.timings.prefill = time.perf_counter() - started
-            strategy = passages.fusion.build(engine.fusion_ratios)
+            strategy = passages.fusion.build(engine.fusion_calibrated)
             fuse_started = time.perf_counter()
             fused = passages.passages.fuse(token_ids, plan, prefix_cache, strategy, generation.max_new_tokens, first)
             request.timings.fuse = time.perf_counter() - fuse_started

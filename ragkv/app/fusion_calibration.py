@@ -1,14 +1,15 @@
-"""`ragkv calibrate fusion`: the smallest recompute ratio that keeps fusion within a KL
+"""`ragkv calibrate fusion`: the cheapest fusion settings that keep the answer within a KL
 target of the full prefill, for this model on the user's own documents.
 
 Samples: consecutive chunks of the documents as the retrieved context, with a question
 per sample (given, or a sentence of one of its chunks, so the question reads the context
-the way a user's would). For each ratio of the grid the strategy fuses every sample, and
-its first-token KL and teacher-forced KL along the full prefill's greedy answer are
-measured (ragkv.fusion.fidelity: the same decode step the server runs). The
-smallest ratio whose mean of both meets the target is stored under the model
-fingerprint (sub-database ``fusion_calibration`` of the LMDB environment, like the A2ATS
-codebook), and the server and `ragkv ask` use it when a request names no ratio.
+the way a user's would). Each point of the grid (a recompute ratio, and for the probe an
+answer-refresh share) fuses every sample, and its first-token KL and teacher-forced KL and
+agreement along the full prefill's greedy answer are measured (ragkv.fusion.fidelity: the
+same decode step the server runs). The cheapest point (fewest rows recomputed, a refresh
+counted as rows, then no refresh before one) whose means meet the targets is stored under
+the model fingerprint (sub-database ``fusion_calibration`` of the LMDB environment, like
+the A2ATS codebook), and the server and `ragkv ask` use it when a request names no ratio.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 from ragkv.app.chunk_context import stored_in_context
 from ragkv.app.generate import decode, forced_answer_ids
 from ragkv.engine.generation import GenerationConfig
-from ragkv.fusion import FusionInput, LoadedChunk, build_strategy
+from ragkv.fusion import CalibratedFusion, FusionInput, FusionStrategy, LoadedChunk, build_strategy
 from ragkv.fusion.fidelity import TeacherForced, next_token_kl, teacher_forced_logits
 from ragkv.fusion.registry import DEFAULT_STRATEGY
 from ragkv.ingest.chunker import chunk_document
@@ -36,6 +37,7 @@ log = logging.getLogger("ragkv.calibration")
 
 CALIBRATION_DB = "fusion_calibration"
 DEFAULT_RATIOS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.7, 1.0)
+DEFAULT_REFRESH_RATIOS = (0.0, 0.1)
 _SENTENCE = re.compile(r"[^.!?\n]{24,200}[.!?]")
 
 
@@ -45,8 +47,15 @@ class FusionCalibrationConfig:
     """Strategy calibrated (one with a ratio): name or spec without a ratio."""
     ratios: tuple[float, ...] = DEFAULT_RATIOS
     """Ratios tried, smallest first."""
+    refresh_ratios: tuple[float, ...] | None = None
+    """Answer-refresh shares tried with each ratio (the probe's `refresh_ratio`; 0 = none).
+    Points whose ratio and refresh add up to more than 1 are skipped. None =
+    DEFAULT_REFRESH_RATIOS for a strategy with an answer refresh, else (0,)."""
     target_kl: float = 0.05
-    """Mean first-token KL and mean teacher-forced KL (nats) a ratio must both meet."""
+    """Mean first-token KL and mean teacher-forced KL (nats) a point must both meet."""
+    min_agreement: float = 0.0
+    """Mean teacher-forced agreement (share of the full prefill's answer tokens the fused
+    cache predicts greedily) a point must meet as well (0 = KL alone)."""
     samples: int = 8
     """Questions measured."""
     chunks_per_sample: int = 5
@@ -66,6 +75,13 @@ class FusionCalibrationConfig:
             raise ValueError(f"{strategy.name} has no recompute ratio to calibrate")
         if not self.ratios or any(not 0.0 <= r <= 1.0 for r in self.ratios):
             raise ValueError("ratios must be a non-empty list of values in [0, 1]")
+        refreshes = self.refresh_ratios
+        if refreshes is not None and (not refreshes or any(not 0.0 <= r <= 1.0 for r in refreshes)):
+            raise ValueError("refresh_ratios must be a non-empty list of values in [0, 1]")
+        if any(refreshes or ()) and not _has_refresh(strategy):
+            raise ValueError(f"{strategy.name} has no answer refresh: give refresh ratios 0 only")
+        if not 0.0 <= self.min_agreement <= 1.0:
+            raise ValueError("min_agreement must be in [0, 1]")
         if not self.target_kl > 0.0:
             raise ValueError("target_kl must be > 0")
         if self.context_chunks < 0:
@@ -74,17 +90,66 @@ class FusionCalibrationConfig:
             raise ValueError("samples, chunks_per_sample and max_new_tokens must be >= 1, chunk_tokens >= 16")
 
 
+@dataclass(frozen=True, order=True)
+class CalibrationPoint:
+    """One setting of the grid; ordered cheapest first."""
+
+    cost: float
+    """Share of the document rows recomputed: ratio + refresh_ratio."""
+    refresh_ratio: float
+    ratio: float
+
+    @classmethod
+    def of(cls, ratio: float, refresh_ratio: float) -> CalibrationPoint:
+        return cls(round(ratio + refresh_ratio, 6), refresh_ratio, ratio)
+
+    @property
+    def label(self) -> str:
+        return f"{self.ratio:g}" if not self.refresh_ratio else f"{self.ratio:g}+refresh {self.refresh_ratio:g}"
+
+    def strategy(self, strategy: FusionStrategy) -> FusionStrategy:
+        if not self.refresh_ratio:
+            return dataclasses.replace(strategy, ratio=self.ratio)
+        return dataclasses.replace(strategy, ratio=self.ratio, refresh_ratio=self.refresh_ratio)
+
+
+def _has_refresh(strategy: FusionStrategy) -> bool:
+    return any(item.name == "refresh_ratio" for item in dataclasses.fields(strategy))
+
+
+def grid(config: FusionCalibrationConfig) -> list[CalibrationPoint]:
+    """The points measured, cheapest first."""
+    refreshes = config.refresh_ratios
+    if refreshes is None:
+        refreshes = DEFAULT_REFRESH_RATIOS if _has_refresh(build_strategy(config.strategy)) else (0.0,)
+    points = {
+        CalibrationPoint.of(ratio, refresh)
+        for ratio in config.ratios
+        for refresh in refreshes
+        if not refresh or ratio + refresh <= 1.0
+    }
+    return sorted(points)
+
+
 @dataclass(frozen=True)
 class FusionCalibration:
-    """What is stored: the ratio chosen and the figures it was chosen from."""
+    """What is stored: the settings chosen and the figures they were chosen from."""
 
     strategy: str
     ratio: float | None
-    """None when no ratio of the grid met the target."""
+    """None when no point of the grid met the targets."""
     target_kl: float
     samples: int
     figures: dict[str, dict[str, float]] = field(default_factory=dict)
-    """Per ratio (as text): mean first_token_kl, teacher_forced_kl, teacher_forced_agreement."""
+    """Per point (its label: "0.1", or "0.1+refresh 0.1"): mean first_token_kl,
+    teacher_forced_kl, teacher_forced_agreement."""
+    refresh_ratio: float = 0.0
+    """The answer refresh chosen with the ratio (0 = none)."""
+    min_agreement: float = 0.0
+
+    @property
+    def settings(self) -> CalibratedFusion | None:
+        return None if self.ratio is None else CalibratedFusion(self.ratio, self.refresh_ratio)
 
     def to_json(self) -> bytes:
         return json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
@@ -110,26 +175,27 @@ def load_calibration(env: LMDBEnvironment, fingerprint: str, strategy: str) -> F
     return None if raw is None else FusionCalibration.from_json(bytes(raw))
 
 
-def attach_calibration(engine, env: LMDBEnvironment) -> dict[str, float]:
-    """Give `engine` the calibrated ratio of every strategy calibrated for its model
-    (engine.fusion_ratios: requests that name no ratio use it) and log each."""
+def attach_calibration(engine, env: LMDBEnvironment) -> dict[str, CalibratedFusion]:
+    """Give `engine` the calibrated settings of every strategy calibrated for its model
+    (engine.fusion_calibrated: requests that name no ratio use them) and log each."""
     from ragkv.fusion.registry import STRATEGY_NAMES
 
-    ratios = {}
+    chosen = {}
     for name in STRATEGY_NAMES:
         calibration = load_calibration(env, engine.fingerprint, name)
-        if calibration is not None and calibration.ratio is not None:
-            ratios[name] = calibration.ratio
+        if calibration is not None and calibration.settings is not None:
+            chosen[name] = calibration.settings
             log.info(
-                "fusion: %s uses the calibrated ratio %.2f (first-token and teacher-forced KL <= %.3f on %d "
-                "sampled questions)",
+                "fusion: %s uses the calibrated ratio %.2f, answer refresh %.2f (first-token and "
+                "teacher-forced KL <= %.3f on %d sampled questions)",
                 name,
                 calibration.ratio,
+                calibration.refresh_ratio,
                 calibration.target_kl,
                 calibration.samples,
             )
-    engine.fusion_ratios = ratios
-    return ratios
+    engine.fusion_calibrated = chosen
+    return chosen
 
 
 def sample_questions(texts: list[str], count: int, rng: random.Random) -> list[str]:
@@ -174,7 +240,8 @@ def calibrate_fusion(
             kv_cache[index] = LoadedChunk(pool[index], *engine.kv_format.unpack(tensors))
         return kv_cache[index]
 
-    per_ratio: dict[float, list[tuple[float, TeacherForced]]] = {ratio: [] for ratio in config.ratios}
+    points = grid(config)
+    per_point: dict[CalibrationPoint, list[tuple[float, TeacherForced]]] = {point: [] for point in points}
     for number, question in enumerate(questions, start=1):
         progress(f"question {number}/{len(questions)}")
         start = rng.randrange(max(1, len(pool) - config.chunks_per_sample + 1))
@@ -193,21 +260,28 @@ def calibrate_fusion(
         )
         full.cache.truncate(full.layout.length)
         reference = teacher_forced_logits(model, full.cache, full.logits, answer)
-        for ratio in config.ratios:
-            fused = dataclasses.replace(strategy, ratio=ratio).fuse(
-                model, fusion_input, prefix_cache, config.max_new_tokens
-            )
+        for point in points:
+            fused = point.strategy(strategy).fuse(model, fusion_input, prefix_cache, config.max_new_tokens)
             forced = TeacherForced.compare(reference, teacher_forced_logits(model, fused.cache, fused.logits, answer))
-            per_ratio[ratio].append((next_token_kl(full.logits, fused.logits), forced))
+            per_point[point].append((next_token_kl(full.logits, fused.logits), forced))
     figures, chosen = {}, None
-    for ratio in sorted(config.ratios):
-        rows = per_ratio[ratio]
+    for point in points:
+        rows = per_point[point]
         figure = {
             "first_token_kl": float(torch.tensor([kl for kl, _ in rows]).mean()),
             "teacher_forced_kl": float(torch.tensor([f.kl for _, f in rows]).mean()),
             "teacher_forced_agreement": float(torch.tensor([f.agreement for _, f in rows]).mean()),
         }
-        figures[f"{ratio:g}"] = figure
-        if chosen is None and max(figure["first_token_kl"], figure["teacher_forced_kl"]) <= config.target_kl:
-            chosen = ratio
-    return FusionCalibration(strategy.name, chosen, config.target_kl, len(questions), figures)
+        figures[point.label] = figure
+        within = max(figure["first_token_kl"], figure["teacher_forced_kl"]) <= config.target_kl
+        if chosen is None and within and figure["teacher_forced_agreement"] >= config.min_agreement:
+            chosen = point
+    return FusionCalibration(
+        strategy.name,
+        None if chosen is None else chosen.ratio,
+        config.target_kl,
+        len(questions),
+        figures,
+        0.0 if chosen is None else chosen.refresh_ratio,
+        config.min_agreement,
+    )

@@ -177,7 +177,7 @@ class RagPipeline:
         )
         self.check_fits(Layout.of(fusion_input), config)
         fuse_started = time.perf_counter()
-        strategy = config.fusion.build(self.engine.fusion_ratios)
+        strategy = config.fusion.build(self.engine.fusion_calibrated)
         result = strategy.fuse(
             self.engine.model, fusion_input, self.engine.chunk_prefix_cache(), config.generation.max_new_tokens
         )

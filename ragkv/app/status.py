@@ -32,6 +32,8 @@ class DefaultFusion:
     ratio: float | None
     calibrated: bool
     """The ratio was calibrated for this model (`ragkv calibrate fusion`)."""
+    refresh_ratio: float = 0.0
+    """The probe's answer refresh (0 = none)."""
 
 
 def redis_tiers(store: ChunkStore) -> list[RedisStore]:
@@ -51,5 +53,6 @@ def store_status(store: ChunkStore) -> StoreStatus:
 def default_fusion(engine: Engine) -> DefaultFusion:
     """The default strategy and the ratio it runs at (calibrated for this model by `ragkv
     calibrate fusion`, or the strategy's default)."""
-    strategy = FusionConfig().build(engine.fusion_ratios)
-    return DefaultFusion(strategy.name, strategy.ratio, strategy.name in engine.fusion_ratios)
+    strategy = FusionConfig().build(engine.fusion_calibrated)
+    refresh = getattr(strategy, "refresh_ratio", 0.0)
+    return DefaultFusion(strategy.name, strategy.ratio, strategy.name in engine.fusion_calibrated, refresh)

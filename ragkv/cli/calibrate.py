@@ -45,6 +45,20 @@ def configure(calibrate: argparse.ArgumentParser) -> None:
     )
     fusion.add_argument("--ratios", type=float, nargs="+", default=None, help="ratios tried (default: 0.05 ... 1)")
     fusion.add_argument(
+        "--refresh-ratios",
+        type=float,
+        nargs="+",
+        default=None,
+        help="answer-refresh shares tried with each ratio (the probe's refresh_ratio; default: 0 0.1 for the "
+        "probe, 0 elsewhere); the cheapest point within the targets is kept",
+    )
+    fusion.add_argument(
+        "--target-agreement",
+        type=float,
+        default=0.0,
+        help="mean teacher-forced agreement with the full prefill's answer a point must meet too (default: 0)",
+    )
+    fusion.add_argument(
         "--questions",
         type=Path,
         default=None,
@@ -70,7 +84,9 @@ def run_fusion(args: argparse.Namespace) -> int:
     config = FusionCalibrationConfig(
         strategy=args.fusion_strategy,
         ratios=tuple(sorted(args.ratios or DEFAULT_RATIOS)),
+        refresh_ratios=None if args.refresh_ratios is None else tuple(sorted(args.refresh_ratios)),
         target_kl=args.target_kl,
+        min_agreement=args.target_agreement,
         samples=args.samples,
     )
     questions = None
@@ -92,17 +108,21 @@ def run_fusion(args: argparse.Namespace) -> int:
         # chunks as this data folder's ingestion stores them (--context-neighbours)
         config = dataclasses.replace(config, context_chunks=runtime.config.ingest.context_neighbours)
         calibration = calibrate_fusion(engine, texts, config, questions, _progress)
-        for ratio, figure in calibration.figures.items():
+        for point, figure in calibration.figures.items():
             print(
-                f"ratio {ratio:>5}: first-token KL {figure['first_token_kl']:.4f}, teacher-forced KL "
+                f"ratio {point:>5}: first-token KL {figure['first_token_kl']:.4f}, teacher-forced KL "
                 f"{figure['teacher_forced_kl']:.4f}, agreement {figure['teacher_forced_agreement']:.3f}"
             )
+        targets = f"KL <= {config.target_kl}" + (
+            f" and agreement >= {config.min_agreement}" if config.min_agreement else ""
+        )
         if calibration.ratio is None:
-            print(f"no ratio tried meets KL <= {config.target_kl}; nothing stored", file=sys.stderr)
+            print(f"no setting tried meets {targets}; nothing stored", file=sys.stderr)
             return 1
         save_calibration(runtime.env, engine.fingerprint, calibration)
+    refresh = f", answer refresh {calibration.refresh_ratio:g}" if calibration.refresh_ratio else ""
     print(
-        f"{calibration.strategy}: ratio {calibration.ratio:g} meets KL <= {config.target_kl} on "
+        f"{calibration.strategy}: ratio {calibration.ratio:g}{refresh} meets {targets} on "
         f"{calibration.samples} questions; stored for model {engine.fingerprint}"
     )
     return 0

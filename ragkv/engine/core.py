@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import AutoTokenizer
@@ -18,6 +19,9 @@ from ragkv.engine.kv_storage import KV_STORAGE_FORMATS
 from ragkv.engine.model import CausalLM
 from ragkv.engine.model_files import resolve_model_dir, served_name
 from ragkv.engine.prompt import ChatPrompt
+
+if TYPE_CHECKING:
+    from ragkv.fusion.config import CalibratedFusion
 
 log = logging.getLogger("ragkv.engine")
 
@@ -61,9 +65,9 @@ class Engine:
         self.model.compiled_decoder()
         self.load_seconds = time.perf_counter() - started
         self._chunk_prefix_cache: KVCache | None = None
-        self.fusion_ratios: dict[str, float] = {}
-        """Calibrated recompute ratio per fusion strategy (ragkv calibrate fusion), used by
-        requests that name no ratio."""
+        self.fusion_calibrated: dict[str, CalibratedFusion] = {}
+        """Settings calibrated per fusion strategy (ragkv calibrate fusion), used by requests
+        that name no ratio."""
         self.codebook = None
         """A2ATS codebook (ragkv.sparse.A2ATSCodebook) of this model, when one is attached:
         encode_chunk then stores each chunk's codes with it."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ragkv.fusion.a3 import A3
 from ragkv.fusion.base import FusionResult, FusionStrategy
 from ragkv.fusion.cacheblend import CacheBlend
-from ragkv.fusion.config import FusionConfig
+from ragkv.fusion.config import CalibratedFusion, FusionConfig
 from ragkv.fusion.epic import Epic
 from ragkv.fusion.full import Full
 from ragkv.fusion.full_reuse import FullReuse
@@ -18,6 +18,7 @@ __all__ = [
     "DEFAULT_STRATEGY",
     "STRATEGIES",
     "STRATEGY_NAMES",
+    "CalibratedFusion",
     "FusionConfig",
     "FusionInput",
     "FusionResult",

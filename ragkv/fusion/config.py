@@ -10,6 +10,26 @@ from ragkv.fusion.registry import DEFAULT_STRATEGY, build_strategy
 
 
 @dataclass(frozen=True)
+class CalibratedFusion:
+    """A strategy's settings chosen for a model by `ragkv calibrate fusion`; requests that
+    name no ratio get them, as a whole."""
+
+    ratio: float
+    refresh_ratio: float = 0.0
+    """The probe's answer refresh (0 = none); ignored by strategies without one."""
+
+    def apply(self, strategy: FusionStrategy, spec: str) -> FusionStrategy:
+        """`strategy` (built from `spec`) with these settings, but those the spec names itself."""
+        if spec_names_option(spec, "ratio"):
+            return strategy
+        changes: dict[str, float] = {"ratio": self.ratio}
+        names = {item.name for item in dataclasses.fields(strategy)}
+        if "refresh_ratio" in names and not spec_names_option(spec, "refresh_ratio"):
+            changes["refresh_ratio"] = self.refresh_ratio
+        return dataclasses.replace(strategy, **changes)
+
+
+@dataclass(frozen=True)
 class FusionConfig:
     strategy: str = DEFAULT_STRATEGY
     """Fusion strategy spec: a name (full, full_reuse, pie, epic, cacheblend, a3, probe;
@@ -24,15 +44,13 @@ class FusionConfig:
     def __post_init__(self) -> None:
         self.build()  # validates the spec and the strategy's fields
 
-    def build(self, calibrated: dict[str, float] | None = None) -> FusionStrategy:
-        """`calibrated`: ratio per strategy name (ragkv calibrate fusion), used when neither
-        `ratio` nor the spec names one."""
+    def build(self, calibrated: dict[str, CalibratedFusion] | None = None) -> FusionStrategy:
+        """`calibrated`: settings per strategy name (ragkv calibrate fusion), used when
+        neither `ratio` nor the spec names a ratio."""
         strategy = build_strategy(self.strategy)
         if self.ratio is None:
-            ratio = (calibrated or {}).get(strategy.name)
-            if ratio is None or spec_names_option(self.strategy, "ratio"):
-                return strategy
-            return dataclasses.replace(strategy, ratio=ratio)
+            chosen = (calibrated or {}).get(strategy.name)
+            return strategy if chosen is None else chosen.apply(strategy, self.strategy)
         if not any(item.name == "ratio" for item in dataclasses.fields(strategy)):
             check_ratio(self.ratio)
             return strategy

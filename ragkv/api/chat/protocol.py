@@ -103,6 +103,7 @@ class FusionDefault(BaseModel):
     strategy: str
     ratio: float | None
     calibrated: bool = Field(description="the ratio was calibrated for this model (`ragkv calibrate fusion`)")
+    refresh_ratio: float = Field(0.0, description="the probe's answer refresh (0 = none)")
 
 
 class Model(BaseModel):

@@ -55,7 +55,12 @@ def model_entry(model_id: str, created: float, fusion: DefaultFusion | None) -> 
         id=model_id,
         created=int(created),
         owned_by="ragkv",
-        fusion=FusionDefault(strategy=fusion.strategy, ratio=fusion.ratio, calibrated=fusion.calibrated)
+        fusion=FusionDefault(
+            strategy=fusion.strategy,
+            ratio=fusion.ratio,
+            calibrated=fusion.calibrated,
+            refresh_ratio=fusion.refresh_ratio,
+        )
         if fusion is not None
         else None,
     )

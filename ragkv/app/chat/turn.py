@@ -354,7 +354,7 @@ class _Turn:
         if glue:
             model.prefill(torch.tensor(glue), prefix_cache)
         request.timings.prefill = time.perf_counter() - started
-        strategy = self.turn.config.fusion.build(engine.fusion_ratios)
+        strategy = self.turn.config.fusion.build(engine.fusion_calibrated)
         fuse_started = time.perf_counter()
         fused = self.turns.passages.fuse(work.ids, work.passages, prefix_cache, strategy, self._max_new, len(glue))
         request.timings.fuse = time.perf_counter() - fuse_started
@@ -378,7 +378,7 @@ class _Turn:
         chunks, recomputed = self.turns.rag.load_chunks(self.turn.tenant, work.chunks)
         request.timings.load = time.perf_counter() - load_started
         fuse_started = time.perf_counter()
-        strategy = self.turn.config.fusion.build(engine.fusion_ratios)
+        strategy = self.turn.config.fusion.build(engine.fusion_calibrated)
         prefix_len = len(engine.chunk_prefix_ids)
         fusion_input = FusionInput(work.prefix_ids, chunks, work.question_ids, prefix_len, work.question_text)
         self._room(Layout.of(fusion_input).length)
