@@ -303,7 +303,22 @@ def _sustained_results(engine, strategy, pool, pool_bytes, capacity, store, rows
     if len(rows) >= 200:
         results["hit_rate_queries_101_200"] = _window(rows[100:200])["span_hit_rate"]
         results["hit_rate_last_100"] = _window(rows[-100:])["span_hit_rate"]
+        results["hit_rate_trend"] = hit_rate_trend(rows[100:])
     return results
+
+
+def hit_rate_trend(rows: list[dict]) -> dict:
+    """Least-squares slope of the per-query span hit rate over `rows` (the store full), per
+    100 queries, with its standard error: a decay shows as a slope below zero by more than
+    two errors, where two windows of 100 draws differ by chance (about 0.015 each at 0.25)."""
+    x = np.array([r["query"] for r in rows], dtype=float)
+    y = np.array([r["hits"] / max(1, r["spans"]) for r in rows])
+    if len(rows) < 3 or np.ptp(x) == 0:
+        return {"slope_per_100": 0.0, "stderr_per_100": float("inf"), "queries": len(rows)}
+    slope, intercept = np.polyfit(x, y, 1)
+    residual = y - (slope * x + intercept)
+    stderr = np.sqrt(residual @ residual / (len(x) - 2) / ((x - x.mean()) @ (x - x.mean())))
+    return {"slope_per_100": float(slope * 100), "stderr_per_100": float(stderr * 100), "queries": len(rows)}
 
 
 PASTE_FORMATS: dict[str, Callable[[list[str]], str]] = {

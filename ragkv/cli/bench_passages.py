@@ -88,6 +88,13 @@ def run(args: argparse.Namespace) -> dict:
                 f"queries {first:>4}-{last:<4} hit rate {window['span_hit_rate']:.3f}  cached "
                 f"{window['cached_share']:.3f}  TTFT p50 {window['ttft_p50_s']:.2f} s"
             )
+        if "hit_rate_trend" in results:
+            trend = results["hit_rate_trend"]
+            print(
+                f"queries 101-200 hit rate {results['hit_rate_queries_101_200']:.3f}, last 100 "
+                f"{results['hit_rate_last_100']:.3f}; trend from query 101: {trend['slope_per_100']:+.4f} "
+                f"+- {trend['stderr_per_100']:.4f} per 100 queries"
+            )
         return results
     start, _, end = args.examples.partition(":")
     chosen = examples[int(start) : int(end)]
