@@ -57,16 +57,22 @@ def test_a_refresh_of_every_row_is_the_full_prefill(case, spec):
     )
 
 
-def test_the_refresh_recomputes_only_stale_rows_and_spends_its_budget(case, monkeypatch):
-    model, fusion_input, prefix_cache, _ = case
-    refreshed = []
+@pytest.fixture
+def refreshed(monkeypatch):
+    """The rows each refresh pass recomputes, in call order."""
+    passes = []
     recompute = refresh_module.recompute
 
     def spy(model, cache, layout, rows, columns):
-        refreshed.append(rows.clone())
+        passes.append(rows.clone())
         return recompute(model, cache, layout, rows, columns)
 
     monkeypatch.setattr(refresh_module, "recompute", spy)
+    return passes
+
+
+def test_the_refresh_recomputes_only_stale_rows_and_spends_its_budget(case, refreshed):
+    model, fusion_input, prefix_cache, _ = case
     plain = Probe(ratio=0.2, min_rows=0).fuse(model, fusion_input, prefix_cache, 8)
     result = Probe(ratio=0.2, min_rows=0, refresh_ratio=0.25).fuse(model, fusion_input, prefix_cache, 8)
     layout = result.layout
@@ -83,16 +89,8 @@ def test_the_refresh_recomputes_only_stale_rows_and_spends_its_budget(case, monk
     assert result.cache.length == layout.length
 
 
-def test_the_rerun_runs_the_probe_rows_again_with_the_refreshed_ones(case, monkeypatch):
+def test_the_rerun_runs_the_probe_rows_again_with_the_refreshed_ones(case, refreshed):
     model, fusion_input, prefix_cache, _ = case
-    refreshed = []
-    recompute = refresh_module.recompute
-
-    def spy(model, cache, layout, rows, columns):
-        refreshed.append(rows.clone())
-        return recompute(model, cache, layout, rows, columns)
-
-    monkeypatch.setattr(refresh_module, "recompute", spy)
     plain = Probe(ratio=0.2, min_rows=0, refresh_ratio=0.25).fuse(model, fusion_input, prefix_cache, 8)
     rerun = Probe(ratio=0.2, min_rows=0, refresh_ratio=0.25, refresh_rerun=True).fuse(
         model, fusion_input, prefix_cache, 8

@@ -27,7 +27,7 @@ from ragkv.engine.core import Engine
 from ragkv.fusion import FusionInput, LoadedChunk
 from ragkv.fusion.base import FusionStrategy
 from ragkv.fusion.layout import Layout
-from ragkv.ingest.pipeline import chunk_key
+from ragkv.ingest.pipeline import chunk_key, run_steps
 from ragkv.ingest.registry import DocumentRecord, DocumentRegistry
 from ragkv.store.base import ChunkStore
 
@@ -74,12 +74,7 @@ class ChunkContextualizer:
 
     def contextualize(self, tenant: str, doc_ids: list[str]) -> ContextResult:
         """Recompute the stored K/V of every chunk of `doc_ids` in its context."""
-        steps = self.contextualize_steps(tenant, doc_ids)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value
+        return run_steps(self.contextualize_steps(tenant, doc_ids))
 
     def contextualize_steps(self, tenant: str, doc_ids: list[str]) -> Generator[int, None, ContextResult]:
         """`contextualize` one chunk per step: yields the chunks done so far (the model

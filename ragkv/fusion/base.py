@@ -156,6 +156,7 @@ class FusionStrategy(ABC):
         timings: dict[str, float] = {}
         started = time.perf_counter()
         layout = Layout.of(fusion_input)
+        extra_capacity = max(extra_capacity, self.rows_after_prompt())
         if in_place and self.reuses_stored_kv and layout.prefix_len and prefix_cache is not None:
             if prefix_cache.length != layout.prefix_len:
                 raise ValueError("the prefix KV must be given and match the prefix length")
@@ -212,7 +213,7 @@ class FusionStrategy(ABC):
         final_rows = recomputed_after_check if recomputed_after_check is not None else rows
         in_documents = (final_rows >= layout.prefix_len) & (final_rows < layout.question_start)
         document = int((in_documents & ~torch.isin(final_rows, fresh)).sum())
-        return FusionResult(
+        result = FusionResult(
             cache,
             logits,
             layout,
@@ -225,6 +226,16 @@ class FusionStrategy(ABC):
             report,
             fresh_kv,
         )
+        return self.after_fuse(model, result)
+
+    def rows_after_prompt(self) -> int:
+        """Cache rows past the prompt the strategy itself writes before it returns (decoded
+        drafts), reserved with the fused cache so they never grow (copy) it."""
+        return 0
+
+    def after_fuse(self, model: CausalLM, result: FusionResult) -> FusionResult:
+        """A second pass over the fused cache (the probe's answer refresh); none by default."""
+        return result
 
     def _place_reused_kv(self, model, cache, layout, fusion_input, prefix_cache) -> None:
         if not self.reuses_stored_kv:

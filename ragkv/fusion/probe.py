@@ -34,7 +34,7 @@ import torch
 from ragkv.engine.kv_cache import KVCache
 from ragkv.engine.model import CausalLM
 from ragkv.fusion.base import FusionResult, FusionStrategy, check_ratio, ratio_budget, top_k_rows
-from ragkv.fusion.layout import FusionInput, Layout
+from ragkv.fusion.layout import Layout
 
 LAYER_AGGREGATIONS = ("sum", "max")
 PROBABILITY_BYTES = 64 << 20
@@ -102,24 +102,15 @@ class Probe(FusionStrategy):
         if self.draft_tokens < 1:
             raise ValueError(f"draft_tokens must be >= 1, got {self.draft_tokens}")
 
-    def fuse(
-        self,
-        model: CausalLM,
-        fusion_input: FusionInput,
-        prefix_cache: KVCache | None,
-        extra_capacity: int = 0,
-        *,
-        in_place: bool = False,
-    ) -> FusionResult:
+    def rows_after_prompt(self) -> int:
+        return self.draft_tokens if self.refresh_ratio else 0  # the answer refresh's drafts
+
+    def after_fuse(self, model: CausalLM, result: FusionResult) -> FusionResult:
         if not self.refresh_ratio:
-            return super().fuse(model, fusion_input, prefix_cache, extra_capacity, in_place=in_place)
+            return result
         # imported here: the refresh reuses this module's attention pass
         from ragkv.fusion.answer_refresh import refresh_for_answer
 
-        # room for the drafts, so decoding them never grows (copies) the cache
-        result = super().fuse(
-            model, fusion_input, prefix_cache, max(extra_capacity, self.draft_tokens), in_place=in_place
-        )
         columns = self.document_columns(model, result.layout)
         return refresh_for_answer(model, result, self.refresh_ratio, self.draft_tokens, columns, self.refresh_rerun)
 

@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from tqdm import tqdm
 
@@ -33,6 +34,7 @@ from ragkv.ingest.validation import check_text
 from ragkv.store.base import ChunkStore
 from ragkv.store.keys import ChunkKey, hash_tokens
 
+Result = TypeVar("Result")
 log = logging.getLogger("ragkv.ingest")
 
 Progress = Callable[[int, int], None]
@@ -342,8 +344,8 @@ class Ingestor:
         return delete_document(self.registry, self.store, tenant, doc_id)
 
 
-def run_steps(steps: Generator[object, None, IngestResult]) -> IngestResult:
-    """Run an ingestion's steps to the end; its result."""
+def run_steps(steps: Generator[object, None, Result]) -> Result:
+    """Run a step generator (an ingestion's, a contextualization's) to the end; its result."""
     while True:
         try:
             next(steps)
