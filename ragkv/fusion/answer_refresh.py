@@ -29,7 +29,7 @@ from ragkv.engine.kv_cache import KVCache
 from ragkv.engine.model import CausalLM
 from ragkv.fusion.base import FusionResult, attend, ratio_budget, top_k_rows
 from ragkv.fusion.layout import Layout
-from ragkv.fusion.probe import attention_with_column_mass
+from ragkv.fusion.probe import attention_shares_by_layer
 
 
 @torch.inference_mode()
@@ -108,21 +108,8 @@ def draft_attention_by_layer(model: CausalLM, cache: KVCache, layout: Layout, dr
         return torch.zeros(model.spec.num_layers, layout.num_document_tokens)
     cache.reserve(length + len(drafts))
     rows = torch.arange(length, length + len(drafts), device=model.device)
-    hidden = model.embed(torch.tensor(drafts, device=model.device))
-    shares = []
-    for layer in range(model.spec.num_layers):
-        projection = model.project(layer, hidden, rows)
-        cache.keys[layer, :, rows] = projection.k
-        cache.values[layer, :, rows] = projection.v
-        keys, values = cache.keys[layer, :, : length + len(drafts)], cache.values[layer, :, : length + len(drafts)]
-        attention, mass, _ = attention_with_column_mass(
-            projection.q, keys, values, rows, model.scale, model.spec.layer_window(layer)
-        )
-        document = mass[layout.prefix_len : layout.question_start]
-        shares.append(document / document.sum().clamp_min(1e-12))
-        if layer + 1 < model.spec.num_layers:
-            hidden = model.finish_layer(layer, hidden, attention)
-    return torch.stack(shares)
+    tokens = torch.tensor(drafts, device=model.device)
+    return attention_shares_by_layer(model, cache, layout, tokens, rows)[0]
 
 
 @torch.inference_mode()

@@ -172,26 +172,42 @@ def question_attention_by_layer(
     (only its rows `columns` when given: ascending, holding every document and question row).
     Writes the question rows' K/V into `cache`."""
     rows = layout.question_rows.to(model.device)
-    hidden = model.embed(layout.token_ids.to(model.device)[rows])
-    positions = torch.arange(layout.length, device=model.device) if columns is None else columns.to(model.device)
+    return attention_shares_by_layer(model, cache, layout, layout.token_ids.to(model.device)[rows], rows, columns)
+
+
+def attention_shares_by_layer(
+    model: CausalLM,
+    cache: KVCache,
+    layout: Layout,
+    token_ids: torch.Tensor,
+    rows: torch.Tensor,
+    columns: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run `token_ids` at cache rows `rows` (ascending, the last row last) through every
+    layer over the cache up to the last row (only its rows `columns` when given), writing
+    their K/V; per layer, the share of their attention, and of the last row's alone, that
+    each document token of `layout` receives: two [layers, document tokens] tensors."""
+    length = int(rows[-1]) + 1
+    hidden = model.embed(token_ids)
+    positions = torch.arange(length, device=model.device) if columns is None else columns.to(model.device)
     document_columns = (positions >= layout.prefix_len) & (positions < layout.question_start)
-    question, last_row = [], []
+    every_row, last_row = [], []
     for layer in range(model.spec.num_layers):
         projection = model.project(layer, hidden, rows)
         cache.keys[layer, :, rows] = projection.k
         cache.values[layer, :, rows] = projection.v
-        keys, values = cache.layer(layer, layout.length)
+        keys, values = cache.layer(layer, length)
         if columns is not None:
             keys, values = keys[:, positions], values[:, positions]
         attention, mass, last_row_mass = attention_with_column_mass(
             projection.q, keys, values, rows, model.scale, model.spec.layer_window(layer), positions
         )
-        for shares, column_mass in ((question, mass), (last_row, last_row_mass)):
+        for shares, column_mass in ((every_row, mass), (last_row, last_row_mass)):
             document = column_mass[document_columns]
             shares.append(document / document.sum().clamp_min(1e-12))
         if layer + 1 < model.spec.num_layers:
             hidden = model.finish_layer(layer, hidden, attention)
-    return torch.stack(question), torch.stack(last_row)
+    return torch.stack(every_row), torch.stack(last_row)
 
 
 def attention_with_column_mass(
