@@ -144,13 +144,7 @@ class Ingestor:
             raise InputError("bad_metadata", "metadata must be a JSON object")
         namespace = "" if self.config.share_chunks_across_tenants else tenant
         text_hash = _text_hash(text, namespace)
-        old = self.registry.get(tenant, replaces) if replaces is not None else None  # NotFoundError first
-        existing = self.registry.find_by_text(tenant, text_hash)
-        if existing is not None and existing != replaces and replaces is not None:
-            raise InputError(
-                "duplicate_text",
-                f"{name}: document {existing} already holds this exact text; delete one of the two or change the text",
-            )
+        old, existing = self._versions(tenant, name, text_hash, replaces)
         if existing is not None and not _changes(old if existing == replaces else None, name, metadata, pages):
             return (
                 yield from self._fill_existing(self.registry.get(tenant, existing), text, namespace, started, progress)
@@ -173,35 +167,8 @@ class Ingestor:
             embed_started = time.perf_counter()
             embeddings = self.embedder.embed_passages([text[c.char_start : c.char_end] for c in chunks])
             timings["embed"] = time.perf_counter() - embed_started
-            record = DocumentRecord(
-                doc_id=old.doc_id if old else "doc_" + text_hash[:16],
-                tenant=tenant,
-                name=name,
-                text_hash=text_hash,
-                num_tokens=sum(c.num_tokens for c in chunks),
-                chunk_tokens=self.config.chunk_tokens,
-                fingerprint=self.engine.fingerprint,
-                created=time.time(),
-                chunks=[
-                    ChunkRecord(
-                        c.index,
-                        h,
-                        c.index * self.config.chunk_tokens,
-                        c.index * self.config.chunk_tokens + c.num_tokens,
-                        c.char_start,
-                        c.char_end,
-                    )
-                    for c, h in zip(chunks, hashes)
-                ],
-                metadata=dict(metadata if metadata is not None else old.metadata if old else {}),
-                pages=pages,
-            )
-            if old is None:
-                self.registry.add(record, text, embeddings)
-            else:
-                _, orphans = self.registry.replace(record, text, embeddings)
-                for chunk_hash in orphans:  # other models' blobs of them are left to `ragkv store gc`
-                    self.store.delete(self.chunk_key(chunk_hash))
+            record = self._record(tenant, name, text_hash, chunks, hashes, old, metadata, pages)
+            self._register(record, old, text, embeddings)
         except BaseException:
             self._roll_back(added)
             raise
@@ -222,6 +189,61 @@ class Ingestor:
             stored_tokens=stored_tokens,
             replaced=old is not None,
         )
+
+    def _versions(
+        self, tenant: str, name: str, text_hash: str, replaces: str | None
+    ) -> tuple[DocumentRecord | None, str | None]:
+        """(the document `replaces` names, the id of the tenant's document with this exact
+        text), refusing a new version whose text another document holds."""
+        old = self.registry.get(tenant, replaces) if replaces is not None else None  # NotFoundError first
+        existing = self.registry.find_by_text(tenant, text_hash)
+        if existing is not None and existing != replaces and replaces is not None:
+            raise InputError(
+                "duplicate_text",
+                f"{name}: document {existing} already holds this exact text; delete one of the two or change the text",
+            )
+        return old, existing
+
+    def _record(
+        self,
+        tenant: str,
+        name: str,
+        text_hash: str,
+        chunks: list,
+        hashes: list[str],
+        old: DocumentRecord | None,
+        metadata: dict | None,
+        pages: list[list[int]] | None,
+    ) -> DocumentRecord:
+        """The registry's record of a new document, or of a new version of `old` (its id, and
+        its metadata unless given)."""
+        size = self.config.chunk_tokens
+        return DocumentRecord(
+            doc_id=old.doc_id if old else "doc_" + text_hash[:16],
+            tenant=tenant,
+            name=name,
+            text_hash=text_hash,
+            num_tokens=sum(c.num_tokens for c in chunks),
+            chunk_tokens=size,
+            fingerprint=self.engine.fingerprint,
+            created=time.time(),
+            chunks=[
+                ChunkRecord(c.index, h, c.index * size, c.index * size + c.num_tokens, c.char_start, c.char_end)
+                for c, h in zip(chunks, hashes)
+            ],
+            metadata=dict(metadata if metadata is not None else old.metadata if old else {}),
+            pages=pages,
+        )
+
+    def _register(self, record: DocumentRecord, old: DocumentRecord | None, text: str, embeddings) -> None:
+        """Add the document, or swap the new version in for `old` in one registry step and
+        delete the blobs only the old one used."""
+        if old is None:
+            self.registry.add(record, text, embeddings)
+            return
+        _, orphans = self.registry.replace(record, text, embeddings)
+        for chunk_hash in orphans:  # other models' blobs of them are left to `ragkv store gc`
+            self.store.delete(self.chunk_key(chunk_hash))
 
     def _fill_existing(
         self, record: DocumentRecord, text: str, namespace: str, started: float, progress: Progress | None
