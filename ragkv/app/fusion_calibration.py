@@ -28,6 +28,7 @@ from ragkv.app.chunk_context import stored_in_context
 from ragkv.app.generate import decode, forced_answer_ids
 from ragkv.engine.generation import GenerationConfig
 from ragkv.fusion import CalibratedFusion, FusionInput, FusionStrategy, LoadedChunk, build_strategy
+from ragkv.fusion.config import has_option
 from ragkv.fusion.fidelity import TeacherForced, next_token_kl, teacher_forced_logits
 from ragkv.fusion.registry import DEFAULT_STRATEGY
 from ragkv.ingest.chunker import chunk_document
@@ -71,14 +72,14 @@ class FusionCalibrationConfig:
 
     def __post_init__(self) -> None:
         strategy = build_strategy(self.strategy)
-        if not any(item.name == "ratio" for item in dataclasses.fields(strategy)):
+        if not has_option(strategy, "ratio"):
             raise ValueError(f"{strategy.name} has no recompute ratio to calibrate")
         if not self.ratios or any(not 0.0 <= r <= 1.0 for r in self.ratios):
             raise ValueError("ratios must be a non-empty list of values in [0, 1]")
         refreshes = self.refresh_ratios
         if refreshes is not None and (not refreshes or any(not 0.0 <= r <= 1.0 for r in refreshes)):
             raise ValueError("refresh_ratios must be a non-empty list of values in [0, 1]")
-        if any(refreshes or ()) and not _has_refresh(strategy):
+        if any(refreshes or ()) and not has_option(strategy, "refresh_ratio"):
             raise ValueError(f"{strategy.name} has no answer refresh: give refresh ratios 0 only")
         if not 0.0 <= self.min_agreement <= 1.0:
             raise ValueError("min_agreement must be in [0, 1]")
@@ -113,15 +114,11 @@ class CalibrationPoint:
         return dataclasses.replace(strategy, ratio=self.ratio, refresh_ratio=self.refresh_ratio)
 
 
-def _has_refresh(strategy: FusionStrategy) -> bool:
-    return any(item.name == "refresh_ratio" for item in dataclasses.fields(strategy))
-
-
 def grid(config: FusionCalibrationConfig) -> list[CalibrationPoint]:
     """The points measured, cheapest first."""
     refreshes = config.refresh_ratios
     if refreshes is None:
-        refreshes = DEFAULT_REFRESH_RATIOS if _has_refresh(build_strategy(config.strategy)) else (0.0,)
+        refreshes = DEFAULT_REFRESH_RATIOS if has_option(build_strategy(config.strategy), "refresh_ratio") else (0.0,)
     points = {
         CalibrationPoint.of(ratio, refresh)
         for ratio in config.ratios

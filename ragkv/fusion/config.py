@@ -23,8 +23,7 @@ class CalibratedFusion:
         if spec_names_option(spec, "ratio"):
             return strategy
         changes: dict[str, float] = {"ratio": self.ratio}
-        names = {item.name for item in dataclasses.fields(strategy)}
-        if "refresh_ratio" in names and not spec_names_option(spec, "refresh_ratio"):
+        if has_option(strategy, "refresh_ratio") and not spec_names_option(spec, "refresh_ratio"):
             changes["refresh_ratio"] = self.refresh_ratio
         return dataclasses.replace(strategy, **changes)
 
@@ -51,10 +50,15 @@ class FusionConfig:
         if self.ratio is None:
             chosen = (calibrated or {}).get(strategy.name)
             return strategy if chosen is None else chosen.apply(strategy, self.strategy)
-        if not any(item.name == "ratio" for item in dataclasses.fields(strategy)):
+        if not has_option(strategy, "ratio"):
             check_ratio(self.ratio)
             return strategy
         return dataclasses.replace(strategy, ratio=self.ratio)
+
+
+def has_option(strategy: FusionStrategy, option: str) -> bool:
+    """Whether the strategy has the setting `option` (ratio, refresh_ratio, ...)."""
+    return any(item.name == option for item in dataclasses.fields(strategy))
 
 
 def spec_names_option(spec: str, option: str) -> bool:
