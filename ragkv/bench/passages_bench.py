@@ -39,6 +39,7 @@ from ragkv.engine.generation import GenerationConfig
 from ragkv.fusion import FusionStrategy
 from ragkv.fusion.fidelity import TeacherForced, next_token_kl, teacher_forced_logits
 from ragkv.ingest.spans import Span, SpanConfig, SpanFinder
+from ragkv.store.recency import DEFAULT_PROTECTED_SHARE
 from ragkv.store.url import open_store
 
 SYSTEM = "Answer the question using the documents given."
@@ -225,6 +226,36 @@ def pool_kv_bytes(engine: Engine, pool: list[str]) -> int:
     return int(per_token * sum(len(engine.tokenize(p.strip())) for p in pool))
 
 
+class PoolDraws:
+    """Which passages a query pastes: uniform over the pool (`zipf` 0), or by a Zipf law of
+    exponent `zipf` over a random ranking of the pool, as retrieval makes a few passages
+    recur; `one_off` blocks per query are pasted by that query alone (sentences of random
+    pool passages shuffled: a user's own document, a chat history)."""
+
+    def __init__(self, pool: list[str], seed: int, zipf: float = 0.0, one_off: int = 0) -> None:
+        if zipf < 0 or one_off < 0:
+            raise ValueError("the Zipf exponent and the one-off blocks per query must be >= 0")
+        self.pool, self.zipf, self.one_off = pool, zipf, one_off
+        self.rng = random.Random(seed)
+        self._numpy = np.random.default_rng(seed)
+        ranks = self._numpy.permutation(len(pool)) + 1
+        weights = 1.0 / ranks.astype(float) ** zipf
+        self._weights = weights / weights.sum()
+
+    def passages(self, count: int) -> list[str]:
+        if self.zipf == 0:  # the uniform draws of runs made before Zipf draws existed
+            chosen = self.rng.sample(range(len(self.pool)), count)
+        else:
+            chosen = self._numpy.choice(len(self.pool), size=count, replace=False, p=self._weights).tolist()
+        pasted = [self.pool[i] for i in chosen]
+        for _ in range(self.one_off):
+            sentences = [s for i in self.rng.sample(range(len(self.pool)), 3) for s in self.pool[i].split(". ")]
+            self.rng.shuffle(sentences)
+            block = " ".join(". ".join(sentences).split()[:120])
+            pasted.insert(self.rng.randint(0, len(pasted)), block)
+        return pasted
+
+
 def run_sustained(
     engine: Engine,
     pool: list[str],
@@ -234,24 +265,33 @@ def run_sustained(
     queries: int = 500,
     passages_per_query: tuple[int, int] = (6, 10),
     capacity_share: float = 0.25,
+    protected_share: float = DEFAULT_PROTECTED_SHARE,
+    zipf: float = 0.0,
+    one_off_blocks: int = 0,
     window: int = 50,
     seed: int = 0,
     progress: Callable[[str], None] = lambda message: None,
     checkpoint: Callable[[dict], None] = lambda partial: None,
 ) -> dict:
-    """Queries over the pool with the store capped at `capacity_share` of its KV."""
+    """Queries over the pool with the store capped at `capacity_share` of its KV, a
+    `protected_share` of it for passages read since stored (0: plain LRU)."""
     pool_bytes = pool_kv_bytes(engine, pool)
     capacity = max(1, int(capacity_share * pool_bytes))
     folder = tempfile.TemporaryDirectory(prefix="ragkv-sustained-")
-    store = open_store(f"lmdb://{folder.name}/store?capacity={capacity}")
-    rng = random.Random(seed)
-    rows = []
+    store = open_store(f"lmdb://{folder.name}/store?capacity={capacity}&protected={protected_share}")
+    draws = PoolDraws(pool, seed, zipf, one_off_blocks)
+    workload = {"zipf": zipf, "one_off_blocks": one_off_blocks, "protected_share": protected_share}
+    rows: list[dict] = []
+
+    def results() -> dict:
+        return _sustained_results(engine, strategy, pool, pool_bytes, capacity, store, rows, window, workload)
+
     try:
         passages = PromptPassages(engine, store)
         fuse_prompt(passages, stuffed_ids(engine, pool[:2], "warm-up"), strategy, 1)
         for number in range(1, queries + 1):
-            chosen = rng.sample(range(len(pool)), rng.randint(*passages_per_query))
-            ids = stuffed_ids(engine, [pool[i] for i in chosen], rng.choice(questions))
+            pasted = draws.passages(draws.rng.randint(*passages_per_query))
+            ids = stuffed_ids(engine, pasted, draws.rng.choice(questions))
             fused, ttft = fuse_prompt(passages, ids, strategy, 1)
             plan = fused.plan
             rows.append(
@@ -270,8 +310,10 @@ def run_sustained(
                     f"queries {number - window + 1}-{number}: hit rate {summary['span_hit_rate']:.3f}, cached "
                     f"{summary['cached_share']:.3f}, TTFT p50 {summary['ttft_p50_s']:.2f} s"
                 )
-                checkpoint(_sustained_results(engine, strategy, pool, pool_bytes, capacity, store, rows, window))
-        return _sustained_results(engine, strategy, pool, pool_bytes, capacity, store, rows, window)
+                checkpoint(
+                    _sustained_results(engine, strategy, pool, pool_bytes, capacity, store, rows, window, workload)
+                )
+        return _sustained_results(engine, strategy, pool, pool_bytes, capacity, store, rows, window, workload)
     finally:
         store.close()
         folder.cleanup()
@@ -287,7 +329,7 @@ def _window(rows: list[dict]) -> dict:
     }
 
 
-def _sustained_results(engine, strategy, pool, pool_bytes, capacity, store, rows, window) -> dict:
+def _sustained_results(engine, strategy, pool, pool_bytes, capacity, store, rows, window, workload) -> dict:
     stats = store.stats()
     windows = [_window(rows[i : i + window]) for i in range(0, len(rows) - window + 1, window)]
     results = {
@@ -295,6 +337,7 @@ def _sustained_results(engine, strategy, pool, pool_bytes, capacity, store, rows
         "pool_passages": len(pool),
         "pool_kv_bytes": pool_bytes,
         "store_capacity_bytes": capacity,
+        **workload,
         "queries": len(rows),
         "windows": windows,
         "store_evictions": stats.evictions,

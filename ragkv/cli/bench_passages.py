@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from ragkv.cli.options import add_common_options, config_from_args
+from ragkv.store.recency import DEFAULT_PROTECTED_SHARE
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +37,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
     sustained.add_argument(
         "--capacity-share", type=float, default=0.25, help="the store's cap as a share of the pool's KV bytes"
     )
+    sustained.add_argument(
+        "--protected-share",
+        type=float,
+        default=DEFAULT_PROTECTED_SHARE,
+        help="the store's share kept for passages read since stored (segmented LRU; 0: plain LRU)",
+    )
+    sustained.add_argument(
+        "--zipf",
+        type=float,
+        default=0.0,
+        help="draw passages by a Zipf law of this exponent over a random ranking (0: uniform)",
+    )
+    sustained.add_argument("--one-off-blocks", type=int, default=0, help="blocks per query that no other query pastes")
     sustained.add_argument("--window", type=int, default=50, help="queries per reported window")
     sustained.add_argument(
         "--passage-words",
@@ -65,6 +79,8 @@ def run(args: argparse.Namespace) -> dict:
     if args.sustained:
         if not 1 <= args.min_passages <= args.max_passages or not 0 < args.capacity_share <= 1:
             raise SystemExit("need 1 <= --min-passages <= --max-passages and 0 < --capacity-share <= 1")
+        if not 0 <= args.protected_share < 1 or args.zipf < 0 or args.one_off_blocks < 0:
+            raise SystemExit("need 0 <= --protected-share < 1, --zipf >= 0 and --one-off-blocks >= 0")
         pool = sorted({p.strip() for e in examples for p in e.passages})
         if args.passage_words:
             pool = sorted({" ".join(p.split()[: args.passage_words]) for p in pool})
@@ -76,6 +92,9 @@ def run(args: argparse.Namespace) -> dict:
             queries=args.queries,
             passages_per_query=(args.min_passages, args.max_passages),
             capacity_share=args.capacity_share,
+            protected_share=args.protected_share,
+            zipf=args.zipf,
+            one_off_blocks=args.one_off_blocks,
             window=args.window,
             seed=args.seed,
             progress=progress,

@@ -304,6 +304,10 @@ class ChunkStore(ABC):
     def _put_raw_many(self, pairs: list[tuple[bytes, RawBlob]]) -> None:
         """Write ``(key bytes, blob)`` pairs, atomically where the backend can."""
 
+    def _note_used(self, keys: list[bytes]) -> None:
+        """Reads of ``keys`` that a tier above served (from memory): a store that orders its
+        eviction by use records them as its own reads. Others ignore them."""
+
     @abstractmethod
     def _delete_raw(self, key: bytes) -> bool: ...
 

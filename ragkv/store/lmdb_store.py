@@ -6,8 +6,9 @@ warm read costs one copy into the decode buffer.  The store lives in the
 other ragkv sub-databases in the same directory.
 
 With ``capacity_bytes`` the chunks sub-database is kept at most that large: every write
-transaction that would exceed it deletes least-recently-used chunks (see
-:mod:`store.recency`) in the same transaction. Chunks this process read most recently
+transaction that would exceed it deletes chunks in the same transaction, least recently
+used first among those never read since they were written, then among the rest (segmented
+LRU, :mod:`store.recency`; ``protected_share=0`` is plain LRU). Chunks this process read most recently
 are never evicted, so one query's working set survives its own write-backs; an evicted
 chunk is a plain miss, which the query path recomputes and puts back.
 """
@@ -20,7 +21,15 @@ from collections.abc import Iterator
 
 from ragkv.store.base import BlobStore, RawBlob, StoreUsage
 from ragkv.store.lmdb_env import DEFAULT_MAP_SIZE, LMDBEnvironment
-from ragkv.store.recency import LRU_DB, USE_DB, RecencyIndex, TouchLog, now_stamp
+from ragkv.store.recency import (
+    DEFAULT_PROTECTED_SHARE,
+    LRU_DB,
+    SEGMENT_DB,
+    USE_DB,
+    RecencyIndex,
+    TouchLog,
+    now_stamp,
+)
 
 CHUNKS_DB = "chunks"
 _KEY_BATCH = 1024  # keys listed per read transaction by iter_keys
@@ -45,16 +54,25 @@ class LMDBStore(BlobStore):
         create: bool = True,
         mac_key: bytes | None = None,
         capacity_bytes: int | None = None,
+        protected_share: float = DEFAULT_PROTECTED_SHARE,
     ) -> None:
         if capacity_bytes is not None and (
             isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 1
         ):
             raise ValueError(f"capacity_bytes must be a positive int or None; got {capacity_bytes!r}")
+        if isinstance(protected_share, bool) or not isinstance(protected_share, (int, float)):
+            raise ValueError(f"protected_share must be a number in [0, 1); got {protected_share!r}")
+        if not 0 <= protected_share < 1:
+            raise ValueError(f"protected_share must be in [0, 1) (0: plain LRU); got {protected_share!r}")
         self._capacity = capacity_bytes
+        self._protected_share = float(protected_share)
         self._env = LMDBEnvironment(path, map_size=map_size, create=create)
         try:
             self._db = self._env.db(CHUNKS_DB)
-            self._recency = RecencyIndex(self._env.db(USE_DB), self._env.db(LRU_DB))
+            protected = int(protected_share * capacity_bytes) if capacity_bytes is not None else 0
+            self._recency = RecencyIndex(
+                self._env.db(USE_DB), self._env.db(LRU_DB), self._env.db(SEGMENT_DB), protected_bytes=protected
+            )
             if capacity_bytes is not None:
                 self._env.write(lambda txn: self._recency.track_untracked(txn, self._db))
         except BaseException:
@@ -68,6 +86,10 @@ class LMDBStore(BlobStore):
         return self._capacity
 
     @property
+    def protected_share(self) -> float:
+        return self._protected_share
+
+    @property
     def path(self) -> str:
         return self._env.path
 
@@ -78,18 +100,21 @@ class LMDBStore(BlobStore):
         with self._env.read() as txn:
             # The memoryviews die with the transaction: copy each hit out once.
             found = [None if (value := txn.get(key, db=self._db)) is None else bytearray(value) for key in keys]
-        if self._capacity is not None:
-            waiting = self._touches.record(key for key, blob in zip(keys, found) if blob is not None)
-            if waiting >= _TOUCH_BATCH:
-                self._env.write(self._write_touches)
+        self._note_used([key for key, blob in zip(keys, found) if blob is not None])
         return found
+
+    def _note_used(self, keys: list[bytes]) -> None:
+        """Record reads of `keys` (also those an upper tier served from memory)."""
+        if self._capacity is not None and keys:
+            if self._touches.record(keys) >= _TOUCH_BATCH:
+                self._env.write(self._write_touches)
 
     def _put_raw_many(self, pairs: list[tuple[bytes, RawBlob]]) -> None:
         def put_all(txn) -> int:
             stamp = now_stamp()
             for key, blob in pairs:
                 txn.put(key, blob, db=self._db)
-                self._recency.touch(txn, key, stamp)  # two small puts; kept even without a capacity
+                self._recency.written(txn, key, stamp, len(blob))  # small puts; kept even without a capacity
             if self._capacity is None:
                 return 0
             self._write_touches(txn)
@@ -108,14 +133,16 @@ class LMDBStore(BlobStore):
         pending = self._touches.take()
         try:
             for key, stamp in pending.items():
-                if txn.get(key, db=self._db) is not None:  # not deleted since it was read
-                    self._recency.touch(txn, key, stamp)
+                blob = txn.get(key, db=self._db)
+                if blob is not None:  # not deleted since it was read
+                    self._recency.used(txn, key, stamp, len(blob))
         except BaseException:
             self._touches.restore(pending)
             raise
 
     def _evict(self, txn, written: frozenset[bytes]) -> int:
-        """Delete least-recently-used chunks until the chunks fit the capacity; how many."""
+        """Delete chunks, probation's least recently used first, until the chunks fit the
+        capacity; how many."""
         if self._bytes_in(txn) <= self._capacity:
             return 0
         evicted = 0

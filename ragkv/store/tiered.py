@@ -76,6 +76,10 @@ class TieredStore(ChunkStore):
 
     def _load(self, keys: list[ChunkKey]) -> list[Loaded | None]:
         found: list[Loaded | None] = [self._lru.get(key.to_bytes()) for key in keys]
+        served = [key.to_bytes() for key, item in zip(keys, found) if item is not None]
+        if served:  # the tiers below order their eviction by use: tell them of these reads
+            for tier in self._tiers:
+                tier._attempt("note use", tier._note_used, served, fallback=None)
         pending = [i for i, item in enumerate(found) if item is None]
         for depth, tier in enumerate(self._tiers):
             if not pending:

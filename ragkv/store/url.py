@@ -6,7 +6,10 @@ URL forms (query parameters are optional; keyword ``options`` to
     lmdb:///abs/path/to/dir          LMDB directory, absolute path
     lmdb://relative/path             ... relative to the working directory
         ?map_size=BYTES              initial LMDB map size (grows on demand)
-        &capacity=BYTES              keep at most BYTES of chunks (least recently used evicted)
+        &capacity=BYTES              keep at most BYTES of chunks (least recently used evicted,
+                                     chunks never read since written first: segmented LRU)
+        &protected=SHARE             share of the capacity kept for chunks read since written
+                                     (default 0.8; 0: plain LRU)
 
     redis://host:6379/0              Redis database 0 (rediss:// for TLS)
         ?ttl=SECONDS                 expire entries after SECONDS
@@ -21,6 +24,7 @@ URL forms (query parameters are optional; keyword ``options`` to
         &redis_ttl=SECONDS           TTL for that Redis tier
         &map_size=BYTES              as for lmdb://
         &capacity=BYTES              as for lmdb:// (bounds the LMDB tier)
+        &protected=SHARE             as for lmdb://
 
 Example: ``tiered+lmdb:///var/lib/ragkv/kv?lru_mb=512&redis=redis://cache:6379/2``.
 A Redis URL nested in ``redis=`` containing ``&`` must be percent-encoded.
@@ -37,6 +41,7 @@ from ragkv.store.base import ChunkStore
 from ragkv.store.blob import mac_key_of
 from ragkv.store.lmdb_env import DEFAULT_MAP_SIZE
 from ragkv.store.lmdb_store import LMDBStore
+from ragkv.store.recency import DEFAULT_PROTECTED_SHARE
 from ragkv.store.redis_client import CLUSTER_SCHEMES
 from ragkv.store.redis_store import RedisStore
 from ragkv.store.tiered import DEFAULT_LRU_BYTES, TieredStore
@@ -77,7 +82,14 @@ def _capacity(value: object) -> int | None:
     return capacity
 
 
-_LMDB_PARAMS: dict[str, Callable[[object], object]] = {"map_size": _int, "capacity": _capacity}
+def _share(value: object) -> float:
+    share = _float(value)
+    if not 0 <= share < 1:
+        raise ValueError("protected must be a share of the capacity in [0, 1)")
+    return share
+
+
+_LMDB_PARAMS: dict[str, Callable[[object], object]] = {"map_size": _int, "capacity": _capacity, "protected": _share}
 _REDIS_PARAMS: dict[str, Callable[[object], object]] = {
     "ttl": _float,
     "connect_timeout": _float,
@@ -89,6 +101,7 @@ _TIERED_PARAMS: dict[str, Callable[[object], object]] = {
     "redis_ttl": _float,
     "map_size": _int,
     "capacity": _capacity,
+    "protected": _share,
 }
 
 
@@ -167,6 +180,7 @@ def _open_lmdb(url: str, netloc: str, path: str, params: _Params, create: bool, 
             create=create,
             mac_key=mac_key,
             capacity_bytes=params.get("capacity"),
+            protected_share=params.get("protected", DEFAULT_PROTECTED_SHARE),
         )
     except FileNotFoundError:
         raise FileNotFoundError(f"no chunk store at {_redact(url)} (nothing was created)") from None
