@@ -1,5 +1,5 @@
 """`ragkv bench store | fusion | sparse | decode | kernels | geometry | retrieval | ingest | soak |
-passages | vllm-connector`: argument parsing and result tables (each kind but store, fusion and
+passages | eviction | vllm-connector`: argument parsing and result tables (each kind but store, fusion and
 conversation in its own module: ragkv.cli.bench_<kind>; vllm-connector: ragkv.cli.bench_vllm)."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ragkv.cli import (
     bench_decode,
+    bench_eviction,
     bench_geometry,
     bench_ingest,
     bench_kernels,
@@ -188,6 +189,12 @@ def configure(bench: argparse.ArgumentParser) -> None:
     )
     bench_passages.configure(passages)
 
+    eviction = kinds.add_parser(
+        "eviction",
+        help="the sustained passage workload replayed against a capped store, no model: hit rates per policy",
+    )
+    bench_eviction.configure(eviction)
+
     vllm_connector = kinds.add_parser(
         "vllm-connector",
         help="vLLM with RagkvConnector against vLLM alone: TTFT, first-token KL, a repeated prompt token for token",
@@ -208,6 +215,7 @@ def run(args: argparse.Namespace) -> int:
         "soak": bench_soak.run,
         "ingest": bench_ingest.run,
         "passages": bench_passages.run,
+        "eviction": bench_eviction.run,
         "vllm-connector": bench_vllm.run,
     }
     results = handlers[args.bench](args)

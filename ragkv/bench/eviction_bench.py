@@ -1,0 +1,135 @@
+"""`ragkv bench eviction`: the sustained passage workload replayed against the store alone.
+
+The hit rates of `ragkv bench passages --sustained` depend only on which spans a query
+pastes, their sizes and the store's eviction: the model decides none of it. So the same
+draws (bench.passages_bench.PoolDraws) are replayed here against a real capped LMDB store,
+each passage a blob sized by its tokens, looked up and the misses written back as
+PromptPassages does, with no model run: many seeds in minutes. Per protected share (0 is
+plain LRU) it reports the hit rate of queries 101-200 and of the last 100, how often the
+second reaches the first, and the hit rate's trend from query 101. One model run per policy
+(`bench passages --sustained`) checks that the replay's hit rates are the served ones.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import statistics
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ragkv.bench.passages_bench import PoolDraws, hit_rate_trend
+from ragkv.store.keys import ChunkKey
+from ragkv.store.url import open_store
+
+BYTES_PER_TOKEN = 256
+"""Blob bytes per passage token: sizes in proportion to real KV, small enough for many seeds."""
+_MEMORY_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None  # no fsync per write: many seeds in minutes
+
+
+@dataclass(frozen=True)
+class Replay:
+    """One replay's workload (as `bench passages --sustained` draws it)."""
+
+    queries: int = 500
+    questions: int = 100
+    passages_per_query: tuple[int, int] = (6, 10)
+    capacity_share: float = 0.25
+    zipf: float = 0.0
+    one_off_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        low, high = self.passages_per_query
+        if self.queries < 200 or not 1 <= low <= high or not 0 < self.capacity_share <= 1:
+            raise ValueError("need >= 200 queries, 1 <= min <= max passages and 0 < capacity share <= 1")
+
+
+def replay_seed(
+    pool: list[str], tokens: Callable[[str], int], replay: Replay, protected_share: float, seed: int
+) -> list[dict]:
+    """Per query: spans pasted and spans the store held; `tokens(text)` counts a passage's tokens."""
+    pool_bytes = sum(tokens(p) for p in pool) * BYTES_PER_TOKEN
+    capacity = max(1, int(replay.capacity_share * pool_bytes))
+    draws = PoolDraws(pool, seed, replay.zipf, replay.one_off_blocks)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="ragkv-eviction-", dir=_MEMORY_DIR) as folder:
+        with open_store(f"lmdb://{folder}/store?capacity={capacity}&protected={protected_share}") as store:
+            for number in range(1, replay.queries + 1):
+                pasted = draws.passages(draws.rng.randint(*replay.passages_per_query))
+                draws.rng.choice(range(replay.questions))  # the served run's question draw
+                keys = [
+                    ChunkKey("replay", hashlib.blake2b(text.encode(), digest_size=16).hexdigest(), 1) for text in pasted
+                ]
+                found = store.get_many(keys)
+                missed = [(key, text) for key, text, tensors in zip(keys, pasted, found) if tensors is None]
+                store.put_many([(key, {"kv": _blob(tokens(text))}) for key, text in missed])
+                rows.append({"query": number, "spans": len(keys), "hits": len(keys) - len(missed)})
+    return rows
+
+
+@functools.cache
+def _blob(tokens: int) -> torch.Tensor:
+    return torch.from_numpy(np.zeros(tokens * BYTES_PER_TOKEN, dtype=np.uint8))  # no thread pool: cores are busy
+
+
+def _hit_rate(rows: list[dict]) -> float:
+    return sum(r["hits"] for r in rows) / max(1, sum(r["spans"] for r in rows))
+
+
+def run_eviction_replay(
+    pool: list[str],
+    tokens: Callable[[str], int],
+    replay: Replay,
+    protected_shares: list[float],
+    seeds: list[int],
+    progress: Callable[[str], None] = lambda message: None,
+) -> dict:
+    policies = {}
+    for share in protected_shares:
+        runs = []
+        for seed in seeds:
+            rows = replay_seed(pool, tokens, replay, share, seed)
+            middle, last, overall = _hit_rate(rows[100:200]), _hit_rate(rows[-100:]), _hit_rate(rows)
+            runs.append(
+                {
+                    "seed": seed,
+                    "queries_101_200": middle,
+                    "last_100": last,
+                    "all": overall,
+                    "trend": hit_rate_trend(rows[100:]),
+                }
+            )
+        held = [r["last_100"] >= r["queries_101_200"] for r in runs]
+        slopes = np.array([r["trend"]["slope_per_100"] for r in runs])
+        policies[str(share)] = {
+            "protected_share": share,
+            "hit_rate_queries_101_200": statistics.fmean(r["queries_101_200"] for r in runs),
+            "hit_rate_last_100": statistics.fmean(r["last_100"] for r in runs),
+            "hit_rate_all": statistics.fmean(r["all"] for r in runs),
+            "last_100_reaches_101_200": sum(held) / len(held),
+            "trend_per_100_mean": float(slopes.mean()),
+            "trend_per_100_stderr": float(slopes.std(ddof=1) / np.sqrt(len(slopes))) if len(slopes) > 1 else None,
+            "per_seed": runs,
+        }
+        row = policies[str(share)]
+        progress(
+            f"protected {share}: hit rate 101-200 {row['hit_rate_queries_101_200']:.3f}, last 100 "
+            f"{row['hit_rate_last_100']:.3f}; last >= 101-200 in "
+            f"{row['last_100_reaches_101_200']:.0%} of {len(seeds)} seeds"
+        )
+    return {
+        "pool_passages": len(pool),
+        "queries": replay.queries,
+        "passages_per_query": list(replay.passages_per_query),
+        "capacity_share": replay.capacity_share,
+        "zipf": replay.zipf,
+        "one_off_blocks": replay.one_off_blocks,
+        "seeds": seeds,
+        "bytes_per_token": BYTES_PER_TOKEN,
+        "policies": policies,
+    }
