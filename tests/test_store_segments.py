@@ -194,3 +194,16 @@ def test_reads_served_from_the_tiered_memory_count_as_uses_below(tmp_path, one):
         store.put(key(3), payload(3))  # evicts 1
         store.put(key(4), payload(4))  # evicts 2, whose last use is older than 0's
         assert held(lmdb, range(5)) == [0, 3, 4]
+
+
+def test_stats_show_the_protected_bytes_of_a_capped_store(tmp_path, one):
+    with open_store(f"tiered+lmdb://{tmp_path / 'db'}?capacity={4 * one}&lru_mb=0") as store:
+        store.put(key(0), payload(0))
+        assert store.stats().protected_bytes == 0
+        assert store.get(key(0)) is not None
+        store.put(key(1), payload(1))  # writes the read's use
+        stats = store.stats()
+        assert 0 < stats.protected_bytes == stats.tiers[0].protected_bytes <= one
+        assert stats.to_dict()["tiers"][0]["protected_bytes"] == stats.protected_bytes
+    with LMDBStore(tmp_path / "unbounded") as store:
+        assert store.stats().protected_bytes is None

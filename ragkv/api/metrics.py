@@ -157,6 +157,12 @@ _STORE_TIER = (  # (kind, name, help, the tier's field)
         "evictions",
     ),
     ("gauge", "ragkv_store_capacity_bytes", "The --store-capacity bound of each tier", "capacity_bytes"),
+    (
+        "gauge",
+        "ragkv_store_protected_bytes",
+        "Bytes of chunks read since they were written, evicted last (a capped LMDB tier)",
+        "protected_bytes",
+    ),
 )
 _PROMPT_SPANS = (  # (name, help): ragkv_prompt_span_<name>, a field of the passage counters
     ("hits", "Passages found in prompts whose KV the store held"),

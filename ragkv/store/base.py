@@ -80,6 +80,8 @@ class StoreUsage(NamedTuple):
 
     entries: int | None
     bytes: int | None
+    protected_bytes: int | None = None
+    """Bytes of chunks read since written, which a capped store evicts last (segmented LRU)."""
 
 
 def _check_keys(keys: Iterable[ChunkKey]) -> list[ChunkKey]:
@@ -223,11 +225,12 @@ class ChunkStore(ABC):
                 errors=self._errors,
                 evictions=self._evictions,
                 capacity_bytes=self.capacity_bytes,
+                protected_bytes=usage.protected_bytes if usage else None,
             )
 
     @property
     def capacity_bytes(self) -> int | None:
-        """The most bytes of chunks this store keeps (least recently used go first); None: unbounded."""
+        """The most bytes of chunks this store keeps (the eviction order is the backend's); None: unbounded."""
         return None
 
     def close(self) -> None:

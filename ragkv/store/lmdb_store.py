@@ -170,7 +170,10 @@ class LMDBStore(BlobStore):
 
     def _usage(self) -> StoreUsage:
         with self._env.read() as txn:
-            return StoreUsage(entries=txn.stat(self._db)["entries"], bytes=self._bytes_in(txn))
+            protected = self._recency.protected_bytes(txn) if self._capacity is not None else None
+            return StoreUsage(
+                entries=txn.stat(self._db)["entries"], bytes=self._bytes_in(txn), protected_bytes=protected
+            )
 
     def _iter_raw_keys(self, prefix: bytes) -> Iterator[bytes]:
         # Short read transactions, so a long listing never holds back map

@@ -40,6 +40,7 @@ class StoreStats:
     backend holds right now, or are ``None`` when it cannot be asked.
     ``evictions`` counts chunks deleted to stay within ``capacity_bytes``
     (``None``: the store is unbounded); each one costs a recompute on its next use.
+    ``protected_bytes``: of a capped LMDB store, the chunks read since written (evicted last).
     """
 
     backend: str
@@ -51,13 +52,27 @@ class StoreStats:
     errors: int
     evictions: int = 0
     capacity_bytes: int | None = None
+    protected_bytes: int | None = None
     lru: LRUStats | None = None
     tiers: tuple[StoreStats, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.backend, str) or not self.backend:
             raise ValueError(f"StoreStats.backend must be a non-empty str; got {self.backend!r}")
-        _check_counts(self, ("entries", "bytes", "hits", "misses", "corrupt", "errors", "evictions", "capacity_bytes"))
+        _check_counts(
+            self,
+            (
+                "entries",
+                "bytes",
+                "hits",
+                "misses",
+                "corrupt",
+                "errors",
+                "evictions",
+                "capacity_bytes",
+                "protected_bytes",
+            ),
+        )
         if self.lru is not None and not isinstance(self.lru, LRUStats):
             raise TypeError("StoreStats.lru must be an LRUStats or None")
         if not isinstance(self.tiers, tuple) or not all(isinstance(t, StoreStats) for t in self.tiers):
@@ -77,6 +92,7 @@ class StoreStats:
                 "errors",
                 "evictions",
                 "capacity_bytes",
+                "protected_bytes",
             )
         }
         if self.lru is not None:

@@ -70,6 +70,7 @@ class TieredStore(ChunkStore):
             errors=own.errors + sum(t.errors for t in tiers),
             evictions=sum(t.evictions for t in tiers),
             capacity_bytes=tiers[0].capacity_bytes,
+            protected_bytes=tiers[0].protected_bytes,
             lru=self._lru.stats(),
             tiers=tiers,
         )
