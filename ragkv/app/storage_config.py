@@ -29,8 +29,9 @@ class StorageConfig:
     """Deployment secret: chunk blobs carry a MAC keyed by it instead of a CRC-32, so a
     party that can write to a shared store cannot plant KV (store.blob). None = CRC-32."""
     store_capacity: int | None = None
-    """Bytes of chunk KV the LMDB store keeps; beyond it the least recently used chunks are
-    evicted (and recomputed from their text when next retrieved). None = unbounded."""
+    """Bytes of chunk KV the LMDB store keeps; beyond it chunks are evicted (and recomputed
+    from their text when next retrieved), those never read since written first (segmented
+    LRU; `protected=` in an lmdb:// URL sets the share kept for the rest). None = unbounded."""
 
     def __post_init__(self) -> None:
         if self.store_capacity is not None and self.store_capacity < 1:

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ragkv.bench.passages_bench import PoolDraws, hit_rate_trend
+from ragkv.store.base import ChunkStore
 from ragkv.store.keys import ChunkKey
 from ragkv.store.url import open_store
 
@@ -59,17 +60,22 @@ def replay_seed(
     rows = []
     with tempfile.TemporaryDirectory(prefix="ragkv-eviction-", dir=_MEMORY_DIR) as folder:
         with open_store(f"lmdb://{folder}/store?capacity={capacity}&protected={protected_share}") as store:
+            query(store, pool[:2], tokens)  # the served run's warm-up
             for number in range(1, replay.queries + 1):
                 pasted = draws.passages(draws.rng.randint(*replay.passages_per_query))
                 draws.rng.choice(range(replay.questions))  # the served run's question draw
-                keys = [
-                    ChunkKey("replay", hashlib.blake2b(text.encode(), digest_size=16).hexdigest(), 1) for text in pasted
-                ]
-                found = store.get_many(keys)
-                missed = [(key, text) for key, text, tensors in zip(keys, pasted, found) if tensors is None]
-                store.put_many([(key, {"kv": _blob(tokens(text))}) for key, text in missed])
-                rows.append({"query": number, "spans": len(keys), "hits": len(keys) - len(missed)})
+                rows.append({"query": number, "spans": len(pasted), "hits": query(store, pasted, tokens)})
     return rows
+
+
+def query(store: ChunkStore, pasted: list[str], tokens: Callable[[str], int]) -> int:
+    """What PromptPassages does with the store for one prompt: look every passage up, write
+    the misses back; how many it held."""
+    keys = [ChunkKey("replay", hashlib.blake2b(text.encode(), digest_size=16).hexdigest(), 1) for text in pasted]
+    found = store.get_many(keys)
+    missed = [(key, text) for key, text, tensors in zip(keys, pasted, found) if tensors is None]
+    store.put_many([(key, {"kv": _blob(tokens(text))}) for key, text in missed])
+    return len(keys) - len(missed)
 
 
 @functools.cache

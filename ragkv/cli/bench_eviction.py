@@ -8,6 +8,7 @@ import functools
 import sys
 from pathlib import Path
 
+from ragkv.cli.bench_passages import add_pool_workload, pool_workload
 from ragkv.cli.options import add_common_options
 from ragkv.store.recency import DEFAULT_PROTECTED_SHARE
 
@@ -23,13 +24,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=[0.0, DEFAULT_PROTECTED_SHARE],
         help="store policies compared: the share kept for passages read since stored (0: plain LRU)",
     )
-    parser.add_argument("--queries", type=int, default=500)
-    parser.add_argument("--min-passages", type=int, default=6)
-    parser.add_argument("--max-passages", type=int, default=10)
-    parser.add_argument("--capacity-share", type=float, default=0.25)
-    parser.add_argument("--zipf", type=float, default=0.0, help="Zipf exponent of the draws (0: uniform)")
-    parser.add_argument("--one-off-blocks", type=int, default=0, help="blocks per query no other query pastes")
-    parser.add_argument("--passage-words", type=int, default=None, help="cut each pool passage to N words")
+    add_pool_workload(parser)
     parser.add_argument("--json", type=Path, default=None, help="write all figures to this file")
 
 
@@ -42,9 +37,12 @@ def run(args: argparse.Namespace) -> dict:
 
     if args.seeds < 1 or any(not 0 <= share < 1 for share in args.protected_shares):
         raise SystemExit("need --seeds >= 1 and every --protected-shares value in [0, 1)")
+    examples = load_examples(args.data)
+    pool = pool_workload(args, examples)
     try:
         replay = Replay(
             queries=args.queries,
+            questions=len(examples),
             passages_per_query=(args.min_passages, args.max_passages),
             capacity_share=args.capacity_share,
             zipf=args.zipf,
@@ -52,11 +50,6 @@ def run(args: argparse.Namespace) -> dict:
         )
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
-    examples = load_examples(args.data)
-    pool = sorted({p.strip() for e in examples for p in e.passages})
-    if args.passage_words:
-        pool = sorted({" ".join(p.split()[: args.passage_words]) for p in pool})
-    replay = Replay(**{**replay.__dict__, "questions": len(examples)})
     folder = resolve_model_dir(args.model)
     tokenizer = AutoTokenizer.from_pretrained(folder)
 

@@ -31,33 +31,51 @@ def configure(parser: argparse.ArgumentParser) -> None:
     sustained.add_argument(
         "--sustained", action="store_true", help="the pool run: every passage of the dataset, many queries"
     )
-    sustained.add_argument("--queries", type=int, default=500)
-    sustained.add_argument("--min-passages", type=int, default=6)
-    sustained.add_argument("--max-passages", type=int, default=10)
-    sustained.add_argument(
-        "--capacity-share", type=float, default=0.25, help="the store's cap as a share of the pool's KV bytes"
-    )
+    add_pool_workload(sustained)
     sustained.add_argument(
         "--protected-share",
         type=float,
         default=DEFAULT_PROTECTED_SHARE,
         help="the store's share kept for passages read since stored (segmented LRU; 0: plain LRU)",
     )
-    sustained.add_argument(
+    sustained.add_argument("--window", type=int, default=50, help="queries per reported window")
+    parser.add_argument("--json", type=Path, default=None, help="write all figures to this file")
+
+
+def add_pool_workload(group: argparse._ActionsGroup) -> None:
+    """The sustained workload's options (also `bench eviction`'s)."""
+    group.add_argument("--queries", type=int, default=500)
+    group.add_argument("--min-passages", type=int, default=6)
+    group.add_argument("--max-passages", type=int, default=10)
+    group.add_argument(
+        "--capacity-share", type=float, default=0.25, help="the store's cap as a share of the pool's KV bytes"
+    )
+    group.add_argument(
         "--zipf",
         type=float,
         default=0.0,
         help="draw passages by a Zipf law of this exponent over a random ranking (0: uniform)",
     )
-    sustained.add_argument("--one-off-blocks", type=int, default=0, help="blocks per query that no other query pastes")
-    sustained.add_argument("--window", type=int, default=50, help="queries per reported window")
-    sustained.add_argument(
+    group.add_argument("--one-off-blocks", type=int, default=0, help="blocks per query that no other query pastes")
+    group.add_argument(
         "--passage-words",
         type=int,
         default=None,
         help="cut each pool passage to its first N words (a shorter run; the store's cap follows the pool)",
     )
-    parser.add_argument("--json", type=Path, default=None, help="write all figures to this file")
+
+
+def pool_workload(args: argparse.Namespace, examples: list) -> list[str]:
+    """The pool (every passage of the dataset, cut to --passage-words), once the workload's
+    options are checked."""
+    if not 1 <= args.min_passages <= args.max_passages or not 0 < args.capacity_share <= 1:
+        raise SystemExit("need 1 <= --min-passages <= --max-passages and 0 < --capacity-share <= 1")
+    if args.zipf < 0 or args.one_off_blocks < 0:
+        raise SystemExit("need --zipf >= 0 and --one-off-blocks >= 0")
+    pool = sorted({p.strip() for e in examples for p in e.passages})
+    if args.passage_words:
+        pool = sorted({" ".join(p.split()[: args.passage_words]) for p in pool})
+    return pool
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -77,13 +95,9 @@ def run(args: argparse.Namespace) -> dict:
     engine = Engine(config_from_args(EngineConfig, args))
     checkpoint = lambda partial: _write_json(args.json, partial)  # noqa: E731
     if args.sustained:
-        if not 1 <= args.min_passages <= args.max_passages or not 0 < args.capacity_share <= 1:
-            raise SystemExit("need 1 <= --min-passages <= --max-passages and 0 < --capacity-share <= 1")
-        if not 0 <= args.protected_share < 1 or args.zipf < 0 or args.one_off_blocks < 0:
-            raise SystemExit("need 0 <= --protected-share < 1, --zipf >= 0 and --one-off-blocks >= 0")
-        pool = sorted({p.strip() for e in examples for p in e.passages})
-        if args.passage_words:
-            pool = sorted({" ".join(p.split()[: args.passage_words]) for p in pool})
+        if not 0 <= args.protected_share < 1:
+            raise SystemExit("need 0 <= --protected-share < 1")
+        pool = pool_workload(args, examples)
         results = run_sustained(
             engine,
             pool,

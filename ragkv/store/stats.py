@@ -30,6 +30,19 @@ class LRUStats:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+_STORE_COUNTS = (
+    "entries",
+    "bytes",
+    "hits",
+    "misses",
+    "corrupt",
+    "errors",
+    "evictions",
+    "capacity_bytes",
+    "protected_bytes",
+)
+
+
 @dataclass(frozen=True)
 class StoreStats:
     """Snapshot of a store's counters since it was opened.
@@ -59,20 +72,7 @@ class StoreStats:
     def __post_init__(self) -> None:
         if not isinstance(self.backend, str) or not self.backend:
             raise ValueError(f"StoreStats.backend must be a non-empty str; got {self.backend!r}")
-        _check_counts(
-            self,
-            (
-                "entries",
-                "bytes",
-                "hits",
-                "misses",
-                "corrupt",
-                "errors",
-                "evictions",
-                "capacity_bytes",
-                "protected_bytes",
-            ),
-        )
+        _check_counts(self, _STORE_COUNTS)
         if self.lru is not None and not isinstance(self.lru, LRUStats):
             raise TypeError("StoreStats.lru must be an LRUStats or None")
         if not isinstance(self.tiers, tuple) or not all(isinstance(t, StoreStats) for t in self.tiers):
@@ -80,21 +80,7 @@ class StoreStats:
 
     def to_dict(self) -> dict[str, object]:
         """JSON-ready form; ``lru``/``tiers`` appear only for composite stores."""
-        out: dict[str, object] = {
-            name: getattr(self, name)
-            for name in (
-                "backend",
-                "entries",
-                "bytes",
-                "hits",
-                "misses",
-                "corrupt",
-                "errors",
-                "evictions",
-                "capacity_bytes",
-                "protected_bytes",
-            )
-        }
+        out: dict[str, object] = {name: getattr(self, name) for name in ("backend", *_STORE_COUNTS)}
         if self.lru is not None:
             out["lru"] = self.lru.to_dict()
         if self.tiers:
