@@ -54,8 +54,7 @@ def replay_seed(
     pool: list[str], tokens: Callable[[str], int], replay: Replay, protected_share: float, seed: int
 ) -> list[dict]:
     """Per query: spans pasted and spans the store held; `tokens(text)` counts a passage's tokens."""
-    pool_bytes = sum(tokens(p) for p in pool) * BYTES_PER_TOKEN
-    capacity = max(1, int(replay.capacity_share * pool_bytes))
+    capacity = max(1, int(replay.capacity_share * pool_footprint(pool, tokens)))
     draws = PoolDraws(pool, seed, replay.zipf, replay.one_off_blocks)
     rows = []
     with tempfile.TemporaryDirectory(prefix="ragkv-eviction-", dir=_MEMORY_DIR) as folder:
@@ -66,6 +65,20 @@ def replay_seed(
                 draws.rng.choice(range(replay.questions))  # the served run's question draw
                 rows.append({"query": number, "spans": len(pasted), "hits": query(store, pasted, tokens)})
     return rows
+
+
+@functools.lru_cache(maxsize=4)
+def _footprint(pool: tuple[str, ...], tokens: Callable[[str], int]) -> int:
+    with tempfile.TemporaryDirectory(prefix="ragkv-eviction-", dir=_MEMORY_DIR) as folder:
+        with open_store(f"lmdb://{folder}/store") as store:
+            query(store, list(pool), tokens)
+            return store.stats().bytes
+
+
+def pool_footprint(pool: list[str], tokens: Callable[[str], int]) -> int:
+    """The bytes the whole pool takes in the store (pages, as the capacity counts them), so a
+    capacity share keeps that share of the pool, as in the served run's large blobs."""
+    return _footprint(tuple(pool), tokens)
 
 
 def query(store: ChunkStore, pasted: list[str], tokens: Callable[[str], int]) -> int:
