@@ -62,3 +62,12 @@ def test_the_replay_reports_each_policy_over_the_seeds():
 def test_a_replay_checks_its_workload(bad):
     with pytest.raises(ValueError):
         Replay(**bad)
+
+
+def test_a_popularity_shift_reranks_the_pool_at_its_query():
+    before, after = Counter(), Counter()
+    draws = PoolDraws(POOL, seed=0, zipf=1.2, shift_at=201)
+    for number in range(1, 401):
+        (before if number <= 200 else after).update(draws.passages(8))
+    top = {p for p, _ in before.most_common(10)}
+    assert sum(after[p] for p in top) < 0.25 * sum(before[p] for p in top)

@@ -43,6 +43,7 @@ class Replay:
     capacity_share: float = 0.25
     zipf: float = 0.0
     one_off_blocks: int = 0
+    shift_at: int | None = None
 
     def __post_init__(self) -> None:
         low, high = self.passages_per_query
@@ -55,7 +56,7 @@ def replay_seed(
 ) -> list[dict]:
     """Per query: spans pasted and spans the store held; `tokens(text)` counts a passage's tokens."""
     capacity = max(1, int(replay.capacity_share * pool_footprint(pool, tokens)))
-    draws = PoolDraws(pool, seed, replay.zipf, replay.one_off_blocks)
+    draws = PoolDraws(pool, seed, replay.zipf, replay.one_off_blocks, replay.shift_at)
     rows = []
     with tempfile.TemporaryDirectory(prefix="ragkv-eviction-", dir=_MEMORY_DIR) as folder:
         with open_store(f"lmdb://{folder}/store?capacity={capacity}&protected={protected_share}") as store:
@@ -120,6 +121,7 @@ def run_eviction_replay(
                     "queries_101_200": middle,
                     "last_100": last,
                     "all": overall,
+                    "per_50": [_hit_rate(rows[i : i + 50]) for i in range(0, len(rows) - 49, 50)],
                     "trend": hit_rate_trend(rows[100:]),
                 }
             )
@@ -128,6 +130,7 @@ def run_eviction_replay(
         policies[str(share)] = {
             "protected_share": share,
             "hit_rate_queries_101_200": statistics.fmean(r["queries_101_200"] for r in runs),
+            "hit_rate_per_50": [statistics.fmean(window) for window in zip(*(r["per_50"] for r in runs))],
             "hit_rate_last_100": statistics.fmean(r["last_100"] for r in runs),
             "hit_rate_all": statistics.fmean(r["all"] for r in runs),
             "last_100_reaches_101_200": sum(held) / len(held),
@@ -148,6 +151,7 @@ def run_eviction_replay(
         "capacity_share": replay.capacity_share,
         "zipf": replay.zipf,
         "one_off_blocks": replay.one_off_blocks,
+        "shift_at": replay.shift_at,
         "seeds": seeds,
         "bytes_per_token": BYTES_PER_TOKEN,
         "policies": policies,

@@ -229,20 +229,30 @@ def pool_kv_bytes(engine: Engine, pool: list[str]) -> int:
 class PoolDraws:
     """Which passages a query pastes: uniform over the pool (`zipf` 0), or by a Zipf law of
     exponent `zipf` over a random ranking of the pool, as retrieval makes a few passages
-    recur; `one_off` blocks per query are pasted by that query alone (sentences of random
-    pool passages shuffled: a user's own document, a chat history)."""
+    recur (from query `shift_at` on, a new ranking: what was popular is no longer);
+    `one_off` blocks per query are pasted by that query alone (sentences of random pool
+    passages shuffled: a user's own document, a chat history)."""
 
-    def __init__(self, pool: list[str], seed: int, zipf: float = 0.0, one_off: int = 0) -> None:
-        if zipf < 0 or one_off < 0:
-            raise ValueError("the Zipf exponent and the one-off blocks per query must be >= 0")
-        self.pool, self.zipf, self.one_off = pool, zipf, one_off
+    def __init__(
+        self, pool: list[str], seed: int, zipf: float = 0.0, one_off: int = 0, shift_at: int | None = None
+    ) -> None:
+        if zipf < 0 or one_off < 0 or (shift_at is not None and shift_at < 1):
+            raise ValueError("the Zipf exponent and the one-off blocks must be >= 0, a shift's query >= 1")
+        self.pool, self.zipf, self.one_off, self.shift_at = pool, zipf, one_off, shift_at
         self.rng = random.Random(seed)
         self._numpy = np.random.default_rng(seed)
-        ranks = self._numpy.permutation(len(pool)) + 1
-        weights = 1.0 / ranks.astype(float) ** zipf
-        self._weights = weights / weights.sum()
+        self._weights = self._ranking()
+        self._queries = 0
+
+    def _ranking(self) -> np.ndarray:
+        ranks = self._numpy.permutation(len(self.pool)) + 1
+        weights = 1.0 / ranks.astype(float) ** self.zipf
+        return weights / weights.sum()
 
     def passages(self, count: int) -> list[str]:
+        self._queries += 1
+        if self._queries == self.shift_at:
+            self._weights = self._ranking()
         if self.zipf == 0:  # the uniform draws of runs made before Zipf draws existed
             chosen = self.rng.sample(range(len(self.pool)), count)
         else:
@@ -268,6 +278,7 @@ def run_sustained(
     protected_share: float = DEFAULT_PROTECTED_SHARE,
     zipf: float = 0.0,
     one_off_blocks: int = 0,
+    shift_at: int | None = None,
     window: int = 50,
     seed: int = 0,
     progress: Callable[[str], None] = lambda message: None,
@@ -279,8 +290,13 @@ def run_sustained(
     capacity = max(1, int(capacity_share * pool_bytes))
     folder = tempfile.TemporaryDirectory(prefix="ragkv-sustained-")
     store = open_store(f"lmdb://{folder.name}/store?capacity={capacity}&protected={protected_share}")
-    draws = PoolDraws(pool, seed, zipf, one_off_blocks)
-    workload = {"zipf": zipf, "one_off_blocks": one_off_blocks, "protected_share": protected_share}
+    draws = PoolDraws(pool, seed, zipf, one_off_blocks, shift_at)
+    workload = {
+        "zipf": zipf,
+        "one_off_blocks": one_off_blocks,
+        "shift_at": shift_at,
+        "protected_share": protected_share,
+    }
     rows: list[dict] = []
 
     def results() -> dict:

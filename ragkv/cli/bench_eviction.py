@@ -47,6 +47,7 @@ def run(args: argparse.Namespace) -> dict:
             capacity_share=args.capacity_share,
             zipf=args.zipf,
             one_off_blocks=args.one_off_blocks,
+            shift_at=args.popularity_shift,
         )
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
@@ -72,4 +73,5 @@ def run(args: argparse.Namespace) -> dict:
             f"{row['hit_rate_last_100']:.3f}  all {row['hit_rate_all']:.3f}  last >= 101-200 in "
             f"{row['last_100_reaches_101_200']:.0%}  trend {row['trend_per_100_mean']:+.4f}/100 queries"
         )
+        print("  per 50 queries: " + " ".join(f"{rate:.3f}" for rate in row["hit_rate_per_50"]))
     return {"model": folder.name, "passage_words": args.passage_words, **results}

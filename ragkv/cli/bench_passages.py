@@ -58,6 +58,13 @@ def add_pool_workload(group: argparse._ActionsGroup) -> None:
     )
     group.add_argument("--one-off-blocks", type=int, default=0, help="blocks per query that no other query pastes")
     group.add_argument(
+        "--popularity-shift",
+        type=int,
+        default=None,
+        metavar="QUERY",
+        help="with --zipf: from this query on, a new ranking (what was popular no longer is)",
+    )
+    group.add_argument(
         "--passage-words",
         type=int,
         default=None,
@@ -70,8 +77,8 @@ def pool_workload(args: argparse.Namespace, examples: list) -> list[str]:
     options are checked."""
     if not 1 <= args.min_passages <= args.max_passages or not 0 < args.capacity_share <= 1:
         raise SystemExit("need 1 <= --min-passages <= --max-passages and 0 < --capacity-share <= 1")
-    if args.zipf < 0 or args.one_off_blocks < 0:
-        raise SystemExit("need --zipf >= 0 and --one-off-blocks >= 0")
+    if args.zipf < 0 or args.one_off_blocks < 0 or (args.popularity_shift is not None and args.popularity_shift < 1):
+        raise SystemExit("need --zipf >= 0, --one-off-blocks >= 0 and --popularity-shift >= 1")
     pool = sorted({p.strip() for e in examples for p in e.passages})
     if args.passage_words:
         pool = sorted({" ".join(p.split()[: args.passage_words]) for p in pool})
@@ -109,6 +116,7 @@ def run(args: argparse.Namespace) -> dict:
             protected_share=args.protected_share,
             zipf=args.zipf,
             one_off_blocks=args.one_off_blocks,
+            shift_at=args.popularity_shift,
             window=args.window,
             seed=args.seed,
             progress=progress,
