@@ -107,7 +107,7 @@ def test_the_store_url_takes_the_protected_share(tmp_path):
     with open_store(f"lmdb://{tmp_path / 'a'}?capacity=1000000&protected=0") as store:
         assert store.protected_share == 0
     with open_store(f"lmdb://{tmp_path / 'b'}?capacity=1000000") as store:
-        assert store.protected_share == 0.8
+        assert store.protected_share == 0.65
     with pytest.raises(ValueError, match="protected"):
         open_store(f"lmdb://{tmp_path / 'c'}?protected=1.5")
 

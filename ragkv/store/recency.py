@@ -34,7 +34,7 @@ from dataclasses import dataclass
 USE_DB = "chunk_use"
 LRU_DB = "chunk_lru"
 SEGMENT_DB = "chunk_segments"
-DEFAULT_PROTECTED_SHARE = 0.8
+DEFAULT_PROTECTED_SHARE = 0.65
 _STAMP = struct.Struct(">Q")  # big-endian, so byte order is time order
 _SIZE = struct.Struct(">Q")
 _PROTECTED = b"\xff"

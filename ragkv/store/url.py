@@ -9,7 +9,7 @@ URL forms (query parameters are optional; keyword ``options`` to
         &capacity=BYTES              keep at most BYTES of chunks (least recently used evicted,
                                      chunks never read since written first: segmented LRU)
         &protected=SHARE             share of the capacity kept for chunks read since written
-                                     (default 0.8; 0: plain LRU)
+                                     (default 0.65; 0: plain LRU)
 
     redis://host:6379/0              Redis database 0 (rediss:// for TLS)
         ?ttl=SECONDS                 expire entries after SECONDS
