@@ -207,3 +207,16 @@ def test_stats_show_the_protected_bytes_of_a_capped_store(tmp_path, one):
         assert stats.to_dict()["tiers"][0]["protected_bytes"] == stats.protected_bytes
     with LMDBStore(tmp_path / "unbounded") as store:
         assert store.stats().protected_bytes is None
+
+
+def test_a_deployment_sets_the_protected_share_with_its_capacity(tmp_path):
+    from ragkv.app.storage import Storage
+    from ragkv.app.storage_config import StorageConfig
+
+    config = StorageConfig(data_dir=tmp_path / "data", store_capacity=1 << 20, store_protected_share=0.0)
+    with Storage(config) as storage:
+        assert storage.store.capacity_bytes == 1 << 20 and storage.store.protected_share == 0.0
+    with Storage(StorageConfig(data_dir=tmp_path / "data", store_capacity=1 << 20)) as storage:
+        assert storage.store.protected_share == 0.65
+    with pytest.raises(ValueError, match="store_protected_share"):
+        StorageConfig(data_dir=tmp_path / "data", store_protected_share=1.0)

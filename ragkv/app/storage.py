@@ -35,6 +35,8 @@ class Storage:
         self.env = LMDBEnvironment(config.lmdb_path, create=create)
         try:
             capacity = {} if config.store_capacity is None else {"capacity": config.store_capacity}
+            if config.store_protected_share is not None:
+                capacity["protected"] = config.store_protected_share
             self.store: ChunkStore = open_store(
                 config.resolved_store_url, create=create, secret=config.store_secret, **capacity
             )

@@ -31,11 +31,17 @@ class StorageConfig:
     store_capacity: int | None = None
     """Bytes of chunk KV the LMDB store keeps; beyond it chunks are evicted (and recomputed
     from their text when next retrieved), those never read since written first (segmented
-    LRU; `protected=` in an lmdb:// URL sets the share kept for the rest). None = unbounded."""
+    LRU). None = unbounded."""
+    store_protected_share: float | None = None
+    """With a capacity: the share of it kept for chunks read again since they were written,
+    evicted last (0: plain LRU). None = the store's default, 0.65 (store.recency)."""
 
     def __post_init__(self) -> None:
         if self.store_capacity is not None and self.store_capacity < 1:
             raise ValueError(f"store_capacity must be a positive number of bytes, got {self.store_capacity}")
+        share = self.store_protected_share
+        if share is not None and not 0 <= share < 1:
+            raise ValueError(f"store_protected_share must be in [0, 1) (0: plain LRU), got {share}")
 
     @property
     def lmdb_path(self) -> Path:

@@ -63,6 +63,7 @@ def storage_config(args: argparse.Namespace):
         store_url=args.store,
         store_secret=_store_secret(args),
         store_capacity=args.store_capacity,
+        store_protected_share=args.store_protected_share,
         **_registry(args),
     )
 
@@ -84,6 +85,7 @@ def runtime_config(args: argparse.Namespace, **ingest_overrides):
         **_registry(args),
         store_secret=_store_secret(args),
         store_capacity=args.store_capacity,
+        store_protected_share=args.store_protected_share,
         engine=config_from_args(EngineConfig, args),
         ingest=config_from_args(IngestConfig, args, **ingest_overrides),
     )
