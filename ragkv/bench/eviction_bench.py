@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ragkv.bench.passages_bench import PoolDraws, hit_rate_trend
+from ragkv.bench.passages_bench import PoolWorkload, hit_rate_trend, span_hit_rate
 from ragkv.store.base import ChunkStore
 from ragkv.store.keys import ChunkKey
 from ragkv.store.url import open_store
@@ -34,21 +34,16 @@ _MEMORY_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None  # no fsync per 
 
 
 @dataclass(frozen=True)
-class Replay:
-    """One replay's workload (as `bench passages --sustained` draws it)."""
+class Replay(PoolWorkload):
+    """A sustained workload to replay, with as many questions as the served run draws from
+    (their draw is part of the sequence) and the 200 queries its figures need."""
 
-    queries: int = 500
     questions: int = 100
-    passages_per_query: tuple[int, int] = (6, 10)
-    capacity_share: float = 0.25
-    zipf: float = 0.0
-    one_off_blocks: int = 0
-    shift_at: int | None = None
 
     def __post_init__(self) -> None:
-        low, high = self.passages_per_query
-        if self.queries < 200 or not 1 <= low <= high or not 0 < self.capacity_share <= 1:
-            raise ValueError("need >= 200 queries, 1 <= min <= max passages and 0 < capacity share <= 1")
+        super().__post_init__()
+        if self.queries < 200 or self.questions < 1:
+            raise ValueError("need >= 200 queries (the figures compare queries 101-200) and >= 1 question")
 
 
 def replay_seed(
@@ -56,14 +51,13 @@ def replay_seed(
 ) -> list[dict]:
     """Per query: spans pasted and spans the store held; `tokens(text)` counts a passage's tokens."""
     capacity = max(1, int(replay.capacity_share * pool_footprint(pool, tokens)))
-    draws = PoolDraws(pool, seed, replay.zipf, replay.one_off_blocks, replay.shift_at)
+    draws = replay.draws(pool, seed)
     rows = []
     with tempfile.TemporaryDirectory(prefix="ragkv-eviction-", dir=_MEMORY_DIR) as folder:
         with open_store(f"lmdb://{folder}/store?capacity={capacity}&protected={protected_share}") as store:
             query(store, pool[:2], tokens)  # the served run's warm-up
             for number in range(1, replay.queries + 1):
-                pasted = draws.passages(draws.rng.randint(*replay.passages_per_query))
-                draws.rng.choice(range(replay.questions))  # the served run's question draw
+                pasted, _ = draws.query(replay.passages_per_query, replay.questions)
                 rows.append({"query": number, "spans": len(pasted), "hits": query(store, pasted, tokens)})
     return rows
 
@@ -97,10 +91,6 @@ def _blob(tokens: int) -> torch.Tensor:
     return torch.from_numpy(np.zeros(tokens * BYTES_PER_TOKEN, dtype=np.uint8))  # no thread pool: cores are busy
 
 
-def _hit_rate(rows: list[dict]) -> float:
-    return sum(r["hits"] for r in rows) / max(1, sum(r["spans"] for r in rows))
-
-
 def run_eviction_replay(
     pool: list[str],
     tokens: Callable[[str], int],
@@ -114,14 +104,14 @@ def run_eviction_replay(
         runs = []
         for seed in seeds:
             rows = replay_seed(pool, tokens, replay, share, seed)
-            middle, last, overall = _hit_rate(rows[100:200]), _hit_rate(rows[-100:]), _hit_rate(rows)
+            middle, last, overall = span_hit_rate(rows[100:200]), span_hit_rate(rows[-100:]), span_hit_rate(rows)
             runs.append(
                 {
                     "seed": seed,
                     "queries_101_200": middle,
                     "last_100": last,
                     "all": overall,
-                    "per_50": [_hit_rate(rows[i : i + 50]) for i in range(0, len(rows) - 49, 50)],
+                    "per_50": [span_hit_rate(rows[i : i + 50]) for i in range(0, len(rows) - 49, 50)],
                     "trend": hit_rate_trend(rows[100:]),
                 }
             )
@@ -149,9 +139,7 @@ def run_eviction_replay(
         "queries": replay.queries,
         "passages_per_query": list(replay.passages_per_query),
         "capacity_share": replay.capacity_share,
-        "zipf": replay.zipf,
-        "one_off_blocks": replay.one_off_blocks,
-        "shift_at": replay.shift_at,
+        **replay.settings(),
         "seeds": seeds,
         "bytes_per_token": BYTES_PER_TOKEN,
         "policies": policies,

@@ -226,6 +226,32 @@ def pool_kv_bytes(engine: Engine, pool: list[str]) -> int:
     return int(per_token * sum(len(engine.tokenize(p.strip())) for p in pool))
 
 
+@dataclass(frozen=True)
+class PoolWorkload:
+    """The sustained workload: queries pasting `passages_per_query` pool passages each, drawn
+    as PoolDraws says, the store capped at `capacity_share` of the pool."""
+
+    queries: int = 500
+    passages_per_query: tuple[int, int] = (6, 10)
+    capacity_share: float = 0.25
+    zipf: float = 0.0
+    one_off_blocks: int = 0
+    shift_at: int | None = None
+
+    def __post_init__(self) -> None:
+        low, high = self.passages_per_query
+        if self.queries < 1 or not 1 <= low <= high or not 0 < self.capacity_share <= 1:
+            raise ValueError("need >= 1 query, 1 <= min <= max passages and 0 < capacity share <= 1")
+        if self.zipf < 0 or self.one_off_blocks < 0 or (self.shift_at is not None and self.shift_at < 1):
+            raise ValueError("need a Zipf exponent >= 0, one-off blocks >= 0 and a shift's query >= 1")
+
+    def draws(self, pool: list[str], seed: int) -> PoolDraws:
+        return PoolDraws(pool, seed, self.zipf, self.one_off_blocks, self.shift_at)
+
+    def settings(self) -> dict:
+        return {"zipf": self.zipf, "one_off_blocks": self.one_off_blocks, "shift_at": self.shift_at}
+
+
 class PoolDraws:
     """Which passages a query pastes: uniform over the pool (`zipf` 0), or by a Zipf law of
     exponent `zipf` over a random ranking of the pool, as retrieval makes a few passages
@@ -249,6 +275,11 @@ class PoolDraws:
         weights = 1.0 / ranks.astype(float) ** self.zipf
         return weights / weights.sum()
 
+    def query(self, passages_per_query: tuple[int, int], questions: int) -> tuple[list[str], int]:
+        """The next query: the passages it pastes and the index of its question."""
+        pasted = self.passages(self.rng.randint(*passages_per_query))
+        return pasted, self.rng.randrange(questions)
+
     def passages(self, count: int) -> list[str]:
         self._queries += 1
         if self._queries == self.shift_at:
@@ -271,43 +302,33 @@ def run_sustained(
     pool: list[str],
     questions: list[str],
     strategy: FusionStrategy,
+    workload: PoolWorkload = PoolWorkload(),
     *,
-    queries: int = 500,
-    passages_per_query: tuple[int, int] = (6, 10),
-    capacity_share: float = 0.25,
     protected_share: float = DEFAULT_PROTECTED_SHARE,
-    zipf: float = 0.0,
-    one_off_blocks: int = 0,
-    shift_at: int | None = None,
     window: int = 50,
     seed: int = 0,
     progress: Callable[[str], None] = lambda message: None,
     checkpoint: Callable[[dict], None] = lambda partial: None,
 ) -> dict:
-    """Queries over the pool with the store capped at `capacity_share` of its KV, a
+    """Queries over the pool with the store capped at the workload's share of its KV, a
     `protected_share` of it for passages read since stored (0: plain LRU)."""
     pool_bytes = pool_kv_bytes(engine, pool)
-    capacity = max(1, int(capacity_share * pool_bytes))
+    capacity = max(1, int(workload.capacity_share * pool_bytes))
     folder = tempfile.TemporaryDirectory(prefix="ragkv-sustained-")
     store = open_store(f"lmdb://{folder.name}/store?capacity={capacity}&protected={protected_share}")
-    draws = PoolDraws(pool, seed, zipf, one_off_blocks, shift_at)
-    workload = {
-        "zipf": zipf,
-        "one_off_blocks": one_off_blocks,
-        "shift_at": shift_at,
-        "protected_share": protected_share,
-    }
+    draws = workload.draws(pool, seed)
+    settings = {**workload.settings(), "protected_share": protected_share}
     rows: list[dict] = []
 
     def results() -> dict:
-        return _sustained_results(engine, strategy, pool, pool_bytes, capacity, store, rows, window, workload)
+        return _sustained_results(engine, strategy, pool, pool_bytes, capacity, store, rows, window, settings)
 
     try:
         passages = PromptPassages(engine, store)
         fuse_prompt(passages, stuffed_ids(engine, pool[:2], "warm-up"), strategy, 1)
-        for number in range(1, queries + 1):
-            pasted = draws.passages(draws.rng.randint(*passages_per_query))
-            ids = stuffed_ids(engine, pasted, draws.rng.choice(questions))
+        for number in range(1, workload.queries + 1):
+            pasted, question = draws.query(workload.passages_per_query, len(questions))
+            ids = stuffed_ids(engine, pasted, questions[question])
             fused, ttft = fuse_prompt(passages, ids, strategy, 1)
             plan = fused.plan
             rows.append(
@@ -326,26 +347,29 @@ def run_sustained(
                     f"queries {number - window + 1}-{number}: hit rate {summary['span_hit_rate']:.3f}, cached "
                     f"{summary['cached_share']:.3f}, TTFT p50 {summary['ttft_p50_s']:.2f} s"
                 )
-                checkpoint(
-                    _sustained_results(engine, strategy, pool, pool_bytes, capacity, store, rows, window, workload)
-                )
-        return _sustained_results(engine, strategy, pool, pool_bytes, capacity, store, rows, window, workload)
+                checkpoint(results())
+        return results()
     finally:
         store.close()
         folder.cleanup()
 
 
+def span_hit_rate(rows: list[dict]) -> float:
+    """Spans the store held over spans looked up, over `rows` (per query: `hits`, `spans`)."""
+    return sum(r["hits"] for r in rows) / max(1, sum(r["spans"] for r in rows))
+
+
 def _window(rows: list[dict]) -> dict:
     return {
         "queries": [rows[0]["query"], rows[-1]["query"]],
-        "span_hit_rate": sum(r["hits"] for r in rows) / max(1, sum(r["spans"] for r in rows)),
+        "span_hit_rate": span_hit_rate(rows),
         "cached_share": sum(r["cached_tokens"] for r in rows) / sum(r["prompt_tokens"] for r in rows),
         "ttft_p50_s": statistics.median(r["ttft_s"] for r in rows),
         "ttft_mean_s": statistics.fmean(r["ttft_s"] for r in rows),
     }
 
 
-def _sustained_results(engine, strategy, pool, pool_bytes, capacity, store, rows, window, workload) -> dict:
+def _sustained_results(engine, strategy, pool, pool_bytes, capacity, store, rows, window, settings) -> dict:
     stats = store.stats()
     windows = [_window(rows[i : i + window]) for i in range(0, len(rows) - window + 1, window)]
     results = {
@@ -353,15 +377,15 @@ def _sustained_results(engine, strategy, pool, pool_bytes, capacity, store, rows
         "pool_passages": len(pool),
         "pool_kv_bytes": pool_bytes,
         "store_capacity_bytes": capacity,
-        **workload,
+        **settings,
         "queries": len(rows),
         "windows": windows,
         "store_evictions": stats.evictions,
         "per_query": rows,
     }
     if len(rows) >= 200:
-        results["hit_rate_queries_101_200"] = _window(rows[100:200])["span_hit_rate"]
-        results["hit_rate_last_100"] = _window(rows[-100:])["span_hit_rate"]
+        results["hit_rate_queries_101_200"] = span_hit_rate(rows[100:200])
+        results["hit_rate_last_100"] = span_hit_rate(rows[-100:])
         results["hit_rate_trend"] = hit_rate_trend(rows[100:])
     return results
 

@@ -8,7 +8,7 @@ import functools
 import sys
 from pathlib import Path
 
-from ragkv.cli.bench_passages import add_pool_workload, pool_workload
+from ragkv.cli.bench_passages import add_pool_workload, pool_of, pool_workload_of
 from ragkv.cli.options import add_common_options
 from ragkv.store.recency import DEFAULT_PROTECTED_SHARE
 
@@ -38,19 +38,8 @@ def run(args: argparse.Namespace) -> dict:
     if args.seeds < 1 or any(not 0 <= share < 1 for share in args.protected_shares):
         raise SystemExit("need --seeds >= 1 and every --protected-shares value in [0, 1)")
     examples = load_examples(args.data)
-    pool = pool_workload(args, examples)
-    try:
-        replay = Replay(
-            queries=args.queries,
-            questions=len(examples),
-            passages_per_query=(args.min_passages, args.max_passages),
-            capacity_share=args.capacity_share,
-            zipf=args.zipf,
-            one_off_blocks=args.one_off_blocks,
-            shift_at=args.popularity_shift,
-        )
-    except ValueError as exc:
-        raise SystemExit(str(exc)) from None
+    pool = pool_of(args, examples)
+    replay = pool_workload_of(args, Replay, questions=len(examples))
     folder = resolve_model_dir(args.model)
     tokenizer = AutoTokenizer.from_pretrained(folder)
 

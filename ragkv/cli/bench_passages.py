@@ -72,17 +72,30 @@ def add_pool_workload(group: argparse._ActionsGroup) -> None:
     )
 
 
-def pool_workload(args: argparse.Namespace, examples: list) -> list[str]:
-    """The pool (every passage of the dataset, cut to --passage-words), once the workload's
-    options are checked."""
-    if not 1 <= args.min_passages <= args.max_passages or not 0 < args.capacity_share <= 1:
-        raise SystemExit("need 1 <= --min-passages <= --max-passages and 0 < --capacity-share <= 1")
-    if args.zipf < 0 or args.one_off_blocks < 0 or (args.popularity_shift is not None and args.popularity_shift < 1):
-        raise SystemExit("need --zipf >= 0, --one-off-blocks >= 0 and --popularity-shift >= 1")
+def pool_of(args: argparse.Namespace, examples: list) -> list[str]:
+    """Every passage of the dataset, cut to --passage-words."""
     pool = sorted({p.strip() for e in examples for p in e.passages})
     if args.passage_words:
         pool = sorted({" ".join(p.split()[: args.passage_words]) for p in pool})
     return pool
+
+
+def pool_workload_of(args: argparse.Namespace, cls: type | None = None, **extra):
+    """The PoolWorkload (or subclass `cls`) the options name; a bad one exits with its message."""
+    from ragkv.bench.passages_bench import PoolWorkload
+
+    try:
+        return (cls or PoolWorkload)(
+            queries=args.queries,
+            passages_per_query=(args.min_passages, args.max_passages),
+            capacity_share=args.capacity_share,
+            zipf=args.zipf,
+            one_off_blocks=args.one_off_blocks,
+            shift_at=args.popularity_shift,
+            **extra,
+        )
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -99,24 +112,21 @@ def run(args: argparse.Namespace) -> dict:
     examples = load_examples(args.data)
     if args.methods:
         return _methods(args, examples)
+    if args.sustained:  # a bad workload exits before the model loads
+        workload = pool_workload_of(args)
+        if not 0 <= args.protected_share < 1:
+            raise SystemExit("need 0 <= --protected-share < 1")
     engine = Engine(config_from_args(EngineConfig, args))
     checkpoint = lambda partial: _write_json(args.json, partial)  # noqa: E731
     if args.sustained:
-        if not 0 <= args.protected_share < 1:
-            raise SystemExit("need 0 <= --protected-share < 1")
-        pool = pool_workload(args, examples)
+        pool = pool_of(args, examples)
         results = run_sustained(
             engine,
             pool,
             [e.question for e in examples],
             strategy,
-            queries=args.queries,
-            passages_per_query=(args.min_passages, args.max_passages),
-            capacity_share=args.capacity_share,
+            workload,
             protected_share=args.protected_share,
-            zipf=args.zipf,
-            one_off_blocks=args.one_off_blocks,
-            shift_at=args.popularity_shift,
             window=args.window,
             seed=args.seed,
             progress=progress,
