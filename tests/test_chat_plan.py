@@ -20,9 +20,8 @@ from ragkv.app.chat.plan import (
     TurnIds,
     plan_turn,
 )
-from ragkv.app.prompt_passages import PassagePlan
+from ragkv.app.passages import PassagePlan, Span
 from ragkv.engine.kv_cache import KVCache
-from ragkv.ingest.spans import Span
 
 IDS = TurnIds(instruction=[900, 901], lead=[950], chunk_prefix=[1, 2, 3])
 
@@ -116,7 +115,7 @@ def test_pasted_passages_are_looked_up_in_the_reused_rows_then_the_new_tokens():
     base = context([1, 2, 3], [1, 2, 8, 3], [Insertion(2, 1, ("x",))])
     conversation = Conversation([1, 2, 3, 60, 61, 62, 63, 64, 9], 4, 8)
     calls = []
-    found = PassagePlan([Span(6, 8)], ["h"], [None])
+    found = PassagePlan([Span(6, 8)], ["h"], [])
 
     def lookup(ids, start):
         calls.append((list(ids), start))
@@ -125,7 +124,7 @@ def test_pasted_passages_are_looked_up_in_the_reused_rows_then_the_new_tokens():
     result = plan(Opening(conversation, Base(base, 3, True), 2), lookup=lookup)
     assert calls == [([1, 2, 8, 3, 60, 61, 62, 63, 64, 9], 4)]
     assert result.work == FusePassages([1, 2, 8, 3, 60, 61, 62, 63, 64, 9], 4, found)
-    assert result.work.glue == [60, 61]
+    assert result.work.passages.first == 6
 
 
 def test_no_passages_found_falls_back_to_the_prefill():

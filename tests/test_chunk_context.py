@@ -12,9 +12,9 @@ from tiny_models import make_tiny_model
 
 from ragkv.app.runtime import Runtime, RuntimeConfig
 from ragkv.engine import EngineConfig
+from ragkv.ingest.chunk_keys import ChunkKeys
 from ragkv.ingest.config import IngestConfig
 from ragkv.ingest.errors import InputError
-from ragkv.ingest.pipeline import chunk_key
 
 CHUNK_TOKENS = 32
 TEXTS = {
@@ -38,7 +38,7 @@ def _runtime(folder, home, neighbours: int) -> Runtime:
 
 
 def _stored_kv(runtime: Runtime, chunk_hash: str) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-    tensors = runtime.store.get(chunk_key(runtime.engine, chunk_hash))
+    tensors = runtime.store.get(ChunkKeys.of(runtime.engine).key(chunk_hash))
     keys, values = runtime.engine.kv_format.unpack(tensors)
     return tensors["tokens"].tolist(), keys.float(), values.float()
 

@@ -9,10 +9,9 @@ import pytest
 import torch
 
 from ragkv.app.chat.conversation import render_conversation
-from ragkv.app.prompt_passages import PromptPassages
+from ragkv.app.passages import PromptPassages, SpanConfig, SpanFinder
 from ragkv.fusion import STRATEGY_NAMES, FusionInput, LoadedChunk, build_strategy
 from ragkv.fusion.fidelity import next_token_kl
-from ragkv.ingest.spans import SpanConfig, SpanFinder
 from ragkv.store.url import open_store
 
 PASSAGES = [
@@ -152,8 +151,9 @@ def passages(engine, tmp_path):
 
 def _fuse(engine, passages: PromptPassages, tenant: str, ids: list[int]):
     plan = passages.plan(tenant, ids, 0)
-    first = plan.spans[0].start
-    return passages.fuse(ids, plan, _prefix_cache(engine, ids[:first]), build_strategy("probe"), 8, first)
+    fused = passages.prepare(ids, plan, build_strategy("probe"), 8)
+    passages.commit(fused)
+    return fused
 
 
 def test_passages_seen_once_are_reused_from_the_store_in_another_order(engine, passages):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from tiny_models import make_tiny_model
 
-from ragkv.app.prompt_passages import SpanKeys
+from ragkv.app.passages import SpanKeys
 from ragkv.engine import Engine
 from ragkv.engine.core import chunk_fingerprint
 from ragkv.store.url import open_store
@@ -99,8 +99,8 @@ def test_a_computed_prompt_is_saved_then_loaded_and_its_spans_fused(parts):
     assert torch.equal(stored_keys, keys) and torch.equal(stored_values, values)
 
     # each span was stored pre-RoPE: rotated back to where it stood, it is vLLM's key again
-    spans, _, span_keys = planner.keys.find("default", seen, 0)
-    for span, key in zip(spans, span_keys):
+    found = planner.keys.find("default", seen, 0)
+    for span, key in zip(found.spans, found.keys):
         pre_rope = engine.kv_format.dense_keys(planner.store.get(key), torch.float32)
         rotated = engine.model.rotary_of(0).rotate(pre_rope[0], torch.arange(span.start, span.end))
         torch.testing.assert_close(rotated, keys[0, :, span.start : span.end].float(), atol=1e-4, rtol=1e-4)

@@ -27,7 +27,8 @@ from ragkv.engine.core import Engine
 from ragkv.fusion import FusionInput, LoadedChunk
 from ragkv.fusion.base import FusionStrategy
 from ragkv.fusion.layout import Layout
-from ragkv.ingest.pipeline import chunk_key, run_steps
+from ragkv.ingest.chunk_keys import ChunkKeys
+from ragkv.ingest.pipeline import run_steps
 from ragkv.ingest.registry import DocumentRecord, DocumentRegistry
 from ragkv.store.base import ChunkStore
 
@@ -69,6 +70,7 @@ class ChunkContextualizer:
         if neighbours < 1:
             raise ValueError("a contextualizer needs at least one neighbour")
         self.engine, self.store, self.registry, self.neighbours = engine, store, registry, neighbours
+        self.keys = ChunkKeys.of(engine)
         # the fusion needs a last segment it computes; one newline-like token costs nothing
         self._tail = engine.tokenize("\n")[-1:] or [0]
 
@@ -84,7 +86,7 @@ class ChunkContextualizer:
         self._records: dict[tuple[str, str], DocumentRecord] = {}
         plans = [plan for doc_id in doc_ids for plan in self._plans(tenant, doc_id)]
         needed = {c.chunk_hash for chunk, context in plans for c in (chunk, *context)}
-        stored = dict(zip(needed, self.store.get_many([chunk_key(self.engine, h) for h in needed])))
+        stored = dict(zip(needed, self.store.get_many([self.keys.key(h) for h in needed])))
         results = []
         for chunk, context in plans:
             placed = [stored[c.chunk_hash] for c in context if stored[c.chunk_hash] is not None]
@@ -95,7 +97,7 @@ class ChunkContextualizer:
             yield len(results)
         tokens = context_tokens = 0
         for chunk, placed, tensors in results:
-            self.store.put(chunk_key(self.engine, chunk.chunk_hash), tensors)
+            self.store.put(self.keys.key(chunk.chunk_hash), tensors)
             tokens += int(tensors["tokens"].numel())
             context_tokens += sum(int(t["tokens"].numel()) for t in placed)
         return ContextResult(len(results), tokens, context_tokens, time.perf_counter() - started)

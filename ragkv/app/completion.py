@@ -12,10 +12,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
 from ragkv.app.limits import check_context_length
-from ragkv.app.prompt_passages import PromptPassages
+from ragkv.app.passages import PromptPassages
 from ragkv.app.request import Prepared, Request, RequestOutput, RequestSink, fused_prompt_ids
 from ragkv.app.usage import TokenUsage
 from ragkv.engine import Engine
@@ -49,7 +47,7 @@ def prompt_ids(
 
 @dataclass(frozen=True)
 class PassageRequest:
-    """Reuse the passages pasted into a completion's prompt (ragkv.app.prompt_passages)."""
+    """Reuse the passages pasted into a completion's prompt (ragkv.app.passages)."""
 
     passages: PromptPassages
     tenant: str
@@ -73,14 +71,10 @@ def completion_request(
         started = time.perf_counter()
         plan = passages.passages.plan(passages.tenant, token_ids, 0) if passages is not None else None
         if plan is not None:
-            first = plan.spans[0].start
-            prefix_cache = engine.model.new_cache(first)
-            engine.model.prefill(torch.tensor(token_ids[:first]), prefix_cache)
-            request.timings.prefill = time.perf_counter() - started
             strategy = passages.fusion.build(engine.fusion_calibrated)
-            fuse_started = time.perf_counter()
-            fused = passages.passages.fuse(token_ids, plan, prefix_cache, strategy, generation.max_new_tokens, first)
-            request.timings.fuse = time.perf_counter() - fuse_started
+            fused = passages.passages.prepare(token_ids, plan, strategy, generation.max_new_tokens)
+            passages.passages.commit(fused)
+            request.timings.prefill, request.timings.fuse = fused.prefill_s, fused.fuse_s
             fusion = fused.fusion
             return Prepared(
                 fusion.cache, fusion.logits, fused.usage, strategy.name, fused_prompt_ids=fused_prompt_ids(fusion)

@@ -15,11 +15,11 @@ from ragkv.engine import Engine
 from ragkv.engine.generation import GenerationConfig
 from ragkv.fusion import FusionConfig, FusionInput, FusionResult, LoadedChunk
 from ragkv.fusion.layout import Layout
+from ragkv.ingest.chunk_keys import ChunkKeys
 from ragkv.ingest.embedder import Embedder
 from ragkv.ingest.errors import InputError
 from ragkv.ingest.index.filters import MetadataFilter
 from ragkv.ingest.index.hybrid import DEFAULT_RETRIEVAL, check_mode
-from ragkv.ingest.pipeline import chunk_key
 from ragkv.ingest.registry import ChunkRecord, DocumentRecord, DocumentRegistry, check_tenant
 from ragkv.sparse import SparseConfig
 from ragkv.sparse.wiring import sparse_chunk_codes
@@ -91,9 +91,10 @@ class RagPipeline:
         self.store = store
         self.registry = registry
         self.embedder = embedder
+        self.keys = ChunkKeys.of(engine)
 
     def chunk_key(self, chunk_hash: str) -> ChunkKey:
-        return chunk_key(self.engine, chunk_hash)
+        return self.keys.key(chunk_hash)
 
     def retrieve(
         self,

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from ragkv.app.chunk_context import ChunkContextualizer, ContextResult
 from ragkv.app.codebooks import attach_codebook
 from ragkv.app.fusion_calibration import attach_calibration
-from ragkv.app.prompt_passages import PromptPassages
+from ragkv.app.passages import PromptPassages
 from ragkv.app.rag import RagPipeline
 from ragkv.app.status import DefaultFusion, StoreStatus, default_fusion, store_status
 from ragkv.app.storage import Storage, StorageConfig

@@ -30,7 +30,7 @@ import torch
 
 from ragkv.app.chat.conversation import render_conversation
 from ragkv.app.generate import decode, forced_answer_ids
-from ragkv.app.prompt_passages import FusedPassages, PromptPassages
+from ragkv.app.passages import FusedPassages, PromptPassages, Span, SpanConfig, SpanFinder
 from ragkv.bench.datasets import Example
 from ragkv.bench.fusion_bench import summarize
 from ragkv.bench.metrics import normalize_answer, token_f1
@@ -38,7 +38,6 @@ from ragkv.engine import Engine
 from ragkv.engine.generation import GenerationConfig
 from ragkv.fusion import FusionStrategy
 from ragkv.fusion.fidelity import TeacherForced, next_token_kl, teacher_forced_logits
-from ragkv.ingest.spans import Span, SpanConfig, SpanFinder
 from ragkv.store.recency import DEFAULT_PROTECTED_SHARE
 from ragkv.store.url import open_store
 
@@ -61,15 +60,12 @@ def fuse_prompt(
 ) -> tuple[FusedPassages | None, float]:
     """What a chat turn with no cached prefix does: plan, prefill up to the first passage,
     fuse. (None, 0) when the prompt holds no passage."""
-    model = passages.engine.model
     started = time.perf_counter()
     plan = passages.plan(TENANT, ids, 0)
     if plan is None:
         return None, 0.0
-    first = plan.spans[0].start
-    prefix = model.new_cache(first)
-    model.prefill(torch.tensor(ids[:first]), prefix)
-    fused = passages.fuse(ids, plan, prefix, strategy, max_new_tokens, first)
+    fused = passages.prepare(ids, plan, strategy, max_new_tokens)
+    passages.commit(fused)
     return fused, time.perf_counter() - started
 
 

@@ -22,7 +22,7 @@ from typing import TypeVar
 from tqdm import tqdm
 
 from ragkv.engine import Engine
-from ragkv.engine.fingerprint import KV_FORMAT_VERSION
+from ragkv.ingest.chunk_keys import ChunkKeys
 from ragkv.ingest.chunker import chunk_document
 from ragkv.ingest.cleanup import delete_document
 from ragkv.ingest.config import IngestConfig
@@ -32,18 +32,13 @@ from ragkv.ingest.journal import IngestJournal
 from ragkv.ingest.registry import ChunkRecord, DocumentRecord, DocumentRegistry, check_tenant
 from ragkv.ingest.validation import check_text
 from ragkv.store.base import ChunkStore
-from ragkv.store.keys import ChunkKey, hash_tokens
+from ragkv.store.keys import ChunkKey
 
 Result = TypeVar("Result")
 log = logging.getLogger("ragkv.ingest")
 
 Progress = Callable[[int, int], None]
 """Called with (chunks done, chunks total) as ingestion advances."""
-
-
-def chunk_key(engine: Engine, chunk_hash: str) -> ChunkKey:
-    """Where `engine`'s KV of a chunk lives in the store."""
-    return ChunkKey(engine.fingerprint, chunk_hash, KV_FORMAT_VERSION)
 
 
 @dataclass
@@ -104,6 +99,7 @@ class Ingestor:
         self.registry = registry
         self.embedder = embedder
         self.config = config
+        self.keys = ChunkKeys.of(engine, config.share_chunks_across_tenants)
         context = engine.spec.rope.max_position_embeddings
         if len(engine.chunk_prefix_ids) + config.chunk_tokens > context:
             raise InputError(
@@ -113,7 +109,7 @@ class Ingestor:
             )
 
     def chunk_key(self, chunk_hash: str) -> ChunkKey:
-        return chunk_key(self.engine, chunk_hash)
+        return self.keys.key(chunk_hash)
 
     def ingest_text(self, text: str, name: str, **options) -> IngestResult:
         """Ingest a document in one call (`ingest_steps` run to its end; same options)."""
@@ -142,18 +138,18 @@ class Ingestor:
         text = check_text(text, name, self.config.max_document_bytes)
         if metadata is not None and not isinstance(metadata, dict):
             raise InputError("bad_metadata", "metadata must be a JSON object")
-        namespace = "" if self.config.share_chunks_across_tenants else tenant
+        namespace = self.keys.namespace(tenant)
         text_hash = _text_hash(text, namespace)
         old, existing = self._versions(tenant, name, text_hash, replaces)
         if existing is not None and not _changes(old if existing == replaces else None, name, metadata, pages):
             return (
-                yield from self._fill_existing(self.registry.get(tenant, existing), text, namespace, started, progress)
+                yield from self._fill_existing(self.registry.get(tenant, existing), text, tenant, started, progress)
             )
         # A new version with the same text but another name, metadata or pages goes on: its
         # chunks are all in the store, so only the embeddings are computed again.
 
         chunks = chunk_document(self.engine.tokenizer, text, self.config.chunk_tokens)
-        hashes = [hash_tokens(chunk.token_ids, namespace) for chunk in chunks]
+        hashes = [self.keys.digest(tenant, chunk.token_ids) for chunk in chunks]
         todo = self._missing(chunks, hashes)
         added: list[ChunkKey] = []
         timings = {"precompute": 0.0, "store_write": 0.0}
@@ -246,12 +242,12 @@ class Ingestor:
             self.store.delete(self.chunk_key(chunk_hash))
 
     def _fill_existing(
-        self, record: DocumentRecord, text: str, namespace: str, started: float, progress: Progress | None
+        self, record: DocumentRecord, text: str, tenant: str, started: float, progress: Progress | None
     ) -> Generator[int, None, IngestResult]:
         """Identical text is registered already: make sure its KV is in this store (the
         registry may have been filled through another store), computing what is missing."""
         chunks = chunk_document(self.engine.tokenizer, text, record.chunk_tokens)
-        hashes = [hash_tokens(chunk.token_ids, namespace) for chunk in chunks]
+        hashes = [self.keys.digest(tenant, chunk.token_ids) for chunk in chunks]
         if hashes != [c.chunk_hash for c in record.chunks]:
             # Another tokenizer made the record: its chunks are recomputed at question time.
             log.warning("%s: registered by another model's tokenizer; its chunk KV is not filled in", record.name)

@@ -312,7 +312,7 @@ def _open_store(url: str | None, secret: str | None):
 def _planner(config: ConnectorConfig, engine_config, store, vllm_dtype: str) -> Planner:
     from transformers import AutoTokenizer
 
-    from ragkv.app.prompt_passages import SpanKeys
+    from ragkv.app.passages import SpanKeys
     from ragkv.engine.core import chunk_fingerprint
     from ragkv.engine.model_files import resolve_model_dir
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ragkv.app.prompt_passages import PromptPassages, SpanKeys
+from ragkv.app.passages import PromptPassages, SpanKeys
 from ragkv.engine.fingerprint import KV_FORMAT_VERSION
 from ragkv.fusion import build_strategy
 from ragkv.kernels.rope import apply_rope
@@ -70,8 +70,8 @@ class Planner:
             return Decision(NONE, 0)
         if provided >= self.config.min_prefix_tokens and self.store.contains(self.prefix_key(token_ids)):
             return Decision(PREFIX, provided - computed)
-        spans, _, keys = self.keys.find(self.config.tenant, token_ids, 0)
-        reused = sum(len(span) for span, key in zip(spans, keys) if self.store.contains(key))
+        found = self.keys.find(self.config.tenant, token_ids, 0)
+        reused = sum(len(span) for span, key in zip(found.spans, found.keys) if self.store.contains(key))
         if reused and reused >= self.config.min_reused_share * len(token_ids):
             return Decision(FUSE, provided - computed, reused)
         return Decision(NONE, 0, reused)
@@ -115,15 +115,12 @@ class Rows:
         spec = strategy or self.config.strategy
         if spec not in self.strategies:
             self.strategies[spec] = build_strategy(spec)
-        model = self.engine.model
         plan = self.passages.plan(self.config.tenant, token_ids, 0)
         if plan is None:  # the spans the scheduler saw are no longer there: a plain prefill
             cache, _ = self.engine.prefill(token_ids)
             return cache.keys[:, :, : len(token_ids)], cache.values[:, :, : len(token_ids)], {"hits": 0}
-        first = plan.spans[0].start
-        prefix_cache = model.new_cache(first)
-        model.prefill(torch.tensor(token_ids[:first]), prefix_cache)
-        fused = self.passages.fuse(token_ids, plan, prefix_cache, self.strategies[spec], 0, first)
+        fused = self.passages.prepare(token_ids, plan, self.strategies[spec], 0)
+        self.passages.commit(fused)
         cache = fused.fusion.cache
         info = {
             "strategy": spec,
@@ -152,8 +149,8 @@ class Rows:
                 items.append((key, tensors, None))
                 saved["prefix"] = keys.shape[2]
         if whole and self.config.save_spans:
-            spans, _, span_keys = self.passages.keys.find(self.config.tenant, token_ids, 0)
-            for span, key in zip(spans, span_keys):
+            found = self.passages.keys.find(self.config.tenant, token_ids, 0)
+            for span, key in zip(found.spans, found.keys):
                 if span.end > keys.shape[2] or self.store.contains(key):
                     continue
                 pre_rope = _unrotate(self.engine.model, keys[:, :, span.start : span.end], span.start)

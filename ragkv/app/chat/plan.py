@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from ragkv.app.chat.contexts import Context, Insertion
 from ragkv.app.chat.conversation import Conversation, common_prefix, continue_conversation, render_conversation
-from ragkv.app.prompt_passages import PassagePlan
+from ragkv.app.passages import PassagePlan
 from ragkv.engine.prompt import ChatPrompt
 
 PassageLookup = Callable[[list[int], int], PassagePlan | None]
@@ -127,18 +127,13 @@ class FuseChunks:
 
 @dataclass(frozen=True)
 class FusePassages:
-    """Fuse the passages pasted into the new tokens (ragkv.app.prompt_passages)."""
+    """Fuse the passages pasted into the new tokens (ragkv.app.passages)."""
 
     ids: list[int]
     """The prompt's rows: the reused ones, then the conversation past them."""
     start: int
     """The first new row (the reused rows before it)."""
     passages: PassagePlan
-
-    @property
-    def glue(self) -> list[int]:
-        """The new tokens before the first passage: prefilled onto the reused rows."""
-        return self.ids[self.start : self.passages.spans[0].start]
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@
                     keys after it); chunks the base holds before the reused point are not
                     fused again
     pasted passages the new tokens with the passages the chunk store holds fused in
-                    (ragkv.app.prompt_passages)
+                    (ragkv.app.passages)
     otherwise       prefill conversation ids past the reused prefix onto the base's rows
              ─► the plan carried out (`Computed`: cache, logits, usage, what its rows are)
              ─► decode (batched with the other running requests)
@@ -51,7 +51,7 @@ from ragkv.app.chat.plan import (
     user_messages,
 )
 from ragkv.app.limits import check_context_length
-from ragkv.app.prompt_passages import PromptPassages
+from ragkv.app.passages import PromptPassages
 from ragkv.app.query import CHUNK_TOKENS_ESTIMATE, check_input_tokens
 from ragkv.app.rag import QueryConfig, RagPipeline
 from ragkv.app.request import Prepared, Request, RequestInfo, RequestOutput, fused_prompt_ids
@@ -78,7 +78,7 @@ class ChatTurn:
     rag: bool
     config: QueryConfig
     prompt_spans: bool = True
-    """Reuse passages pasted into the messages from the chunk store (ragkv.app.prompt_passages);
+    """Reuse passages pasted into the messages from the chunk store (ragkv.app.passages);
     False = prefill them as any other text."""
 
 
@@ -346,18 +346,12 @@ class _Turn:
     def _fuse_passages(self, request: Request, plan: TurnPlan, work: FusePassages, cache: KVCache | None) -> Computed:
         """The new tokens with their pasted passages fused in: the text before the first
         passage is prefilled onto the reused rows, then fused into in place."""
-        engine, model = self.engine, self.engine.model
         self._room(len(work.ids))
-        started = time.perf_counter()
-        glue = work.glue
-        prefix_cache = cache if cache is not None else model.new_cache(len(glue))
-        if glue:
-            model.prefill(torch.tensor(glue), prefix_cache)
-        request.timings.prefill = time.perf_counter() - started
-        strategy = self.turn.config.fusion.build(engine.fusion_calibrated)
-        fuse_started = time.perf_counter()
-        fused = self.turns.passages.fuse(work.ids, work.passages, prefix_cache, strategy, self._max_new, len(glue))
-        request.timings.fuse = time.perf_counter() - fuse_started
+        strategy = self.turn.config.fusion.build(self.engine.fusion_calibrated)
+        passages = self.turns.passages
+        fused = passages.prepare(work.ids, work.passages, strategy, self._max_new, cache)
+        passages.commit(fused)
+        request.timings.prefill, request.timings.fuse = fused.prefill_s, fused.fuse_s
         fusion = fused.fusion
         self._drop_copied(plan, fusion.cache)
         return Computed.of_fusion(fusion, fused.usage, strategy.name, plan.reuse.insertions)
