@@ -6,6 +6,8 @@ engine proper, which knows neither).
 
 from __future__ import annotations
 
+import functools
+
 import logging
 import time
 from dataclasses import dataclass, field
@@ -91,7 +93,11 @@ class RagPipeline:
         self.store = store
         self.registry = registry
         self.embedder = embedder
-        self.keys = ChunkKeys.of(engine)
+
+    @functools.cached_property
+    def keys(self) -> ChunkKeys:
+        # Lazy: a retrieval-only pipeline (no engine) never makes a key.
+        return ChunkKeys.of(self.engine)
 
     def chunk_key(self, chunk_hash: str) -> ChunkKey:
         return self.keys.key(chunk_hash)
