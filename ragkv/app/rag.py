@@ -7,7 +7,6 @@ engine proper, which knows neither).
 from __future__ import annotations
 
 import functools
-
 import logging
 import time
 from dataclasses import dataclass, field
