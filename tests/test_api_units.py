@@ -18,14 +18,14 @@ from ragkv.api.common.conversion import generation_config, query_config
 from ragkv.api.config import ServeConfig
 from ragkv.api.documents.protocol import JobProgress
 from ragkv.api.documents.serving import job_status
-from ragkv.api.errors import ApiError, QueueFullError
+from ragkv.api.errors import ApiError, QueueFullError, as_api_error
 from ragkv.api.query.protocol import QueryRequest
-from ragkv.api.request_stream import RequestStream
-from ragkv.api.task import Task
-from ragkv.api.worker import ModelWorker
 from ragkv.app.ingest_records import SUCCEEDED, IngestRecords
 from ragkv.app.request import Request, RequestCancelled
-from ragkv.app.scheduler import Scheduler, SchedulerConfig
+from ragkv.app.scheduler import QueueFull, Scheduler, SchedulerConfig
+from ragkv.app.server.request_stream import RequestStream
+from ragkv.app.server.task import Task
+from ragkv.app.server.worker import ModelWorker
 from ragkv.engine.generation import GenerationConfig
 from ragkv.store.lmdb_env import LMDBEnvironment
 
@@ -197,7 +197,7 @@ def test_worker_interleaves_cancels_and_bounds_its_queue():
         await asyncio.sleep(0.1)
         for _ in range(3):
             worker.submit(Task("q", counting("x", 1)))
-        with pytest.raises(QueueFullError):
+        with pytest.raises(QueueFull):
             worker.submit(Task("q", counting("y", 1)))
         await blocker.wait()
         worker.stop()
@@ -218,9 +218,10 @@ def test_the_scheduler_alone_bounds_waiting_requests_and_a_stopping_worker_cance
             return Request("test", never_prepared, GenerationConfig(max_new_tokens=1))
 
         first = worker.submit_requests(RequestStream("test", [request(), request()]))
-        with pytest.raises(QueueFullError) as full:
+        with pytest.raises(QueueFull) as full:
             worker.submit_requests(RequestStream("test", [request()]))
-        assert full.value.status == 503 and full.value.headers["Retry-After"]
+        answer = as_api_error(full.value)  # what the API answers
+        assert isinstance(answer, QueueFullError) and answer.status == 503 and answer.headers["Retry-After"]
         assert len(scheduler.waiting) == 2 and worker.queued == 2
         worker.stop()
         worker.start()

@@ -14,7 +14,6 @@ from tiny_models import make_tiny_model
 
 from ragkv.api.config import ServeConfig
 from ragkv.api.metrics import Metrics
-from ragkv.api.worker import ModelWorker
 from ragkv.app.chat.contexts import ContextCache
 from ragkv.app.chat.turn import ChatTurn, ChatTurns
 from ragkv.app.generate import CollectingSink
@@ -23,6 +22,7 @@ from ragkv.app.query import fused_prompt_ids, query_request
 from ragkv.app.rag import QueryConfig, RagPipeline
 from ragkv.app.request import Phase, Prepared, Request
 from ragkv.app.scheduler import Scheduler
+from ragkv.app.server.worker import ModelWorker
 from ragkv.app.usage import TokenUsage
 from ragkv.cli.main import main
 from ragkv.engine import Engine, EngineConfig

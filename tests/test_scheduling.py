@@ -10,12 +10,12 @@ import time
 import pytest
 import torch
 
-from ragkv.api.request_stream import RequestStream
-from ragkv.api.task import Task
-from ragkv.api.worker import LoopState, ModelWorker, plan_round
 from ragkv.app.generate import CollectingSink
 from ragkv.app.request import FinishReason, Prepared, Request, RequestCancelled
 from ragkv.app.scheduler import QueueFull, Scheduler, SchedulerConfig, StepPlan, schedule
+from ragkv.app.server.request_stream import RequestStream
+from ragkv.app.server.task import Task
+from ragkv.app.server.worker import LoopState, ModelWorker, plan_round
 from ragkv.app.usage import TokenUsage
 from ragkv.engine.generation import GenerationConfig
 

@@ -20,6 +20,7 @@ from starlette.routing import Match
 from ragkv.api.json_response import SafeJSONResponse
 from ragkv.app.chat.contexts import SessionBusyError, SessionStoreUnavailableError
 from ragkv.app.request import RequestCancelled
+from ragkv.app.server import QueueFull
 from ragkv.ingest.errors import InputError, NotFoundError, RegistryUnavailableError
 from ragkv.store.errors import StoreUnavailableError
 
@@ -90,6 +91,8 @@ def as_api_error(error: BaseException) -> ApiError | None:
     """The client-facing form of errors raised by ingestion, retrieval or the configs."""
     if isinstance(error, ApiError):
         return error
+    if isinstance(error, QueueFull):
+        return QueueFullError(error.waiting)
     if isinstance(error, NotFoundError):
         return ApiError(404, getattr(error, "code", "not_found"), str(error))
     if isinstance(error, SessionBusyError):
@@ -167,6 +170,10 @@ def install_error_handlers(app: FastAPI) -> None:
             status_code=error.status_code,
             headers=headers,
         )
+
+    @app.exception_handler(QueueFull)
+    async def _queue_full(request: Request, error: QueueFull) -> SafeJSONResponse:
+        return await _api_error(request, as_api_error(error))
 
     @app.exception_handler(InputError)
     async def _input(request: Request, error: InputError) -> SafeJSONResponse:

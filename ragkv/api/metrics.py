@@ -17,7 +17,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from ragkv.api.vllm_metrics import VllmMetrics, scheduler_reading
+from ragkv.api.vllm_metrics import RequestRecord, VllmMetrics, scheduler_reading
+from ragkv.app.chat.turn import ChatInfo
+from ragkv.app.query import QueryInfo
+from ragkv.app.request import Request, RequestOutput
+from ragkv.app.server import RequestStream, ServerObserver, Task
 from ragkv.app.usage import TokenUsage
 
 if TYPE_CHECKING:  # the state holds the metrics: imported for annotations only
@@ -139,6 +143,45 @@ class Metrics:
 
     def record_fidelity(self, strategy: str, kl: float) -> None:
         self.fusion_kl.labels(strategy).observe(kl)
+
+
+class MetricsObserver(ServerObserver):
+    """What the engine client reports, counted into the metrics."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+
+    def task_ended(self, task: Task) -> None:
+        self.metrics.jobs.labels(task.kind, task.outcome or "unknown").inc()
+
+    def stream_ended(self, stream: RequestStream) -> None:
+        self.metrics.jobs.labels(stream.kind, stream.outcome or "unknown").inc()
+
+    def fidelity_measured(self, strategy: str, kl: float) -> None:
+        self.metrics.record_fidelity(strategy, kl)
+
+    def fidelity_dropped(self) -> None:
+        self.metrics.fidelity_dropped.inc()
+
+    def request_finished(self, request: Request, output: RequestOutput) -> None:
+        """vLLM's request metrics for every request; ragkv's own families describe retrieval
+        and sessions, which a plain completion has none of."""
+        metrics = self.metrics
+        if request.kind == "query":
+            info: QueryInfo = output.info
+            self._record_latency("query", "fused", output)
+            metrics.record_usage(output.usage, max(len(output.citations) - info.missing_chunks, 0), info.missing_chunks)
+        elif request.kind == "chat":
+            chat: ChatInfo = output.info
+            phase = "next_turn" if chat.turn > 1 else "first_turn"
+            self._record_latency("chat", phase, output)
+            metrics.record_usage(output.usage, chat.new_chunks, 0)
+            metrics.sessions_turns.labels(phase).inc()
+        metrics.vllm.record_request(metrics.model_name, RequestRecord.of(request, output))
+
+    def _record_latency(self, endpoint: str, phase: str, output: RequestOutput) -> None:
+        self.metrics.ttft.labels(endpoint, phase).observe(output.timings.ttft)
+        self.metrics.queue_wait.labels(endpoint).observe(output.timings.queue)
 
 
 # -- read at scrape time ---------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""What the routes share: the runtime, the worker, sessions, ingestion records, metrics."""
+"""What the routes share: the engine client, the config and the metrics."""
 
 from __future__ import annotations
 
@@ -11,11 +11,7 @@ from fastapi import Request
 from ragkv.api.config import ServeConfig
 from ragkv.api.errors import ApiError
 from ragkv.api.metrics import Metrics
-from ragkv.api.model_work import ModelWork
-from ragkv.api.worker import ModelWorker
-from ragkv.app.chat.contexts import ContextStore
-from ragkv.app.ingest_records import IngestRecords
-from ragkv.app.runtime import Runtime
+from ragkv.app.server import EngineClient
 
 log = logging.getLogger("ragkv.api")
 
@@ -23,14 +19,33 @@ log = logging.getLogger("ragkv.api")
 @dataclass
 class AppState:
     config: ServeConfig
-    runtime: Runtime
-    worker: ModelWorker
-    sessions: ContextStore
-    ingest_records: IngestRecords
+    client: EngineClient
     metrics: Metrics
-    work: ModelWork
-    model_id: str
     started: float = field(default_factory=time.time)
+
+    @property
+    def model_id(self) -> str:
+        return self.client.model_id
+
+    @property
+    def runtime(self):
+        return self.client.runtime
+
+    @property
+    def worker(self):
+        return self.client.worker
+
+    @property
+    def sessions(self):
+        return self.client.sessions
+
+    @property
+    def work(self):
+        return self.client.work
+
+    @property
+    def ingest_records(self):
+        return self.client.ingest_records
 
     def check_model(self, model: str) -> None:
         """A generation request names the served model (or the alias "ragkv"), else 404."""

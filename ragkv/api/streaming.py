@@ -20,10 +20,10 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from ragkv.api.errors import ApiError, ClientGone, as_api_error, error_body, request_id_of
-from ragkv.api.request_stream import RequestStream, StreamEvent
-from ragkv.api.task import Task
-from ragkv.api.worker import ModelWorker
 from ragkv.app.request import RequestCancelled, RequestOutput
+from ragkv.app.server.request_stream import RequestStream, StreamEvent
+from ragkv.app.server.task import Task
+from ragkv.app.server.worker import ModelWorker
 
 log = logging.getLogger("ragkv.api")
 

@@ -41,10 +41,10 @@ from ragkv.api.json_response import SafeJSONResponse
 from ragkv.api.openapi import errors
 from ragkv.api.state import AppState, app_state
 from ragkv.api.streaming import run_task
-from ragkv.api.task import Task
 from ragkv.app.ingest_records import CANCELLED, FAILED, SUCCEEDED, IngestRecord
 from ragkv.app.ingestion import UPLOAD_MEDIA_TYPES, UPLOAD_SUFFIXES, IngestResult, check_document_text, read_upload
 from ragkv.app.request import RequestCancelled
+from ragkv.app.server.task import Task
 
 log = logging.getLogger("ragkv.api")
 

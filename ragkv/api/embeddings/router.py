@@ -13,7 +13,7 @@ from ragkv.api.json_response import SafeJSONResponse
 from ragkv.api.openapi import errors
 from ragkv.api.state import app_state
 from ragkv.api.streaming import run_task
-from ragkv.api.task import Task
+from ragkv.app.server.task import Task
 
 router = APIRouter(tags=["openai"], default_response_class=SafeJSONResponse)
 

@@ -6,10 +6,11 @@ Two kinds of work, two types on the event loop's side:
             `Scheduler` (ragkv.app.scheduler) holds, waiting then running: it prepares
             one at a time and decodes all running ones in one batched forward pass per
             step. It alone bounds the waiting requests (full: 503 with Retry-After). The
-            event loop awaits them through a `RequestStream` (api.request_stream).
-  tasks     deletions, embeddings and ingestion: generator bodies (api.task.Task), one
+            event loop awaits them through a `RequestStream` (app.server.request_stream).
+  tasks     deletions, embeddings and ingestion: generator bodies (app.server.task.Task), one
             `next()` per unit of work (an ingestion: one batch of chunk encodes); at most
-            `max_queued` wait.
+            `max_queued` wait. Either is refused with `QueueFull` when its queue is full or
+            the worker is stopping (the API answers 503 with Retry-After).
 
 Each round of the loop is decided by `plan_round` (pure: the tasks and the scheduler's
 state in, a `Round` out), then run: every active interactive task steps once, the
@@ -33,12 +34,11 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ragkv.api.errors import QueueFullError
-from ragkv.api.request_stream import RequestStream
-from ragkv.api.task import Task
 from ragkv.app.scheduler import QueueFull, Scheduler
+from ragkv.app.server.request_stream import RequestStream
+from ragkv.app.server.task import Task
 
-log = logging.getLogger("ragkv.api.worker")
+log = logging.getLogger("ragkv.app.server.worker")
 
 
 @dataclass(frozen=True)
@@ -145,9 +145,9 @@ class ModelWorker:
         with self._cond:
             waiting = len(self._interactive) + len(self._background)
             if self._stopping:
-                raise QueueFullError(0)
+                raise QueueFull(0)
             if waiting >= self.max_queued:
-                raise QueueFullError(waiting)
+                raise QueueFull(waiting)
             (self._interactive if task.interactive else self._background).append(task)
             self._cond.notify_all()
         return task
@@ -158,11 +158,8 @@ class ModelWorker:
             raise RuntimeError("this worker has no scheduler")
         with self._cond:
             if self._stopping:
-                raise QueueFullError(0)
-            try:
-                self.scheduler.add(*stream.requests)
-            except QueueFull as full:
-                raise QueueFullError(full.waiting) from None
+                raise QueueFull(0)
+            self.scheduler.add(*stream.requests)
             self._cond.notify_all()
         return stream
 

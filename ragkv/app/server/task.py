@@ -19,7 +19,7 @@ from typing import Any
 
 from ragkv.app.request import RequestCancelled
 
-log = logging.getLogger("ragkv.api.task")
+log = logging.getLogger("ragkv.app.server.task")
 
 _ITEM, _DONE, _ERROR = "item", "done", "error"
 _ids = itertools.count(1)

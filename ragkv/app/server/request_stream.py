@@ -1,4 +1,4 @@
-"""The event loop's side of scheduler requests: the requests of one HTTP request (one, or
+"""The event loop's side of scheduler requests: the requests of one front-end request (one, or
 one per prompt of a /v1/completions call), their events in order of arrival, then their
 completions.
 
