@@ -7,8 +7,7 @@ from application types. What endpoints share is in api/common (protocol bases an
 serving helpers, the conversion into the application's typed configs); no endpoint imports
 another's (tests/test_layout.py). The API
 imports only ragkv.app (and shared error types): the engine, fusion, ingestion and store
-are the application's to compose. The model worker that owns the engine is api/worker.py
-(requests reach the scheduler through api/request_stream.py, other work is an api/task.py
-Task), what it runs is api/model_work.py, the session id check api/sessions.py, API keys
-api/auth.py, metrics api/metrics.py.
+are the application's to compose. The engine client (ragkv.app.server: the model worker,
+its tasks and request streams) runs the work; the session id check is api/sessions.py,
+API keys api/auth.py, metrics api/metrics.py.
 """
