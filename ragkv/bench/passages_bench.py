@@ -30,7 +30,7 @@ import torch
 
 from ragkv.app.chat.conversation import render_conversation
 from ragkv.app.generate import decode, forced_answer_ids
-from ragkv.app.passages import FusedPassages, PromptPassages, Span, SpanConfig, SpanFinder
+from ragkv.app.passages import FusedPassages, PromptPassages
 from ragkv.bench.datasets import Example
 from ragkv.bench.fusion_bench import summarize
 from ragkv.bench.metrics import normalize_answer, token_f1
@@ -398,52 +398,3 @@ def hit_rate_trend(rows: list[dict]) -> dict:
     residual = y - (slope * x + intercept)
     stderr = np.sqrt(residual @ residual / (len(x) - 2) / ((x - x.mean()) @ (x - x.mean())))
     return {"slope_per_100": float(slope * 100), "stderr_per_100": float(stderr * 100), "queries": len(rows)}
-
-
-PASTE_FORMATS: dict[str, Callable[[list[str]], str]] = {
-    "blank_lines": lambda ps: "\n\n".join(ps),  # LangChain's and LlamaIndex's stuff prompts
-    "numbered_headers": lambda ps: "\n\n".join(f"Document [{i + 1}]:\n{p}" for i, p in enumerate(ps)),
-    "context_tags": lambda ps: "".join(f"[CONTEXT {i}]:\n{p}\n[END CONTEXT {i}]\n\n" for i, p in enumerate(ps)),
-    "source_tags_one_line": lambda ps: "".join(f'<source id="{i + 1}">{p}</source>\n' for i, p in enumerate(ps)),
-}
-
-
-def rolling_hash_spans(finder: SpanFinder, ids: list[int]) -> list[Span]:
-    """The alternative the finder was measured against: content-defined cuts by a rolling
-    hash over the whole prompt, blank lines ignored (the last `min_tokens` left out)."""
-    array = np.asarray(ids, dtype=np.int64)
-    return [Span(a, b) for a, b in finder._cut(array, 0, len(ids)) if b - a >= finder.config.min_tokens][:-1]
-
-
-def run_span_methods(engine_prompt, tokenizer, examples: list[Example], seed: int = 0) -> dict:
-    """Per paste format and method: the share of the passages' tokens that a prompt with the
-    same passages shuffled finds in spans the original prompt stored."""
-    finder = SpanFinder(tokenizer)
-    rolling = SpanFinder(tokenizer, SpanConfig(max_tokens=256, cut_bits=6))
-    methods = {"blocks": finder.spans, "rolling_hash": lambda ids: rolling_hash_spans(rolling, ids)}
-    rng = random.Random(seed)
-    results: dict[str, dict[str, float]] = {}
-    for name, paste in PASTE_FORMATS.items():
-        matched = {method: 0 for method in methods}
-        passage_tokens = 0
-        for example in examples:
-            passages = [p.strip() for p in example.passages]
-            order = list(range(len(passages)))
-            rng.shuffle(order)
-            prompts = []
-            for ordering in (range(len(passages)), order):
-                messages = [
-                    {"role": "system", "content": SYSTEM},
-                    {
-                        "role": "user",
-                        "content": f"Documents:\n{paste([passages[i] for i in ordering])}\n\n"
-                        f"Question: {example.question}",
-                    },
-                ]
-                prompts.append(render_conversation(engine_prompt, messages).token_ids)
-            passage_tokens += sum(len(engine_prompt.encode(p)) for p in passages)
-            for method, find in methods.items():
-                stored = {tuple(prompts[0][s.start : s.end]) for s in find(prompts[0])}
-                matched[method] += sum(len(s) for s in find(prompts[1]) if tuple(prompts[1][s.start : s.end]) in stored)
-        results[name] = {method: round(count / passage_tokens, 4) for method, count in matched.items()}
-    return results

@@ -24,8 +24,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--methods",
         action="store_true",
-        help="only the span finder: the share of passage tokens found again after shuffling, per paste format, "
-        "for the product's method and a rolling hash (the tokenizer of --model; no weights loaded)",
+        help="only the span finder: per prompt shape, the share of the next prompt's reusable tokens served by "
+        "whole-span keys, by a rolling hash, and by spans with anchors (the tokenizer of --model; no weights loaded)",
+    )
+    parser.add_argument(
+        "--shapes",
+        nargs="?",
+        const="all",
+        default=None,
+        metavar="NAMES",
+        help="each prompt shape a real RAG app sends (comma-separated names, default all: "
+        "blank_lines, open_webui, anythingllm, langchain_hub, llamaindex, json_lines, splitter): "
+        "the reusable share of the next question's prompt served from cache, fidelity and TTFT",
     )
     sustained = parser.add_argument_group("sustained load (--sustained)")
     sustained.add_argument(
@@ -112,6 +122,8 @@ def run(args: argparse.Namespace) -> dict:
     examples = load_examples(args.data)
     if args.methods:
         return _methods(args, examples)
+    if args.shapes is not None:
+        shapes = _shape_names(args.shapes)
     if args.sustained:  # a bad workload exits before the model loads
         workload = pool_workload_of(args)
         if not 0 <= args.protected_share < 1:
@@ -151,6 +163,8 @@ def run(args: argparse.Namespace) -> dict:
     chosen = examples[int(start) : int(end)]
     if not chosen:
         raise SystemExit(f"the dataset has no examples in {args.examples}")
+    if args.shapes is not None:
+        return _shapes(args, engine, chosen, strategy, shapes, progress, checkpoint)
     results = run_passage_fidelity(
         engine,
         chosen,
@@ -173,7 +187,7 @@ def run(args: argparse.Namespace) -> dict:
 def _methods(args: argparse.Namespace, examples: list) -> dict:
     from transformers import AutoTokenizer
 
-    from ragkv.bench.passages_bench import run_span_methods
+    from ragkv.bench.span_methods import run_span_methods
     from ragkv.engine.model_files import resolve_model_dir
     from ragkv.engine.prompt import ChatPrompt
 
@@ -181,7 +195,44 @@ def _methods(args: argparse.Namespace, examples: list) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(folder)
     start, _, end = args.examples.partition(":")
     results = run_span_methods(ChatPrompt(tokenizer), tokenizer, examples[int(start) : int(end)], args.seed)
-    print(f"share of passage tokens found again after shuffling ({folder.name}):")
+    print(f"share of the next prompt's reusable tokens served, per shape and method ({folder.name}):")
     for name, row in results.items():
-        print(f"  {name:<22} " + "  ".join(f"{method} {share:.3f}" for method, share in row.items()))
+        print(f"  {name:<14} " + "  ".join(f"{method} {share:.3f}" for method, share in row.items()))
     return {"model": folder.name, "examples": args.examples, "formats": results}
+
+
+def _shape_names(spec: str) -> list[str]:
+    """The shapes --shapes names; an unknown one exits with the known names."""
+    from ragkv.bench.prompt_shapes import SHAPES
+    from ragkv.bench.shapes_bench import SPLITTER
+
+    known = [*SHAPES, SPLITTER]
+    names = known if spec == "all" else [name.strip() for name in spec.split(",") if name.strip()]
+    unknown = [name for name in names if name not in known]
+    if unknown or not names:
+        raise SystemExit(f"--shapes: unknown {unknown or spec!r}; known: {', '.join(known)}")
+    return names
+
+
+def _shapes(args, engine, examples, strategy, shapes, progress, checkpoint) -> dict:
+    from ragkv.bench.shapes_bench import run_shapes
+
+    if len(examples) < 2:
+        raise SystemExit("--shapes needs at least two examples (the next one brings the new passages)")
+    results = run_shapes(
+        engine,
+        examples,
+        strategy,
+        shapes,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+        progress=progress,
+        checkpoint=checkpoint,
+    )
+    print(f"{'shape':<14} {'reusable':>8} {'served':>7} {'KL':>7} {'TF':>6} {'speed-up':>8}")
+    for name, row in results["shapes"].items():
+        print(
+            f"{name:<14} {row['reusable_share']:>8.2f} {row['served_share']:>7.3f} {row['first_token_kl']:>7.4f} "
+            f"{row['teacher_forced_agreement']:>6.3f} {row['speedup_total']:>7.1f}x"
+        )
+    return results

@@ -103,3 +103,45 @@ KV_STORAGE_FORMATS: dict[str, KVStorageFormat] = {
     "int8": KVStorageFormat("int8", bits=8, key_group=128, value_group=64),
     "int4": KVStorageFormat("int4", bits=4, key_group=256, value_group=None),
 }
+
+
+def slice_tokens(stored: StoredKV, start: int, end: int) -> StoredKV:
+    """Tokens [start, end) of a stored K or V [L, H, T, D]: the part of a stored passage
+    another prompt shares. Codes grouped per token are sliced as they are; codes grouped
+    over runs of tokens are sliced when `start` is on a group's edge, else the groups that
+    hold the tokens are dequantised (float32) and sliced."""
+    tokens = stored.shape[2]
+    if not 0 <= start < end <= tokens:
+        raise ValueError(f"token slice [{start}, {end}) outside a stored run of {tokens}")
+    if not isinstance(stored, QuantizedKV):
+        return stored[:, :, start:end]
+    if stored.grouping == "channels":
+        rows = slice(start, end)
+        return QuantizedKV(
+            stored.codes[:, :, rows], stored.scale[:, :, rows], stored.minimum[:, :, rows], *_kind(stored)
+        )
+    group = stored.group
+    first, last = start // group, -(-end // group)
+    aligned = QuantizedKV(
+        stored.codes[:, :, first * group : min(last * group, tokens)],
+        stored.scale[:, :, first:last],
+        stored.minimum[:, :, first:last],
+        *_kind(stored),
+    )
+    if start % group == 0:
+        return aligned if end == min(last * group, tokens) else _cut(aligned, end - start)
+    offset = start - first * group
+    return dequantize(aligned)[:, :, offset : offset + end - start]
+
+
+def _kind(stored: QuantizedKV) -> tuple[int, str, int]:
+    return stored.bits, stored.grouping, stored.group
+
+
+def _cut(aligned: QuantizedKV, tokens: int) -> QuantizedKV:
+    """The first `tokens` of a token-grouped run that starts on a group's edge (its last
+    group may end up shorter, as a run's last group may be)."""
+    groups = -(-tokens // aligned.group)
+    return QuantizedKV(
+        aligned.codes[:, :, :tokens], aligned.scale[:, :, :groups], aligned.minimum[:, :, :groups], *_kind(aligned)
+    )

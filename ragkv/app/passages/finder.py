@@ -1,23 +1,34 @@
 """Passages inside any prompt: spans of token ids whose boundaries depend only on content.
 
 A RAG application pastes retrieved passages into its prompt, joined by blank lines
-(LangChain's and LlamaIndex's stuff prompts, AnythingLLM, ragkv's own benchmark) and
-wrapped in short header or tag lines of its own ("Document [3]:", "<source id=2>"),
-in whatever order its retriever returned them. The finder cuts a prompt's token ids so a
-passage yields the same span, and so the same chunk key, wherever it stands:
+(LangChain's and LlamaIndex's stuff prompts), wrapped in header or tag lines of its own
+("Document [3]:", "[CONTEXT 2]:", "file_name: a.txt") or in inline tags one source per
+line (Open WebUI's `<source id="2" name="...">text</source>`), in whatever order its
+retriever returned them, before or after the question. The finder cuts a prompt's token
+ids so a passage yields the same span, and so the same chunk key, wherever it stands:
 
     tokens ─► blocks: runs between blank lines (a token ending a line break after another,
               followed by a token that does not start with whitespace) or before a
               template token (<|im_start|>, <start_of_turn>)
-           ─► each block: leading and trailing lines shorter than `edge_line_tokens` are
+           ─► markup: the tokens of an XML-like tag (`<source id="1">`, `</document>`), of a
+              bracketed header line (`[CONTEXT 0]:`), of a label opening a line
+              (`Context:`, `file_path:`) or of a JSON key (`{"text": "`) are left out and
+              split their block, so one-line sources give one span each and a passage
+              glued to the label before it is a span of its own
+           ─► each piece: leading and trailing lines shorter than `edge_line_tokens` are
               left out (headers, tags, numbering that change with the passage's place)
            ─► what is left: a span when it holds at least `min_tokens`, cut into pieces of at
               most `max_tokens` where a rolling hash of the last `window` tokens says so
               (content-defined, so the same long passage is cut the same way anywhere)
 
-Every decision reads only the block's own tokens, never what precedes the block, so a
-passage's span does not change with its neighbours. The last block of the searched range
-is never a span: it holds the question and the template's closing.
+Every decision reads only the piece's own tokens, never what precedes it, so a passage's
+span does not change with its neighbours. A span always leaves a token after it: the
+fusion computes the prompt's last rows itself.
+
+Where the finder's edges still differ between two prompts (a first word merged with the
+markup before it, chunks an application cut with overlap), anchors inside the spans find
+the shared rows (`anchors.py`): the finder decides what is stored as a passage, the
+anchors what of it another prompt reuses.
 
 Why blank lines rather than a rolling hash over every token (BENCHMARKS.md, prompt
 spans): the tokenizers of the supported families start a fresh token after a line break,
@@ -28,12 +39,23 @@ its neighbours' tokens, and those pieces miss whenever the order changes.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
 
 _HASH_MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)
+_MARKUP = re.compile(
+    r"</?[A-Za-z][\w:.-]{0,40}(?:\s[^<>\n]{0,400}?)?/?>"  # an XML-like tag: <source id="1">, </doc>
+    r"|^[ \t]*\[[^\]\n]{1,40}\][ \t]*:?[ \t]*$"  # a bracketed header line: [CONTEXT 0]:, [3]
+    r"|^[ \t]*[A-Za-z_][\w \t-]{0,30}:(?=[ \t\n])"  # a label opening a line: Context:, file_path:
+    r'|[{,][ \t]*"[A-Za-z_]\w{0,30}"[ \t]*:[ \t]*"?'  # a JSON key: {"text": "
+    r'|"[ \t]*[}\]]+[ \t]*,?[ \t]*$',  # a JSON string closing its record: "}
+    re.MULTILINE,
+)
+"""Markup that wraps passages rather than belongs to them; its tokens split their block
+and are left out of every span."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +101,8 @@ class TokenClasses:
     line, and starts with whitespace. Built once per tokenizer from its own decoding."""
 
     def __init__(self, pieces: list[str], special: set[int] = frozenset()):
+        self.pieces = np.array(pieces, dtype=object)
+        """Each token's text, to find markup across tokens."""
         self.ends_line = np.array([p.endswith("\n") for p in pieces], dtype=bool)
         self.ends_blank_line = np.array([p.endswith("\n\n") or p.strip(" \t") == "\n" for p in pieces], dtype=bool)
         """A piece that ends with two line breaks, or is a lone line break (a blank line
@@ -117,18 +141,33 @@ class SpanFinder:
     def spans(self, token_ids: list[int], start: int = 0, end: int | None = None) -> list[Span]:
         """The passage spans in token_ids[start:end], ascending, positions in token_ids."""
         end = len(token_ids) if end is None else end
-        if end - start < 2 * self.config.min_tokens:
+        if end - start <= self.config.min_tokens:
             return []
         ids = np.asarray(token_ids[start:end], dtype=np.int64)
         ids = np.clip(ids, 0, len(self.classes.ends_line) - 1)
         line_starts, block_starts = self._breaks(ids)
+        markup = self._markup(ids)
         bounds = [0, *block_starts.tolist(), len(ids)]
         found = []
-        for block_start, block_end in list(zip(bounds, bounds[1:]))[:-1]:  # the last block holds the question
-            lines = line_starts[(line_starts > block_start) & (line_starts < block_end)].tolist()
-            for span_start, span_end in self._block_spans(ids, [block_start, *lines, block_end]):
-                found.append(Span(start + span_start, start + span_end))
+        for block_start, block_end in zip(bounds, bounds[1:]):
+            for piece_start, piece_end in _unmarked(markup, block_start, block_end):
+                lines = line_starts[(line_starts > piece_start) & (line_starts < piece_end)].tolist()
+                for span_start, span_end in self._block_spans(ids, [piece_start, *lines, piece_end]):
+                    if span_end < len(ids):  # the prompt's last token is the fusion's own
+                        found.append(Span(start + span_start, start + span_end))
         return found
+
+    def _markup(self, ids: np.ndarray) -> np.ndarray:
+        """Per token: whether it holds part of an XML-like tag."""
+        pieces = self.classes.pieces[ids]
+        text = "".join(pieces)
+        ends = np.cumsum([len(p) for p in pieces])
+        marked = np.zeros(len(ids), dtype=bool)
+        for match in _MARKUP.finditer(text):
+            first = int(np.searchsorted(ends, match.start(), side="right"))
+            last = int(np.searchsorted(ends, match.end() - 1, side="right"))
+            marked[first : last + 1] = True
+        return marked
 
     def _breaks(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(line starts, block starts): positions i where a new line (a new block) begins:
@@ -202,6 +241,21 @@ class SpanFinder:
             piece_start += config.max_tokens
         pieces.append((piece_start, length))
         return [(start + a, start + b) for a, b in pieces]
+
+
+def _unmarked(markup: np.ndarray, start: int, end: int) -> list[tuple[int, int]]:
+    """The runs of [start, end) with no markup token."""
+    runs, run_start = [], None
+    for i in range(start, end):
+        if markup[i]:
+            if run_start is not None:
+                runs.append((run_start, i))
+            run_start = None
+        elif run_start is None:
+            run_start = i
+    if run_start is not None:
+        runs.append((run_start, end))
+    return runs
 
 
 def _short(line: tuple[int, int], config: SpanConfig) -> bool:

@@ -1,21 +1,23 @@
 """Passages pasted into a prompt, reused from the chunk store wherever they stand.
 
-    plan     (store reads, no model)   prompt ids past the reused prefix ─► SpanFinder:
-             passage spans ─► ChunkKey(fingerprint, hash(tenant salt, span ids)) ─► store.get_many
-             ─► PassagePlan: the spans, and the rows the store gives (Placed)
+    plan     (store reads, no model; lookup.py)   prompt ids past the reused prefix ─►
+             SpanFinder: passage spans ─► their chunk keys and the prompt's anchors
+             ─► PassagePlan: the spans, and the rows the store gives (Placed): passages
+             stored whole, and the stretches other stored passages share with this prompt
     prepare  (model, no store reads)   prefill the text before the first passage onto the
              prefix cache, then the request's fusion strategy over
              [prefix | passages (placed rows: stored K/V at their position; the rest fresh)
-             | question: everything after the last passage] ─► first token; the fresh
-             passage rows' pre-RoPE K/V packed for the store
-    commit   (store writes)            the new passages put into the store: the next prompt
-             holding one reuses it
+             | question: everything after the last passage] ─► first token; the new rows
+             of each passage packed for the store as a run, with its anchor records
+    commit   (store writes)            the runs and anchors put into the store: the next
+             prompt holding any stretch of them reuses it
 
-A missed passage is computed in place with every row before it (not alone after the
+A passage's new rows are computed in place with every row before it (not alone after the
 precompute prefix as ingestion computes a chunk): a prompt whose passages are all new
 then costs one full prefill and gives its exact answer, and what the store keeps of each
 passage knows the context it was first read in (ARCHITECTURE.md, "Passages in any prompt").
-A span is a chunk without a document: same key space, tenant salt and store capacity.
+Only rows no stored run holds are stored: a stretch two prompts share is kept once.
+A run is a chunk without a document: same key space, tenant salt and store capacity.
 """
 
 from __future__ import annotations
@@ -24,12 +26,15 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from ragkv.app.passages.anchors import AnchorConfig, AnchorRecord, anchor_positions
 from ragkv.app.passages.counters import SpanCounters
 from ragkv.app.passages.finder import SpanConfig
 from ragkv.app.passages.keys import SpanKeys
-from ragkv.app.passages.plan import PassagePlan, Placed
+from ragkv.app.passages.lookup import PassageLookup
+from ragkv.app.passages.plan import PassagePlan
 from ragkv.app.usage import TokenUsage
 from ragkv.engine import Engine
 from ragkv.engine.kv_cache import KVCache
@@ -57,28 +62,28 @@ class PromptPassages:
     """Finds, loads, fuses and stores the passages of prompts for one engine and store."""
 
     def __init__(
-        self, engine: Engine, store: ChunkStore, config: SpanConfig = SpanConfig(), share_across_tenants: bool = False
+        self,
+        engine: Engine,
+        store: ChunkStore,
+        config: SpanConfig = SpanConfig(),
+        share_across_tenants: bool = False,
+        anchors: AnchorConfig = AnchorConfig(),
     ):
         self.engine = engine
         self.store = store
         self.keys = SpanKeys(engine.tokenizer, engine.fingerprint, config, share_across_tenants)
         self.finder = self.keys.finder
+        self.anchors = anchors
+        self.lookup = PassageLookup(self.keys, store, engine.kv_format, anchors)
         self.counters = SpanCounters()
 
     # -- plan: store reads ------------------------------------------------------------
 
     def plan(self, tenant: str, token_ids: list[int], start: int) -> PassagePlan | None:
         """The passages in token_ids[start:] and the rows the store gives (None: no passage)."""
-        found = self.keys.find(tenant, token_ids, start)
-        if not found.spans:
-            return None
-        placed = []
-        for span, digest, tensors in zip(found.spans, found.digests, self.store.get_many(found.keys)):
-            if _holds(tensors, token_ids, span.start, span.end):
-                keys, values = self.engine.kv_format.unpack(tensors)
-                placed.append(Placed(span.start, span.end, keys, values, digest))
-        plan = PassagePlan(found.spans, found.digests, placed)
-        self.counters.add_plan(plan)
+        plan = self.lookup.plan(tenant, token_ids, start)
+        if plan is not None:
+            self.counters.add_plan(plan)
         return plan
 
     # -- prepare: the model -----------------------------------------------------------
@@ -125,27 +130,36 @@ class PromptPassages:
         return FusionInput(token_ids[:first], chunks, token_ids[last:], len(self.engine.chunk_prefix_ids), None)
 
     def _new_passages(self, plan: PassagePlan, fusion: FusionResult) -> tuple[list[tuple[ChunkKey, dict]], int]:
-        """Blobs of the spans the store did not give, from the fusion's fresh rows."""
+        """The runs of new rows of the plan's spans (from the fusion's fresh rows), each with
+        its anchor records."""
         if fusion.fresh_kv is None:
             return [], 0
-        fresh = fusion.layout.fresh_rows
-        index = {int(row): i for i, row in enumerate(fresh.tolist())}
+        index = {row: i for i, row in enumerate(fusion.layout.fresh_rows.tolist())}
         ids = fusion.layout.token_ids
         writes, tokens, seen = [], 0, set()
-        for span, digest in zip(plan.spans, plan.digests):
-            if digest in seen or plan.covered(span) or span.start not in index or span.end - 1 not in index:
-                continue
-            seen.add(digest)
-            rows = slice(index[span.start], index[span.end - 1] + 1)
-            keys, values = fusion.fresh_kv[0][:, :, rows], fusion.fresh_kv[1][:, :, rows]
-            writes.append(
-                (
-                    self.keys.chunk_keys.key(digest),
-                    self.engine.stored_chunk(ids[span.start : span.end].tolist(), keys, values),
-                )
-            )
-            tokens += len(span)
+        for span in plan.spans:
+            for start, end in plan.uncovered(span):
+                if end - start < self.anchors.min_run or start not in index or end - 1 not in index:
+                    continue
+                run_ids = ids[start:end].tolist()
+                digest = self.keys.chunk_keys.digest(plan.tenant, run_ids)
+                if digest in seen:
+                    continue
+                seen.add(digest)
+                rows = slice(index[start], index[end - 1] + 1)
+                blob = self.engine.stored_chunk(run_ids, fusion.fresh_kv[0][:, :, rows], fusion.fresh_kv[1][:, :, rows])
+                writes.append((self.keys.chunk_keys.key(digest), blob))
+                writes += self._anchor_records(plan.tenant, run_ids, digest)
+                tokens += end - start
         return writes, tokens
+
+    def _anchor_records(self, tenant: str, run_ids: list[int], digest: str) -> list[tuple[ChunkKey, dict]]:
+        window = self.anchors.window
+        positions = anchor_positions(np.asarray(run_ids, dtype=np.int64), self.anchors).tolist()
+        return [
+            (self.keys.chunk_keys.anchor(tenant, run_ids[p - window + 1 : p + 1]), AnchorRecord(digest, p).tensors())
+            for p in positions
+        ]
 
     # -- commit: store writes ---------------------------------------------------------
 
@@ -162,14 +176,3 @@ def _fresh(token_ids: list[int], start: int, end: int, cuts: list[int]) -> list[
     """Fresh chunks over [start, end), cut at `cuts`."""
     bounds = [start, *(c for c in cuts if start < c < end), end]
     return [LoadedChunk(token_ids[a:b]) for a, b in zip(bounds, bounds[1:]) if b > a]
-
-
-def _holds(tensors: dict | None, token_ids: list[int], start: int, end: int) -> bool:
-    """Whether stored tensors are these rows' (the key is a hash: the ids are compared)."""
-    if tensors is None:
-        return False
-    stored = tensors.get("tokens")
-    if stored is None or stored.numel() != end - start:
-        log.warning("a stored span's tokens do not match its key: recomputed")
-        return False
-    return stored.tolist() == token_ids[start:end]

@@ -40,6 +40,8 @@ class PassagePlan:
     """Per span, the digest of its whole tokens (its chunk key's hash)."""
     placed: list[Placed]
     """Stored rows, ascending and disjoint."""
+    tenant: str = ""
+    """Whose salt the new passages are stored under."""
 
     def __post_init__(self) -> None:
         if not self.spans and not self.placed:
@@ -69,6 +71,19 @@ class PassagePlan:
     def covered(self, span: Span) -> int:
         """Tokens of `span` the placed rows cover."""
         return sum(max(0, min(span.end, p.end) - max(span.start, p.start)) for p in self.placed)
+
+    def uncovered(self, span: Span) -> list[tuple[int, int]]:
+        """The stretches [a, b) of `span` no placed rows cover, ascending."""
+        stretches, position = [], span.start
+        for piece in self.placed:
+            if piece.end <= position or piece.start >= span.end:
+                continue
+            if piece.start > position:
+                stretches.append((position, piece.start))
+            position = max(position, piece.end)
+        if position < span.end:
+            stretches.append((position, span.end))
+        return stretches
 
     @property
     def hits(self) -> int:
