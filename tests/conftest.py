@@ -123,6 +123,13 @@ SHARED_SERVER_KEYS = {
     "web-alpha": "alpha-web-key-1",
     "web-beta": "beta-web-key-02",
 }
+# tenant -> (API key, its limits in the keys file) of `shared_server`: tests/test_api_rate_limits.py's
+SHARED_SERVER_LIMITED_KEYS = {
+    "rate-a": ("rate-limited-key-a", {"max_requests_per_second": 1 / 3600}),  # one request an hour
+    "rate-b": ("rate-limited-key-b", {"max_requests_per_second": 1 / 3600}),
+    "one-at-a-time": ("one-at-a-time-key", {"max_concurrent_requests": 1}),
+    "unlimited-peer": ("unlimited-peer-key", {}),
+}
 
 
 @pytest.fixture(scope="session")
@@ -137,10 +144,13 @@ def shared_server(tmp_path_factory) -> Iterator[SimpleNamespace]:
 
     root = tmp_path_factory.mktemp("shared_server")
     keys = root / "keys.json"
-    keys.write_text(json.dumps({key: tenant for tenant, key in SHARED_SERVER_KEYS.items()}))
+    entries = {key: tenant for tenant, key in SHARED_SERVER_KEYS.items()}
+    entries |= {key: {"tenant": tenant, **limits} for tenant, (key, limits) in SHARED_SERVER_LIMITED_KEYS.items()}
+    keys.write_text(json.dumps(entries))
     args = ["--data-dir", str(root / "data"), "--api-keys", str(keys), "--log-level", "warning"]
     process = ServerProcess(args, log_path=root / "serve.log").start(timeout_s=600)  # a loaded CI machine is slow
     try:
-        yield SimpleNamespace(url=process.url, key=dict(SHARED_SERVER_KEYS), process=process)
+        limited = {tenant: key for tenant, (key, _) in SHARED_SERVER_LIMITED_KEYS.items()}
+        yield SimpleNamespace(url=process.url, key={**SHARED_SERVER_KEYS, **limited}, process=process)
     finally:
         process.stop()

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from ragkv.api.auth import Authenticator, load_api_keys
+from ragkv.api.auth import Authenticator, load_api_keys, load_key_limits
 from ragkv.api.chat.protocol import ChatRequest
 from ragkv.api.common.conversion import generation_config, query_config
 from ragkv.api.config import ServeConfig
@@ -20,6 +20,7 @@ from ragkv.api.documents.protocol import JobProgress
 from ragkv.api.documents.serving import job_status
 from ragkv.api.errors import ApiError, QueueFullError, as_api_error
 from ragkv.api.query.protocol import QueryRequest
+from ragkv.api.rate_limits import KeyLimits
 from ragkv.app.ingest_records import SUCCEEDED, IngestRecords
 from ragkv.app.request import Request, RequestCancelled
 from ragkv.app.scheduler import QueueFull, Scheduler, SchedulerConfig
@@ -54,6 +55,38 @@ def test_api_keys_from_file_and_env(tmp_path):
         load_api_keys(path, env="")
     with pytest.raises(ValueError, match="tenant must be"):
         load_api_keys(None, env="some-long-key:bad/tenant")
+
+
+def test_keys_file_entries_set_their_own_limits_over_the_servers(tmp_path):
+    path = tmp_path / "keys.json"
+    entries = {
+        "plain-key-0001": "alpha",
+        "capped-key-0001": {"tenant": "beta", "max_requests_per_second": 2},
+        "unlimited-key-01": {"tenant": "beta", "max_concurrent_requests": 0},
+    }
+    path.write_text(json.dumps(entries))
+    server = KeyLimits(max_requests_per_second=10, max_concurrent_requests=4)
+    assert load_api_keys(path, env="") == {
+        "plain-key-0001": "alpha",
+        "capped-key-0001": "beta",
+        "unlimited-key-01": "beta",
+    }
+    limits = load_key_limits(path, server)
+    assert limits == {"capped-key-0001": KeyLimits(2, 4), "unlimited-key-01": KeyLimits(10, 0)}
+    auth = Authenticator(load_api_keys(path, env=""), limits, server)
+    plain, capped = auth.caller_for("Bearer plain-key-0001"), auth.caller_for("Bearer capped-key-0001")
+    assert (plain.tenant, plain.limits) == ("alpha", server)
+    assert (capped.tenant, capped.limits) == ("beta", KeyLimits(2, 4))
+    assert plain.key_id != capped.key_id and "key" not in plain.key_id  # an id of the key, never the key
+    for bad, message in (
+        ({"tenant": "beta", "max_requests_per_second": -1}, "must be a number >= 0"),
+        ({"tenant": "beta", "max_concurrent_requests": 1.5}, "must be an integer >= 0"),
+        ({"tenant": "beta", "requests_per_minute": 5}, "unknown field"),
+        ({"max_concurrent_requests": 1}, "must be a JSON object mapping"),
+    ):
+        path.write_text(json.dumps({"some-key-00001": bad}))
+        with pytest.raises(ValueError, match=message):
+            load_key_limits(path, server)
 
 
 # -- request conversion -------------------------------------------------------------------------

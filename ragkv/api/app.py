@@ -13,13 +13,14 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from ragkv.api.access_log import AccessLogMiddleware
-from ragkv.api.auth import Authenticator, load_api_keys
+from ragkv.api.auth import Authenticator, load_api_keys, load_key_limits
 from ragkv.api.config import ServeConfig
 from ragkv.api.errors import install_error_handlers
 from ragkv.api.json_response import SafeJSONResponse
 from ragkv.api.metrics import Metrics, MetricsObserver, scrape_readings
 from ragkv.api.middleware import ServingMiddleware
 from ragkv.api.openapi import install_docs
+from ragkv.api.rate_limits import KeyLimiter
 from ragkv.api.routers import ROUTERS
 from ragkv.api.state import AppState
 from ragkv.api.web_page import install_web
@@ -30,7 +31,9 @@ log = logging.getLogger("ragkv.api")
 
 def create_app(config: ServeConfig = ServeConfig()) -> FastAPI:
     metrics = Metrics()
-    authenticator = Authenticator(load_api_keys(config.api_keys_file))
+    authenticator = Authenticator(
+        load_api_keys(config.api_keys_file), load_key_limits(config.api_keys_file, config.key_limits), config.key_limits
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -69,6 +72,7 @@ def create_app(config: ServeConfig = ServeConfig()) -> FastAPI:
         ServingMiddleware,
         metrics=metrics,
         authenticator=authenticator,
+        limiter=KeyLimiter(config.rate_limit_storage),
         max_body_bytes=int(config.max_body_kb * 1024),
         max_document_body_bytes=int(config.max_document_body_mb * (1 << 20)),
     )

@@ -1,6 +1,7 @@
 """API keys: `Authorization: Bearer <key>`; each key belongs to one tenant.
 
-Keys come from a JSON file ({"key": "tenant", ...}) and/or $RAGKV_API_KEYS
+Keys come from a JSON file ({"key": "tenant", ...}, or a key's entry an object with its
+tenant and its own limits: ragkv.api.rate_limits) and/or $RAGKV_API_KEYS
 ("key:tenant,key:tenant"). With no keys configured the API is open and every request is
 tenant "default". A tenant sees only its own documents, jobs and sessions: another
 tenant's ids answer 404, as if they did not exist.
@@ -12,11 +13,13 @@ import hashlib
 import hmac
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import Request
 
 from ragkv.api.errors import ApiError
+from ragkv.api.rate_limits import KeyLimits
 from ragkv.app.request_types import check_tenant
 from ragkv.ingest.errors import InputError
 
@@ -24,19 +27,30 @@ DEFAULT_TENANT = "default"
 ENV_VAR = "RAGKV_API_KEYS"
 
 
+def _read_keys_file(path: Path) -> dict:
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"API keys file {path} does not exist") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"API keys file {path} is not valid JSON: {error}") from None
+    shaped = isinstance(data, dict) and all(
+        isinstance(k, str) and (isinstance(v, str) or (isinstance(v, dict) and isinstance(v.get("tenant"), str)))
+        for k, v in data.items()
+    )
+    if not shaped:
+        raise ValueError(
+            f"API keys file {path} must be a JSON object mapping key -> tenant "
+            '(or key -> {"tenant": ..., "max_requests_per_second": ..., "max_concurrent_requests": ...})'
+        )
+    return data
+
+
 def load_api_keys(path: Path | None, env: str | None = None) -> dict[str, str]:
     """key -> tenant from the file and the environment variable (ValueError when malformed)."""
     keys: dict[str, str] = {}
     if path is not None:
-        try:
-            data = json.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise ValueError(f"API keys file {path} does not exist") from None
-        except json.JSONDecodeError as error:
-            raise ValueError(f"API keys file {path} is not valid JSON: {error}") from None
-        if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in data.items()):
-            raise ValueError(f"API keys file {path} must be a JSON object mapping key -> tenant")
-        keys.update(data)
+        keys.update({key: v if isinstance(v, str) else v["tenant"] for key, v in _read_keys_file(path).items()})
     raw = os.environ.get(ENV_VAR, "") if env is None else env
     for item in filter(None, (part.strip() for part in raw.split(","))):
         key, sep, tenant = item.rpartition(":")
@@ -53,10 +67,39 @@ def load_api_keys(path: Path | None, env: str | None = None) -> dict[str, str]:
     return keys
 
 
+def load_key_limits(path: Path | None, default: KeyLimits) -> dict[str, KeyLimits]:
+    """key -> its limits, for the keys whose file entry sets any (the others have `default`)."""
+    if path is None:
+        return {}
+    limits = {}
+    for number, (key, value) in enumerate(_read_keys_file(path).items(), 1):
+        if isinstance(value, dict):
+            fields = {name: v for name, v in value.items() if name != "tenant"}
+            limits[key] = KeyLimits.parse(fields, default, f"API keys file {path}, entry {number}")
+    return limits
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a request: the key's tenant, an id of the key (never the key) and its limits."""
+
+    tenant: str
+    key_id: str
+    limits: KeyLimits
+
+
 class Authenticator:
-    def __init__(self, keys: dict[str, str]):
+    def __init__(
+        self, keys: dict[str, str], limits: dict[str, KeyLimits] | None = None, default_limits: KeyLimits = KeyLimits()
+    ):
         # Compare digests in constant time; never keep a key around longer than needed.
-        self._digests = [(hashlib.sha256(key.encode()).digest(), tenant) for key, tenant in keys.items()]
+        limits = limits or {}
+        self._digests = []
+        for key, tenant in keys.items():
+            digest = hashlib.sha256(key.encode()).digest()
+            # the key's id: a prefix of its digest (rate-limit counters, in Redis too)
+            self._digests.append((digest, Caller(tenant, digest.hex()[:16], limits.get(key, default_limits))))
+        self._anonymous = Caller(DEFAULT_TENANT, "", default_limits)
 
     @property
     def enabled(self) -> bool:
@@ -64,11 +107,14 @@ class Authenticator:
 
     @property
     def tenants(self) -> set[str]:
-        return {tenant for _, tenant in self._digests}
+        return {caller.tenant for _, caller in self._digests}
 
     def tenant_for(self, authorization: str | None) -> str:
+        return self.caller_for(authorization).tenant
+
+    def caller_for(self, authorization: str | None) -> Caller:
         if not self._digests:
-            return DEFAULT_TENANT
+            return self._anonymous
         if not authorization:
             raise ApiError(
                 401,
@@ -86,9 +132,9 @@ class Authenticator:
             )
         digest = hashlib.sha256(token.strip().encode()).digest()
         found = None
-        for candidate, tenant in self._digests:
+        for candidate, caller in self._digests:
             if hmac.compare_digest(candidate, digest):
-                found = tenant
+                found = caller
         if found is None:
             raise ApiError(401, "invalid_api_key", "the API key is not valid", headers={"WWW-Authenticate": "Bearer"})
         return found

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ragkv.api.rate_limits import KeyLimits
 from ragkv.app.request_types import DEFAULT_RETRIEVAL, RETRIEVAL_MODES
 from ragkv.app.server import ServerConfig
 
@@ -24,6 +25,15 @@ class ServeConfig(ServerConfig):
     api_keys_file: Path | None = None
     """JSON file mapping API key -> tenant; also $RAGKV_API_KEYS ("key:tenant,key:tenant").
     Without keys every request is tenant "default" and no Authorization is needed."""
+    max_requests_per_second: float = 0.0
+    """Requests each API key may start per second, 429 with Retry-After past it (0: unlimited;
+    a key's entry in the keys file may set its own)."""
+    max_concurrent_requests: int = 0
+    """Requests each API key may have in progress at once, 429 past it (0: unlimited; a key's
+    entry in the keys file may set its own)."""
+    rate_limit_storage: str = "memory://"
+    """Where request rates are counted: memory:// (this process) or redis://host:port/db
+    (shared by the replicas that name the same Redis)."""
     max_document_body_mb: float = 20.0
     """Largest request body on /v1/documents (413 above)."""
     max_body_kb: float = 1024.0
@@ -46,6 +56,11 @@ class ServeConfig(ServerConfig):
     log_format: str = "text"
     """text, or json: one JSON object per line (access-log fields as keys)."""
 
+    @property
+    def key_limits(self) -> KeyLimits:
+        """Every API key's limits unless its keys-file entry sets its own."""
+        return KeyLimits(self.max_requests_per_second, self.max_concurrent_requests)
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if not 0 <= self.port <= 65535:
@@ -56,6 +71,7 @@ class ServeConfig(ServerConfig):
         for name in ("max_new_tokens", "max_top_k"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        KeyLimits(self.max_requests_per_second, self.max_concurrent_requests)  # ValueError when out of range
         if self.background_ingest_bytes < 0:
             raise ValueError("background_ingest_bytes must be >= 0")
         if self.retrieval not in RETRIEVAL_MODES:

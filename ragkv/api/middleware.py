@@ -1,5 +1,6 @@
-"""One pure ASGI middleware: request ids, API keys, body size limits, request metrics,
-and the 500 answer to an unexpected error.
+"""One pure ASGI middleware: request ids, API keys, body size limits, each key's request
+rate and concurrency (ragkv.api.rate_limits), request metrics, and the 500 answer to an
+unexpected error.
 
 Authentication happens here, before any body is read, for every /v1/ route: a request
 without a valid key is refused before its body is parsed. /health and /metrics are open.
@@ -28,6 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ragkv.api.auth import Authenticator
 from ragkv.api.errors import ApiError, error_body
 from ragkv.api.metrics import Metrics
+from ragkv.api.rate_limits import KeyLimiter
 
 log = logging.getLogger("ragkv.api")
 
@@ -79,10 +81,12 @@ class ServingMiddleware:
         max_document_body_bytes: int,
         document_prefix: str = "/v1/documents",
         protected_prefix: str = "/v1/",
+        limiter: KeyLimiter | None = None,
     ):
         self.app = app
         self.metrics = metrics
         self.authenticator = authenticator
+        self.limiter = limiter or KeyLimiter()
         self.protected_prefix = protected_prefix
         self.max_body_bytes = max_body_bytes
         self.max_document_body_bytes = max_document_body_bytes
@@ -98,7 +102,17 @@ class ServingMiddleware:
         response = _Response(send, request.id)
         try:
             if await self._authenticate(scope, request, response) and await self._declared_size(request, response):
-                await self._serve(scope, receive, request, response)
+                caller = scope["state"].get("caller")
+                refusal = self.limiter.admit(caller.key_id, caller.limits) if caller else None
+                if refusal is not None:
+                    await self._reject_error(response, refusal, request.id)
+                elif caller is None:
+                    await self._serve(scope, receive, request, response)
+                else:
+                    try:
+                        await self._serve(scope, receive, request, response)
+                    finally:
+                        self.limiter.release(caller.key_id)
         finally:
             self._count(scope, response.status, started)
 
@@ -115,11 +129,11 @@ class ServingMiddleware:
         if not request.path.startswith(self.protected_prefix):
             return True
         try:
-            scope["state"]["tenant"] = self.authenticator.tenant_for(request.headers.get("authorization"))
+            caller = self.authenticator.caller_for(request.headers.get("authorization"))
         except ApiError as error:
-            extra = [(k.lower().encode(), v.encode()) for k, v in (error.headers or {}).items()]
-            await self._reject(response, error.status, error.code, error.message, request.id, extra)
+            await self._reject_error(response, error, request.id)
             return False
+        scope["state"]["tenant"], scope["state"]["caller"] = caller.tenant, caller
         return True
 
     async def _declared_size(self, request: _Incoming, response: _Response) -> bool:
@@ -163,6 +177,11 @@ class ServingMiddleware:
         method = scope.get("method", "")
         self.metrics.requests.labels(label, method, str(status)).inc()
         self.metrics.latency.labels(label, method).observe(time.perf_counter() - started)
+
+    @classmethod
+    async def _reject_error(cls, response: _Response, error: ApiError, request_id: str) -> None:
+        extra = [(k.lower().encode(), v.encode()) for k, v in (error.headers or {}).items()]
+        await cls._reject(response, error.status, error.code, error.message, request_id, extra)
 
     @staticmethod
     async def _reject(

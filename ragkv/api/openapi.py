@@ -1,7 +1,7 @@
 """The OpenAPI document (/openapi.json) and the Swagger UI at /docs, served offline.
 
 Routes declare their success bodies and the error statuses they send (`errors(...)`);
-this module adds what holds for every route: the bearer API key on /v1/, 401 and 413
+this module adds what holds for every route: the bearer API key on /v1/, 401, 429 and 413
 where the middleware sends them, and no 422 (validation errors are 400, in the OpenAI
 error shape). The Swagger UI assets ship in the package (ragkv/api/static): no CDN.
 """
@@ -46,6 +46,7 @@ _ERROR_DESCRIPTIONS = {
     409: "The chat session is answering another request",
     413: "The request body (or document metadata) is too large",
     415: "Unsupported content type",
+    429: "The API key is past its request rate or its requests in progress: retry after Retry-After seconds",
     503: "The model worker is overloaded or stopping: retry after Retry-After seconds",
 }
 
@@ -113,6 +114,7 @@ def build_openapi(app: FastAPI, limits: ServeConfig) -> dict:
             if path.startswith(PROTECTED_PREFIX):
                 operation["security"] = [{SECURITY_SCHEME: []}]
                 responses.setdefault("401", {"description": _ERROR_DESCRIPTIONS[401], **_error_response()})
+                responses.setdefault("429", {"description": _ERROR_DESCRIPTIONS[429], **_error_response()})
             if "requestBody" in operation:
                 responses.setdefault("400", {"description": _ERROR_DESCRIPTIONS[400], **_error_response()})
                 responses.setdefault("413", {"description": _ERROR_DESCRIPTIONS[413], **_error_response()})
