@@ -120,6 +120,7 @@ SHARED_SERVER_KEYS = {
     "openai-surface": "openai-surface-key-1",
     "response-models": "response-models-key-1",
     "prompt-spans": "prompt-spans-key-1",
+    "real-clients": "real-clients-key-1",
     "web-alpha": "alpha-web-key-1",
     "web-beta": "beta-web-key-02",
 }

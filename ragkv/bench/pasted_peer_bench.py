@@ -24,11 +24,13 @@ from ragkv.bench.datasets import load_examples
 from ragkv.bench.peer_bench import PeerBenchConfig, Work, _level, target_body, target_model
 
 
-def _bodies(work: list[Work], model: str, max_tokens: int, order: Callable[[int, int], list[int]], **extra) -> list:
+def _bodies(
+    work: list[Work], model: str, config: PeerBenchConfig, order: Callable[[int, int], list[int]], **extra
+) -> list:
     bodies = []
     for number, item in enumerate(work):
         passages = [item.passages[i] for i in order(number, len(item.passages))]
-        body = target_body(Work(item.question, passages, []), model, max_tokens)
+        body = target_body(Work(item.question, passages, []), model, config.max_tokens, config.shape)
         bodies.append({**body, "stream_options": {"include_usage": True}, **extra})
     return bodies
 
@@ -62,7 +64,7 @@ def run_pasted_bench(
 
     def run(name: str, label: str, order, clients: int = 1, **extra) -> dict:
         url, model, side_headers = sides[name]
-        bodies = _bodies(work, model, config.max_tokens, order, **extra)
+        bodies = _bodies(work, model, config, order, **extra)
         figures = asyncio.run(_level(url, bodies, clients, len(bodies), side_headers))
         progress(
             f"{label}, {name}: TTFT p50 {figures['ttft_p50_s']} s, {figures['requests_per_s']:.3f} req/s, "

@@ -38,10 +38,17 @@ class PeerBenchConfig:
     requests: int | None = None
     """Requests per level; None: max(4, clients)."""
     max_tokens: int = 32
+    shape: str | None = None
+    """The pasted workload's prompt shape (ragkv.bench.prompt_shapes); None: the documents
+    joined by blank lines in the user message (the figures before shapes)."""
 
     def __post_init__(self) -> None:
         if self.examples < 1 or self.passages < 1 or self.max_tokens < 2 or not self.clients:
             raise ValueError("examples and passages >= 1, max_tokens >= 2, and at least one client level")
+        from ragkv.bench.prompt_shapes import SHAPES
+
+        if self.shape is not None and self.shape not in SHAPES:
+            raise ValueError(f"unknown prompt shape {self.shape!r}; known: {', '.join(SHAPES)}")
 
 
 @dataclass(frozen=True)
@@ -77,18 +84,27 @@ def ragkv_body(work: Work, max_tokens: int) -> dict:
     }
 
 
-def target_body(work: Work, model: str, max_tokens: int) -> dict:
-    documents = "\n\n".join(work.passages)
+def target_body(work: Work, model: str, max_tokens: int, shape: str | None = None) -> dict:
     return {
         "model": model,
-        "messages": [
-            {"role": "system", "content": SYSTEM},
-            {"role": "user", "content": f"Documents:\n{documents}\n\nQuestion: {work.question}"},
-        ],
+        "messages": _messages(work, shape),
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
     }
+
+
+def _messages(work: Work, shape: str | None) -> list[dict]:
+    if shape is not None:
+        from ragkv.bench.prompt_shapes import SHAPES, Passage
+
+        passages = [Passage(text, " ".join(text.split()[:4]), n) for n, text in enumerate(work.passages, 1)]
+        return SHAPES[shape].messages(passages, work.question)
+    documents = "\n\n".join(work.passages)
+    return [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": f"Documents:\n{documents}\n\nQuestion: {work.question}"},
+    ]
 
 
 async def _one(http: httpx.AsyncClient, body: dict) -> dict | None:

@@ -96,6 +96,13 @@ def configure(serve: argparse.ArgumentParser) -> None:
         "(one target); pasted = both get them in the prompt: ragkv's full prefill, a cold pass, a pass with the "
         "passages shuffled, then each --clients level above 1 with fresh shuffles",
     )
+    bench.add_argument(
+        "--shape",
+        default=None,
+        help="bench --workload pasted: the prompt a real RAG app sends (ragkv.bench.prompt_shapes: blank_lines, "
+        "open_webui, anythingllm, langchain_hub, llamaindex, json_lines); default: documents joined by blank lines "
+        "in the user message",
+    )
     bench.add_argument("--target-key", default=None, help="API key sent to --target")
     bench.add_argument("--passages", type=int, default=3, help="bench --target: passages per question (default: 3)")
     bench.add_argument(
@@ -173,9 +180,12 @@ def _run_peer_bench(args: argparse.Namespace, progress) -> dict:
 
     if args.dataset is None:
         raise SystemExit("ragkv serve bench --target needs --dataset (MuSiQue-style JSON: ctxs, question)")
-    config = PeerBenchConfig(
-        args.dataset, args.examples, args.passages, tuple(args.clients), args.requests, args.max_tokens
-    )
+    try:
+        config = PeerBenchConfig(
+            args.dataset, args.examples, args.passages, tuple(args.clients), args.requests, args.max_tokens, args.shape
+        )
+    except ValueError as exc:
+        raise SystemExit(f"serve bench: {exc}") from None
     headers = {"Authorization": f"Bearer {args.bench_key}"} if args.bench_key else {}
     target_headers = {"Authorization": f"Bearer {args.target_key}"} if args.target_key else {}
     server = scratch = None
