@@ -23,10 +23,6 @@ ENGINE = ("ragkv.engine", "ragkv.fusion", "ragkv.sparse")
 LEAVES = ("ragkv.kernels", "ragkv.store")
 APPLICATION = ("ragkv.app", "ragkv.ingest", "ragkv.api", "ragkv.cli", "ragkv.bench", "ragkv.vllm")
 
-# Error types every layer may raise and the API maps to statuses: the API may import these
-# modules of lower layers, and nothing else of them.
-SHARED_ERRORS = ("ragkv.ingest.errors", "ragkv.store.errors")
-
 # What each layer may import from ragkv; anything else of ragkv is a violation.
 ALLOWED = {
     "ragkv.kernels": ("ragkv.kernels",),
@@ -38,9 +34,25 @@ ALLOWED = {
     "ragkv.app": ENGINE + LEAVES + ("ragkv.ingest", "ragkv.app"),
     # The vLLM connector is a front end like the API, composing the application's parts.
     "ragkv.vllm": ENGINE + LEAVES + ("ragkv.ingest", "ragkv.app", "ragkv.vllm"),
-    # The API converts requests and responses: it composes nothing below the application.
-    "ragkv.api": ("ragkv.app", "ragkv.api") + SHARED_ERRORS,
+    # The API converts requests and responses: it composes nothing below the application
+    # (the errors it maps to statuses come from one module, ragkv.app.errors).
+    "ragkv.api": ("ragkv.app", "ragkv.api"),
 }
+
+# What the API may not import of the application: the model thread's machinery and what it
+# assembles are the engine client's (ragkv.app.server.EngineClient), which the routes call.
+NOT_FOR_THE_API = (
+    "ragkv.app.scheduler",
+    "ragkv.app.live_fidelity",
+    "ragkv.app.runtime",
+    "ragkv.app.storage",
+    "ragkv.app.server.worker",
+    "ragkv.app.server.model_work",
+    "ragkv.app.server.client",
+)
+
+MAX_FUNCTION_LINES = 60
+"""The longest function (its def to its last line) in ragkv/api and ragkv/app."""
 
 
 def module_name(path: Path) -> str:
@@ -110,12 +122,78 @@ def test_the_checker_sees_a_violation(tmp_path):
         fake.unlink()
 
 
-def test_the_api_may_import_only_the_application_and_shared_errors():
+def test_the_api_may_import_only_the_application():
     api = ALLOWED["ragkv.api"]
-    assert within("ragkv.app.request_types", api) and within("ragkv.store.errors", api)
+    assert within("ragkv.app.request_types", api) and within("ragkv.app.errors", api)
     below_the_application = ("ragkv.engine.generation", "ragkv.fusion", "ragkv.sparse", "ragkv.ingest.registry")
-    for below in below_the_application + ("ragkv.store.url",):
+    for below in below_the_application + ("ragkv.store.url", "ragkv.store.errors", "ragkv.ingest.errors"):
         assert not within(below, api), below
+
+
+def test_the_api_imports_no_scheduler_worker_or_runtime():
+    found = [
+        f"{path.relative_to(REPO)} imports {imported}"
+        for path in sorted((PACKAGE / "api").rglob("*.py"))
+        for imported in sorted(ragkv_imports(path))
+        if within(imported, NOT_FOR_THE_API + ENGINE)
+    ]
+    assert not found, "\n".join(found)
+
+
+def _client_members() -> set[str]:
+    """The engine client's public methods, properties and attributes."""
+    tree = ast.parse((PACKAGE / "app" / "server" / "client.py").read_text())
+    (client,) = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "EngineClient"]
+    members = {node.name for node in client.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    for node in ast.walk(client):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+            if isinstance(node.ctx, ast.Store):
+                members.add(node.attr)
+    return {name for name in members if not name.startswith("_")}
+
+
+def api_reach_ins(path: Path, members: set[str]) -> list[str]:
+    """Where `path` reaches past the engine client: an attribute `runtime` of anything, or a
+    member of `<...>.client` that is not one of the client's public `members`."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Attribute):
+            continue
+        through_client = isinstance(node.value, ast.Attribute) and node.value.attr == "client"
+        if node.attr == "runtime" or through_client and node.attr not in members:
+            found.append(f"{path.name}:{node.lineno} .{node.attr}")
+    return found
+
+
+def test_routes_call_the_engine_client_and_reach_no_further():
+    members = _client_members()
+    assert {"query", "chat", "ingest", "documents", "stats"} <= members
+    assert not {"runtime", "worker", "sessions", "work", "ingest_records"} & members
+    found = [hit for path in sorted((PACKAGE / "api").rglob("*.py")) for hit in api_reach_ins(path, members)]
+    assert not found, "\n".join(found)
+
+
+def test_the_reach_in_check_sees_one(tmp_path):
+    probe = tmp_path / "probe.py"
+    reaching = "state.client._worker, state.client.runtime, state.runtime"
+    probe.write_text(f"def f(state):\n    return {reaching}, state.client.chat\n")
+    assert len(api_reach_ins(probe, _client_members())) == 3
+
+
+def long_functions(folder: Path) -> list[str]:
+    found = []
+    for path in sorted(folder.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    found.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} has {lines} lines")
+    return found
+
+
+def test_no_function_of_the_api_or_the_application_is_long():
+    found = long_functions(PACKAGE / "api") + long_functions(PACKAGE / "app")
+    assert not found, "\n".join(found)
 
 
 def test_no_endpoint_imports_another_endpoint():

@@ -7,7 +7,8 @@ from application types. What endpoints share is in api/common (protocol bases an
 serving helpers, the conversion into the application's typed configs); no endpoint imports
 another's (tests/test_layout.py). The API
 imports only ragkv.app (and shared error types): the engine, fusion, ingestion and store
-are the application's to compose. The engine client (ragkv.app.server: the model worker,
-its tasks and request streams) runs the work; the session id check is api/sessions.py,
+are the application's to compose. Routes call the engine client's methods
+(ragkv.app.server.EngineClient, which owns the model worker, its tasks and request streams)
+and convert its typed results; the session id check is api/sessions.py,
 API keys api/auth.py, metrics api/metrics.py.
 """

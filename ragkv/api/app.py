@@ -44,9 +44,10 @@ def create_app(config: ServeConfig = ServeConfig()) -> FastAPI:
         metrics.add_scrape_time(lambda: scrape_readings(state))
         app.state.ragkv = state
         tenants = ", ".join(sorted(authenticator.tenants)) if authenticator.enabled else "default (no API keys)"
+        backends = client.backends
         log.info(
-            f"serving {state.model_id} on http://{config.host}:{config.port}; store {state.runtime.store.backend}, "
-            f"registry {state.runtime.registry.backend}, sessions {state.sessions.backend}, tenants {tenants}"
+            f"serving {state.model_id} on http://{config.host}:{config.port}; store {backends.store}, "
+            f"registry {backends.registry}, sessions {backends.sessions}, tenants {tenants}"
         )
         try:
             yield

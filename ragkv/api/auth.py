@@ -20,8 +20,8 @@ from fastapi import Request
 
 from ragkv.api.errors import ApiError
 from ragkv.api.rate_limits import KeyLimits
+from ragkv.app.errors import InputError
 from ragkv.app.request_types import check_tenant
-from ragkv.ingest.errors import InputError
 
 DEFAULT_TENANT = "default"
 ENV_VAR = "RAGKV_API_KEYS"

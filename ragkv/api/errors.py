@@ -18,11 +18,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from ragkv.api.json_response import SafeJSONResponse
-from ragkv.app.chat.contexts import SessionBusyError, SessionStoreUnavailableError
-from ragkv.app.request import RequestCancelled
-from ragkv.app.server import QueueFull
-from ragkv.ingest.errors import InputError, NotFoundError, RegistryUnavailableError
-from ragkv.store.errors import StoreUnavailableError
+from ragkv.app.errors import (
+    InputError,
+    NotFoundError,
+    QueueFull,
+    RegistryUnavailableError,
+    RequestCancelled,
+    SessionBusyError,
+    SessionStoreUnavailableError,
+    StoreUnavailableError,
+)
 
 _TYPES = {
     400: "invalid_request_error",

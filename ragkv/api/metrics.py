@@ -17,11 +17,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from ragkv.api.vllm_metrics import RequestRecord, VllmMetrics, scheduler_reading
+from ragkv.api.vllm_metrics import RequestRecord, VllmMetrics
 from ragkv.app.chat.turn import ChatInfo
 from ragkv.app.query import QueryInfo
 from ragkv.app.request import Request, RequestOutput
-from ragkv.app.server import RequestStream, ServerObserver, Task
+from ragkv.app.server import RequestStream, ServerObserver, ServerStats, Task
 from ragkv.app.usage import TokenUsage
 
 if TYPE_CHECKING:  # the state holds the metrics: imported for annotations only
@@ -238,40 +238,39 @@ _REDIS_UP = "1 if Redis answers PING"
 def scrape_readings(state: AppState) -> Iterator[Reading]:
     """Every figure read when /metrics is scraped (the rest is counted as requests run):
     the store's tiers, pasted passages, sessions, Redis health, ingestion jobs, the worker."""
-    yield from _store_readings(state)
-    store_redis_up = state.runtime.store_status().redis_up
-    if store_redis_up is not None:
-        yield "gauge", "ragkv_redis_up", _REDIS_UP, {"role": "chunks"}, float(store_redis_up)
-    sessions = state.sessions.stats()
-    yield from _session_readings(state, sessions)
-    registry_up = state.runtime.registry.healthy()
-    if registry_up is not None:
-        yield "gauge", "ragkv_redis_up", _REDIS_UP, {"role": "registry"}, float(registry_up)
-    degraded = store_redis_up is False or sessions.get("redis_up") is False or registry_up is False
+    stats = state.client.stats()
+    yield from _store_readings(stats)
+    if stats.store_redis_up is not None:
+        yield "gauge", "ragkv_redis_up", _REDIS_UP, {"role": "chunks"}, float(stats.store_redis_up)
+    sessions = stats.sessions
+    yield from _session_readings(stats)
+    if stats.registry_up is not None:
+        yield "gauge", "ragkv_redis_up", _REDIS_UP, {"role": "registry"}, float(stats.registry_up)
+    degraded = stats.store_redis_up is False or sessions.get("redis_up") is False or stats.registry_up is False
     yield "gauge", "ragkv_degraded", "1 while a fallback is in use (Redis unreachable)", {}, float(bool(degraded))
-    for status, count in state.ingest_records.counts().items():
+    for status, count in stats.ingest_jobs.items():
         yield "gauge", "ragkv_ingest_jobs", "Ingestion jobs by status", {"status": status}, count
-    state.metrics.queue_depth.set(state.worker.queued)
-    state.metrics.active_jobs.set(state.worker.active)
-    if state.worker.scheduler is not None:
-        state.metrics.vllm.set_scheduler(state.model_id, scheduler_reading(state.worker))
+    state.metrics.queue_depth.set(stats.worker.queued)
+    state.metrics.active_jobs.set(stats.worker.active)
+    if stats.scheduler is not None:
+        state.metrics.vllm.set_scheduler(state.model_id, stats.scheduler)
 
 
-def _store_readings(state: AppState) -> Iterator[Reading]:
-    stats = state.runtime.store.stats()
-    for index, tier in enumerate(list(stats.tiers) or [stats]):
+def _store_readings(stats: ServerStats) -> Iterator[Reading]:
+    store = stats.store
+    for index, tier in enumerate(list(store.tiers) or [store]):
         labels = {"tier": f"{index}:{tier.backend}"}
         for kind, name, help_text, field in _STORE_TIER:
             yield kind, name, help_text, labels, getattr(tier, field)
-    if stats.lru is not None:
-        yield "gauge", "ragkv_store_lru_bytes", "Bytes in the in-process chunk LRU", {}, stats.lru.bytes
-    spans = state.runtime.passages.counters.snapshot()
+    if store.lru is not None:
+        yield "gauge", "ragkv_store_lru_bytes", "Bytes in the in-process chunk LRU", {}, store.lru.bytes
     for name, help_text in _PROMPT_SPANS:
-        yield "counter", f"ragkv_prompt_span_{name}", help_text, {}, getattr(spans, name)
+        yield "counter", f"ragkv_prompt_span_{name}", help_text, {}, getattr(stats.prompt_spans, name)
 
 
-def _session_readings(state: AppState, sessions: dict) -> Iterator[Reading]:
-    if state.sessions.backend == "redis":
+def _session_readings(stats: ServerStats) -> Iterator[Reading]:
+    sessions = stats.sessions
+    if stats.backends.sessions == "redis":
         yield "gauge", "ragkv_redis_up", _REDIS_UP, {"role": "sessions"}, float(sessions["redis_up"])
     for key, (kind, name, help_text) in _SESSIONS.items():
         yield kind, name, help_text, {}, sessions[key]

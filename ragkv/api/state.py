@@ -27,26 +27,6 @@ class AppState:
     def model_id(self) -> str:
         return self.client.model_id
 
-    @property
-    def runtime(self):
-        return self.client.runtime
-
-    @property
-    def worker(self):
-        return self.client.worker
-
-    @property
-    def sessions(self):
-        return self.client.sessions
-
-    @property
-    def work(self):
-        return self.client.work
-
-    @property
-    def ingest_records(self):
-        return self.client.ingest_records
-
     def check_model(self, model: str) -> None:
         """A generation request names the served model (or the alias "ragkv"), else 404."""
         if model not in (self.model_id, "ragkv"):

@@ -20,10 +20,9 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from ragkv.api.errors import ApiError, ClientGone, as_api_error, error_body, request_id_of
-from ragkv.app.request import RequestCancelled, RequestOutput
-from ragkv.app.server.request_stream import RequestStream, StreamEvent
-from ragkv.app.server.task import Task
-from ragkv.app.server.worker import ModelWorker
+from ragkv.app.errors import RequestCancelled
+from ragkv.app.request import RequestOutput
+from ragkv.app.server import RequestStream, StreamEvent, Task
 
 log = logging.getLogger("ragkv.api")
 
@@ -74,16 +73,14 @@ async def _awaited(request: Request, work: Task | RequestStream) -> Any:
         raise _client_error(error) from None
 
 
-async def run_task(request: Request, worker: ModelWorker, task: Task) -> Any:
-    """Submit `task` and return its result; cancel it if the client disconnects first."""
-    worker.submit(task)
+async def run_task(request: Request, task: Task) -> Any:
+    """The submitted task's result; the task is cancelled if the client disconnects first."""
     return await _awaited(request, task)
 
 
-async def run_requests(request: Request, worker: ModelWorker, stream: RequestStream) -> list[RequestOutput]:
-    """Submit the stream's requests and return their completions; cancel them if the
-    client disconnects first."""
-    worker.submit_requests(stream)
+async def run_requests(request: Request, stream: RequestStream) -> list[RequestOutput]:
+    """The submitted stream's completions; its requests are cancelled if the client
+    disconnects first."""
     return await _awaited(request, stream)
 
 
@@ -96,8 +93,8 @@ class EventStream:
         self.first = first
 
     @classmethod
-    async def start(cls, request: Request, worker: ModelWorker, stream: RequestStream) -> EventStream:
-        worker.submit_requests(stream)
+    async def start(cls, request: Request, stream: RequestStream) -> EventStream:
+        """Await the first event of a submitted stream."""
         iterator = stream.events().__aiter__()
         try:
             first = await _race(request, iterator.__anext__())

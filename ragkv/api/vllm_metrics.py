@@ -30,6 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ragkv.api.common.serving import openai_finish_reason
 from ragkv.app.request import Request, RequestOutput
+from ragkv.app.server import SchedulerLoad
 
 LABELS = ["model_name", "engine"]
 ENGINE = "0"
@@ -118,14 +119,6 @@ class RequestRecord:
             max_tokens=request.generation.max_new_tokens,
             finished_reason=openai_finish_reason(completion.finish_reason),
         )
-
-
-@dataclass(frozen=True)
-class SchedulerReading:
-    running: int
-    waiting: int
-    kv_cache_usage: float
-    """Fraction (0 to 1) of the scheduler's KV token budget the running requests hold."""
 
 
 _HISTOGRAMS = (  # (attribute, vLLM's name, its help, buckets)
@@ -256,24 +249,8 @@ class VllmMetrics:
         self.decode_time.labels(*labels).observe(max(record.e2e_s - record.ttft_s, 0.0))
         self.inference_time.labels(*labels).observe(max(record.e2e_s - record.queue_s, 0.0))
 
-    def set_scheduler(self, model_name: str, reading: SchedulerReading) -> None:
+    def set_scheduler(self, model_name: str, reading: SchedulerLoad) -> None:
         labels = (model_name, ENGINE)
         self.running.labels(*labels).set(reading.running)
         self.waiting.labels(*labels).set(reading.waiting)
         self.kv_cache_usage.labels(*labels).set(reading.kv_cache_usage)
-
-
-def scheduler_reading(worker) -> SchedulerReading:
-    """The scheduler's state as vLLM's gauges report it, read from the scrape's thread: lists
-    are copied before reading, and a request finishing meanwhile counts as holding nothing.
-    `worker` is the API's ModelWorker; waiting counts the model requests queued at the
-    scheduler (not ingestion or other jobs, which vLLM has no counterpart for)."""
-    scheduler = worker.scheduler
-    running = list(scheduler.running)
-    rows = 0
-    for request in running:
-        prepared = request.prepared
-        if prepared is not None:
-            rows += prepared.cache.length
-    usage = min(rows / scheduler.config.token_budget, 1.0)
-    return SchedulerReading(running=len(running), waiting=len(scheduler.waiting), kv_cache_usage=usage)

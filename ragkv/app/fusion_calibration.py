@@ -203,67 +203,68 @@ def sample_questions(texts: list[str], count: int, rng: random.Random) -> list[s
     return [f"What does the text say about this: {rng.choice(sentences)}" for _ in range(count)]
 
 
-def calibrate_fusion(
-    engine,
-    texts: list[str],
-    config: FusionCalibrationConfig,
-    questions: list[str] | None = None,
-    progress: Callable[[str], None] = lambda message: None,
-) -> FusionCalibration:
-    rng = random.Random(config.seed)
-    documents = [
-        [chunk.token_ids for chunk in chunk_document(engine.tokenizer, text, config.chunk_tokens)] for text in texts
-    ]
-    pool = [ids for chunks in documents for ids in chunks]
-    # each pool chunk's index in its document: its preceding chunks are its context
-    position = [index for chunks in documents for index in range(len(chunks))]
-    if not pool:
-        raise ValueError("the documents are empty")
-    questions = list(questions or sample_questions(texts, config.samples, rng))[: config.samples]
-    model, strategy = engine.model, build_strategy(config.strategy)
-    prefix_cache = engine.chunk_prefix_cache()
-    plain: dict[int, dict] = {}
-    kv_cache: dict[int, LoadedChunk] = {}
+class _SampledChunks:
+    """The documents' chunks, each stored as ingestion stores it (after its preceding
+    chunks when `context_chunks` is set), computed once on first use."""
 
-    def encoded(index: int) -> dict:
-        if index not in plain:
-            plain[index] = engine.encode_chunk(pool[index])
-        return plain[index]
+    def __init__(self, engine, texts: list[str], config: FusionCalibrationConfig):
+        documents = [
+            [chunk.token_ids for chunk in chunk_document(engine.tokenizer, text, config.chunk_tokens)] for text in texts
+        ]
+        self.engine, self.context_chunks = engine, config.context_chunks
+        self.pool = [ids for chunks in documents for ids in chunks]
+        # each pool chunk's index in its document: its preceding chunks are its context
+        self.position = [index for chunks in documents for index in range(len(chunks))]
+        if not self.pool:
+            raise ValueError("the documents are empty")
+        self._plain: dict[int, dict] = {}
+        self._loaded: dict[int, LoadedChunk] = {}
 
-    def loaded(index: int) -> LoadedChunk:
-        if index not in kv_cache:
-            before = range(index - min(config.context_chunks, position[index]), index)
-            tensors = stored_in_context(engine, pool[index], [encoded(i) for i in before]) if before else encoded(index)
-            kv_cache[index] = LoadedChunk(pool[index], *engine.kv_format.unpack(tensors))
-        return kv_cache[index]
+    def _encoded(self, index: int) -> dict:
+        if index not in self._plain:
+            self._plain[index] = self.engine.encode_chunk(self.pool[index])
+        return self._plain[index]
 
-    points = grid(config)
-    per_point: dict[CalibrationPoint, list[tuple[float, TeacherForced]]] = {point: [] for point in points}
-    for number, question in enumerate(questions, start=1):
-        progress(f"question {number}/{len(questions)}")
-        start = rng.randrange(max(1, len(pool) - config.chunks_per_sample + 1))
-        chunks = [loaded(i) for i in range(start, min(len(pool), start + config.chunks_per_sample))]
-        segments = engine.prompt.rag_segments(question)
-        fusion_input = FusionInput(
-            segments.prefix_ids,
-            chunks,
-            segments.question_ids,
-            len(engine.chunk_prefix_ids),
-            segments.question_text_span,
-        )
-        full = build_strategy("full").fuse(model, fusion_input, prefix_cache, config.max_new_tokens)
-        answer = forced_answer_ids(
-            decode(engine, full.cache, full.logits, GenerationConfig(max_new_tokens=config.max_new_tokens))
-        )
-        full.cache.truncate(full.layout.length)
-        reference = teacher_forced_logits(model, full.cache, full.logits, answer)
-        for point in points:
-            fused = point.strategy(strategy).fuse(model, fusion_input, prefix_cache, config.max_new_tokens)
-            forced = TeacherForced.compare(reference, teacher_forced_logits(model, fused.cache, fused.logits, answer))
-            per_point[point].append((next_token_kl(full.logits, fused.logits), forced))
-    figures, chosen = {}, None
+    def loaded(self, index: int) -> LoadedChunk:
+        if index not in self._loaded:
+            engine = self.engine
+            before = range(index - min(self.context_chunks, self.position[index]), index)
+            encoded = [self._encoded(i) for i in before]
+            tensors = stored_in_context(engine, self.pool[index], encoded) if before else self._encoded(index)
+            self._loaded[index] = LoadedChunk(self.pool[index], *engine.kv_format.unpack(tensors))
+        return self._loaded[index]
+
+    def sample(self, rng: random.Random, count: int) -> list[LoadedChunk]:
+        """`count` neighbouring chunks from a random start."""
+        start = rng.randrange(max(1, len(self.pool) - count + 1))
+        return [self.loaded(i) for i in range(start, min(len(self.pool), start + count))]
+
+
+def _measure(
+    engine, fusion_input: FusionInput, strategy, points: list[CalibrationPoint], max_new_tokens: int
+) -> list[tuple[float, TeacherForced]]:
+    """Per point, (first-token KL, teacher-forced comparison) of the fused prompt against the
+    full prefill, on the full prefill's own greedy answer."""
+    model, prefix_cache = engine.model, engine.chunk_prefix_cache()
+    full = build_strategy("full").fuse(model, fusion_input, prefix_cache, max_new_tokens)
+    answer = forced_answer_ids(decode(engine, full.cache, full.logits, GenerationConfig(max_new_tokens=max_new_tokens)))
+    full.cache.truncate(full.layout.length)
+    reference = teacher_forced_logits(model, full.cache, full.logits, answer)
+    rows = []
     for point in points:
-        rows = per_point[point]
+        fused = point.strategy(strategy).fuse(model, fusion_input, prefix_cache, max_new_tokens)
+        forced = TeacherForced.compare(reference, teacher_forced_logits(model, fused.cache, fused.logits, answer))
+        rows.append((next_token_kl(full.logits, fused.logits), forced))
+    return rows
+
+
+def _choose(
+    per_point: dict[CalibrationPoint, list[tuple[float, TeacherForced]]], config: FusionCalibrationConfig
+) -> tuple[dict[str, dict], CalibrationPoint | None]:
+    """Each point's mean figures, and the first point (in grid order) within the target KL
+    and agreement; None when none is."""
+    figures, chosen = {}, None
+    for point, rows in per_point.items():
         figure = {
             "first_token_kl": float(torch.tensor([kl for kl, _ in rows]).mean()),
             "teacher_forced_kl": float(torch.tensor([f.kl for _, f in rows]).mean()),
@@ -273,6 +274,36 @@ def calibrate_fusion(
         within = max(figure["first_token_kl"], figure["teacher_forced_kl"]) <= config.target_kl
         if chosen is None and within and figure["teacher_forced_agreement"] >= config.min_agreement:
             chosen = point
+    return figures, chosen
+
+
+def calibrate_fusion(
+    engine,
+    texts: list[str],
+    config: FusionCalibrationConfig,
+    questions: list[str] | None = None,
+    progress: Callable[[str], None] = lambda message: None,
+) -> FusionCalibration:
+    rng = random.Random(config.seed)
+    chunks = _SampledChunks(engine, texts, config)
+    questions = list(questions or sample_questions(texts, config.samples, rng))[: config.samples]
+    strategy = build_strategy(config.strategy)
+    points = grid(config)
+    per_point: dict[CalibrationPoint, list[tuple[float, TeacherForced]]] = {point: [] for point in points}
+    for number, question in enumerate(questions, start=1):
+        progress(f"question {number}/{len(questions)}")
+        sampled = chunks.sample(rng, config.chunks_per_sample)
+        segments = engine.prompt.rag_segments(question)
+        fusion_input = FusionInput(
+            segments.prefix_ids,
+            sampled,
+            segments.question_ids,
+            len(engine.chunk_prefix_ids),
+            segments.question_text_span,
+        )
+        for point, row in zip(points, _measure(engine, fusion_input, strategy, points, config.max_new_tokens)):
+            per_point[point].append(row)
+    figures, chosen = _choose(per_point, config)
     return FusionCalibration(
         strategy.name,
         None if chosen is None else chosen.ratio,

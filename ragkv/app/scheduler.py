@@ -34,6 +34,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ragkv.app.errors import QueueFull
 from ragkv.app.live_fidelity import LiveFidelity
 from ragkv.app.request import FinishReason, Request, RequestCancelled
 from ragkv.engine.model import CausalLM
@@ -59,12 +60,6 @@ class SchedulerConfig:
         for name in ("max_running", "max_waiting", "token_budget"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-
-
-class QueueFull(Exception):
-    def __init__(self, waiting: int):
-        super().__init__(f"{waiting} requests are waiting")
-        self.waiting = waiting
 
 
 @dataclass(frozen=True)

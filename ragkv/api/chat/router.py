@@ -63,26 +63,19 @@ async def chat_completions(request: Request, response: Response, body: ChatReque
     state.check_model(body.model)
     messages = _messages(body)
     rag = body.rag or ChatRag()
-    turn = ChatTurnAnswer.of(
-        body.session_id,
-        rag.session_id,
-        state.sessions,
-        tenant,
-        state.config.shared_publish_wait_s,
-        with_sources=body.sources,
-    )
+    turn = ChatTurnAnswer.of(body.session_id, rag.session_id, state.client, tenant, with_sources=body.sources)
     max_tokens = body.max_completion_tokens or body.max_tokens or DEFAULT_MAX_TOKENS
     generation = generation_config(
         max_tokens, body.temperature, body.top_p, body.seed, body.stop, state.config, logprobs=body.logprobs_count
     )
     config = query_config(rag, generation, state.config)
-    work = state.work.chat_stream(
+    work = state.client.chat(
         chat_turn(tenant, messages, turn.named, config, rag.enabled, body, state.config), turn.session_id
     )
     completion_id = "chatcmpl-" + uuid.uuid4().hex[:24]
     created = int(time.time())
     if not body.stream:
-        [outcome] = await run_requests(request, state.worker, work)
+        [outcome] = await run_requests(request, work)
         await turn.settle(outcome)
         content = outcome.text + (turn.sources(outcome) if body.sources else "")
         response.headers.update(turn.headers)
@@ -90,13 +83,13 @@ async def chat_completions(request: Request, response: Response, body: ChatReque
             completion_id, created, state.model_id, outcome, content, turn.session_id, logprobs=bool(body.logprobs)
         )
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    stream = await EventStream.start(request, state.worker, work)
+    stream = await EventStream.start(request, work)
     renderer = ChatStream(completion_id, created, state.model_id, turn, include_usage)
     return stream_response(request, stream, renderer, turn.headers)
 
 
 def _model(state: AppState, model_id: str) -> Model:
-    fusion = state.runtime.default_fusion() if model_id == state.model_id else None
+    fusion = state.client.default_fusion() if model_id == state.model_id else None
     return model_entry(model_id, state.started, fusion)
 
 
@@ -120,12 +113,12 @@ def get_model(request: Request, model_id: str):
 def list_sessions(request: Request):
     """Sessions of this tenant held in this process's memory."""
     state = app_state(request)
-    return session_list(state.sessions.list(tenant_of(request)))
+    return session_list(state.client.sessions_of(tenant_of(request)))
 
 
 @router.delete("/v1/sessions/{session_id}", response_model=Deleted, responses=errors(400, 401, 404, 409))
 def delete_session(request: Request, session_id: Annotated[str, Path(pattern=SESSION_ID_PATTERN)]):
     state = app_state(request)
-    if not state.sessions.delete(tenant_of(request), check_session_id(session_id)):
+    if not state.client.delete_session(tenant_of(request), check_session_id(session_id)):
         raise ApiError(404, "session_not_found", f"no session {session_id!r}")
     return Deleted(id=session_id, object="session", deleted=True)

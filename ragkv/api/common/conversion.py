@@ -10,6 +10,7 @@ from ragkv.api.common.protocol import GenerationRequest, RetrievalOptions, Spars
 from ragkv.api.config import ServeConfig
 from ragkv.api.errors import ApiError
 from ragkv.app.chat.turn import ChatTurn
+from ragkv.app.errors import InputError
 from ragkv.app.rag import QueryConfig
 from ragkv.app.request_types import (
     FusionConfig,
@@ -18,7 +19,6 @@ from ragkv.app.request_types import (
     SamplingConfig,
     SparseConfig,
 )
-from ragkv.ingest.errors import InputError
 
 
 def _stops(stop: str | list[str] | None) -> tuple[str, ...]:

@@ -75,9 +75,9 @@ async def completions(request: Request, body: CompletionRequest):
             raise ApiError(
                 400, "unsupported_prompt", "with rag.enabled the prompt is one question, as a string", param="prompt"
             )
-        work = state.work.query_stream(prompts[0], tenant, config)
+        work = state.client.query(prompts[0], tenant, config)
     else:
-        work = state.work.completion_stream(
+        work = state.client.complete(
             prompts,
             generation,
             tenant,
@@ -88,7 +88,7 @@ async def completions(request: Request, body: CompletionRequest):
         "cmpl-" + uuid.uuid4().hex[:24], int(time.time()), state.model_id, with_citations, body.logprobs
     )
     if not body.stream:
-        return answer.whole(await run_requests(request, state.worker, work))
+        return answer.whole(await run_requests(request, work))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    stream = await EventStream.start(request, state.worker, work)
+    stream = await EventStream.start(request, work)
     return stream_response(request, stream, CompletionStream(answer, include_usage))

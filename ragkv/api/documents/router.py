@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Request
@@ -41,10 +41,8 @@ from ragkv.api.json_response import SafeJSONResponse
 from ragkv.api.openapi import errors
 from ragkv.api.state import AppState, app_state
 from ragkv.api.streaming import run_task
-from ragkv.app.ingest_records import CANCELLED, FAILED, SUCCEEDED, IngestRecord
-from ragkv.app.ingestion import UPLOAD_MEDIA_TYPES, UPLOAD_SUFFIXES, IngestResult, check_document_text, read_upload
-from ragkv.app.request import RequestCancelled
-from ragkv.app.server.task import Task
+from ragkv.app.ingestion import UPLOAD_MEDIA_TYPES, UPLOAD_SUFFIXES, check_document_text, read_upload
+from ragkv.app.server import IngestedDocument, Ingestion
 
 log = logging.getLogger("ragkv.api")
 
@@ -87,7 +85,7 @@ def _form_flag(value, name: str) -> bool | None:
 async def _read_document(request: Request, state: AppState) -> Upload:
     """The document of a JSON body or a multipart upload."""
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    limit = state.config.runtime.ingest.max_document_bytes
+    limit = state.client.max_document_bytes
     if content_type == "multipart/form-data":
         form = await request.form(max_files=1, max_fields=16)
         upload = form.get("file")
@@ -189,11 +187,10 @@ async def create_document(request: Request):
     state = app_state(request)
     upload = await _read_document(request, state)
     name = upload.name or "document.txt"
-    replaces = None
-    if upload.replace:
-        same_name = [record for record in state.runtime.registry.list(tenant_of(request)) if record.name == name]
-        replaces = same_name[-1].doc_id if same_name else None  # the list is oldest first
-    return await _ingest(request, state, upload, name, replaces)
+    ingestion = state.client.new_document(
+        tenant_of(request), upload.text, name, upload.metadata, upload.pages, replace_same_name=upload.replace
+    )
+    return await _ingest(request, state, ingestion, upload.background)
 
 
 @router.put("/v1/documents/{doc_id}", status_code=200, **_ingest_route(200, "replacing", 400, 401, 404, 413, 415, 503))
@@ -203,86 +200,46 @@ async def replace_document(request: Request, doc_id: DocumentId):
     keep their KV. The name and metadata are kept unless the request gives new ones, and a
     PDF's pages when the text is unchanged (a JSON body that only edits the metadata)."""
     state = app_state(request)
-    tenant = tenant_of(request)
-    old = state.runtime.registry.get(tenant, doc_id)  # 404 before the body is read
+    old = state.client.document(tenant_of(request), doc_id)  # 404 before the body is read
     upload = await _read_document(request, state)
-    metadata = upload.metadata if upload.metadata is not None else old.metadata
-    if upload.pages is None and old.pages and upload.text == state.runtime.registry.text(tenant, doc_id):
-        upload = replace(upload, pages=old.pages)
-    return await _ingest(request, state, upload, upload.name or old.name, doc_id, metadata)
+    ingestion = state.client.new_version(old, upload.text, upload.name, upload.metadata, upload.pages)
+    return await _ingest(request, state, ingestion, upload.background)
 
 
 async def _ingest(
-    request: Request,
-    state: AppState,
-    upload: Upload,
-    name: str,
-    replaces: str | None,
-    metadata: dict | None = None,
+    request: Request, state: AppState, ingestion: Ingestion, background: bool | None
 ) -> DocumentCreated | SafeJSONResponse:
     """The ingested document (the route's status), or with a background job 202 and the job."""
-    tenant = tenant_of(request)
-    metadata = upload.metadata if metadata is None else metadata
-    background = upload.background
     if background is None:
-        background = len(upload.text.encode("utf-8", errors="surrogatepass")) > state.config.background_ingest_bytes
-    work = state.work
-    options = {"pages": upload.pages, "replaces": replaces}
+        background = len(ingestion.text.encode("utf-8", errors="surrogatepass")) > state.config.background_ingest_bytes
     if not background:
-        task = Task(
-            "ingest",
-            work.ingest_body(upload.text, name, tenant, metadata, **options),
-            interactive=False,
-        )
-        result: IngestResult = await run_task(request, state.worker, task)
-        return document_created(state.runtime.registry.get(tenant, result.doc_id), result)
-
-    record = state.ingest_records.create(tenant, "ingest", name)
-    body = work.ingest_body(
-        upload.text,
-        name,
-        tenant,
-        metadata,
-        progress=lambda done, total: state.ingest_records.progress(record, done, total),
-        **options,
-    )
-    state.worker.submit(Task("ingest", _tracked(state, record, body), interactive=False))
+        done: IngestedDocument = await run_task(request, state.client.ingest(ingestion))
+        return document_created(done.record, done.result)
+    record = state.client.ingest_job(ingestion, _JobReport())
     # Not the route's response model: the 202 its `responses` declare.
     return SafeJSONResponse(
         job_accepted(record).model_dump(mode="json"), status_code=202, headers={"Location": job_url(record)}
     )
 
 
-def _tracked(state: AppState, record: IngestRecord, body):
-    """Wrap an ingestion body so its record follows it (nobody awaits a background task)."""
+class _JobReport:
+    """A background ingestion's end as GET /v1/jobs/{id} shows it."""
 
-    def tracked(task: Task):
-        state.ingest_records.start(record)
-        try:
-            result = yield from body(task)
-        except RequestCancelled:
-            state.ingest_records.finish(
-                record, CANCELLED, error={"code": "cancelled", "message": "the job was cancelled"}
-            )
-            raise
-        except Exception as error:
-            mapped = as_api_error(error)
-            if mapped is None:
-                log.error("ingestion job %s failed", record.id, exc_info=error)
-                mapped = ApiError(500, "internal_error", f"ingestion failed; quote job id {record.id} to the operator")
-            state.ingest_records.finish(record, FAILED, error={"code": mapped.code, "message": mapped.message})
-            raise
-        created = document_created(state.runtime.registry.get(record.tenant, result.doc_id), result)
-        state.ingest_records.finish(record, SUCCEEDED, result=created.model_dump(mode="json"))
-        return result
+    def result(self, done: IngestedDocument) -> dict:
+        return document_created(done.record, done.result).model_dump(mode="json")
 
-    return tracked
+    def error(self, error: Exception, job_id: str) -> dict:
+        mapped = as_api_error(error)
+        if mapped is None:
+            log.error("ingestion job %s failed", job_id, exc_info=error)
+            mapped = ApiError(500, "internal_error", f"ingestion failed; quote job id {job_id} to the operator")
+        return {"code": mapped.code, "message": mapped.message}
 
 
 @router.get("/v1/documents", response_model=DocumentList, responses=errors(401))
 def list_documents(request: Request):
     state = app_state(request)
-    records = state.runtime.registry.list(tenant_of(request))
+    records = state.client.documents(tenant_of(request))
     return DocumentList(data=[document_summary(record) for record in records])
 
 
@@ -290,28 +247,27 @@ def list_documents(request: Request):
 def get_document(request: Request, doc_id: DocumentId, include_text: bool = False):
     state = app_state(request)
     tenant = tenant_of(request)
-    record = state.runtime.registry.get(tenant, doc_id)
-    return document_detail(record, state.runtime.registry.text(tenant, record.doc_id) if include_text else None)
+    record = state.client.document(tenant, doc_id)
+    return document_detail(record, state.client.document_text(tenant, record.doc_id) if include_text else None)
 
 
 @router.delete("/v1/documents/{doc_id}", response_model=Deleted, responses=errors(400, 401, 404, 503))
 async def delete_document(request: Request, doc_id: DocumentId):
     state = app_state(request)
-    task = Task("delete", state.work.delete_body(doc_id, tenant_of(request)))
-    record = await run_task(request, state.worker, task)
+    record = await run_task(request, state.client.delete_document(tenant_of(request), doc_id))
     return Deleted(id=record.doc_id, object="document", deleted=True)
 
 
 @router.get("/v1/jobs", response_model=JobList, responses=errors(401))
 def list_jobs(request: Request):
     state = app_state(request)
-    return JobList(data=[job_status(job) for job in state.ingest_records.list(tenant_of(request))])
+    return JobList(data=[job_status(job) for job in state.client.jobs(tenant_of(request))])
 
 
 @router.get("/v1/jobs/{job_id}", response_model=JobStatus, responses=errors(401, 404))
 def get_job(request: Request, job_id: str):
     state = app_state(request)
-    record = state.ingest_records.get(tenant_of(request), job_id)
+    record = state.client.job(tenant_of(request), job_id)
     if record is None:
         raise ApiError(404, "not_found", f"no job {job_id!r}")
     return job_status(record)

@@ -13,7 +13,6 @@ from ragkv.api.json_response import SafeJSONResponse
 from ragkv.api.openapi import errors
 from ragkv.api.state import app_state
 from ragkv.api.streaming import run_task
-from ragkv.app.server.task import Task
 
 router = APIRouter(tags=["openai"], default_response_class=SafeJSONResponse)
 
@@ -30,7 +29,7 @@ async def embeddings(request: Request, body: EmbeddingRequest):
             f"the embedding model {body.model!r} does not exist; this server serves {EMBEDDING_MODEL_ID!r}",
             param="model",
         )
-    dimension = state.runtime.embedder.dimension
+    dimension = state.client.embedding_dimension
     if body.dimensions is not None and body.dimensions != dimension:
         raise ApiError(
             400,
@@ -39,6 +38,5 @@ async def embeddings(request: Request, body: EmbeddingRequest):
             param="dimensions",
         )
     texts = [body.input] if isinstance(body.input, str) else list(body.input)
-    vectors, tokens = await run_task(request, state.worker, Task("embedding", state.work.embeddings_body(texts)))
-
-    return embedding_list(EMBEDDING_MODEL_ID, vectors, tokens, body.encoding_format == "base64")
+    embedded = await run_task(request, state.client.embed(texts))
+    return embedding_list(EMBEDDING_MODEL_ID, embedded.vectors, embedded.tokens, body.encoding_format == "base64")

@@ -37,11 +37,11 @@ async def query(request: Request, body: QueryRequest):
     generation = generation_config(body.max_tokens, body.temperature, body.top_p, body.seed, body.stop, limits)
     config = query_config(body, generation, limits)
     query_id = "q_" + uuid.uuid4().hex[:20]
-    work = state.work.query_stream(body.question, tenant, config)
+    work = state.client.query(body.question, tenant, config)
     started = time.perf_counter()
     if not body.stream:
-        [outcome] = await run_requests(request, state.worker, work)
+        [outcome] = await run_requests(request, work)
         return query_response(query_id, outcome, time.perf_counter() - started)
 
-    stream = await EventStream.start(request, state.worker, work)
+    stream = await EventStream.start(request, work)
     return stream_response(request, stream, QueryStream(query_id, started))

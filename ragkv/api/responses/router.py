@@ -52,24 +52,23 @@ async def create_response(request: Request, response: Response, body: ResponseRe
     state.check_model(body.model)
     messages = body.messages()
     rag = body.rag or ChatRag()
-    wait_s = state.config.shared_publish_wait_s
-    turn = ChatTurnAnswer.of(body.session_id, rag.session_id, state.sessions, tenant, wait_s)
+    turn = ChatTurnAnswer.of(body.session_id, rag.session_id, state.client, tenant)
     max_tokens = body.max_output_tokens or DEFAULT_MAX_TOKENS
     generation = generation_config(max_tokens, body.temperature, body.top_p, body.seed, None, state.config)
     config = query_config(rag, generation, state.config)
-    work = state.work.chat_stream(
+    work = state.client.chat(
         chat_turn(tenant, messages, turn.named, config, rag.enabled, body, state.config), turn.session_id
     )
     response_id = "resp_" + uuid.uuid4().hex
     message_id = "msg_" + uuid.uuid4().hex
     created = int(time.time())
     if not body.stream:
-        [outcome] = await run_requests(request, state.worker, work)
+        [outcome] = await run_requests(request, work)
         await turn.settle(outcome)
         status = final_status(outcome)
         response.headers.update(turn.headers)
         output = [output_message(message_id, outcome.text, status)]
         return response_object(response_id, created, state.model_id, body, turn.session_id, status, output, outcome)
-    stream = await EventStream.start(request, state.worker, work)
+    stream = await EventStream.start(request, work)
     renderer = ResponseStream(response_id, message_id, created, state.model_id, body, turn)
     return stream_response(request, stream, renderer, turn.headers)

@@ -10,10 +10,8 @@ from ragkv.api.system.protocol import BackendHealth, Health, WorkerHealth
 
 def health(state: AppState) -> Health:
     """Component status; pings Redis (blocking: call from a thread)."""
-    store = state.runtime.store_status()
-    sessions_redis = state.sessions.healthy()
-    registry_up = state.runtime.registry.healthy()
-    worker = state.worker
+    report = state.client.health()
+    store, registry_up, sessions_redis, worker = report.store, report.registry_up, report.sessions_up, report.worker
     problems = []
     if not worker.alive:
         problems.append("the model worker has stopped")
@@ -33,10 +31,10 @@ def health(state: AppState) -> Health:
         status=status,
         problems=problems,
         model=state.model_id,
-        fingerprint=state.runtime.engine.fingerprint,
+        fingerprint=report.fingerprint,
         uptime_s=round(time.time() - state.started, 1),
         store=BackendHealth(backend=store.backend, redis_up=store.redis_up),
-        registry=BackendHealth(backend=state.runtime.registry.backend, redis_up=registry_up),
-        sessions=BackendHealth(backend=state.sessions.backend, redis_up=sessions_redis),
+        registry=BackendHealth(backend=report.backends.registry, redis_up=registry_up),
+        sessions=BackendHealth(backend=report.backends.sessions, redis_up=sessions_redis),
         worker=WorkerHealth(alive=worker.alive, queued=worker.queued, active=worker.active),
     )

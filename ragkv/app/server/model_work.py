@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -22,9 +23,18 @@ from ragkv.app.rag import QueryConfig
 from ragkv.app.request import RequestCancelled
 from ragkv.app.request_types import FusionConfig, GenerationConfig
 from ragkv.app.runtime import Runtime
+from ragkv.app.server.documents import IngestedDocument, Ingestion
 from ragkv.app.server.observer import ServerObserver
 from ragkv.app.server.request_stream import RequestStream
 from ragkv.app.server.task import Task
+
+
+@dataclass(frozen=True)
+class Embeddings:
+    vectors: np.ndarray
+    """[n, dimension] float32 unit rows, one per text."""
+    tokens: int
+    """Tokens read."""
 
 
 class ModelWork:
@@ -112,42 +122,40 @@ class ModelWork:
 
     # -- ingestion and deletion -----------------------------------------------------
 
-    def ingest_body(
-        self,
-        text: str,
-        name: str,
-        tenant: str,
-        metadata: dict | None,
-        progress=None,
-        pages: list[list[int]] | None = None,
-        replaces: str | None = None,
-    ):
+    def ingest_body(self, ingestion: Ingestion, progress=None):
         """An ingestion as a task body: one step per batch of chunk encodes, so the worker
         loop runs the requests' decode steps between them (a cancelled task is closed
-        between two steps, which rolls back what it wrote)."""
+        between two steps, which rolls back what it wrote). Its result: IngestedDocument."""
+        runtime = self.runtime
+        tenant = ingestion.tenant
 
         def body(task: Task):
-            result = yield from self.runtime.ingestor.ingest_steps(
-                text, name, tenant=tenant, metadata=metadata, progress=progress, pages=pages, replaces=replaces
+            result = yield from runtime.ingestor.ingest_steps(
+                ingestion.text,
+                ingestion.name,
+                tenant=tenant,
+                metadata=ingestion.metadata,
+                progress=progress,
+                pages=ingestion.pages,
+                replaces=ingestion.replaces,
             )
             # chunks that carry context (--context-neighbours): one chunk's recompute per step
             try:
-                yield from self.runtime.contextualize_steps(tenant, [result.doc_id])
+                yield from runtime.contextualize_steps(tenant, [result.doc_id])
             except RequestCancelled:
                 pass  # the document is in; its chunks keep the K/V ingestion stored
-            return result
+            return IngestedDocument(runtime.registry.get(tenant, result.doc_id), result)
 
         return body
 
     def embeddings_body(self, texts: list[str]):
-        """(vectors [n, dimension] float32 unit rows, tokens read) for the texts."""
+        """The texts' Embeddings."""
         embedder = self.runtime.embedder
 
         def body(task: Task):
             tokenizer = embedder.model.tokenizer
             tokens = sum(len(ids) for ids in tokenizer(texts, add_special_tokens=True)["input_ids"])
-            vectors = np.asarray(embedder.embed_passages(texts), dtype=np.float32)
-            return vectors, tokens
+            return Embeddings(np.asarray(embedder.embed_passages(texts), dtype=np.float32), tokens)
             yield  # a generator: embedding is one step
 
         return body
