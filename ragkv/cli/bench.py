@@ -1,4 +1,4 @@
-"""`ragkv bench store | fusion | sparse | decode | kernels | geometry | retrieval | ingest | soak |
+"""`ragkv bench store | fusion | sparse | decode | kernels | geometry | retrieval | ingest | soak | arrivals |
 passages | eviction | vllm-connector`: argument parsing and result tables (each kind but store, fusion and
 conversation in its own module: ragkv.cli.bench_<kind>; vllm-connector: ragkv.cli.bench_vllm)."""
 
@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from ragkv.cli import (
+    bench_arrivals,
     bench_decode,
     bench_eviction,
     bench_geometry,
@@ -170,6 +171,13 @@ def configure(bench: argparse.ArgumentParser) -> None:
     )
     bench_soak.configure(soak)
 
+    arrivals = kinds.add_parser(
+        "arrivals",
+        help="running answers' inter-token latency while ~6K-token pasted prompts arrive, chunks on Redis "
+        "with added latency",
+    )
+    bench_arrivals.configure(arrivals)
+
     retrieval = kinds.add_parser(
         "retrieval",
         help="the retrieval index: search latency, recall vs exact, add/delete "
@@ -213,6 +221,7 @@ def run(args: argparse.Namespace) -> int:
         "geometry": bench_geometry.run,
         "retrieval": bench_retrieval.run,
         "soak": bench_soak.run,
+        "arrivals": bench_arrivals.run,
         "ingest": bench_ingest.run,
         "passages": bench_passages.run,
         "eviction": bench_eviction.run,
