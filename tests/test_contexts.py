@@ -210,7 +210,7 @@ def test_a_session_kept_in_memory_during_an_outage_is_published_when_redis_retur
     assert not replica_b.shared(held) and replica_b.stats()["unpublished"] == 1
 
     durable_redis.start()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 120  # generous: the heartbeat's next beat on a loaded machine
     while replica_b.stats()["unpublished"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert replica_b.shared(held)
@@ -267,7 +267,7 @@ def test_a_lock_whose_release_missed_redis_is_freed_when_redis_returns(durable_r
 
 
 def _published(sessions: RedisSessions, count: int) -> None:
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 120  # generous: the publisher thread on a loaded machine
     while sessions.shared_contexts.stats.published < count and time.monotonic() < deadline:
         time.sleep(0.01)
     assert sessions.shared_contexts.stats.published == count
@@ -406,8 +406,31 @@ def test_redis_keeps_sessions_only_with_ttls(redis_url):
     sessions.close()
 
 
+KILLED_LOCK_TTL_S = 2.0
+KILLED_LOCK = "ragkv:session:t1:killed:lock"
+
+
+def _expiry_ms(client: redis.Redis, key: str) -> int:
+    """When the key expires, in Redis' clock (-2: it is gone)."""
+    return int(client.execute_command("PEXPIRETIME", key))
+
+
+def _wait_for_a_renewal(client: redis.Redis, key: str) -> None:
+    """Polls until the key's expiry moves later (renewed), failing if it expires first."""
+    first = _expiry_ms(client, key)
+    assert first > 0, "the lock is not held"
+    deadline = time.monotonic() + 120  # generous: the holder's heartbeat on a loaded machine
+    while time.monotonic() < deadline:
+        now = _expiry_ms(client, key)
+        assert now != -2, "the lock expired: the live holder's heartbeat did not renew it"
+        if now > first:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the lock was never renewed")
+
+
 def _hold_lock_and_die(url: str, ready) -> None:
-    sessions = RedisSessions(url, ContextCache(1 << 20, 1 << 20, 60), ttl_s=60, lock_ttl_s=1.0)
+    sessions = RedisSessions(url, ContextCache(1 << 20, 1 << 20, 60), ttl_s=60, lock_ttl_s=KILLED_LOCK_TTL_S)
     context = _context("killed", _ids(8), explicit=True)
     sessions.put(context)
     held = sessions.checkout("t1", "killed")
@@ -427,24 +450,25 @@ def test_a_lock_left_by_a_killed_process_expires_and_delete_frees_it(redis_url):
     client = redis.Redis.from_url(redis_url)
     sessions = _redis_sessions(redis_url)
     try:
-        time.sleep(1.5)  # longer than the lock's TTL: the live process's heartbeat keeps it
+        _wait_for_a_renewal(client, KILLED_LOCK)  # the live process's heartbeat keeps it past its TTL
         with pytest.raises(SessionBusyError):
             sessions.checkout("t1", "killed")
         process.kill()
         process.join()
-        deadline = time.monotonic() + 5
-        while client.get("ragkv:session:t1:killed:lock") is not None and time.monotonic() < deadline:
+        # polled until it is gone: it expires after the lock TTL, far sooner than the 120 s below
+        deadline = time.monotonic() + 60
+        while client.get(KILLED_LOCK) is not None and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert client.get("ragkv:session:t1:killed:lock") is None  # expired within the lock TTL, not 120 s
+        assert client.get(KILLED_LOCK) is None
         resumed = sessions.checkout("t1", "killed")
         assert resumed.conversation_ids == _ids(8)
         sessions.release("t1", "killed", resumed)
 
-        client.set("ragkv:session:t1:killed:lock", "a dead process", px=120_000)
+        client.set(KILLED_LOCK, "a dead process", px=120_000)
         with pytest.raises(SessionBusyError):
             sessions.checkout("t1", "killed")
         assert sessions.delete("t1", "killed")  # DELETE /v1/sessions/ID frees the lock with the session
-        assert client.get("ragkv:session:t1:killed:lock") is None
+        assert client.get(KILLED_LOCK) is None
         with pytest.raises(SessionNotFoundError):
             sessions.checkout("t1", "killed")
     finally:
