@@ -2,8 +2,8 @@
 500 leaves the keep-alive connection usable, /v1/query checks the context length, usage
 counts recomputed chunks as computed, validation errors are 400.
 
-A real `ragkv serve` (uvicorn) on a free port with an API key and an LMDB store; the tests
-of this module share it and run in file order.
+A real `ragkv serve` (uvicorn) on a free port with an API key and an LMDB store, shared by the
+tests of this module; each test leaves the server as it found it, so they run in any order.
 """
 
 from __future__ import annotations
@@ -219,23 +219,34 @@ def test_query_refuses_a_prompt_and_answer_past_the_model_context(http):
 # -- usage and metrics ----------------------------------------------------------------------------
 
 
-def _corrupt_every_chunk(db_path: Path) -> int:
+def _chunk_blobs(db_path: Path) -> dict[bytes, bytes]:
     env = LMDBEnvironment(db_path)
     try:
         db = env.db(CHUNKS_DB)
         with env.read() as txn:
-            blobs = {bytes(key): bytearray(value) for key, value in txn.cursor(db=db)}
-        for blob in blobs.values():
-            blob[len(blob) // 2] ^= 0xFF
+            return {bytes(key): bytes(value) for key, value in txn.cursor(db=db)}
+    finally:
+        env.close()
+
+
+def _write_chunk_blobs(db_path: Path, blobs: dict[bytes, bytes]) -> None:
+    env = LMDBEnvironment(db_path)
+    try:
+        db = env.db(CHUNKS_DB)
 
         def write(txn) -> None:
             for key, blob in blobs.items():
-                txn.put(key, bytes(blob), db=db)
+                txn.put(key, blob, db=db)
 
         env.write(write)
-        return len(blobs)
     finally:
         env.close()
+
+
+def _flipped(blob: bytes) -> bytes:
+    corrupt = bytearray(blob)
+    corrupt[len(corrupt) // 2] ^= 0xFF
+    return bytes(corrupt)
 
 
 def _corrupt_count(http: httpx.Client) -> float:
@@ -252,16 +263,23 @@ def test_usage_counts_chunks_recomputed_for_a_corrupt_blob_as_computed(server, h
         clean["recomputed_tokens"] < clean["document_tokens"]
         and clean["cached_tokens"] >= clean["document_tokens"] // 2
     )
-    assert _corrupt_count(http) == 0
-    assert _corrupt_every_chunk(server["root"] / "data" / "db") >= 3
-    after = http.post("/v1/query", json=QUESTION).json()["usage"]
-    assert after["prompt_tokens"] == clean["prompt_tokens"]
-    assert after["recomputed_tokens"] == after["document_tokens"]  # the whole chunk was computed again
-    assert after["cached_tokens"] == clean["cached_tokens"] - (after["document_tokens"] - clean["recomputed_tokens"])
-    assert after["cached_tokens"] + after["computed_tokens"] == after["prompt_tokens"]
-    assert _corrupt_count(http) == 1
-    again = http.post("/v1/query", json=QUESTION).json()["usage"]
-    assert again == clean  # the recomputed chunk was written back
+    corrupt_before = _corrupt_count(http)
+    db_path = server["root"] / "data" / "db"
+    originals = _chunk_blobs(db_path)
+    assert len(originals) >= 3
+    _write_chunk_blobs(db_path, {key: _flipped(blob) for key, blob in originals.items()})
+    try:
+        after = http.post("/v1/query", json=QUESTION).json()["usage"]
+        assert after["prompt_tokens"] == clean["prompt_tokens"]
+        assert after["recomputed_tokens"] == after["document_tokens"]  # the whole chunk was computed again
+        cached = clean["cached_tokens"] - (after["document_tokens"] - clean["recomputed_tokens"])
+        assert after["cached_tokens"] == cached
+        assert after["cached_tokens"] + after["computed_tokens"] == after["prompt_tokens"]
+        assert _corrupt_count(http) == corrupt_before + 1
+        again = http.post("/v1/query", json=QUESTION).json()["usage"]
+        assert again == clean  # the recomputed chunk was written back
+    finally:
+        _write_chunk_blobs(db_path, originals)  # the other tests read an intact store
 
 
 # -- validation, methods --------------------------------------------------------------------------
