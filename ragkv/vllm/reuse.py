@@ -6,7 +6,8 @@ prompt (how many tokens ragkv provides, and how) and the worker side's rows.
                              stored spans >= min_reused_share of the prompt?          "fuse"
                              else vLLM computes it; its new spans are saved           "none"
     worker     "prefix" ─► the stored rows, exactly as vLLM computed them
-               "fuse"   ─► PromptPassages: plan, prefill before the first span, fuse with the
+               "fuse"   ─► PromptPassages.prepare_prompt, as the server's chat turns and
+                           completions: plan, prefill before the first span, fuse with the
                            strategy (new spans are computed in place and put in the store)
                            ─► the fused cache's post-RoPE rows
                save     ─► vLLM's rows read back: the whole prompt (a prefix blob), and each new
@@ -115,13 +116,11 @@ class Rows:
         spec = strategy or self.config.strategy
         if spec not in self.strategies:
             self.strategies[spec] = build_strategy(spec)
-        plan = self.passages.plan(self.config.tenant, token_ids, 0)
-        if plan is None:  # the spans the scheduler saw are no longer there: a plain prefill
+        fused = self.passages.prepare_prompt(self.config.tenant, token_ids, self.strategies[spec], 0)
+        if fused is None:  # the spans the scheduler saw are no longer there: a plain prefill
             cache, _ = self.engine.prefill(token_ids)
             return cache.keys[:, :, : len(token_ids)], cache.values[:, :, : len(token_ids)], {"hits": 0}
-        fused = self.passages.prepare(token_ids, plan, self.strategies[spec], 0)
-        self.passages.commit(fused)
-        cache = fused.fusion.cache
+        plan, cache = fused.plan, fused.cache
         info = {
             "strategy": spec,
             "hits": plan.hits,
