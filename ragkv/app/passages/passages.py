@@ -189,11 +189,20 @@ class PromptPassages:
                     continue
                 seen.add(digest)
                 rows = slice(index[start], index[end - 1] + 1)
-                blob = self.engine.stored_chunk(run_ids, fusion.fresh_kv[0][:, :, rows], fusion.fresh_kv[1][:, :, rows])
-                writes.append((self.keys.chunk_keys.key(digest), blob))
-                writes += self._anchor_records(plan.tenant, run_ids, digest)
+                keys, values = fusion.fresh_kv[0][:, :, rows], fusion.fresh_kv[1][:, :, rows]
+                writes += self.stored_run(plan.tenant, run_ids, keys, values, digest)
                 tokens += end - start
         return writes, tokens
+
+    def stored_run(
+        self, tenant: str, run_ids: list[int], keys: torch.Tensor, values: torch.Tensor, digest: str | None = None
+    ) -> list[tuple[ChunkKey, dict]]:
+        """What the store keeps of a run of prompt rows, whoever computed them (this fusion,
+        or vLLM through the connector): its blob under its chunk key, and its anchor
+        records. `keys` are pre-RoPE, [layers, H, len, D]."""
+        digest = digest or self.keys.chunk_keys.digest(tenant, run_ids)
+        blob = self.engine.stored_chunk(run_ids, keys, values)
+        return [(self.keys.chunk_keys.key(digest), blob), *self._anchor_records(tenant, run_ids, digest)]
 
     def _anchor_records(self, tenant: str, run_ids: list[int], digest: str) -> list[tuple[ChunkKey, dict]]:
         window = self.anchors.window
