@@ -57,6 +57,7 @@ class FusedPassages:
     plan: PassagePlan
     """The passages' spans and the stored rows placed among them."""
     usage: TokenUsage
+    """Its `computed_tokens`: the prompt rows computed here (not placed from the store or a prefix cache)."""
     strategy: str = ""
     """The fusion strategy's name."""
     writes: list[tuple[ChunkKey, dict]] = field(default_factory=list)
@@ -70,11 +71,6 @@ class FusedPassages:
     def cache(self) -> KVCache:
         """The fused prompt's rows (and room for what follows)."""
         return self.fusion.cache
-
-    @property
-    def computed_tokens(self) -> int:
-        """Prompt rows computed for this prompt (not placed from the store or a prefix cache)."""
-        return self.usage.computed_tokens
 
 
 class PromptPassages:
