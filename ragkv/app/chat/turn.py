@@ -419,7 +419,7 @@ class _Turn:
             if self.held is not None:
                 contexts.release(self.held.tenant, self.held.id, None)
             contexts.put(context)
-        completion.info.session = {**context.summary(), "shared": contexts.shared(context)}
+        completion.info.session = context.summary()  # "shared": app.server.publication, once published
         if self._on_finished is not None:
             self._on_finished(request, completion)
 
