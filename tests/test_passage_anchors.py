@@ -118,10 +118,7 @@ def passages(engine, tmp_path):
 
 
 def _fuse(passages: PromptPassages, tenant: str, ids: list[int]):
-    plan = passages.plan(tenant, ids, 0)
-    fused = passages.prepare(ids, plan, build_strategy("probe"), 8)
-    passages.commit(fused)
-    return fused
+    return passages.prepare_prompt(tenant, ids, build_strategy("probe"), 8)
 
 
 def _stored_bytes(passages: PromptPassages) -> int:
@@ -152,8 +149,7 @@ def test_overlapping_chunks_reuse_the_rows_they_share_and_store_only_new_rows(en
     for piece in warm_plan.placed:
         assert piece.end - piece.start >= passages.anchors.min_match
         assert piece.keys.shape[2] == piece.end - piece.start
-    warm = passages.prepare(second, warm_plan, build_strategy("probe"), 8)
-    passages.commit(warm)
+    warm = passages.prepare_prompt("alice", second, build_strategy("probe"), 8, plan=warm_plan)
     _, reference = engine.prefill(second)
     assert next_token_kl(reference, warm.fusion.logits) < 0.1
 

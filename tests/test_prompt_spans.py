@@ -150,10 +150,7 @@ def passages(engine, tmp_path):
 
 
 def _fuse(engine, passages: PromptPassages, tenant: str, ids: list[int]):
-    plan = passages.plan(tenant, ids, 0)
-    fused = passages.prepare(ids, plan, build_strategy("probe"), 8)
-    passages.commit(fused)
-    return fused
+    return passages.prepare_prompt(tenant, ids, build_strategy("probe"), 8)
 
 
 def test_passages_seen_once_are_reused_from_the_store_in_another_order(engine, passages):

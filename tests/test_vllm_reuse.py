@@ -77,9 +77,14 @@ def parts(tmp_path_factory):
     store.close()
 
 
-def _prompt(engine, order):
+def _prompt(engine, order, edited=False):
+    """`edited`: one word in the middle of each note is another."""
     words = "river stone garden lantern copper violet harbor meadow".split()
-    passages = [f"Note {i}: " + " ".join(f"{words[(i + j) % 8]} {i}{j}" for j in range(40)) for i in range(3)]
+
+    def word(i: int, j: int) -> str:
+        return "granite" if edited and j == 20 else words[(i + j) % 8]
+
+    passages = [f"Note {i}: " + " ".join(f"{word(i, j)} {i}{j}" for j in range(40)) for i in range(3)]
     text = "\n\n".join(passages[i] for i in order) + "\n\nQuestion: which note?"
     messages = [{"role": "user", "content": text}]
     return list(engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
@@ -128,3 +133,20 @@ def test_the_connector_engine_takes_vllms_dtype_and_ragkvs_own_formats():
     assert (exact.dtype, exact.prefill_weights, exact.kv_cache_dtype) == ("bfloat16", "float32", "float32")
     with pytest.raises(ValueError, match="unknown kv_connector_extra_config"):
         ConnectorConfig.from_extra({"prefill_weights": "float32"})
+
+
+def test_spans_saved_from_vllm_are_found_by_their_anchors_inside_another_passage(parts):
+    engine, planner, rows = parts
+    seen = _prompt(engine, [0, 1, 2])
+    cache, _ = engine.prefill(seen)
+    rows.save(seen, cache.keys[:, :, : len(seen) - 1], cache.values[:, :, : len(seen) - 1], whole=True)
+    saved = planner.keys.find("default", seen, 0)
+    # the notes edited in the middle: no span's whole tokens were saved, their stretches were
+    edited = _prompt(engine, [0, 1, 2], edited=True)
+    plan = rows.passages.plan("default", edited, 0)
+    assert plan is not None and not set(plan.digests) & set(saved.digests)
+    assert plan.placed and {piece.run for piece in plan.placed} <= set(saved.digests)
+    for piece in plan.placed:  # the placed rows are a stretch of the saved span's tokens
+        run = planner.store.get(planner.keys.chunk_keys.key(piece.run))["tokens"].tolist()
+        stretch = edited[piece.start : piece.end]
+        assert any(run[i : i + len(stretch)] == stretch for i in range(len(run) - len(stretch) + 1))

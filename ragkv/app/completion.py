@@ -69,16 +69,15 @@ def completion_request(
 
     def prepare(request: Request) -> Prepared:
         started = time.perf_counter()
-        plan = passages.passages.plan(passages.tenant, token_ids, 0) if passages is not None else None
-        if plan is not None:
+        if passages is not None:
             strategy = passages.fusion.build(engine.fusion_calibrated)
-            fused = passages.passages.prepare(token_ids, plan, strategy, generation.max_new_tokens)
-            passages.passages.commit(fused)
-            request.timings.prefill, request.timings.fuse = fused.prefill_s, fused.fuse_s
-            fusion = fused.fusion
-            return Prepared(
-                fusion.cache, fusion.logits, fused.usage, strategy.name, fused_prompt_ids=fused_prompt_ids(fusion)
-            )
+            fused = passages.passages.prepare_prompt(passages.tenant, token_ids, strategy, generation.max_new_tokens)
+            if fused is not None:
+                request.timings.prefill, request.timings.fuse = fused.prefill_s, fused.fuse_s
+                fusion = fused.fusion
+                return Prepared(
+                    fusion.cache, fusion.logits, fused.usage, fused.strategy, fused_prompt_ids=fused_prompt_ids(fusion)
+                )
         cache, logits = engine.prefill(token_ids, generation.max_new_tokens)
         request.timings.prefill = time.perf_counter() - started
         return Prepared(cache, logits, TokenUsage(prompt_tokens=len(token_ids)), "none")

@@ -1,7 +1,7 @@
 """A RAG question as a scheduler request: prepare = retrieve, load, fuse; then decode.
 
-The API's /v1/query and `ragkv ask` both build their request here; `ask` runs it on a
-scheduler of its own, alone.
+The API's /v1/query and `ragkv ask` both build their request here, and both submit it
+through the engine client (ragkv.app.server); `Answer` is what `ragkv ask` prints.
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ragkv.app.generate import run_alone
 from ragkv.app.rag import Citation, QueryConfig, RagPipeline
 from ragkv.app.request import FinishReason, Prepared, Request, RequestInfo, RequestOutput, RequestSink, fused_prompt_ids
 from ragkv.app.usage import TokenUsage
@@ -94,8 +93,7 @@ class Answer:
     timings: dict[str, float]
     strategy: str
 
-
-def ask(rag: RagPipeline, question: str, tenant: str = "default", config: QueryConfig = QueryConfig()) -> Answer:
-    """Answer one question through the same scheduler path the server uses."""
-    done = run_alone(rag.engine, query_request(rag, question, tenant, config))
-    return Answer(done.text, done.finish_reason, done.citations, done.usage, done.timings.to_dict(), done.strategy)
+    @classmethod
+    def of(cls, done: RequestOutput) -> Answer:
+        """The answer of a finished query request."""
+        return cls(done.text, done.finish_reason, done.citations, done.usage, done.timings.to_dict(), done.strategy)

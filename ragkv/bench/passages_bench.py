@@ -61,11 +61,9 @@ def fuse_prompt(
     """What a chat turn with no cached prefix does: plan, prefill up to the first passage,
     fuse. (None, 0) when the prompt holds no passage."""
     started = time.perf_counter()
-    plan = passages.plan(TENANT, ids, 0)
-    if plan is None:
+    fused = passages.prepare_prompt(TENANT, ids, strategy, max_new_tokens)
+    if fused is None:
         return None, 0.0
-    fused = passages.prepare(ids, plan, strategy, max_new_tokens)
-    passages.commit(fused)
     return fused, time.perf_counter() - started
 
 

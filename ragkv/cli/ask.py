@@ -7,7 +7,7 @@ import json
 
 from ragkv.cli.command import Command
 from ragkv.cli.config_args import add_config_options, config_from_args
-from ragkv.cli.options import add_engine_options, add_store_options, add_verbose_option, runtime_config
+from ragkv.cli.options import add_engine_options, add_store_options, add_verbose_option, client_config
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -51,9 +51,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ragkv.app.query import ask
     from ragkv.app.rag import QueryConfig
-    from ragkv.app.runtime import Runtime
+    from ragkv.app.server.local import LocalClient
     from ragkv.engine.generation import GenerationConfig
     from ragkv.engine.sampling import SamplingConfig
     from ragkv.fusion import FusionConfig
@@ -74,8 +73,8 @@ def run(args: argparse.Namespace) -> int:
         retrieval=args.retrieval,
         filter=metadata_filter,
     )
-    with Runtime(runtime_config(args, show_progress=False), read_only=True) as runtime:
-        answer = ask(runtime.rag, args.question, args.tenant, query)
+    with LocalClient(client_config(args), read_only=True) as client:
+        answer = client.query(args.question, args.tenant, query)
     if args.json:
         from ragkv.api.query.serving import answer_fields
 

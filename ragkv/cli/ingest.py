@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ragkv.cli.command import Command
-from ragkv.cli.options import add_common_options, runtime_config
+from ragkv.cli.options import add_common_options, client_config
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -206,47 +206,39 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _ingest(args: argparse.Namespace, usable: list[Checked], summary: Summary) -> None:
-    from ragkv.app.runtime import Runtime
+    from ragkv.app.server.local import LocalClient
     from ragkv.ingest.errors import InputError
     from ragkv.ingest.loaders import load_path
 
-    config = runtime_config(args, show_progress=False)
+    config = client_config(args)
     progress = Progress([checked.path for checked in usable], enabled=not args.no_progress)
     try:
-        with Runtime(config) as runtime:
-            names = {} if args.no_replace else _latest_by_name(runtime.registry, args.tenant)
+        with LocalClient(config) as client:
             for checked in usable:
                 path = checked.path
                 on_chunks = progress.start_file(path, checked.size)
                 try:
-                    document = checked.document or load_path(path, config.ingest.max_document_bytes)
-                    result = runtime.ingestor.ingest_text(
+                    document = checked.document or load_path(path, config.runtime.ingest.max_document_bytes)
+                    ingestion = client.new_document(
+                        args.tenant,
                         document.text,
                         str(path),
-                        tenant=args.tenant,
-                        progress=on_chunks,
                         pages=document.pages,
-                        replaces=names.get(str(path)),
+                        replace_same_name=not args.no_replace,
                     )
+                    result = client.ingest(ingestion, progress=on_chunks).result
                 except InputError as error:
                     summary.failures.append({"path": str(path), "reason": error.reason, "error": str(error)})
                     progress.write(f"failed {path}: {error}")
                     continue
                 finally:
                     progress.end_file(checked.size)
-                names[str(path)] = result.doc_id
-                runtime.contextualize(args.tenant, [result.doc_id])
                 record = _document(path, result)
                 summary.documents.append(record)
                 if not args.json:
                     progress.write(_document_line(record), file=sys.stdout)
     finally:
         progress.close()
-
-
-def _latest_by_name(registry, tenant: str) -> dict[str, str]:
-    """The tenant's newest document id for each name (list is oldest first)."""
-    return {record.name: record.doc_id for record in registry.list(tenant)}
 
 
 def _print_summary(args: argparse.Namespace, summary: Summary) -> None:

@@ -89,3 +89,11 @@ def runtime_config(args: argparse.Namespace, **ingest_overrides):
         engine=config_from_args(EngineConfig, args),
         ingest=config_from_args(IngestConfig, args, **ingest_overrides),
     )
+
+
+def client_config(args: argparse.Namespace):
+    """The in-process engine client's config (ragkv.app.server.LocalClient) for `ask` and
+    `ingest`: the runtime the flags describe; chat sessions in memory (the CLI has none)."""
+    from ragkv.app.server.config import ServerConfig
+
+    return ServerConfig(runtime=runtime_config(args, show_progress=False), session_store="memory")

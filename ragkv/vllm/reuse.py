@@ -6,11 +6,13 @@ prompt (how many tokens ragkv provides, and how) and the worker side's rows.
                              stored spans >= min_reused_share of the prompt?          "fuse"
                              else vLLM computes it; its new spans are saved           "none"
     worker     "prefix" ─► the stored rows, exactly as vLLM computed them
-               "fuse"   ─► PromptPassages: plan, prefill before the first span, fuse with the
+               "fuse"   ─► PromptPassages.prepare_prompt, as the server's chat turns and
+                           completions: plan, prefill before the first span, fuse with the
                            strategy (new spans are computed in place and put in the store)
                            ─► the fused cache's post-RoPE rows
                save     ─► vLLM's rows read back: the whole prompt (a prefix blob), and each new
-                           span's keys un-rotated to pre-RoPE and packed in ragkv's format
+                           span's keys un-rotated to pre-RoPE and stored as the server stores a
+                           span (PromptPassages.stored_run: its chunk key, blob and anchors)
 
 In every mode vLLM computes the prompt's last token itself (it needs one row to compute),
 reading the rows ragkv wrote.
@@ -61,7 +63,7 @@ class Planner:
 
     def prefix_key(self, token_ids: list[int]) -> ChunkKey:
         """The key of a prompt's rows but its last (what a repeat of it loads)."""
-        namespace = "" if self.config.share_across_tenants else self.config.tenant
+        namespace = self.keys.chunk_keys.namespace(self.config.tenant)
         return ChunkKey(self.prefix_space, hash_tokens(token_ids[:-1], f"prefix/{namespace}"), KV_FORMAT_VERSION)
 
     def decide(self, token_ids: list[int], computed: int) -> Decision:
@@ -115,13 +117,11 @@ class Rows:
         spec = strategy or self.config.strategy
         if spec not in self.strategies:
             self.strategies[spec] = build_strategy(spec)
-        plan = self.passages.plan(self.config.tenant, token_ids, 0)
-        if plan is None:  # the spans the scheduler saw are no longer there: a plain prefill
+        fused = self.passages.prepare_prompt(self.config.tenant, token_ids, self.strategies[spec], 0)
+        if fused is None:  # the spans the scheduler saw are no longer there: a plain prefill
             cache, _ = self.engine.prefill(token_ids)
             return cache.keys[:, :, : len(token_ids)], cache.values[:, :, : len(token_ids)], {"hits": 0}
-        fused = self.passages.prepare(token_ids, plan, self.strategies[spec], 0)
-        self.passages.commit(fused)
-        cache = fused.fusion.cache
+        plan, cache = fused.plan, fused.cache
         info = {
             "strategy": spec,
             "hits": plan.hits,
@@ -149,15 +149,15 @@ class Rows:
                 items.append((key, tensors, None))
                 saved["prefix"] = keys.shape[2]
         if whole and self.config.save_spans:
-            found = self.passages.keys.find(self.config.tenant, token_ids, 0)
-            for span, key in zip(found.spans, found.keys):
+            tenant = self.config.tenant
+            found = self.passages.keys.find(tenant, token_ids, 0)
+            for span, digest, key in zip(found.spans, found.digests, found.keys):
                 if span.end > keys.shape[2] or self.store.contains(key):
                     continue
-                pre_rope = _unrotate(self.engine.model, keys[:, :, span.start : span.end], span.start)
-                blob = self.engine.stored_chunk(
-                    token_ids[span.start : span.end], pre_rope, values[:, :, span.start : span.end].float()
-                )
-                items.append((key, blob, None))
+                rows = slice(span.start, span.end)
+                pre_rope = _unrotate(self.engine.model, keys[:, :, rows], span.start)
+                run = self.passages.stored_run(tenant, token_ids[rows], pre_rope, values[:, :, rows].float(), digest)
+                items += [(run_key, blob, None) for run_key, blob in run]  # the server's keys and anchors
                 saved["spans"] += 1
         if items:
             self.store.put_many(items)  # a cache fill: a store that cannot take it drops it

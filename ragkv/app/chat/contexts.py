@@ -227,9 +227,10 @@ class ContextStore(Protocol):
         ...
 
     def publication(self, tenant: str, context_id: str) -> Future[bool] | None:
-        """The pending publish of the anonymous context a turn just left (resolved True once
-        other replicas can find it, False if it will not be), handed out once; None when
-        none is pending."""
+        """The publish of the context a turn just left (resolved True once other replicas
+        can find it, False if they will not), handed out once: what a chat answer's
+        `session["shared"]` says (app.server.publication writes it); None when nothing is
+        published (process memory)."""
         ...
 
     def delete(self, tenant: str, session_id: str) -> bool:

@@ -181,16 +181,19 @@ class RedisSessions:
             return
         published = self.shared_contexts.offer(context)
         if published is not None:
-            with self._lock:
-                key = (context.tenant, context.id)
-                self._publications.pop(key, None)
-                self._publications[key] = published
-                while len(self._publications) > _PUBLICATIONS_KEPT:
-                    self._publications.popitem(last=False)
+            self._remember_publication((context.tenant, context.id), published)
+
+    def _remember_publication(self, key: tuple[str, str], published: Future[bool]) -> None:
+        with self._lock:
+            self._publications.pop(key, None)
+            self._publications[key] = published
+            while len(self._publications) > _PUBLICATIONS_KEPT:
+                self._publications.popitem(last=False)
 
     def publication(self, tenant: str, context_id: str) -> Future[bool] | None:
-        """The publish of the anonymous context a turn just left (True once other replicas can
-        find it), handed out once; None when none is pending."""
+        """The publish of the context a turn just left (True once other replicas can find
+        it), handed out once: pending for an anonymous context, resolved for a named
+        session (written to Redis when released); None when there is none."""
         with self._lock:
             return self._publications.pop((tenant, context_id), None)
 
@@ -252,6 +255,13 @@ class RedisSessions:
         return context
 
     def release(self, tenant: str, session_id: str, context: Context | None) -> None:
+        if self._release(tenant, session_id, context):  # a named session, published by its write
+            published: Future[bool] = Future()
+            published.set_result(self.shared(context))
+            self._remember_publication((tenant, session_id), published)
+
+    def _release(self, tenant: str, session_id: str, context: Context | None) -> bool:
+        """Whether the context was to be published (written to Redis, or kept to be)."""
         kept = self.memory.release(tenant, session_id, context)
         lock_key = self._key(tenant, session_id, "lock")
         publish = kept and context is not None and context.explicit
@@ -264,7 +274,7 @@ class RedisSessions:
         if not self._available():
             with self._lock:
                 self._unreleased.add(lock_key)
-            return
+            return publish
         try:
             pipe = self._client.pipeline(transaction=False)
             if publish:
@@ -281,6 +291,7 @@ class RedisSessions:
             with self._lock:
                 self._unreleased.add(lock_key)
             self._failed("write", error)
+        return publish
 
     def _free_own_lock(self, lock_key: str) -> None:
         self._client.eval(_RELEASE, 1, lock_key, self._owner)

@@ -348,13 +348,12 @@ class _Turn:
         passage is prefilled onto the reused rows, then fused into in place."""
         self._room(len(work.ids))
         strategy = self.turn.config.fusion.build(self.engine.fusion_calibrated)
-        passages = self.turns.passages
-        fused = passages.prepare(work.ids, work.passages, strategy, self._max_new, cache)
-        passages.commit(fused)
+        fused = self.turns.passages.prepare_prompt(
+            self.turn.tenant, work.ids, strategy, self._max_new, plan=work.passages, prefix_cache=cache
+        )
         request.timings.prefill, request.timings.fuse = fused.prefill_s, fused.fuse_s
-        fusion = fused.fusion
-        self._drop_copied(plan, fusion.cache)
-        return Computed.of_fusion(fusion, fused.usage, strategy.name, plan.reuse.insertions)
+        self._drop_copied(plan, fused.cache)
+        return Computed.of_fusion(fused.fusion, fused.usage, fused.strategy, plan.reuse.insertions)
 
     def _fuse(self, request: Request, plan: TurnPlan, work: FuseChunks, cache: KVCache | None) -> Computed:
         engine, model, max_new = self.engine, self.engine.model, self._max_new
@@ -420,7 +419,7 @@ class _Turn:
             if self.held is not None:
                 contexts.release(self.held.tenant, self.held.id, None)
             contexts.put(context)
-        completion.info.session = {**context.summary(), "shared": contexts.shared(context)}
+        completion.info.session = context.summary()  # "shared": app.server.publication, once published
         if self._on_finished is not None:
             self._on_finished(request, completion)
 

@@ -12,6 +12,10 @@
     commit   (store writes)            the runs and anchors put into the store: the next
              prompt holding any stretch of them reuses it
 
+`prepare_prompt` is the recipe, the one every front end calls (chat turns, completions,
+the vLLM connector): plan, prepare, commit. The three stay separate methods so the store
+reads can run ahead of the model step (a plan handed in is not looked up again).
+
 A passage's new rows are computed in place with every row before it (not alone after the
 precompute prefix as ingestion computes a chunk): a prompt whose passages are all new
 then costs one full prefill and gives its exact answer, and what the store keeps of each
@@ -47,15 +51,26 @@ log = logging.getLogger("ragkv.app.passages")
 
 @dataclass
 class FusedPassages:
+    """A prompt with its passages fused: what `PromptPassages.prepare_prompt` gives."""
+
     fusion: FusionResult
     plan: PassagePlan
+    """The passages' spans and the stored rows placed among them."""
     usage: TokenUsage
+    """Its `computed_tokens`: the prompt rows computed here (not placed from the store or a prefix cache)."""
+    strategy: str = ""
+    """The fusion strategy's name."""
     writes: list[tuple[ChunkKey, dict]] = field(default_factory=list)
     """New passages' blobs for the store (`PromptPassages.commit` puts them)."""
     written_tokens: int = 0
     prefill_s: float = 0.0
     """Seconds prefilling the text before the first passage."""
     fuse_s: float = 0.0
+
+    @property
+    def cache(self) -> KVCache:
+        """The fused prompt's rows (and room for what follows)."""
+        return self.fusion.cache
 
 
 class PromptPassages:
@@ -76,6 +91,29 @@ class PromptPassages:
         self.anchors = anchors
         self.lookup = PassageLookup(self.keys, store, engine.kv_format, anchors)
         self.counters = SpanCounters()
+
+    # -- the recipe: plan, prepare, commit ------------------------------------------------
+
+    def prepare_prompt(
+        self,
+        tenant: str,
+        token_ids: list[int],
+        strategy: FusionStrategy,
+        extra_capacity: int,
+        *,
+        plan: PassagePlan | None = None,
+        prefix_cache: KVCache | None = None,
+    ) -> FusedPassages | None:
+        """The one way a prompt's passages are reused (chat turns, completions, the vLLM
+        connector): its plan (store reads; `plan` when it was looked up already, as a chat
+        turn's is past its cached prefix), the fusion (model: `prepare`), then its new
+        passages stored (`commit`). None when the prompt holds no passage."""
+        plan = plan if plan is not None else self.plan(tenant, token_ids, 0)
+        if plan is None:
+            return None
+        fused = self.prepare(token_ids, plan, strategy, extra_capacity, prefix_cache)
+        self.commit(fused)
+        return fused
 
     # -- plan: store reads ------------------------------------------------------------
 
@@ -113,7 +151,7 @@ class PromptPassages:
         writes, tokens = self._new_passages(plan, fusion)
         fuse_s = time.perf_counter() - started - prefill_s
         usage = TokenUsage.of_fusion(fusion, computed_before)
-        return FusedPassages(fusion, plan, usage, writes, tokens, prefill_s, fuse_s)
+        return FusedPassages(fusion, plan, usage, strategy.name, writes, tokens, prefill_s, fuse_s)
 
     def _fusion_input(self, token_ids: list[int], plan: PassagePlan) -> FusionInput:
         """[prefix | placed rows and the fresh rows between them | question]; fresh rows are
@@ -147,11 +185,20 @@ class PromptPassages:
                     continue
                 seen.add(digest)
                 rows = slice(index[start], index[end - 1] + 1)
-                blob = self.engine.stored_chunk(run_ids, fusion.fresh_kv[0][:, :, rows], fusion.fresh_kv[1][:, :, rows])
-                writes.append((self.keys.chunk_keys.key(digest), blob))
-                writes += self._anchor_records(plan.tenant, run_ids, digest)
+                keys, values = fusion.fresh_kv[0][:, :, rows], fusion.fresh_kv[1][:, :, rows]
+                writes += self.stored_run(plan.tenant, run_ids, keys, values, digest)
                 tokens += end - start
         return writes, tokens
+
+    def stored_run(
+        self, tenant: str, run_ids: list[int], keys: torch.Tensor, values: torch.Tensor, digest: str | None = None
+    ) -> list[tuple[ChunkKey, dict]]:
+        """What the store keeps of a run of prompt rows, whoever computed them (this fusion,
+        or vLLM through the connector): its blob under its chunk key, and its anchor
+        records. `keys` are pre-RoPE, [layers, H, len, D]."""
+        digest = digest or self.keys.chunk_keys.digest(tenant, run_ids)
+        blob = self.engine.stored_chunk(run_ids, keys, values)
+        return [(self.keys.chunk_keys.key(digest), blob), *self._anchor_records(tenant, run_ids, digest)]
 
     def _anchor_records(self, tenant: str, run_ids: list[int], digest: str) -> list[tuple[ChunkKey, dict]]:
         window = self.anchors.window

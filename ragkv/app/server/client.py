@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ragkv.app.chat.contexts import Context, ContextStore
 from ragkv.app.chat.session_store import open_sessions, session_mac_key, sessions_url
@@ -74,10 +74,14 @@ def _scheduler(runtime: Runtime, config: ServerConfig, observer: ServerObserver)
 class EngineClient:
     """Built on the thread that will run the model (see `start`)."""
 
-    def __init__(self, config: ServerConfig = ServerConfig(), observer: ServerObserver | None = None):
+    def __init__(
+        self, config: ServerConfig = ServerConfig(), observer: ServerObserver | None = None, *, read_only: bool = False
+    ):
+        """`read_only`: a front end that only answers (`ragkv ask`) creates and writes
+        nothing in the data folder (Runtime's read_only); it cannot ingest."""
         self.config = config
         self.observer = observer or ServerObserver()
-        self._runtime = Runtime(config.runtime)
+        self._runtime = Runtime(config.runtime, read_only=read_only)
         try:
             self._sessions = _open_sessions(config)
             self._worker = ModelWorker(
@@ -87,7 +91,7 @@ class EngineClient:
                 on_finished=self.observer.task_ended,
             )
             self._work = ModelWork(self._runtime, self._sessions, config.max_input_tokens, self.observer)
-            self._ingest_records = IngestRecords(self._runtime.env)
+            self._ingest_records = None if read_only else IngestRecords(self._runtime.env)
         except BaseException:
             self._runtime.close()
             raise
@@ -95,14 +99,16 @@ class EngineClient:
         """The name the model is served under."""
 
     @classmethod
-    async def start(cls, config: ServerConfig, observer: ServerObserver | None = None) -> EngineClient:
+    async def start(
+        cls, config: ServerConfig, observer: ServerObserver | None = None, *, read_only: bool = False
+    ) -> EngineClient:
         """Build the client on a new thread that then runs the model worker's loop: every
         torch op of the server runs on that one thread."""
         built: concurrent.futures.Future[EngineClient] = concurrent.futures.Future()
 
         def model_thread() -> None:
             try:
-                client = cls(config, observer)
+                client = cls(config, observer, read_only=read_only)
             except BaseException as error:
                 built.set_exception(error)
                 return
@@ -197,10 +203,11 @@ class EngineClient:
         """A new version of `old`, same id (app.server.documents.new_version)."""
         return documents.new_version(self._runtime.registry, old, text, name, metadata, pages)
 
-    def ingest(self, ingestion: Ingestion) -> Task:
+    def ingest(self, ingestion: Ingestion, progress: Callable[[int, int], None] | None = None) -> Task:
         """Submitted as background work (interactive requests step first); its result is an
-        IngestedDocument."""
-        return self._worker.submit(Task("ingest", self._work.ingest_body(ingestion), interactive=False))
+        IngestedDocument. `progress(chunks done, chunks)` is called on the worker thread."""
+        body = self._work.ingest_body(ingestion, progress=progress)
+        return self._worker.submit(Task("ingest", body, interactive=False))
 
     def ingest_job(self, ingestion: Ingestion, report: JobReport) -> IngestRecord:
         """Ingest in the background, nobody awaiting: the record (`job`, `jobs`) follows

@@ -5,6 +5,7 @@ replica sharing the session store continues."""
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import Future
 
 from ragkv.app.chat.contexts import ContextStore
 from ragkv.app.request import RequestOutput
@@ -13,19 +14,22 @@ from ragkv.app.request import RequestOutput
 async def settle_shared(
     sessions: ContextStore, tenant: str, context_id: str, outcome: RequestOutput, wait_s: float
 ) -> None:
-    """Wait (at most `wait_s`) until the anonymous context the turn left is published for
-    other replicas, and say in the outcome's `session["shared"]` whether it is. A named
-    session was written to the store by the turn itself."""
+    """Wait (at most `wait_s`) until the context the turn left is published for other
+    replicas (a named session was written when the turn released it; an anonymous one is
+    published in the background), and say in the outcome's `session["shared"]`, its one
+    writer, whether it is."""
     published = sessions.publication(tenant, context_id)
-    if published is None:
-        return
-    if wait_s > 0:
-        try:  # shielded: a timeout must not cancel the publisher's future
-            shared = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(published)), wait_s)
-        except TimeoutError:
-            shared = False
-    else:
-        shared = published.done() and published.result()
     session = getattr(outcome.info, "session", None)
     if session:
-        session["shared"] = shared
+        session["shared"] = await _settled(published, wait_s)
+
+
+async def _settled(published: Future[bool] | None, wait_s: float) -> bool:
+    if published is None:
+        return False  # nothing is published from process memory
+    if wait_s <= 0:
+        return published.done() and published.result()
+    try:  # shielded: a timeout must not cancel the publisher's future
+        return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(published)), wait_s)
+    except TimeoutError:
+        return False
