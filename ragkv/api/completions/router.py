@@ -16,6 +16,7 @@ from fastapi import APIRouter, Request
 
 from ragkv.api.auth import tenant_of
 from ragkv.api.common.conversion import generation_config, prompt_spans_of, query_config
+from ragkv.api.common.render import RenderedPrompt, rendered_prompt
 from ragkv.api.completions.protocol import (
     Completion,
     CompletionRequest,
@@ -24,8 +25,9 @@ from ragkv.api.completions.serving import CompletionAnswer, CompletionStream
 from ragkv.api.errors import ApiError
 from ragkv.api.json_response import SafeJSONResponse
 from ragkv.api.openapi import errors, sse_or
-from ragkv.api.state import app_state
+from ragkv.api.state import AppState, app_state
 from ragkv.api.streaming import EventStream, run_requests, stream_response
+from ragkv.app.request_types import GenerationConfig
 
 router = APIRouter(tags=["openai"], default_response_class=SafeJSONResponse)
 
@@ -48,6 +50,12 @@ def _refuse_unsupported(body: CompletionRequest) -> None:
             raise ApiError(400, "unsupported_parameter", f"{name} is not supported by this server", param=name)
 
 
+def _generation(body: CompletionRequest, state: AppState) -> GenerationConfig:
+    return generation_config(
+        body.max_tokens, body.temperature, body.top_p, body.seed, body.stop, state.config, logprobs=body.logprobs
+    )
+
+
 @router.post(
     "/v1/completions",
     response_model=Completion,
@@ -64,9 +72,7 @@ async def completions(request: Request, body: CompletionRequest):
     _refuse_unsupported(body)
     state.check_model(body.model)
     prompts = _prompts(body.prompt)
-    generation = generation_config(
-        body.max_tokens, body.temperature, body.top_p, body.seed, body.stop, state.config, logprobs=body.logprobs
-    )
+    generation = _generation(body, state)
     rag = body.rag
     config = query_config(rag, generation, state.config) if rag is not None else None  # validated even when disabled
     with_citations = rag is not None and rag.enabled
@@ -92,3 +98,28 @@ async def completions(request: Request, body: CompletionRequest):
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     stream = await EventStream.start(request, work)
     return stream_response(request, stream, CompletionStream(answer, include_usage))
+
+
+@router.post("/v1/completions/render", response_model=list[RenderedPrompt], responses=errors(400, 401, 404, 413))
+async def render_completion(request: Request, body: CompletionRequest):
+    """vLLM's render call: one entry per prompt, the token ids it would prefill (a text
+    tokenized as /v1/completions tokenizes it, ids as given), checked as the request would
+    be, with no model work. A prompt answered from documents (rag.enabled) is built around
+    what retrieval finds, which rendering does not run: 400."""
+    state = app_state(request)
+    tenant_of(request)
+    _refuse_unsupported(body)
+    state.check_model(body.model)
+    generation = _generation(body, state)
+    if body.rag is not None:
+        query_config(body.rag, generation, state.config)  # validated as the request would be
+        if body.rag.enabled:
+            raise ApiError(
+                400,
+                "unsupported_parameter",
+                "render gives a prompt's own ids; with rag.enabled the prompt is built around retrieved "
+                "documents, which render does not retrieve",
+                param="rag",
+            )
+    all_ids = state.client.render_prompts(_prompts(body.prompt), generation)
+    return [rendered_prompt("cmpl", ids, body, generation, body.stream, body.stream_options) for ids in all_ids]

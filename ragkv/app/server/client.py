@@ -144,6 +144,18 @@ class EngineClient:
             self._work.completion_stream(prompts, generation, tenant, fusion, prompt_spans)
         )
 
+    # -- prompts as the requests above prefill them (answered at once, no model work) ----
+
+    def render_chat(self, turn: ChatTurn) -> list[int]:
+        """The ids `chat(turn)` prefills when nothing is retrieved (ChatTurns.conversation);
+        checked as the turn would be. Retrieved chunks are not in them: retrieval embeds the
+        question (model work) and reads the store."""
+        return self._work.chat.conversation(turn).token_ids
+
+    def render_prompts(self, prompts: Sequence[str | list[int]], generation: GenerationConfig) -> list[list[int]]:
+        """The ids `complete(prompts, generation)` prefills, one list per prompt."""
+        return self._work.prompt_ids(prompts, generation)
+
     async def settle_shared(self, tenant: str, context_id: str, outcome: RequestOutput) -> None:
         """Await, at most `shared_publish_wait_s`, the turn's context reaching the shared
         session store, so a follow-up to any replica continues it (app.server.publication)."""

@@ -91,16 +91,7 @@ class ModelWork:
         """One request per prompt; every prompt is checked before any runs. `prompt_spans`:
         passages pasted into a prompt are reused from the store (fused by `fusion`)."""
         engine = self.runtime.engine
-        all_ids = [
-            prompt_ids(
-                engine,
-                prompt,
-                generation,
-                max_input_tokens=self.max_input_tokens,
-                where=f"prompt {index}" if len(prompts) > 1 else "the prompt",
-            )
-            for index, prompt in enumerate(prompts)
-        ]
+        all_ids = self.prompt_ids(prompts, generation)
         arrival = time.perf_counter()
         return RequestStream(
             "completion",
@@ -119,6 +110,19 @@ class ModelWork:
             ],
             self.observer.stream_ended,
         )
+
+    def prompt_ids(self, prompts: Sequence[str | list[int]], generation: GenerationConfig) -> list[list[int]]:
+        """The ids each prompt prefills, every one checked (InputError) before anything runs."""
+        return [
+            prompt_ids(
+                self.runtime.engine,
+                prompt,
+                generation,
+                max_input_tokens=self.max_input_tokens,
+                where=f"prompt {index}" if len(prompts) > 1 else "the prompt",
+            )
+            for index, prompt in enumerate(prompts)
+        ]
 
     # -- ingestion and deletion -----------------------------------------------------
 
