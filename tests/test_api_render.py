@@ -107,9 +107,33 @@ def test_render_refuses_what_the_request_would(http):
     assert error("/v1/chat/completions/render", {**chat, "model": "gpt-4"}, 404)["code"] == "model_not_found"
     too_long = {**chat, "messages": [{"role": "user", "content": "word " * 9000}]}
     assert error("/v1/chat/completions/render", too_long, 400)["code"] == "context_length_exceeded"
-    last = {**chat, "messages": MESSAGES[:2]}
-    assert error("/v1/chat/completions/render", last, 400)["code"] == "last_message_not_user"
     completion = {"model": "ragkv", "prompt": "Hello"}
-    with_rag = {**completion, "rag": {"enabled": True}}
-    assert error("/v1/completions/render", with_rag, 400)["param"] == "rag"
+    two_questions = {**completion, "prompt": ["Hello", "Why?"], "rag": {"enabled": True}}
+    assert error("/v1/completions/render", two_questions, 400)["code"] == "unsupported_prompt"
     assert error("/v1/completions/render", {**completion, "prompt": [10**9]}, 400)["code"] == "bad_token_id"
+
+
+def test_completion_render_of_a_question_is_its_prompt_around_no_documents(http, tokenizer):
+    from ragkv.engine.prompt import ChatPrompt
+
+    question = "Which colour is the sky?"
+    body = {"model": "ragkv", "prompt": question, "max_tokens": 4, "rag": {"enabled": True}}
+    [rendered] = _ok(http.post("/v1/completions/render", json=body))
+    segments = ChatPrompt(tokenizer).rag_segments(question)
+    assert rendered["token_ids"] == segments.prefix_ids + segments.question_ids
+
+
+def test_a_conversation_not_ending_with_a_user_message_is_answered_as_one_with_an_empty_one(http, tokenizer):
+    ending = MESSAGES[:2]  # ends with the assistant's message: OpenAI answers it too
+    rendered = _ok(http.post("/v1/chat/completions/render", json={"model": "ragkv", "messages": ending}))
+    empty = _ok(
+        http.post(
+            "/v1/chat/completions/render",
+            json={"model": "ragkv", "messages": [*ending, {"role": "user", "content": ""}]},
+        )
+    )
+    assert rendered["token_ids"] == empty["token_ids"]
+    answer = _ok(
+        http.post("/v1/chat/completions", json={"model": "ragkv", "messages": ending, "max_tokens": 2, **PLAIN})
+    )
+    assert answer["usage"]["prompt_tokens"] == len(rendered["token_ids"])

@@ -47,11 +47,13 @@ router = APIRouter(tags=["chat"], default_response_class=SafeJSONResponse)
 
 def _messages(body: ChatRequest) -> list[dict[str, str]]:
     messages = [{"role": message.role, "content": message.text()} for message in body.messages]
-    return checked_conversation(messages, "messages", "the last message must have role 'user'")
+    return checked_conversation(messages)
 
 
 def _generation(body: ChatRequest, state: AppState) -> GenerationConfig:
-    max_tokens = body.max_completion_tokens or body.max_tokens or DEFAULT_MAX_TOKENS
+    if body.max_tokens and body.max_completion_tokens:  # the newer name wins; the other is still checked
+        generation_config(body.max_tokens, None, None, None, None, state.config)
+    max_tokens = body.max_completion_tokens or body.max_tokens or min(DEFAULT_MAX_TOKENS, state.config.max_new_tokens)
     return generation_config(
         max_tokens, body.temperature, body.top_p, body.seed, body.stop, state.config, logprobs=body.logprobs_count
     )

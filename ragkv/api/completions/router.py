@@ -15,7 +15,7 @@ import uuid
 from fastapi import APIRouter, Request
 
 from ragkv.api.auth import tenant_of
-from ragkv.api.common.conversion import generation_config, prompt_spans_of, query_config
+from ragkv.api.common.conversion import generation_config, prompt_spans_of, query_config, sent_or_capped
 from ragkv.api.common.render import RenderedPrompt, rendered_prompt
 from ragkv.api.completions.protocol import (
     Completion,
@@ -40,6 +40,16 @@ def _prompts(prompt) -> list[str | list[int]]:
     return list(prompt)
 
 
+def _question(body: CompletionRequest) -> str:
+    """The question of a prompt answered from documents (rag.enabled): one string."""
+    prompts = _prompts(body.prompt)
+    if len(prompts) != 1 or not isinstance(prompts[0], str):
+        raise ApiError(
+            400, "unsupported_prompt", "with rag.enabled the prompt is one question, as a string", param="prompt"
+        )
+    return prompts[0]
+
+
 def _refuse_unsupported(body: CompletionRequest) -> None:
     if body.echo:
         raise ApiError(
@@ -51,8 +61,9 @@ def _refuse_unsupported(body: CompletionRequest) -> None:
 
 
 def _generation(body: CompletionRequest, state: AppState) -> GenerationConfig:
+    max_tokens = sent_or_capped(body, "max_tokens", state.config.max_new_tokens)
     return generation_config(
-        body.max_tokens, body.temperature, body.top_p, body.seed, body.stop, state.config, logprobs=body.logprobs
+        max_tokens, body.temperature, body.top_p, body.seed, body.stop, state.config, logprobs=body.logprobs
     )
 
 
@@ -77,11 +88,7 @@ async def completions(request: Request, body: CompletionRequest):
     config = query_config(rag, generation, state.config) if rag is not None else None  # validated even when disabled
     with_citations = rag is not None and rag.enabled
     if with_citations:
-        if len(prompts) != 1 or not isinstance(prompts[0], str):
-            raise ApiError(
-                400, "unsupported_prompt", "with rag.enabled the prompt is one question, as a string", param="prompt"
-            )
-        work = state.client.query(prompts[0], tenant, config)
+        work = state.client.query(_question(body), tenant, config)
     else:
         work = state.client.complete(
             prompts,
@@ -104,22 +111,16 @@ async def completions(request: Request, body: CompletionRequest):
 async def render_completion(request: Request, body: CompletionRequest):
     """vLLM's render call: one entry per prompt, the token ids it would prefill (a text
     tokenized as /v1/completions tokenizes it, ids as given), checked as the request would
-    be, with no model work. A prompt answered from documents (rag.enabled) is built around
-    what retrieval finds, which rendering does not run: 400."""
+    be, with no model work. With rag.enabled, the question's prompt without the documents
+    retrieval puts in it (retrieval embeds the question and reads the store)."""
     state = app_state(request)
     tenant_of(request)
     _refuse_unsupported(body)
     state.check_model(body.model)
     generation = _generation(body, state)
-    if body.rag is not None:
-        query_config(body.rag, generation, state.config)  # validated as the request would be
-        if body.rag.enabled:
-            raise ApiError(
-                400,
-                "unsupported_parameter",
-                "render gives a prompt's own ids; with rag.enabled the prompt is built around retrieved "
-                "documents, which render does not retrieve",
-                param="rag",
-            )
-    all_ids = state.client.render_prompts(_prompts(body.prompt), generation)
+    config = query_config(body.rag, generation, state.config) if body.rag is not None else None
+    if config is not None and body.rag.enabled:
+        all_ids = [state.client.render_question(_question(body), config)]
+    else:
+        all_ids = state.client.render_prompts(_prompts(body.prompt), generation)
     return [rendered_prompt("cmpl", ids, body, generation, body.stream, body.stream_options) for ids in all_ids]

@@ -293,8 +293,8 @@ class _Turn:
 
     def _retrieve(self, request: Request) -> list:
         turn = self.turn
-        if not turn.rag:
-            return []
+        if not turn.rag or not conversation_text(turn).strip():
+            return []  # a blank message has nothing to search for
         started = time.perf_counter()
         config = turn.config
         retrieved = self.turns.rag.retrieve(

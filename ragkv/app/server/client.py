@@ -152,6 +152,10 @@ class EngineClient:
         question (model work) and reads the store."""
         return self._work.chat.conversation(turn).token_ids
 
+    def render_question(self, question: str, config: QueryConfig) -> list[int]:
+        """The ids `query(question, ...)` prefills around its retrieved chunks (none of them)."""
+        return self._work.question_ids(question, config)
+
     def render_prompts(self, prompts: Sequence[str | list[int]], generation: GenerationConfig) -> list[list[int]]:
         """The ids `complete(prompts, generation)` prefills, one list per prompt."""
         return self._work.prompt_ids(prompts, generation)
@@ -164,6 +168,11 @@ class EngineClient:
     def embed(self, texts: list[str]) -> Task:
         """Submitted; its result is the texts' Embeddings."""
         return self._worker.submit(Task("embedding", self._work.embeddings_body(texts)))
+
+    @property
+    def vocabulary_size(self) -> int:
+        """Token ids of the served model are below it."""
+        return self._runtime.engine.spec.vocab_size
 
     @property
     def embedding_dimension(self) -> int:

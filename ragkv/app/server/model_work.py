@@ -18,7 +18,7 @@ import numpy as np
 from ragkv.app.chat.contexts import ContextStore
 from ragkv.app.chat.turn import ChatTurn, ChatTurns
 from ragkv.app.completion import PassageRequest, completion_request, prompt_ids
-from ragkv.app.query import query_request
+from ragkv.app.query import query_request, question_prompt_ids
 from ragkv.app.rag import QueryConfig
 from ragkv.app.request import RequestCancelled
 from ragkv.app.request_types import FusionConfig, GenerationConfig
@@ -69,6 +69,9 @@ class ModelWork:
             on_finished=self.observer.request_finished,
         )
         return RequestStream("query", [request], self.observer.stream_ended)
+
+    def question_ids(self, question: str, config: QueryConfig) -> list[int]:
+        return question_prompt_ids(self.runtime.engine, question, config, self.max_input_tokens)
 
     # -- /v1/chat/completions -------------------------------------------------------
 
