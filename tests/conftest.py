@@ -123,6 +123,7 @@ SHARED_SERVER_KEYS = {
     "real-clients": "real-clients-key-1",
     "web-alpha": "alpha-web-key-1",
     "web-beta": "beta-web-key-02",
+    "render": "render-key-00001",
 }
 # tenant -> (API key, its limits in the keys file) of `shared_server`: tests/test_api_rate_limits.py's
 SHARED_SERVER_LIMITED_KEYS = {

@@ -81,3 +81,39 @@ def test_a_key_with_a_request_in_progress_gets_429_until_it_finishes(shared_serv
         held.sendall(json.dumps({}).ljust(QUERY_BODY_BYTES).encode())  # no question: a 400, quickly
         assert held.recv(4096).startswith(b"HTTP/1.1 400 ")
     assert _until(200, url, key).status_code == 200  # the slot is free again
+
+
+def _jobs(url: str) -> float:
+    """Model worker jobs so far, every kind and outcome (a request refused before it is
+    queued is none; one that fails once it runs is one)."""
+    lines = httpx.get(url + "/metrics", timeout=60).text.splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("ragkv_worker_jobs_total"))
+
+
+def _refused(response: httpx.Response, status: int, code: str) -> str:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["code"] == code, error
+    return error["message"]
+
+
+def test_a_prompt_or_body_past_the_limits_is_refused_before_any_model_work(shared_server):
+    url, key = shared_server.url, shared_server.key["unlimited-peer"]
+    headers = {"Authorization": f"Bearer {key}"}
+    long = "word " * 3000  # three of them pass the packaged model's 8K context
+    history = [{"role": "user", "content": long}, {"role": "assistant", "content": long}]
+    messages = history + [{"role": "user", "content": long}, {"role": "user", "content": "Why?"}]
+    before = _jobs(url)
+    for path in ("/v1/chat/completions", "/v1/chat/completions/render"):
+        body = {"model": "ragkv", "messages": messages, "max_tokens": 4}
+        message = _refused(
+            httpx.post(url + path, json=body, headers=headers, timeout=120), 400, "context_length_exceeded"
+        )
+        assert "the conversation is" in message and "above the model's context of 8192" in message
+    completion = {"model": "ragkv", "prompt": long * 3, "max_tokens": 4}
+    response = httpx.post(url + "/v1/completions", json=completion, headers=headers, timeout=120)
+    assert "above the model's context of 8192" in _refused(response, 400, "context_length_exceeded")
+    oversized = {"model": "ragkv", "prompt": "x" * (1 << 20), "max_tokens": 4}  # over --max-body-kb's 1024
+    response = httpx.post(url + "/v1/completions", json=oversized, headers=headers, timeout=120)
+    assert "(--max-body-kb)" in _refused(response, 413, "body_too_large")
+    assert _jobs(url) == before  # none reached the model worker

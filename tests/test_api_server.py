@@ -537,15 +537,15 @@ def test_bad_inputs_get_clear_4xx(env):
             in _error(http.post("/v1/documents", json={"text": "   "}), 400)["message"]
         )
         assert (
-            _error(http.post("/v1/documents", files={"file": ("x.txt", b"\x00\x01binary", "text/plain")}), 400)["code"]
+            _error(http.post("/v1/documents", files={"file": ("x.txt", b"\x00\x01binary", "text/plain")}), 415)["code"]
             == "binary"
         )
         assert (
-            _error(http.post("/v1/documents", files={"file": ("x.odt", b"PK", "application/zip")}), 400)["code"]
+            _error(http.post("/v1/documents", files={"file": ("x.odt", b"PK", "application/zip")}), 415)["code"]
             == "unsupported_type"
         )
         assert (
-            _error(http.post("/v1/documents", files={"file": ("x.pdf", b"%PDF", "application/pdf")}), 400)["code"]
+            _error(http.post("/v1/documents", files={"file": ("x.pdf", b"%PDF", "application/pdf")}), 422)["code"]
             == "unreadable"
         )
         _error(http.post("/v1/documents", content=b"plain", headers={"content-type": "text/plain"}), 415)

@@ -92,6 +92,14 @@ _UNAVAILABLE = {
 """503s with a Retry-After: what cannot be reached, by error type (checked in this order)."""
 
 
+_INPUT_STATUS = {"too_large": 413, "duplicate_text": 409, "binary": 422, "no_documents": 404}
+"""InputError reasons that are not a 400: a body too large; no document to answer from (none
+ingested, or none matches the filter: as for document ids that do not exist); a new version whose text another
+document holds (a conflict with the tenant's documents, not a malformed request); a
+document's text that is binary data (a string the schema takes, a content the server cannot
+index)."""
+
+
 def as_api_error(error: BaseException) -> ApiError | None:
     """The client-facing form of errors raised by ingestion, retrieval or the configs."""
     if isinstance(error, ApiError):
@@ -105,7 +113,7 @@ def as_api_error(error: BaseException) -> ApiError | None:
     if isinstance(error, SessionStoreUnavailableError):
         return ApiError(503, "session_store_unavailable", str(error), param="session_id", headers={"Retry-After": "1"})
     if isinstance(error, InputError):
-        status = 413 if error.reason == "too_large" else 400
+        status = _INPUT_STATUS.get(error.reason, 400)
         return ApiError(status, error.reason, str(error))
     for kind, (code, what) in _UNAVAILABLE.items():
         if isinstance(error, kind):

@@ -37,8 +37,8 @@ _REQUEST_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 
 
 class BodyTooLarge(HTTPException):
-    def __init__(self, limit: int):
-        super().__init__(413, f"the request body exceeds the limit of {limit} bytes")
+    def __init__(self, limit: int, option: str):
+        super().__init__(413, f"the request body exceeds the limit of {limit} bytes ({option})")
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,8 @@ class _Incoming:
     """Lower-case names."""
     limit: int
     """Body bytes the path may send."""
+    option: str
+    """The server option that sets `limit`, named in the 413."""
 
 
 class _Response:
@@ -121,8 +123,9 @@ class ServingMiddleware:
         given = headers.get("x-request-id", "")
         request_id = given if _REQUEST_ID.match(given) else "req_" + uuid.uuid4().hex[:16]
         path = scope.get("path", "")
-        limit = self.max_document_body_bytes if path.startswith(self.document_prefix) else self.max_body_bytes
-        return _Incoming(request_id, path, headers, limit)
+        if path.startswith(self.document_prefix):
+            return _Incoming(request_id, path, headers, self.max_document_body_bytes, "--max-document-body-mb")
+        return _Incoming(request_id, path, headers, self.max_body_bytes, "--max-body-kb")
 
     async def _authenticate(self, scope: Scope, request: _Incoming, response: _Response) -> bool:
         """The tenant of a protected path's key, in the scope's state; False once refused."""
@@ -142,7 +145,7 @@ class ServingMiddleware:
         if declared is None or (declared.isdigit() and int(declared) <= limit):
             return True
         if declared.isdigit():
-            code, message = 413, f"the request body is {declared} bytes; the limit is {limit} bytes"
+            code, message = 413, f"the request body is {declared} bytes; the limit is {limit} bytes ({request.option})"
         else:
             code, message = 400, "the Content-Length header is not a number"
         error = "body_too_large" if code == 413 else "bad_content_length"
@@ -159,7 +162,7 @@ class ServingMiddleware:
             if message["type"] == "http.request":
                 received["bytes"] += len(message.get("body", b""))
                 if received["bytes"] > limit:
-                    raise BodyTooLarge(limit)
+                    raise BodyTooLarge(limit, request.option)
             return message
 
         try:

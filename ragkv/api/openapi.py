@@ -32,10 +32,12 @@ def capped_fields(limits: ServeConfig) -> list[tuple[str, str, int]]:
     return [
         ("QueryRequest", "top_k", limits.max_top_k),
         ("ChatRag", "top_k", limits.max_top_k),
+        ("CompletionRag", "top_k", limits.max_top_k),
         ("QueryRequest", "max_tokens", limits.max_new_tokens),
         ("ChatRequest", "max_tokens", limits.max_new_tokens),
         ("ChatRequest", "max_completion_tokens", limits.max_new_tokens),
         ("CompletionRequest", "max_tokens", limits.max_new_tokens),
+        ("ResponseRequest", "max_output_tokens", limits.max_new_tokens),
     ]
 
 
@@ -43,9 +45,10 @@ _ERROR_DESCRIPTIONS = {
     400: "Invalid request: the message says what is wrong (validation errors included)",
     401: "Missing or invalid API key",
     404: "No such document, job, session or model (another tenant's ids included)",
-    409: "The chat session is answering another request",
+    409: "The chat session is answering another request (documents: another document holds this text)",
     413: "The request body (or document metadata) is too large",
-    415: "Unsupported content type",
+    415: "Unsupported content type (an upload: a file type not served, or not the text its name says)",
+    422: "An uploaded file of a served type that holds no text or cannot be read as that type",
     429: "The API key is past its request rate or its requests in progress: retry after Retry-After seconds",
     503: "The model worker is overloaded or stopping: retry after Retry-After seconds",
 }
@@ -84,16 +87,57 @@ def _cap(schema: dict, model: str, field: str, maximum: int) -> None:
     for branch in prop.get("anyOf", [prop]):
         if branch.get("type") == "integer":
             branch["maximum"] = maximum
+    if isinstance(prop.get("default"), int) and prop["default"] > maximum:
+        prop["default"] = maximum  # a default above the cap is lowered to it (api.common.conversion.sent_or_capped)
 
 
-def build_openapi(app: FastAPI, limits: ServeConfig) -> dict:
+_KEYWORDS = {"ge": "minimum", "le": "maximum", "gt": "exclusiveMinimum", "lt": "exclusiveMaximum"}
+
+
+def _standard_keywords(node) -> None:
+    """Pydantic writes a bound on an optional field whose type has its own validator
+    (`Integer | None`) under its Python name (`ge`), which JSON Schema does not know: the
+    generators then send values the route refuses. Renamed in place, everywhere."""
+    if isinstance(node, dict):
+        if node.get("type") in ("integer", "number"):
+            for python, standard in _KEYWORDS.items():
+                if python in node:
+                    node.setdefault(standard, node.pop(python))
+        for value in node.values():
+            _standard_keywords(value)
+    elif isinstance(node, list):
+        for value in node:
+            _standard_keywords(value)
+
+
+def _cap_token_ids(node, vocabulary: int) -> None:
+    """Every integer in a prompt's schema is a token id: below the vocabulary's size."""
+    if isinstance(node, dict):
+        if node.get("type") == "integer":
+            node["maximum"] = vocabulary - 1
+        for value in node.values():
+            _cap_token_ids(value, vocabulary)
+    elif isinstance(node, list):
+        for value in node:
+            _cap_token_ids(value, vocabulary)
+
+
+def _fastapi_422(response: dict) -> bool:
+    return "HTTPValidationError" in str(response)
+
+
+def build_openapi(app: FastAPI, limits: ServeConfig, vocabulary: int | None = None) -> dict:
+    """`vocabulary`: the served model's (token ids in prompts are below it); None before it loaded."""
     if app.openapi_schema:
         return app.openapi_schema
     schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
     components = schema.setdefault("components", {})
     schemas = components.setdefault("schemas", {})
+    _standard_keywords(schema)
     for model, field, maximum in capped_fields(limits):
         _cap(schemas, model, field, maximum)
+    if vocabulary is not None:
+        _cap_token_ids(schemas.get("CompletionRequest", {}).get("properties", {}).get("prompt"), vocabulary)
     for name in ("HTTPValidationError", "ValidationError"):
         schemas.pop(name, None)
     for model in (ErrorResponse, DocumentCreate):  # bodies the routes read themselves
@@ -110,7 +154,8 @@ def build_openapi(app: FastAPI, limits: ServeConfig) -> dict:
     for path, operations in schema.get("paths", {}).items():
         for _method, operation in operations.items():
             responses = operation.setdefault("responses", {})
-            responses.pop("422", None)
+            if _fastapi_422(responses.get("422", {})):
+                responses.pop("422")  # validation errors are 400
             if path.startswith(PROTECTED_PREFIX):
                 operation["security"] = [{SECURITY_SCHEME: []}]
                 responses.setdefault("401", {"description": _ERROR_DESCRIPTIONS[401], **_error_response()})
@@ -124,7 +169,12 @@ def build_openapi(app: FastAPI, limits: ServeConfig) -> dict:
 
 def install_docs(app: FastAPI, limits: ServeConfig) -> None:
     """/openapi.json and an offline Swagger UI at /docs (create the app with docs_url=None)."""
-    app.openapi = lambda: build_openapi(app, limits)
+
+    def vocabulary() -> int | None:
+        state = getattr(app.state, "ragkv", None)
+        return state.client.vocabulary_size if state is not None else None
+
+    app.openapi = lambda: build_openapi(app, limits, vocabulary())
 
     @app.get(f"{ASSETS_PATH}/swagger-ui-bundle.js", include_in_schema=False)
     def swagger_bundle() -> Response:

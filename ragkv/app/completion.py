@@ -40,7 +40,9 @@ def prompt_ids(
     if max(ids) >= vocabulary:
         raise InputError("bad_token_id", f"{where} holds token id {max(ids)}; the vocabulary has {vocabulary}")
     if max_input_tokens is not None and len(ids) > max_input_tokens:
-        raise InputError("too_many_tokens", f"{where} is {len(ids)} tokens; the limit is {max_input_tokens}")
+        raise InputError(
+            "too_many_tokens", f"{where} is {len(ids)} tokens; the limit is {max_input_tokens} (--max-input-tokens)"
+        )
     check_context_length(engine, len(ids), generation.max_new_tokens, where, "shorten it or lower max_tokens")
     return ids
 

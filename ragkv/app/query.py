@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ragkv.app.limits import check_context_length
 from ragkv.app.rag import Citation, QueryConfig, RagPipeline
 from ragkv.app.request import FinishReason, Prepared, Request, RequestInfo, RequestOutput, RequestSink, fused_prompt_ids
 from ragkv.app.usage import TokenUsage
@@ -31,7 +32,7 @@ class QueryInfo(RequestInfo):
 def check_input_tokens(engine: Engine, text: str, limit: int | None, what: str) -> int:
     count = len(engine.tokenize(text))
     if limit is not None and count > limit:
-        raise InputError("too_many_tokens", f"{what} is {count} tokens; the limit is {limit}")
+        raise InputError("too_many_tokens", f"{what} is {count} tokens; the limit is {limit} (--max-input-tokens)")
     return count
 
 
@@ -42,6 +43,17 @@ def check_sparse(engine: Engine, config: QueryConfig) -> None:
             f"the {config.sparse.name} selector needs an A2ATS codebook for this model, "
             "and there is none (run `ragkv calibrate`); choose another selector",
         )
+
+
+def question_prompt_ids(engine: Engine, question: str, config: QueryConfig, max_input_tokens: int | None) -> list[int]:
+    """The ids of a question's prompt, checked as `query_request` checks it, without the
+    chunks retrieval puts between its prefix and its question segment."""
+    check_input_tokens(engine, question, max_input_tokens, "the question")
+    check_sparse(engine, config)
+    segments = engine.prompt.rag_segments(question)
+    ids = segments.prefix_ids + segments.question_ids
+    check_context_length(engine, len(ids), config.generation.max_new_tokens, "the prompt", "lower max_tokens")
+    return ids
 
 
 def query_request(

@@ -8,6 +8,8 @@ from __future__ import annotations
 from ragkv.engine.generation import MAX_LOGPROBS, GenerationConfig
 from ragkv.engine.sampling import SamplingConfig
 from ragkv.fusion import DEFAULT_STRATEGY, STRATEGY_NAMES, FusionConfig
+from ragkv.ingest.index.filters import MAX_KEYS as MAX_FILTER_KEYS
+from ragkv.ingest.index.filters import MAX_VALUES as MAX_FILTER_VALUES
 from ragkv.ingest.index.filters import MetadataFilter
 from ragkv.ingest.index.hybrid import DEFAULT_RETRIEVAL, RETRIEVAL_MODES
 from ragkv.ingest.registry import check_tenant
@@ -16,6 +18,8 @@ from ragkv.sparse import SELECTOR_NAMES, SparseConfig
 __all__ = [
     "DEFAULT_RETRIEVAL",
     "DEFAULT_STRATEGY",
+    "MAX_FILTER_KEYS",
+    "MAX_FILTER_VALUES",
     "MAX_LOGPROBS",
     "RETRIEVAL_MODES",
     "SELECTOR_NAMES",

@@ -122,7 +122,7 @@ class ModelList(BaseModel):
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="allow")
     type: str = Field(json_schema_extra={"enum": ["text"]}, description="only text parts are served")
-    text: str | None = None
+    text: str = Field(description="the part's text")
 
 
 class ChatMessage(BaseModel):
@@ -173,7 +173,10 @@ class ChatRequest(GenerationRequest):
         None, description="true: return each answer token's log-probability (choices[].logprobs)"
     )
     top_logprobs: Integer | None = Field(
-        None, ge=0, le=MAX_LOGPROBS, description="with logprobs: also the N most likely tokens at each position"
+        None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="with logprobs: also the N most likely tokens at each position (without logprobs: ignored)",
     )
     response_format: ResponseFormat | None = Field(None, description="only {'type': 'text'} is served")
     rag: ChatRag | None = Field(None, description="ragkv extension: retrieval, fusion and session options")
@@ -194,8 +197,6 @@ class ChatRequest(GenerationRequest):
         for name in ("tools", "functions", "tool_choice", "function_call"):
             if extra.get(name):
                 raise ApiError(400, "unsupported_parameter", f"{name} are not supported by this server", param=name)
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ApiError(400, "invalid_parameters", "top_logprobs needs logprobs: true", param="top_logprobs")
         refuse_response_format(self.response_format)
 
     @property

@@ -33,19 +33,30 @@ from ragkv.api.chat.protocol import ChatCompletion, ChatRequest, Model, ModelLis
 from ragkv.api.chat.serving import ChatStream, chat_completion, model_entry, session_list
 from ragkv.api.common.conversion import chat_turn, checked_conversation, generation_config, query_config
 from ragkv.api.common.protocol import DEFAULT_MAX_TOKENS, EMBEDDING_MODEL_ID, SESSION_ID_PATTERN, ChatRag, Deleted
+from ragkv.api.common.render import RenderedPrompt, rendered_prompt
 from ragkv.api.errors import ApiError
 from ragkv.api.json_response import SafeJSONResponse
 from ragkv.api.openapi import errors, sse_or
 from ragkv.api.sessions import ChatTurnAnswer, check_session_id
 from ragkv.api.state import AppState, app_state
 from ragkv.api.streaming import EventStream, run_requests, stream_response
+from ragkv.app.request_types import GenerationConfig
 
 router = APIRouter(tags=["chat"], default_response_class=SafeJSONResponse)
 
 
 def _messages(body: ChatRequest) -> list[dict[str, str]]:
     messages = [{"role": message.role, "content": message.text()} for message in body.messages]
-    return checked_conversation(messages, "messages", "the last message must have role 'user'")
+    return checked_conversation(messages)
+
+
+def _generation(body: ChatRequest, state: AppState) -> GenerationConfig:
+    if body.max_tokens and body.max_completion_tokens:  # the newer name wins; the other is still checked
+        generation_config(body.max_tokens, None, None, None, None, state.config)
+    max_tokens = body.max_completion_tokens or body.max_tokens or min(DEFAULT_MAX_TOKENS, state.config.max_new_tokens)
+    return generation_config(
+        max_tokens, body.temperature, body.top_p, body.seed, body.stop, state.config, logprobs=body.logprobs_count
+    )
 
 
 @router.post(
@@ -64,11 +75,7 @@ async def chat_completions(request: Request, response: Response, body: ChatReque
     messages = _messages(body)
     rag = body.rag or ChatRag()
     turn = ChatTurnAnswer.of(body.session_id, rag.session_id, state.client, tenant, with_sources=body.sources)
-    max_tokens = body.max_completion_tokens or body.max_tokens or DEFAULT_MAX_TOKENS
-    generation = generation_config(
-        max_tokens, body.temperature, body.top_p, body.seed, body.stop, state.config, logprobs=body.logprobs_count
-    )
-    config = query_config(rag, generation, state.config)
+    config = query_config(rag, _generation(body, state), state.config)
     work = state.client.chat(
         chat_turn(tenant, messages, turn.named, config, rag.enabled, body, state.config), turn.session_id
     )
@@ -86,6 +93,25 @@ async def chat_completions(request: Request, response: Response, body: ChatReque
     stream = await EventStream.start(request, work)
     renderer = ChatStream(completion_id, created, state.model_id, turn, include_usage)
     return stream_response(request, stream, renderer, turn.headers)
+
+
+@router.post("/v1/chat/completions/render", response_model=RenderedPrompt, responses=errors(400, 401, 404, 413))
+async def render_chat_completion(request: Request, body: ChatRequest):
+    """vLLM's render call: the token ids this chat request would prefill (the messages in
+    the model's chat template), checked as the request would be, with no model work. The
+    documents a turn retrieves (`rag`) are not among them: retrieval embeds the question and
+    reads the store, and any replica reads the same chunks from it; a cached conversation
+    is found by these ids."""
+    state = app_state(request)
+    tenant = tenant_of(request)
+    body.refuse_unsupported()
+    state.check_model(body.model)
+    generation = _generation(body, state)
+    rag = body.rag or ChatRag()
+    config = query_config(rag, generation, state.config)
+    turn = chat_turn(tenant, _messages(body), None, config, rag.enabled, body, state.config)
+    ids = state.client.render_chat(turn)
+    return rendered_prompt("chatcmpl", ids, body, generation, body.stream, body.stream_options)
 
 
 def _model(state: AppState, model_id: str) -> Model:

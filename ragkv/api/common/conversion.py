@@ -6,6 +6,10 @@ and their ValueError becomes a 400 that carries the config's own message."""
 
 from __future__ import annotations
 
+from typing import Any
+
+from pydantic import BaseModel
+
 from ragkv.api.common.protocol import GenerationRequest, RetrievalOptions, SparseOptions
 from ragkv.api.config import ServeConfig
 from ragkv.api.errors import ApiError
@@ -55,12 +59,21 @@ def generation_config(
         raise ApiError(400, "invalid_parameters", str(error)) from None
 
 
+def sent_or_capped(body: BaseModel, name: str, cap: int) -> Any:
+    """The body's field `name` as the client sent it, or its default lowered to the server's
+    cap: only a value sent above a cap is refused (the schema says the cap; a default that
+    exceeds it is the server's to lower)."""
+    value = getattr(body, name)
+    return value if name in body.model_fields_set or value is None else min(value, cap)
+
+
 def query_config(options: RetrievalOptions, generation: GenerationConfig, limits: ServeConfig) -> QueryConfig:
-    if options.top_k > limits.max_top_k:
+    top_k = sent_or_capped(options, "top_k", limits.max_top_k)
+    if top_k > limits.max_top_k:
         raise ApiError(
             400,
             "invalid_parameters",
-            f"top_k is {options.top_k}; this server allows at most {limits.max_top_k}",
+            f"top_k is {top_k}; this server allows at most {limits.max_top_k}",
             param="top_k",
         )
     try:
@@ -69,7 +82,7 @@ def query_config(options: RetrievalOptions, generation: GenerationConfig, limits
         if isinstance(options, SparseOptions) and options.wants_sparse:
             extra["sparse"] = sparse_config(options)
         return QueryConfig(
-            top_k=options.top_k,
+            top_k=top_k,
             doc_ids=tuple(options.document_ids) if options.document_ids else None,
             fusion=fusion,
             generation=generation,
@@ -123,14 +136,14 @@ def sparse_config(options: SparseOptions):
     return SparseConfig(**values)
 
 
-def checked_conversation(messages: list[dict[str, str]], param: str, not_user: str) -> list[dict[str, str]]:
-    """A chat turn's messages: developer messages become system ones; the last must be the
-    user's (else 400 last_message_not_user with `not_user`) and not blank."""
+def checked_conversation(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """A chat turn's messages: developer messages become system ones. A conversation that
+    does not end with the user's message (OpenAI answers it too) is answered as if an empty
+    one followed, and a blank one is answered as it is (it retrieves nothing): the turn
+    always answers a user message."""
     converted = [
         {**message, "role": "system" if message["role"] == "developer" else message["role"]} for message in messages
     ]
     if not converted or converted[-1]["role"] != "user":
-        raise ApiError(400, "last_message_not_user", not_user, param=param)
-    if not converted[-1]["content"].strip():
-        raise ApiError(400, "empty_message", "the last user message is empty", param=param)
+        converted.append({"role": "user", "content": ""})
     return converted

@@ -14,6 +14,7 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictBool,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
@@ -21,6 +22,8 @@ from pydantic import (
 from ragkv.api.errors import ApiError
 from ragkv.app.request_types import (
     DEFAULT_STRATEGY,
+    MAX_FILTER_KEYS,
+    MAX_FILTER_VALUES,
     RETRIEVAL_MODES,
     SELECTOR_NAMES,
     STRATEGY_NAMES,
@@ -252,6 +255,33 @@ def seed_field(description: str) -> Any:
     return Field(None, ge=SEED_MIN, le=SEED_MAX, json_schema_extra=SEED_SCHEMA, description=description)
 
 
+_FILTER_SCALAR = {"anyOf": [{"type": "string"}, {"type": "number"}, {"type": "boolean"}]}
+FILTER_SCHEMA = {
+    "type": "object",
+    "minProperties": 1,
+    "maxProperties": MAX_FILTER_KEYS,
+    "propertyNames": {"minLength": 1, "pattern": "^[^$]"},
+    "additionalProperties": {
+        "anyOf": [
+            _FILTER_SCALAR,
+            {
+                "type": "object",
+                "minProperties": 1,
+                "additionalProperties": False,
+                "properties": {
+                    "$eq": _FILTER_SCALAR,
+                    "$ne": _FILTER_SCALAR,
+                    "$in": {"type": "array", "items": _FILTER_SCALAR, "minItems": 1, "maxItems": MAX_FILTER_VALUES},
+                    **{op: {"type": "number"} for op in ("$gt", "$gte", "$lt", "$lte")},
+                },
+            },
+        ]
+    },
+}
+"""What MetadataFilter.parse takes (ragkv.ingest.index.filters), as JSON Schema: a key names
+metadata (not empty, not an operator), its value is a scalar or an operator object."""
+
+
 class RetrievalOptions(StrictRequest):
     """Retrieval and fusion options shared by /v1/query and the chat `rag` field."""
 
@@ -274,9 +304,8 @@ class RetrievalOptions(StrictRequest):
         description="dense (embeddings), bm25 (words) or hybrid (both, fused by reciprocal rank); "
         "default: the server's --retrieval",
     )
-    filter: dict[str, Any] | None = Field(
+    filter: Annotated[dict[str, Any], WithJsonSchema(FILTER_SCHEMA)] | None = Field(
         None,
-        min_length=1,
         description='retrieve only from documents whose metadata matches: {"team": "legal"}, '
         '{"team": {"$in": ["legal", "hr"]}}, {"year": {"$gte": 2020}} ($gt, $gte, $lt, $lte, $ne); every key must hold',
     )

@@ -41,6 +41,7 @@ from ragkv.api.json_response import SafeJSONResponse
 from ragkv.api.openapi import errors
 from ragkv.api.state import AppState, app_state
 from ragkv.api.streaming import run_task
+from ragkv.app.errors import InputError
 from ragkv.app.ingestion import UPLOAD_MEDIA_TYPES, UPLOAD_SUFFIXES, check_document_text, read_upload
 from ragkv.app.server import IngestedDocument, Ingestion
 
@@ -82,6 +83,25 @@ def _form_flag(value, name: str) -> bool | None:
     return flag
 
 
+_UPLOAD_STATUS = {
+    **dict.fromkeys(("unsupported_type", "binary", "not_utf8"), 415),
+    **dict.fromkeys(("empty", "unreadable", "encrypted", "no_text_layer"), 422),
+}
+"""An upload's refusals for what its file holds, which a schema cannot say (its `encoding`
+lists the part types, which clients do not always send): none of the types served, or not
+the text its name says, is a 415 as a body of another media type is; a file of a served
+type that holds no text, or cannot be read as that type, is a 422."""
+
+
+def _uploaded(data: bytes, name: str, limit: int):
+    try:
+        return read_upload(data, name, limit)
+    except InputError as error:
+        if error.reason in _UPLOAD_STATUS:
+            raise ApiError(_UPLOAD_STATUS[error.reason], error.reason, str(error), param="file") from None
+        raise
+
+
 async def _read_document(request: Request, state: AppState) -> Upload:
     """The document of a JSON body or a multipart upload."""
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
@@ -95,8 +115,7 @@ async def _read_document(request: Request, state: AppState) -> Upload:
             )
         given = form.get("name") or upload.filename
         name = str(given or "upload.txt")
-        data = await upload.read()
-        document = read_upload(data, name, limit)
+        document = _uploaded(await upload.read(), name, limit)
         return Upload(
             document.text,
             str(given) if given else None,
@@ -149,7 +168,7 @@ _DOCUMENT_BODY = {
                         + " (or with no ending: read as text) that holds text",
                     },
                     "name": {"type": "string", "description": "its name (default: the file name)"},
-                    "metadata": {"type": "string", "description": "a JSON object, as text"},
+                    "metadata": {"type": "object", "description": "a JSON object (the part's text)"},
                     "background": {"type": "boolean", "description": "force (true) or refuse (false) a background job"},
                     "replace": {
                         "type": "boolean",
@@ -157,7 +176,10 @@ _DOCUMENT_BODY = {
                     },
                 },
             },
-            "encoding": {"file": {"contentType": ", ".join(UPLOAD_MEDIA_TYPES)}},
+            "encoding": {
+                "file": {"contentType": ", ".join(UPLOAD_MEDIA_TYPES)},
+                "metadata": {"contentType": "application/json"},
+            },
         },
     },
 }
@@ -178,7 +200,7 @@ def _ingest_route(status: int, doing: str, *error_statuses: int) -> dict:
     }
 
 
-@router.post("/v1/documents", status_code=201, **_ingest_route(201, "ingesting", 400, 401, 413, 415, 503))
+@router.post("/v1/documents", status_code=201, **_ingest_route(201, "ingesting", 400, 401, 413, 415, 422, 503))
 async def create_document(request: Request):
     """Ingest a document (JSON {text, name, metadata} or a multipart 'file' upload). Small
     documents answer 201 when ingested; large ones (or background=true) answer 202 with a
@@ -193,7 +215,9 @@ async def create_document(request: Request):
     return await _ingest(request, state, ingestion, upload.background)
 
 
-@router.put("/v1/documents/{doc_id}", status_code=200, **_ingest_route(200, "replacing", 400, 401, 404, 413, 415, 503))
+@router.put(
+    "/v1/documents/{doc_id}", status_code=200, **_ingest_route(200, "replacing", 400, 401, 404, 409, 413, 415, 422, 503)
+)
 async def replace_document(request: Request, doc_id: DocumentId):
     """Replace a document by a new version, keeping its id (same body as POST). Its old
     chunks leave retrieval when the new ones enter, in one step; chunks the versions share

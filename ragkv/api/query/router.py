@@ -8,7 +8,7 @@ import uuid
 from fastapi import APIRouter, Request
 
 from ragkv.api.auth import tenant_of
-from ragkv.api.common.conversion import generation_config, query_config
+from ragkv.api.common.conversion import generation_config, query_config, sent_or_capped
 from ragkv.api.json_response import SafeJSONResponse
 from ragkv.api.openapi import errors, sse_or
 from ragkv.api.query.protocol import QueryRequest, QueryResponse
@@ -34,7 +34,8 @@ async def query(request: Request, body: QueryRequest):
     state = app_state(request)
     tenant = tenant_of(request)
     limits = state.config
-    generation = generation_config(body.max_tokens, body.temperature, body.top_p, body.seed, body.stop, limits)
+    max_tokens = sent_or_capped(body, "max_tokens", limits.max_new_tokens)
+    generation = generation_config(max_tokens, body.temperature, body.top_p, body.seed, body.stop, limits)
     config = query_config(body, generation, limits)
     query_id = "q_" + uuid.uuid4().hex[:20]
     work = state.client.query(body.question, tenant, config)

@@ -101,7 +101,7 @@ class InputPart(BaseModel):
     type: str = Field(
         json_schema_extra={"enum": ["input_text", "output_text", "text"]}, description="only text parts are served"
     )
-    text: str | None = None
+    text: str = Field(description="the part's text")
 
 
 class InputMessage(BaseModel):
@@ -162,4 +162,4 @@ class ResponseRequest(GenerationRequest):
             messages.append({"role": "user", "content": self.input})
         else:
             messages += [{"role": item.role, "content": item.text()} for item in self.input]
-        return checked_conversation(messages, "input", "the input must end with a user message")
+        return checked_conversation(messages)

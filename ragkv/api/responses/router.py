@@ -53,7 +53,7 @@ async def create_response(request: Request, response: Response, body: ResponseRe
     messages = body.messages()
     rag = body.rag or ChatRag()
     turn = ChatTurnAnswer.of(body.session_id, rag.session_id, state.client, tenant)
-    max_tokens = body.max_output_tokens or DEFAULT_MAX_TOKENS
+    max_tokens = body.max_output_tokens or min(DEFAULT_MAX_TOKENS, state.config.max_new_tokens)
     generation = generation_config(max_tokens, body.temperature, body.top_p, body.seed, None, state.config)
     config = query_config(rag, generation, state.config)
     work = state.client.chat(

@@ -35,7 +35,7 @@ from functools import partial
 import torch
 
 from ragkv.app.chat.contexts import Context, ContextStore, Insertion, new_context_id
-from ragkv.app.chat.conversation import render_conversation
+from ragkv.app.chat.conversation import Conversation, render_conversation
 from ragkv.app.chat.plan import (
     NO_BASE,
     Base,
@@ -193,9 +193,8 @@ class ChatTurns:
         on_finished: Callable[[Request, RequestOutput], None] | None = None,
     ) -> Request:
         """`context_id`: the id the turn's context gets when no session is named (default: a new one)."""
-        check_tenant(turn.tenant)
-        check_input_tokens(self.engine, turn.messages[-1]["content"], self.max_input_tokens, "the last message")
-        state = _Turn(self, turn, turn.session_id or context_id or new_context_id(), on_finished)
+        conversation = self.conversation(turn)
+        state = _Turn(self, turn, turn.session_id or context_id or new_context_id(), on_finished, conversation)
         estimate = sum(len(m["content"]) for m in turn.messages) // 3 + turn.config.top_k * CHUNK_TOKENS_ESTIMATE
         return Request(
             "chat",
@@ -207,14 +206,33 @@ class ChatTurns:
             on_dropped=state.dropped,
         )
 
+    def conversation(self, turn: ChatTurn) -> Conversation:
+        """The turn's messages as the chat template renders them: the ids the turn prefills
+        when nothing is cached and nothing retrieved, and the fewest its prompt can hold.
+        Checked before the turn reads a store or runs the model (InputError): the last
+        message within max_input_tokens, these ids and the answer within the model's context."""
+        check_tenant(turn.tenant)
+        check_input_tokens(self.engine, turn.messages[-1]["content"], self.max_input_tokens, "the last message")
+        conversation = render_conversation(self.engine.prompt, turn.messages)
+        check_context_length(
+            self.engine,
+            len(conversation.token_ids),
+            turn.config.generation.max_new_tokens,
+            "the conversation",
+            "shorten it or lower max_tokens",
+        )
+        return conversation
+
 
 class _Turn:
     """One turn: opens (holds or finds its base), plans, carries the plan out; then saves
     what it leaves (`finished`) or gives a held base back whole (`dropped`)."""
 
-    def __init__(self, turns: ChatTurns, turn: ChatTurn, context_id: str, on_finished):
+    def __init__(self, turns: ChatTurns, turn: ChatTurn, context_id: str, on_finished, conversation: Conversation):
         self.turns = turns
         self.turn = turn
+        self.conversation = conversation
+        """The messages sent, rendered (ChatTurns.conversation)."""
         self.engine = turns.engine
         self.context_id = context_id
         self._on_finished = on_finished
@@ -262,7 +280,7 @@ class _Turn:
         if turn.session_id is not None:
             self.held = context = contexts.checkout(turn.tenant, turn.session_id)
             return session_opening(prompt, fingerprint, context, turn.messages)
-        conversation = render_conversation(prompt, turn.messages)
+        conversation = self.conversation
         base = NO_BASE
         match = contexts.match(turn.tenant, fingerprint, conversation.token_ids)
         if match is not None and match.conversation_tokens > 0:
@@ -275,8 +293,8 @@ class _Turn:
 
     def _retrieve(self, request: Request) -> list:
         turn = self.turn
-        if not turn.rag:
-            return []
+        if not turn.rag or not conversation_text(turn).strip():
+            return []  # a blank message has nothing to search for
         started = time.perf_counter()
         config = turn.config
         retrieved = self.turns.rag.retrieve(

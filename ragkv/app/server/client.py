@@ -150,6 +150,22 @@ class EngineClient:
             self._work.completion_stream(prompts, generation, tenant, fusion, prompt_spans)
         )
 
+    # -- prompts as the requests above prefill them (answered at once, no model work) ----
+
+    def render_chat(self, turn: ChatTurn) -> list[int]:
+        """The ids `chat(turn)` prefills when nothing is retrieved (ChatTurns.conversation);
+        checked as the turn would be. Retrieved chunks are not in them: retrieval embeds the
+        question (model work) and reads the store."""
+        return self._work.chat.conversation(turn).token_ids
+
+    def render_question(self, question: str, config: QueryConfig) -> list[int]:
+        """The ids `query(question, ...)` prefills around its retrieved chunks (none of them)."""
+        return self._work.question_ids(question, config)
+
+    def render_prompts(self, prompts: Sequence[str | list[int]], generation: GenerationConfig) -> list[list[int]]:
+        """The ids `complete(prompts, generation)` prefills, one list per prompt."""
+        return self._work.prompt_ids(prompts, generation)
+
     async def settle_shared(self, tenant: str, context_id: str, outcome: RequestOutput) -> None:
         """Await, at most `shared_publish_wait_s`, the turn's context reaching the shared
         session store, so a follow-up to any replica continues it (app.server.publication)."""
@@ -158,6 +174,11 @@ class EngineClient:
     def embed(self, texts: list[str]) -> Task:
         """Submitted; its result is the texts' Embeddings."""
         return self._worker.submit(Task("embedding", self._work.embeddings_body(texts)))
+
+    @property
+    def vocabulary_size(self) -> int:
+        """Token ids of the served model are below it."""
+        return self._runtime.engine.spec.vocab_size
 
     @property
     def embedding_dimension(self) -> int:

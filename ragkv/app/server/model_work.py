@@ -18,7 +18,7 @@ import numpy as np
 from ragkv.app.chat.contexts import ContextStore
 from ragkv.app.chat.turn import ChatTurn, ChatTurns
 from ragkv.app.completion import PassageRequest, completion_request, prompt_ids
-from ragkv.app.query import query_request
+from ragkv.app.query import query_request, question_prompt_ids
 from ragkv.app.rag import QueryConfig
 from ragkv.app.request import RequestCancelled
 from ragkv.app.request_types import FusionConfig, GenerationConfig
@@ -70,6 +70,9 @@ class ModelWork:
         )
         return RequestStream("query", [request], self.observer.stream_ended)
 
+    def question_ids(self, question: str, config: QueryConfig) -> list[int]:
+        return question_prompt_ids(self.runtime.engine, question, config, self.max_input_tokens)
+
     # -- /v1/chat/completions -------------------------------------------------------
 
     def chat_stream(self, turn: ChatTurn, context_id: str) -> RequestStream:
@@ -91,16 +94,7 @@ class ModelWork:
         """One request per prompt; every prompt is checked before any runs. `prompt_spans`:
         passages pasted into a prompt are reused from the store (fused by `fusion`)."""
         engine = self.runtime.engine
-        all_ids = [
-            prompt_ids(
-                engine,
-                prompt,
-                generation,
-                max_input_tokens=self.max_input_tokens,
-                where=f"prompt {index}" if len(prompts) > 1 else "the prompt",
-            )
-            for index, prompt in enumerate(prompts)
-        ]
+        all_ids = self.prompt_ids(prompts, generation)
         arrival = time.perf_counter()
         return RequestStream(
             "completion",
@@ -119,6 +113,19 @@ class ModelWork:
             ],
             self.observer.stream_ended,
         )
+
+    def prompt_ids(self, prompts: Sequence[str | list[int]], generation: GenerationConfig) -> list[list[int]]:
+        """The ids each prompt prefills, every one checked (InputError) before anything runs."""
+        return [
+            prompt_ids(
+                self.runtime.engine,
+                prompt,
+                generation,
+                max_input_tokens=self.max_input_tokens,
+                where=f"prompt {index}" if len(prompts) > 1 else "the prompt",
+            )
+            for index, prompt in enumerate(prompts)
+        ]
 
     # -- ingestion and deletion -----------------------------------------------------
 
