@@ -10,13 +10,16 @@ import pytest
 
 from ragkv.app.chat.contexts import ContextCache
 from ragkv.app.chat.turn import ChatInfo, ChatTurn, ChatTurns
-from ragkv.app.completion import completion_request, prompt_ids
+from ragkv.app.completion import PassageRequest, completion_request, prompt_ids
 from ragkv.app.generate import CollectingSink, run_alone
+from ragkv.app.passages import PromptPassages
 from ragkv.app.query import QueryInfo, query_request
 from ragkv.app.rag import QueryConfig, RagPipeline
 from ragkv.app.request import FinishReason
 from ragkv.app.scheduler import Scheduler, SchedulerConfig
+from ragkv.app.server.prefetch import Prefetcher
 from ragkv.engine.generation import GenerationConfig
+from ragkv.fusion import FusionConfig
 from ragkv.ingest.embedder import Embedder
 from ragkv.ingest.errors import InputError
 from ragkv.ingest.journal import IngestJournal
@@ -24,6 +27,7 @@ from ragkv.ingest.pipeline import IngestConfig, Ingestor
 from ragkv.ingest.registry_lmdb import LMDBDocumentRegistry
 from ragkv.store.lmdb_env import LMDBEnvironment
 from ragkv.store.lmdb_store import LMDBStore
+from ragkv.store.write_behind import WriteBehindStore
 
 pytestmark = pytest.mark.model
 
@@ -149,3 +153,47 @@ def test_every_kind_refuses_a_prompt_and_answer_past_the_context_the_same_way(en
     for error in refusals:
         assert error.reason == "context_length_exceeded"
         assert f"and max_tokens is {limit}:" in str(error) and f"above the model's context of {limit};" in str(error)
+
+
+def test_inputs_fetched_ahead_give_the_answers_of_the_inline_path(engine, rag):
+    """The prefetch stage runs each kind's fetch (retrieval, store reads, span look-ups) on
+    its own thread; the answers are those of the one-request path, where it runs inline."""
+    generation = GenerationConfig(max_new_tokens=12)
+    passages = PassageRequest(PromptPassages(engine, WriteBehindStore(rag.store)), "default", FusionConfig())
+    pasted = prompt_ids(engine, f"Context:\n\n{TEXT.strip()}\n\n{QUESTION}", generation)
+
+    def requests() -> dict:
+        config = QueryConfig(top_k=2, generation=generation)
+        turns = ChatTurns(rag, ContextCache(1 << 30, 1 << 30, 600))
+        rag_turn = ChatTurn("default", [{"role": "user", "content": QUESTION}], None, True, config)
+        return {
+            "query": query_request(rag, QUESTION, "default", config),
+            "chat": turns.request(rag_turn),
+            "completion": completion_request(engine, prompt_ids(engine, PROMPT, generation), generation),
+            "passages": completion_request(engine, pasted, generation, passages=passages),
+        }
+
+    run_alone(engine, requests()["passages"])  # stores the pasted passage: both runs below reuse it
+    alone = {kind: run_alone(engine, request) for kind, request in requests().items()}
+    assert alone["passages"].usage.document_tokens > 0  # the pasted passage was found
+
+    prefetch = Prefetcher(64 << 20)
+    scheduler = Scheduler(
+        engine.model, engine.tokenizer, engine.eos_token_ids, SchedulerConfig(max_running=4), prefetch=prefetch
+    )
+    ahead = requests()
+    sinks = {kind: CollectingSink() for kind in ahead}
+    try:
+        for kind, request in ahead.items():
+            request.sink = sinks[kind]
+            scheduler.add(request)
+        while scheduler.has_work:
+            scheduler.step()
+    finally:
+        prefetch.close()
+        passages.passages.store.close()
+    for kind, sink in sinks.items():
+        assert sink.error is None, kind
+        assert sink.completion.token_ids == alone[kind].token_ids and sink.completion.text == alone[kind].text, kind
+        assert sink.completion.citations == alone[kind].citations, kind
+    assert prefetch.held_bytes == 0

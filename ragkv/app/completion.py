@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from ragkv.app.limits import check_context_length
 from ragkv.app.passages import PromptPassages
-from ragkv.app.request import Prepared, Request, RequestOutput, RequestSink, fused_prompt_ids
+from ragkv.app.passages.plan import PassagePlan
+from ragkv.app.request import Fetched, Prepared, Request, RequestOutput, RequestSink, fused_prompt_ids
 from ragkv.app.usage import TokenUsage
 from ragkv.engine import Engine
 from ragkv.engine.generation import GenerationConfig
@@ -56,6 +57,12 @@ class PassageRequest:
     fusion: FusionConfig
 
 
+@dataclass
+class CompletionFetch(Fetched):
+    plan: PassagePlan | None = None
+    """The pasted passages and the rows the store gives; None: no passage (a prefill)."""
+
+
 def completion_request(
     engine: Engine,
     token_ids: list[int],
@@ -69,11 +76,18 @@ def completion_request(
     """A request that prefills `token_ids` (checked by `prompt_ids`) and continues them;
     with `passages`, the passages pasted into them are fused from the store instead."""
 
+    def fetch(request: Request) -> CompletionFetch:
+        plan = passages.passages.plan(passages.tenant, token_ids, 0) if passages is not None else None
+        return CompletionFetch(plan.nbytes if plan is not None else 0, plan)
+
     def prepare(request: Request) -> Prepared:
         started = time.perf_counter()
-        if passages is not None:
+        plan = request.fetched.plan if request.fetched is not None else None
+        if plan is not None:
             strategy = passages.fusion.build(engine.fusion_calibrated)
-            fused = passages.passages.prepare_prompt(passages.tenant, token_ids, strategy, generation.max_new_tokens)
+            fused = passages.passages.prepare_prompt(
+                passages.tenant, token_ids, strategy, generation.max_new_tokens, plan=plan
+            )
             if fused is not None:
                 request.timings.prefill, request.timings.fuse = fused.prefill_s, fused.fuse_s
                 fusion = fused.fusion
@@ -93,4 +107,5 @@ def completion_request(
         arrival=arrival,
         on_finished=on_finished,
         strip_text=False,
+        fetch=fetch if passages is not None else None,
     )

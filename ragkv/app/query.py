@@ -1,4 +1,5 @@
-"""A RAG question as a scheduler request: prepare = retrieve, load, fuse; then decode.
+"""A RAG question as a scheduler request: fetch = retrieve, read the chunks' stored K/V
+(no model); prepare = recompute what the store lacked, fuse; then decode.
 
 The API's /v1/query and `ragkv ask` both build their request here, and both submit it
 through the engine client (ragkv.app.server); `Answer` is what `ragkv ask` prints.
@@ -10,8 +11,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ragkv.app.limits import check_context_length
-from ragkv.app.rag import Citation, QueryConfig, RagPipeline
-from ragkv.app.request import FinishReason, Prepared, Request, RequestInfo, RequestOutput, RequestSink, fused_prompt_ids
+from ragkv.app.rag import Citation, QueryConfig, QueryInputs, RagPipeline
+from ragkv.app.request import (
+    Fetched,
+    FinishReason,
+    Prepared,
+    Request,
+    RequestInfo,
+    RequestOutput,
+    RequestSink,
+    fused_prompt_ids,
+)
 from ragkv.app.usage import TokenUsage
 from ragkv.engine import Engine
 from ragkv.ingest.errors import InputError
@@ -27,6 +37,11 @@ class QueryInfo(RequestInfo):
     """Token hashes of the fused chunks, in prompt order."""
     missing_chunks: int = 0
     """Chunks the store could not give (computed for this request)."""
+
+
+@dataclass
+class QueryFetch(Fetched):
+    inputs: QueryInputs | None = None
 
 
 def check_input_tokens(engine: Engine, text: str, limit: int | None, what: str) -> int:
@@ -71,8 +86,12 @@ def query_request(
     question_tokens = check_input_tokens(engine, question, max_input_tokens, "the question")
     check_sparse(engine, config)
 
+    def fetch(request: Request) -> QueryFetch:
+        inputs = rag.fetch(question, tenant, config)
+        return QueryFetch(inputs.nbytes, inputs)
+
     def prepare(request: Request) -> Prepared:
-        prepared = rag.prepare(question, tenant, config)
+        prepared = rag.compute(request.fetched.inputs, config)
         fusion = prepared.fusion
         request.timings.retrieve = prepared.timings["retrieve"]
         request.timings.load = prepared.timings["load"]
@@ -92,7 +111,14 @@ def query_request(
 
     estimate = len(engine.chunk_prefix_ids) + question_tokens + config.top_k * CHUNK_TOKENS_ESTIMATE
     return Request(
-        "query", prepare, config.generation, sink, estimated_tokens=estimate, arrival=arrival, on_finished=on_finished
+        "query",
+        prepare,
+        config.generation,
+        sink,
+        estimated_tokens=estimate,
+        arrival=arrival,
+        on_finished=on_finished,
+        fetch=fetch,
     )
 
 

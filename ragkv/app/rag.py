@@ -86,6 +86,29 @@ class PreparedQuery:
     the store had none to give (a miss, a corrupt blob, another model's store)."""
 
 
+@dataclass
+class QueryInputs:
+    """What a question reads before the model: its retrieved chunks (least relevant first),
+    their stored tensors (None where the store has none), their citations."""
+
+    question: str
+    tenant: str
+    retrieved: list[tuple[DocumentRecord, ChunkRecord, float]]
+    entries: list
+    citations: list[Citation]
+    retrieve_s: float = 0.0
+    load_s: float = 0.0
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_bytes(self.entries)
+
+
+def tensor_bytes(entries) -> int:
+    """Bytes of the tensors in `entries` (mappings of tensors, or None)."""
+    return sum(t.numel() * t.element_size() for e in entries if e is not None for t in e.values())
+
+
 class RagPipeline:
     def __init__(self, engine: Engine, store: ChunkStore, registry: DocumentRegistry, embedder: Embedder):
         self.engine = engine
@@ -127,14 +150,23 @@ class RagPipeline:
         # Most relevant last: nearest the question.
         return sorted(found, key=lambda item: item[2])
 
+    def read_chunks(self, retrieved: list[tuple[DocumentRecord, ChunkRecord, float]]) -> list:
+        """The stored tensors of the retrieved chunks (None for each the store lacks): the
+        store reads of a query, no model."""
+        return self.store.get_many([self.chunk_key(chunk.chunk_hash) for _, chunk, _ in retrieved])
+
     def load_chunks(
-        self, tenant: str, retrieved: list[tuple[DocumentRecord, ChunkRecord, float]], stored: list | None = None
+        self,
+        tenant: str,
+        retrieved: list[tuple[DocumentRecord, ChunkRecord, float]],
+        stored: list | None = None,
+        entries: list | None = None,
     ) -> tuple[list[LoadedChunk], list[int]]:
         """KV of the retrieved chunks, and the indices of those recomputed: a chunk missing
         from the store (evicted, corrupt, another model) is recomputed from the document
         text and written back. `stored`, when given, receives each chunk's tensors as read
-        (sparse decode uses its codes)."""
-        entries = self.store.get_many([self.chunk_key(chunk.chunk_hash) for _, chunk, _ in retrieved])
+        (sparse decode uses its codes); `entries`: what `read_chunks` read (None: read now)."""
+        entries = self.read_chunks(retrieved) if entries is None else entries
         loaded, recomputed = [], []
         for index, ((record, chunk, _), tensors) in enumerate(zip(retrieved, entries)):
             if tensors is None:
@@ -154,10 +186,14 @@ class RagPipeline:
         return self.engine.tokenize(text)[chunk.token_start : chunk.token_end]
 
     def prepare(self, question: str, tenant: str, config: QueryConfig) -> PreparedQuery:
+        return self.compute(self.fetch(question, tenant, config), config)
+
+    def fetch(self, question: str, tenant: str, config: QueryConfig) -> QueryInputs:
+        """A question's inputs, no model: its chunks retrieved, their stored tensors read,
+        their citations."""
         check_tenant(tenant)
         if not question or not question.strip():
             raise InputError("empty_question", "the question is empty")
-        timings: dict[str, float] = {}
         started = time.perf_counter()
         retrieved = self.retrieve(question, tenant, config.top_k, config.doc_ids, config.retrieval, config.filter)
         if not retrieved and (config.filter is not None or config.retrieval == "bm25"):
@@ -168,12 +204,20 @@ class RagPipeline:
             )
         if not retrieved:
             raise InputError("no_documents", "no documents to answer from: ingest some first")
-        timings["retrieve"] = time.perf_counter() - started
+        retrieve_s = time.perf_counter() - started
+        load_started = time.perf_counter()
+        entries = self.read_chunks(retrieved)
+        load_s = time.perf_counter() - load_started
+        return QueryInputs(question, tenant, retrieved, entries, self.cite(tenant, retrieved), retrieve_s, load_s)
+
+    def compute(self, inputs: QueryInputs, config: QueryConfig) -> PreparedQuery:
+        """The model side of a question: missing chunks recomputed, then the fusion."""
+        timings: dict[str, float] = {"retrieve": inputs.retrieve_s}
         load_started = time.perf_counter()
         stored: list = []
-        chunks, missing = self.load_chunks(tenant, retrieved, stored)
-        timings["load"] = time.perf_counter() - load_started
-        segments = self.engine.prompt.rag_segments(question)
+        chunks, missing = self.load_chunks(inputs.tenant, inputs.retrieved, stored, inputs.entries)
+        timings["load"] = inputs.load_s + time.perf_counter() - load_started
+        segments = self.engine.prompt.rag_segments(inputs.question)
         fusion_input = FusionInput(
             segments.prefix_ids,
             chunks,
@@ -188,10 +232,9 @@ class RagPipeline:
             self.engine.model, fusion_input, self.engine.chunk_prefix_cache(), config.generation.max_new_tokens
         )
         timings["fuse"] = time.perf_counter() - fuse_started
-        citations = self.cite(tenant, retrieved)
         chunk_codes = sparse_chunk_codes(self.engine, config.sparse, chunks, stored)
-        hashes = [chunk.chunk_hash for _, chunk, _ in retrieved]
-        return PreparedQuery(result, citations, timings, strategy.name, hashes, chunk_codes, tuple(missing))
+        hashes = [chunk.chunk_hash for _, chunk, _ in inputs.retrieved]
+        return PreparedQuery(result, inputs.citations, timings, strategy.name, hashes, chunk_codes, tuple(missing))
 
     def cite(self, tenant: str, retrieved: list[tuple[DocumentRecord, ChunkRecord, float]]) -> list[Citation]:
         """Citations of retrieved chunks, most relevant first."""

@@ -1,7 +1,13 @@
 """A request's typed state as the scheduler moves it through its phases.
 
-    WAITING ─► PREPARING (retrieve, load, fuse / prefill: the request's `prepare`) ─►
+    WAITING ─► (FETCHED: its `fetch` read its inputs, no model) ─►
+    PREPARING (fuse / prefill: the request's `prepare`, model only) ─►
     DECODING (one row of the batched decode step per token) ─► FINISHED
+
+A kind splits its preparation in two: `fetch` (tokenize, retrieve, span look-ups, store
+reads; any thread, ahead of admission: ragkv.app.server.prefetch) gives a `Fetched`, and
+`prepare` (the model thread) computes from it. Without a prefetch stage the fetch runs
+inline, just before the prepare.
 
 What a request produces goes to its `RequestSink` (the API's request stream, or a
 collector for the CLI): `started` once the first token's logits exist, `token` per piece
@@ -17,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import itertools
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -63,6 +70,15 @@ class RequestCancelled(Exception):
 class RequestInfo:
     """What one kind of request reports beside the shared fields; each kind subclasses it
     (ragkv.app.query.QueryInfo, ragkv.app.chat.turn.ChatInfo)."""
+
+
+@dataclass
+class Fetched:
+    """What a request's `fetch` read ahead of the model; each kind subclasses it
+    (ragkv.app.query.QueryFetch, ragkv.app.completion.CompletionFetch, ragkv.app.chat.turn.ChatFetch)."""
+
+    nbytes: int = 0
+    """Bytes it holds (stored K/V read), for the prefetch stage's bound on bytes in flight."""
 
 
 @dataclass(frozen=True)
@@ -143,9 +159,12 @@ class Request:
         on_finished: Callable[[Request, RequestOutput], None] | None = None,
         on_dropped: Callable[[Request], None] | None = None,
         strip_text: bool = True,
+        fetch: Callable[[Request], Fetched] | None = None,
     ):
         """`strip_text`: the completion's text loses its surrounding white space (answers),
-        or is kept as generated (a plain completion continues its prompt exactly)."""
+        or is kept as generated (a plain completion continues its prompt exactly).
+        `fetch`: reads the request's inputs without the model (kept in `fetched` for
+        `prepare`); None = `prepare` does everything."""
         self.id = next(_ids)
         self.kind = kind
         self.phase = Phase.WAITING
@@ -167,6 +186,10 @@ class Request:
         self._sampled: TokenLogprob | None = None
         self._tokenizer = None
         self._prepare = prepare
+        self._fetch = fetch
+        self.fetched: Fetched | None = None
+        self._fetch_error: BaseException | None = None
+        self._fetch_done = threading.Event()
         self._on_finished = on_finished
         self._on_dropped = on_dropped
         self._decode_started = 0.0
@@ -183,10 +206,29 @@ class Request:
             return self.estimated_tokens
         return self.prepared.cache.length + self.generation.max_new_tokens - len(self.output_ids)
 
+    @property
+    def ready(self) -> bool:
+        """Its inputs are read (or it reads none): the scheduler may prepare it."""
+        return self._fetch is None or self._fetch_done.is_set()
+
+    def run_fetch(self) -> None:
+        """Run the fetch part (any thread, once); its result or its error is kept for `prepare`."""
+        if self.ready:
+            return
+        try:
+            self.fetched = self._fetch(self)
+        except BaseException as error:  # the request's own failure: `prepare` raises it
+            self._fetch_error = error
+        self._fetch_done.set()
+
     def prepare(self, tokenizer) -> None:
         self.phase = Phase.PREPARING
         self.timings.queue = time.perf_counter() - self.arrival
+        self.run_fetch()  # inline when no prefetch stage ran it
+        if self._fetch_error is not None:
+            raise self._fetch_error
         self.prepared = self._prepare(self)
+        self.fetched = None  # read into the cache: not held past the prepare
         self.pending_logits = self.prepared.logits
         self.detokenizer = Detokenizer(tokenizer, self.generation.stop)
         self._tokenizer = tokenizer
@@ -249,6 +291,7 @@ class Request:
 
     def release(self) -> None:
         self.prepared = None
+        self.fetched = None
         self.pending_logits = None
         self._on_dropped = self._on_finished = None
 

@@ -16,6 +16,7 @@ from ragkv.app.storage import Storage, StorageConfig
 from ragkv.engine import Engine, EngineConfig
 from ragkv.ingest.embedder import Embedder
 from ragkv.ingest.pipeline import IngestConfig, Ingestor
+from ragkv.store.write_behind import WriteBehindStore
 
 
 @dataclass(frozen=True)
@@ -49,9 +50,12 @@ class Runtime:
         self.ingestor = Ingestor(
             self.engine, self.store, self.registry, self.embedder, self.storage.journal, config.ingest
         )
-        self.rag = RagPipeline(self.engine, self.store, self.registry, self.embedder)
+        self.fills = WriteBehindStore(self.store)
+        """The store as queries and pasted passages see it: what they compute for it (a
+        chunk the store lacked, a new passage) is written behind, off the model thread."""
+        self.rag = RagPipeline(self.engine, self.fills, self.registry, self.embedder)
         self.passages = PromptPassages(
-            self.engine, self.store, share_across_tenants=config.ingest.share_chunks_across_tenants
+            self.engine, self.fills, share_across_tenants=config.ingest.share_chunks_across_tenants
         )
         """Passages pasted into prompts, found and reused from the store (chat, completions)."""
         neighbours = config.ingest.context_neighbours
@@ -81,6 +85,9 @@ class Runtime:
         return default_fusion(self.engine)
 
     def close(self) -> None:
+        fills = getattr(self, "fills", None)  # absent when the model failed to open
+        if fills is not None:
+            fills.close()  # the queued writes reach the store before it closes
         self.storage.close()
 
     def __enter__(self) -> Runtime:

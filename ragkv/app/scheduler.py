@@ -19,6 +19,11 @@ A step is decided, then done:
                 request that arrives meanwhile is admitted at the next step, after that
                 piece at most.
 
+With a prefetch stage (ragkv.app.server.prefetch) the requests' fetch parts (retrieval,
+store reads, span look-ups) run ahead on its thread: `schedule` admits the first waiting
+request whose fetch has finished, and the prepare on the model thread only computes.
+Without one, a request's fetch runs inline in its prepare.
+
 Used by the API's model worker (one thread owns the engine and steps the scheduler in its
 one loop, beside the tasks) and by `ragkv ask` (one request). The scheduler alone holds the
 waiting and running requests and bounds the waiting ones (`max_waiting`); `add` may be
@@ -33,6 +38,7 @@ import threading
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from ragkv.app.errors import QueueFull
 from ragkv.app.live_fidelity import LiveFidelity
@@ -76,6 +82,14 @@ class StepPlan:
     """Nothing waits and nothing runs, and there is idle work: one piece of it runs."""
 
 
+class Prefetch(Protocol):
+    """Runs waiting requests' fetch parts ahead of admission (ragkv.app.server.prefetch)."""
+
+    def submit(self, request: Request) -> None: ...
+
+    def release(self, request: Request) -> None: ...
+
+
 def admits(request: Request, running: Sequence[Request], config: SchedulerConfig) -> bool:
     """Whether `request` may start beside `running`: a free batch row and room in the token
     budget for its estimate (one request is always admitted when none runs)."""
@@ -88,14 +102,20 @@ def admits(request: Request, running: Sequence[Request], config: SchedulerConfig
 
 
 def schedule(
-    waiting: Sequence[Request], running: Sequence[Request], config: SchedulerConfig, idle_work: bool = False
+    waiting: Sequence[Request],
+    running: Sequence[Request],
+    config: SchedulerConfig,
+    idle_work: bool = False,
+    prefetched: bool = False,
 ) -> StepPlan:
     """The next step's plan; reads the requests (their sinks, held and estimated tokens)
-    and changes nothing."""
+    and changes nothing. `prefetched`: a prefetch stage fetches the waiting requests' inputs,
+    and only those fetched are admitted (else a fetch runs in its request's prepare)."""
     drop = tuple(r for r in (*waiting, *running) if r.sink.cancelled)
     queue = [r for r in waiting if r not in drop]  # each sink read once: a cancel may come meanwhile
     rows = tuple(r for r in running if r not in drop)
-    prepare = queue[0] if queue and admits(queue[0], rows, config) else None
+    ready = next((r for r in queue if r.ready or not prefetched), None)
+    prepare = ready if ready is not None and admits(ready, rows, config) else None
     decode = (*rows, prepare) if prepare is not None else rows
     return StepPlan(drop, prepare, decode, idle=idle_work and not queue and not rows)
 
@@ -108,13 +128,16 @@ class Scheduler:
         eos_token_ids: set[int],
         config: SchedulerConfig = SchedulerConfig(),
         fidelity: LiveFidelity | None = None,
+        prefetch: Prefetch | None = None,
     ):
-        """`fidelity`: samples fused requests and measures them when idle; None = never."""
+        """`fidelity`: samples fused requests and measures them when idle; None = never.
+        `prefetch`: runs the requests' fetch parts ahead; None = inline in their prepare."""
         self.model = model
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.config = config
         self.fidelity = fidelity
+        self.prefetch = prefetch
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._lock = threading.Lock()
@@ -125,9 +148,17 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     @property
+    def has_ready_work(self) -> bool:
+        """A step would do something now: requests run, or one waiting is fetched (or gone)."""
+        if self.prefetch is None:
+            return self.has_work
+        with self._lock:
+            return bool(self.running) or any(r.ready or r.sink.cancelled for r in self.waiting)
+
+    @property
     def has_idle_work(self) -> bool:
         """Fidelity samples to measure: `step` runs them only when there is no other work."""
-        return self.fidelity is not None and self.fidelity.has_work
+        return self.fidelity is not None and self.fidelity.has_work and not self.waiting
 
     def add(self, *requests: Request) -> None:
         """Queue the requests, all or none: QueueFull when they do not all fit in `max_waiting`."""
@@ -135,11 +166,14 @@ class Scheduler:
             if len(self.waiting) + len(requests) > self.config.max_waiting:
                 raise QueueFull(len(self.waiting))
             self.waiting.extend(requests)
+        if self.prefetch is not None:
+            for request in requests:
+                self.prefetch.submit(request)
 
     def step(self) -> StepPlan:
         """Decide the next step (`schedule`), take its requests off the queues, run it."""
         with self._lock:
-            plan = schedule(self.waiting, self.running, self.config, self.has_idle_work)
+            plan = schedule(self.waiting, self.running, self.config, self.has_idle_work, self.prefetch is not None)
             for request in plan.drop:
                 (self.waiting if request in self.waiting else self.running).remove(request)
             if plan.prepare is not None:
@@ -185,6 +219,8 @@ class Scheduler:
         except BaseException as error:  # the request's own failure: reported to it, the others go on
             self._drop(request, error)
             return
+        finally:
+            self._release_fetched(request)
         self.running.append(request)
         if self.fidelity is not None:
             self.fidelity.prepared(request)
@@ -255,7 +291,12 @@ class Scheduler:
         request.sink.finished(completion)
         return False
 
+    def _release_fetched(self, request: Request) -> None:
+        if self.prefetch is not None:
+            self.prefetch.release(request)
+
     def _drop(self, request: Request, error: BaseException) -> None:
+        self._release_fetched(request)
         if self.fidelity is not None:
             self.fidelity.forget(request)
         try:

@@ -1,9 +1,12 @@
 """A chat turn as a scheduler request: the longest cached prefix, then only what is new.
 
+    fetch (no model: ahead of admission, ragkv.app.server.prefetch)
+             retrieval for the last user message, its chunks' stored K/V read, their citations
+    prepare (the model thread)
     messages ─► conversation ids (chat template, roles kept; ragkv.app.chat.conversation)
              ─► base context: the named session (session_id), else the tenant's cached
                 context with the longest common prefix (ragkv.app.chat.contexts)
-             ─► retrieval for the last user message
+             ─► the fetched chunks
              ─► the plan (ragkv.app.chat.plan): the base's rows reused, and one of
     new chunks      [base rows | conversation up to the last user message's content,
                     "Documents:\\n" | new chunks | "\\n\\nQuestion: " + the message and
@@ -53,8 +56,8 @@ from ragkv.app.chat.plan import (
 from ragkv.app.limits import check_context_length
 from ragkv.app.passages import PromptPassages
 from ragkv.app.query import CHUNK_TOKENS_ESTIMATE, check_input_tokens
-from ragkv.app.rag import QueryConfig, RagPipeline
-from ragkv.app.request import Prepared, Request, RequestInfo, RequestOutput, fused_prompt_ids
+from ragkv.app.rag import QueryConfig, RagPipeline, tensor_bytes
+from ragkv.app.request import Fetched, Prepared, Request, RequestInfo, RequestOutput, fused_prompt_ids
 from ragkv.app.usage import TokenUsage
 from ragkv.engine.kv_cache import KVCache, Tail
 from ragkv.engine.prompt import RAG_INSTRUCTION
@@ -94,6 +97,17 @@ class ChatInfo(RequestInfo):
     """Prompt rows taken from a cached context."""
     session: dict = field(default_factory=dict)
     """The saved context's summary (Context.summary), once the turn finished."""
+
+
+@dataclass
+class ChatFetch(Fetched):
+    """A RAG turn's chunks, read before the model: retrieved for its last message (least
+    relevant first), their stored tensors by chunk hash (None: the store has none), their
+    citations."""
+
+    retrieved: list = field(default_factory=list)
+    entries: dict = field(default_factory=dict)
+    citations: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -204,6 +218,7 @@ class ChatTurns:
             arrival=arrival,
             on_finished=state.finished,
             on_dropped=state.dropped,
+            fetch=state.fetch if turn.rag else None,
         )
 
     def conversation(self, turn: ChatTurn) -> Conversation:
@@ -242,13 +257,27 @@ class _Turn:
         """The held base as it was before the turn cut it (given back if the turn fails)."""
         self.plan: TurnPlan | None = None
         self.computed: Computed | None = None
+        self.entries: dict = {}
+        """The fetched chunks' stored tensors by chunk hash (ChatFetch)."""
+
+    # -- fetch: retrieval and store reads, no model -------------------------------------
+
+    def fetch(self, request: Request) -> ChatFetch:
+        retrieved = self._retrieve(request)
+        if not retrieved:
+            return ChatFetch()
+        rag = self.turns.rag
+        entries = dict(zip((chunk.chunk_hash for _, chunk, _ in retrieved), rag.read_chunks(retrieved)))
+        citations = rag.cite(self.turn.tenant, retrieved)
+        return ChatFetch(tensor_bytes(entries.values()), retrieved, entries, citations)
 
     # -- prepare: open, plan, run -----------------------------------------------------
 
     def prepare(self, request: Request) -> Prepared:
         turn = self.turn
         opening = self._open()
-        retrieved = self._retrieve(request)
+        fetched = request.fetched if request.fetched is not None else ChatFetch()
+        retrieved, self.entries = fetched.retrieved, fetched.entries
         self.plan = plan = plan_turn(
             opening,
             retrieved,
@@ -257,7 +286,7 @@ class _Turn:
             context_id=self.context_id,
             session=turn.session_id is not None,
         )
-        citations = self.turns.rag.cite(turn.tenant, retrieved) if retrieved else []
+        citations = fetched.citations
         self.computed = computed = self._run(request, plan, self._prefix_cache(plan))
         info = ChatInfo(plan.save.context_id, plan.save.turns, plan.new_chunks, plan.reuse.rows)
         return Prepared(
@@ -386,7 +415,11 @@ class _Turn:
             computed_before = len(work.glue)
             request.timings.prefill = time.perf_counter() - started
         load_started = time.perf_counter()
-        chunks, recomputed = self.turns.rag.load_chunks(self.turn.tenant, work.chunks)
+        entries = [self.entries.get(chunk.chunk_hash) for _, chunk, _ in work.chunks]
+        read = all(chunk.chunk_hash in self.entries for _, chunk, _ in work.chunks)
+        chunks, recomputed = self.turns.rag.load_chunks(
+            self.turn.tenant, work.chunks, entries=entries if read else None
+        )
         request.timings.load = time.perf_counter() - load_started
         fuse_started = time.perf_counter()
         strategy = self.turn.config.fusion.build(engine.fusion_calibrated)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from ragkv.app.passages.finder import Span
 from ragkv.engine.kv_storage import StoredKV
 
@@ -65,6 +67,11 @@ class PassagePlan:
         return max(ends)
 
     @property
+    def nbytes(self) -> int:
+        """Bytes of the stored K/V the plan holds (the prefetch stage's bound counts them)."""
+        return sum(_bytes(kv) for p in self.placed for kv in (p.keys, p.values))
+
+    @property
     def reused_tokens(self) -> int:
         return sum(len(p) for p in self.placed)
 
@@ -93,3 +100,8 @@ class PassagePlan:
     @property
     def misses(self) -> int:
         return len(self.spans) - self.hits
+
+
+def _bytes(stored: StoredKV) -> int:
+    tensors = (stored,) if isinstance(stored, torch.Tensor) else (stored.codes, stored.scale, stored.minimum)
+    return sum(t.numel() * t.element_size() for t in tensors)

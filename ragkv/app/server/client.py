@@ -33,6 +33,7 @@ from ragkv.app.server.config import MIB, ServerConfig
 from ragkv.app.server.documents import Ingestion, JobReport
 from ragkv.app.server.model_work import ModelWork
 from ragkv.app.server.observer import ServerObserver
+from ragkv.app.server.prefetch import Prefetcher
 from ragkv.app.server.publication import settle_shared
 from ragkv.app.server.request_stream import RequestStream
 from ragkv.app.server.status import Backends, ServerHealth, ServerStats, scheduler_load, worker_load
@@ -54,7 +55,7 @@ def _open_sessions(config: ServerConfig) -> ContextStore:
     )
 
 
-def _scheduler(runtime: Runtime, config: ServerConfig, observer: ServerObserver) -> Scheduler:
+def _scheduler(runtime: Runtime, config: ServerConfig, observer: ServerObserver, prefetch: Prefetcher) -> Scheduler:
     engine = runtime.engine
     fidelity = (
         LiveFidelity(
@@ -68,7 +69,7 @@ def _scheduler(runtime: Runtime, config: ServerConfig, observer: ServerObserver)
     bounds = SchedulerConfig(
         max_running=config.max_active, max_waiting=config.max_queued, token_budget=config.token_budget
     )
-    return Scheduler(engine.model, engine.tokenizer, engine.eos_token_ids, bounds, fidelity)
+    return Scheduler(engine.model, engine.tokenizer, engine.eos_token_ids, bounds, fidelity, prefetch)
 
 
 class EngineClient:
@@ -82,17 +83,21 @@ class EngineClient:
         self.config = config
         self.observer = observer or ServerObserver()
         self._runtime = Runtime(config.runtime, read_only=read_only)
+        self._prefetch = Prefetcher(int(config.prefetch_mb * MIB))
+        """Runs the requests' retrieval and store reads ahead of the model thread."""
         try:
             self._sessions = _open_sessions(config)
             self._worker = ModelWorker(
-                _scheduler(self._runtime, config, self.observer),
+                _scheduler(self._runtime, config, self.observer, self._prefetch),
                 max_active=config.max_active,
                 max_queued=config.max_queued,
                 on_finished=self.observer.task_ended,
             )
+            self._prefetch.on_ready = self._worker.wake
             self._work = ModelWork(self._runtime, self._sessions, config.max_input_tokens, self.observer)
             self._ingest_records = None if read_only else IngestRecords(self._runtime.env)
         except BaseException:
+            self._prefetch.close()
             self._runtime.close()
             raise
         self.model_id = config.model_id or self._runtime.engine.model_name
@@ -124,8 +129,9 @@ class EngineClient:
         self.close()
 
     def close(self) -> None:
+        self._prefetch.close()
         self._sessions.close()
-        self._runtime.close()
+        self._runtime.close()  # the writes queued behind reach the store first
 
     # -- generation: submitted streams of scheduler requests ---------------------------
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ragkv.app.runtime import RuntimeConfig
+from ragkv.app.server.prefetch import DEFAULT_PREFETCH_MB
 
 CONTEXT_MEMORY_SHARE = 64
 """Each in-process context budget defaults to this fraction (1/64) of the machine's memory..."""
@@ -87,6 +88,10 @@ class ServerConfig:
     max_queued: int = 64
     """Requests waiting in the scheduler (and, in a queue of their own, deletions, embeddings
     and ingestions waiting for the model worker); beyond this the API answers 503."""
+    prefetch_mb: float = DEFAULT_PREFETCH_MB
+    """MiB of stored K/V that waiting requests' fetches (retrieval, store reads, span
+    look-ups: app.server.prefetch) may hold ahead of the model thread; a fetch starts while
+    the requests fetched and not yet prepared hold less."""
     fidelity_sample_rate: float = 0.0
     """Share of fused requests whose first token is compared, when the server is idle, with a
     full prefill of the same prompt (histogram ragkv_fusion_first_token_kl); never delays a
@@ -99,6 +104,8 @@ class ServerConfig:
         for name in ("max_input_tokens", "max_active", "max_queued", "token_budget"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.prefetch_mb <= 0:
+            raise ValueError(f"prefetch_mb must be positive, got {self.prefetch_mb}")
         if not 0.0 <= self.fidelity_sample_rate <= 1.0:
             raise ValueError(f"fidelity_sample_rate must be in [0, 1], got {self.fidelity_sample_rate}")
         if self.shared_context_mb < 0 or self.shared_publish_wait_s < 0:

@@ -176,8 +176,14 @@ class ModelWorker:
             running = len(self.scheduler.running) if self.scheduler is not None else 0
             return len(self._active) + running + (1 if self._current is not None else 0)
 
+    def wake(self) -> None:
+        """Look at the work again (a waiting request's inputs were fetched: app.server.prefetch)."""
+        with self._cond:
+            self._cond.notify_all()
+
     def _scheduler_busy(self) -> bool:
-        return self.scheduler is not None and self.scheduler.has_work
+        """A scheduler step has work: requests fetched ahead are not work until fetched."""
+        return self.scheduler is not None and self.scheduler.has_ready_work
 
     def _scheduler_idle_work(self) -> bool:
         return self.scheduler is not None and self.scheduler.has_idle_work
