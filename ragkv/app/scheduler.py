@@ -42,6 +42,7 @@ from typing import Protocol
 
 from ragkv.app.errors import QueueFull
 from ragkv.app.live_fidelity import LiveFidelity
+from ragkv.app.prefill_steps import SteppedPreparation
 from ragkv.app.request import FinishReason, Request, RequestCancelled
 from ragkv.engine.model import CausalLM
 
@@ -61,11 +62,17 @@ class SchedulerConfig:
     release_window_rows: bool = True
     """Dense decodes let the sliding-window layers (Gemma 3) drop rows their window no longer
     reaches (CausalLM.decode_batch), so those layers' KV stops growing with the context."""
+    max_num_batched_tokens: int = 0
+    """Tokens one step computes: a preparation's prefill (or fusion recompute) runs a piece
+    of at most this less the step's decode rows per step, beside the running decodes
+    (ragkv.app.prefill_steps); 0 = each preparation runs whole in one step."""
 
     def __post_init__(self) -> None:
         for name in ("max_running", "max_waiting", "token_budget"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.max_num_batched_tokens < 0:
+            raise ValueError("max_num_batched_tokens must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -107,17 +114,21 @@ def schedule(
     config: SchedulerConfig,
     idle_work: bool = False,
     prefetched: bool = False,
+    preparing: Request | None = None,
 ) -> StepPlan:
     """The next step's plan; reads the requests (their sinks, held and estimated tokens)
     and changes nothing. `prefetched`: a prefetch stage fetches the waiting requests' inputs,
-    and only those fetched are admitted (else a fetch runs in its request's prepare)."""
-    drop = tuple(r for r in (*waiting, *running) if r.sink.cancelled)
+    and only those fetched are admitted (else a fetch runs in its request's prepare).
+    `preparing`: a preparation under way in pieces; no other starts until it ends (it goes
+    on in `execute`)."""
+    drop = tuple(r for r in (*waiting, *running, *([preparing] if preparing else [])) if r.sink.cancelled)
     queue = [r for r in waiting if r not in drop]  # each sink read once: a cancel may come meanwhile
     rows = tuple(r for r in running if r not in drop)
+    busy = preparing is not None and preparing not in drop
     ready = next((r for r in queue if r.ready or not prefetched), None)
-    prepare = ready if ready is not None and admits(ready, rows, config) else None
+    prepare = ready if ready is not None and not busy and admits(ready, rows, config) else None
     decode = (*rows, prepare) if prepare is not None else rows
-    return StepPlan(drop, prepare, decode, idle=idle_work and not queue and not rows)
+    return StepPlan(drop, prepare, decode, idle=idle_work and not queue and not rows and not busy)
 
 
 class Scheduler:
@@ -140,12 +151,14 @@ class Scheduler:
         self.prefetch = prefetch
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.preparing: SteppedPreparation | None = None
+        """The preparation under way, a piece per step (max_num_batched_tokens > 0)."""
         self._lock = threading.Lock()
         """Guards `waiting`: `add` may run on another thread than `step`."""
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.preparing)
 
     @property
     def has_ready_work(self) -> bool:
@@ -173,9 +186,13 @@ class Scheduler:
     def step(self) -> StepPlan:
         """Decide the next step (`schedule`), take its requests off the queues, run it."""
         with self._lock:
-            plan = schedule(self.waiting, self.running, self.config, self.has_idle_work, self.prefetch is not None)
+            preparing = self.preparing.request if self.preparing is not None else None
+            plan = schedule(
+                self.waiting, self.running, self.config, self.has_idle_work, self.prefetch is not None, preparing
+            )
             for request in plan.drop:
-                (self.waiting if request in self.waiting else self.running).remove(request)
+                if request is not preparing:
+                    (self.waiting if request in self.waiting else self.running).remove(request)
             if plan.prepare is not None:
                 self.waiting.remove(plan.prepare)
         self.execute(plan)
@@ -185,9 +202,13 @@ class Scheduler:
         """Run a plan that `step` took off the queues: drops, the prepare, then the batch."""
         for request in plan.drop:
             self._drop(request, RequestCancelled(f"{request.kind} request {request.id} was cancelled"))
-        if plan.prepare is not None:
+        if plan.prepare is not None and not self.config.max_num_batched_tokens:
             self._prepare(plan.prepare)
+        elif plan.prepare is not None:
+            self.preparing = SteppedPreparation(plan.prepare, self.tokenizer)
+        ready = self._prepare_piece(len(plan.decode) - (plan.prepare is not None))
         rows = [r for r in plan.decode if r in self.running]  # a prepare that failed is gone
+        rows += [ready] if ready is not None and ready not in rows else []
         if rows:
             self._decode(self._postprocess(rows))
         elif plan.idle:
@@ -202,6 +223,8 @@ class Scheduler:
             dropped = list(self.waiting) + self.running
             self.waiting.clear()
         self.running = []
+        if self.preparing is not None:
+            dropped.append(self.preparing.request)  # stopped by _drop
         if self.fidelity is not None:
             self.fidelity.clear()
         for request in dropped:
@@ -221,6 +244,27 @@ class Scheduler:
             return
         finally:
             self._release_fetched(request)
+        self._started(request)
+
+    def _prepare_piece(self, decode_rows: int) -> Request | None:
+        """One piece of the preparation under way, in the room the step's decode rows
+        leave; the request once it is prepared (it then decodes in this step)."""
+        preparation = self.preparing
+        if preparation is None:
+            return None
+        try:
+            if not preparation.advance(self.config.max_num_batched_tokens - decode_rows):
+                return None
+        except BaseException as error:  # the request's own failure: reported to it, the others go on
+            self.preparing = None
+            self._drop(preparation.request, error)
+            return None
+        self.preparing = None
+        self._release_fetched(preparation.request)
+        self._started(preparation.request)
+        return preparation.request
+
+    def _started(self, request: Request) -> None:
         self.running.append(request)
         if self.fidelity is not None:
             self.fidelity.prepared(request)
@@ -297,6 +341,9 @@ class Scheduler:
 
     def _drop(self, request: Request, error: BaseException) -> None:
         self._release_fetched(request)
+        if self.preparing is not None and self.preparing.request is request:
+            self.preparing.cancel(error)
+            self.preparing = None
         if self.fidelity is not None:
             self.fidelity.forget(request)
         try:

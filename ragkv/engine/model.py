@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig
 
+from ragkv.engine import pacing
 from ragkv.engine.attention import causal_attention
 from ragkv.engine.compiled_decode import COMPILED_PREFILL_ROWS, CompiledDecoder, choose_decoder
 from ragkv.engine.kv_cache import KVCache
@@ -205,7 +206,23 @@ class CausalLM:
 
     @torch.inference_mode()
     def prefill(self, token_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """Append `token_ids` [N] to `cache` and return the logits of the last token [vocab]."""
+        """Append `token_ids` [N] to `cache` and return the logits of the last token [vocab].
+        Under a pacer (ragkv.engine.pacing) the tokens go in pieces it sizes, pausing
+        after each."""
+        pacer = pacing.current()
+        if pacer is None:
+            return self._prefill(token_ids, cache)
+        done, logits = 0, None
+        while done < token_ids.numel():
+            piece = token_ids[done : done + max(1, pacer.piece_tokens())]
+            logits = self._prefill(piece, cache)
+            done += piece.numel()
+            pacer.spent(piece.numel())
+        if logits is None:
+            return self._prefill(token_ids, cache)  # no tokens: what a whole prefill does
+        return logits
+
+    def _prefill(self, token_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
         start, n = cache.length, token_ids.numel()
         cache.reserve(start + n)
         decoder = self.compiled_decoder() if start > 0 and 0 < n <= COMPILED_PREFILL_ROWS else None

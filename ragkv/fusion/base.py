@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ragkv.engine import pacing
 from ragkv.engine.attention import causal_attention
 from ragkv.engine.kv_cache import KVCache
 from ragkv.engine.model import CausalLM, Projection
@@ -205,6 +206,7 @@ class FusionStrategy(ABC):
             else:
                 attention = attend(model, layer, projection, rows, cache, layout, columns)
                 hidden = model.finish_layer(layer, hidden, attention)
+            pacing.spent(rows.numel() / model.spec.num_layers)  # a driver may run other work between layers
         if int(rows[-1]) != layout.length - 1:
             raise RuntimeError(f"{self.name}: the last question row must be recomputed")
         logits = model.logits(hidden[-1:])[0]

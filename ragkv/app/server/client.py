@@ -67,7 +67,10 @@ def _scheduler(runtime: Runtime, config: ServerConfig, observer: ServerObserver,
         else None
     )
     bounds = SchedulerConfig(
-        max_running=config.max_active, max_waiting=config.max_queued, token_budget=config.token_budget
+        max_running=config.max_active,
+        max_waiting=config.max_queued,
+        token_budget=config.token_budget,
+        max_num_batched_tokens=config.max_num_batched_tokens,
     )
     return Scheduler(engine.model, engine.tokenizer, engine.eos_token_ids, bounds, fidelity, prefetch)
 

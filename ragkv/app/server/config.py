@@ -85,6 +85,12 @@ class ServerConfig:
     token_budget: int = 65536
     """KV rows (prompt + answer) the running requests may hold together; a waiting request
     is prepared only when its estimate fits."""
+    max_num_batched_tokens: int = 0
+    """Tokens one scheduler step computes (vLLM's name): a prompt's prefill, the text
+    before its passages and a fusion's recompute run in pieces of at most this less the
+    step's decode rows, one piece per step beside the running decodes, so answers being
+    streamed go on while a long prompt is prepared. 0 (the default until its pieces are tested against the whole prefill) = each preparation whole
+    in one step."""
     max_queued: int = 64
     """Requests waiting in the scheduler (and, in a queue of their own, deletions, embeddings
     and ingestions waiting for the model worker); beyond this the API answers 503."""
@@ -106,6 +112,8 @@ class ServerConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.prefetch_mb <= 0:
             raise ValueError(f"prefetch_mb must be positive, got {self.prefetch_mb}")
+        if self.max_num_batched_tokens < 0:
+            raise ValueError("max_num_batched_tokens must be >= 0 (0 = whole prefills)")
         if not 0.0 <= self.fidelity_sample_rate <= 1.0:
             raise ValueError(f"fidelity_sample_rate must be in [0, 1], got {self.fidelity_sample_rate}")
         if self.shared_context_mb < 0 or self.shared_publish_wait_s < 0:
