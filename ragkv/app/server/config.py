@@ -89,8 +89,8 @@ class ServerConfig:
     """Tokens one scheduler step computes (vLLM's name): a prompt's prefill, the text
     before its passages and a fusion's recompute run in pieces of at most this less the
     step's decode rows, one piece per step beside the running decodes, so answers being
-    streamed go on while a long prompt is prepared. 0 (the default until its pieces are tested against the whole prefill) = each preparation whole
-    in one step."""
+    streamed go on while a long prompt is prepared. 0 = each preparation whole in one
+    step (the default until the pieces are tested against the whole prefill)."""
     max_queued: int = 64
     """Requests waiting in the scheduler (and, in a queue of their own, deletions, embeddings
     and ingestions waiting for the model worker); beyond this the API answers 503."""
