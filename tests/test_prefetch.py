@@ -10,6 +10,7 @@ import threading
 
 import pytest
 import torch
+from scheduler_fakes import EOS, FakeCache, FakeModel, FakeTokenizer, logits
 
 from ragkv.app.generate import CollectingSink
 from ragkv.app.request import Fetched, Prepared, Request
@@ -21,35 +22,8 @@ from ragkv.store.errors import StoreUnavailableError
 from ragkv.store.keys import ChunkKey
 from ragkv.store.write_behind import WriteBehindStore
 
-VOCAB = 16
-EOS = VOCAB - 1
 WAIT_S = 60.0
 """How long a test waits for a thread's event at most (a hang guard, not a timing)."""
-
-
-class FakeCache:
-    def __init__(self, length: int):
-        self.length = length
-
-
-class FakeTokenizer:
-    def decode(self, ids, skip_special_tokens=True) -> str:
-        return "".join(chr(ord("a") + i) for i in ids)
-
-
-class FakeModel:
-    """Each row's next token is its last plus one (never end-of-sequence)."""
-
-    def decode_batch(self, tokens, caches, attentions, release_window_rows):
-        for cache in caches:
-            cache.length += 1
-        return [_logits((token + 1) % EOS) for token in tokens]
-
-
-def _logits(token: int) -> torch.Tensor:
-    row = torch.zeros(VOCAB)
-    row[token] = 1.0
-    return row
 
 
 class SlowStore:
@@ -83,7 +57,7 @@ def _request(store: SlowStore | None = None, max_new_tokens: int = 4, on_fetch=N
 
     def prepare(request: Request) -> Prepared:
         assert store is None or request.fetched is not None  # computed from what the fetch read
-        return Prepared(FakeCache(8), _logits(0), TokenUsage(prompt_tokens=8), "none")
+        return Prepared(FakeCache(8), logits(0), TokenUsage(prompt_tokens=8), "none")
 
     sink = CollectingSink()
     sink.cancelled = False

@@ -8,7 +8,7 @@ import asyncio
 import time
 
 import pytest
-import torch
+from scheduler_fakes import EOS, FakeCache, FakeModel, FakeTokenizer, logits
 
 from ragkv.app.generate import CollectingSink
 from ragkv.app.request import FinishReason, Prepared, Request, RequestCancelled
@@ -19,49 +19,12 @@ from ragkv.app.server.worker import LoopState, ModelWorker, plan_round
 from ragkv.app.usage import TokenUsage
 from ragkv.engine.generation import GenerationConfig
 
-VOCAB = 16
-EOS = VOCAB - 1
-
-
-class FakeCache:
-    def __init__(self, length: int):
-        self.length = length
-
-
-class FakeTokenizer:
-    def decode(self, ids, skip_special_tokens=True) -> str:
-        return "".join(chr(ord("a") + i) for i in ids)
-
-
-def _logits(token: int) -> torch.Tensor:
-    row = torch.zeros(VOCAB)
-    row[token] = 1.0
-    return row
-
-
-class FakeModel:
-    """`decode_batch` as the scheduler calls it: each row's next token is its last plus one
-    (never end-of-sequence), and its cache grows by one row."""
-
-    def __init__(self, trace: list[str] | None = None):
-        self.batches: list[int] = []
-        self.trace = trace
-
-    def decode_batch(self, tokens, caches, attentions, release_window_rows):
-        assert len(tokens) == len(caches) == len(attentions) == len(release_window_rows)
-        self.batches.append(len(tokens))
-        if self.trace is not None:
-            self.trace.append("decode")
-        for cache in caches:
-            cache.length += 1
-        return [_logits((token + 1) % EOS) for token in tokens]
-
 
 def _request(prompt_tokens: int = 8, max_new_tokens: int = 4, estimate: int = 0, fail: bool = False) -> Request:
     def prepare(request: Request) -> Prepared:
         if fail:
             raise ValueError("bad prompt")
-        return Prepared(FakeCache(prompt_tokens), _logits(0), TokenUsage(prompt_tokens=prompt_tokens), "none")
+        return Prepared(FakeCache(prompt_tokens), logits(0), TokenUsage(prompt_tokens=prompt_tokens), "none")
 
     sink = CollectingSink()
     sink.cancelled = False

@@ -1,0 +1,43 @@
+"""Stand-ins for the scheduler's model, cache and tokenizer (no weights), shared by the
+scheduler's unit tests."""
+
+from __future__ import annotations
+
+import torch
+
+VOCAB = 16
+EOS = VOCAB - 1
+
+
+class FakeCache:
+    def __init__(self, length: int):
+        self.length = length
+
+
+class FakeTokenizer:
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return "".join(chr(ord("a") + i) for i in ids)
+
+
+def logits(token: int) -> torch.Tensor:
+    row = torch.zeros(VOCAB)
+    row[token] = 1.0
+    return row
+
+
+class FakeModel:
+    """`decode_batch` as the scheduler calls it: each row's next token is its last plus one
+    (never end-of-sequence), and its cache grows by one row."""
+
+    def __init__(self, trace: list[str] | None = None):
+        self.batches: list[int] = []
+        self.trace = trace
+
+    def decode_batch(self, tokens, caches, attentions, release_window_rows):
+        assert len(tokens) == len(caches) == len(attentions) == len(release_window_rows)
+        self.batches.append(len(tokens))
+        if self.trace is not None:
+            self.trace.append("decode")
+        for cache in caches:
+            cache.length += 1
+        return [logits((token + 1) % EOS) for token in tokens]
