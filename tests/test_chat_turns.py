@@ -17,6 +17,7 @@ from ragkv.app.generate import CollectingSink, complete, run_alone
 from ragkv.app.rag import QueryConfig
 from ragkv.app.scheduler import Scheduler
 from ragkv.engine.generation import GenerationConfig
+from ragkv.ingest.errors import InputError
 
 pytestmark = pytest.mark.model
 
@@ -110,14 +111,11 @@ def test_a_failed_or_cancelled_turn_leaves_its_session_whole(engine, turns):
     ]
 
     too_long = QueryConfig(generation=GenerationConfig(max_new_tokens=engine.spec.rope.max_position_embeddings))
-    request = turns.request(ChatTurn("default", diverging, session_id, False, too_long))
-    sink = CollectingSink()
-    request.sink = sink
-    scheduler = Scheduler(engine.model, engine.tokenizer, engine.eos_token_ids)
-    scheduler.add(request)
-    scheduler.run_until_done()
-    assert getattr(sink.error, "reason", None) == "context_length_exceeded"
+    with pytest.raises(InputError) as refused:  # refused as the turn is built, before any store read
+        turns.request(ChatTurn("default", diverging, session_id, False, too_long))
+    assert refused.value.reason == "context_length_exceeded"
     _assert_same_session(before, _session_state(turns, session_id))
+    scheduler = Scheduler(engine.model, engine.tokenizer, engine.eos_token_ids)
 
     request = turns.request(
         ChatTurn("default", diverging, session_id, False, QueryConfig(generation=GenerationConfig(max_new_tokens=32)))
