@@ -6,8 +6,10 @@ a dropped document full of markup shown as text, deletion, a wrong key refused, 
 empty page, a phone-sized screen. Skipped only where chromium is not installed
 (`scripts/install.sh --dev` installs it).
 
-The tests share one server and one browser page and run in file order. The last test's
-screenshot is the README's (docs/web-page.png; set RAGKV_SCREENSHOT=path to write it there).
+The tests share one server and one browser; each test opens its own page (a fresh browser
+context: nothing kept in localStorage) and first puts the tenants' documents in the state it
+needs through the API, so they run in any order. The keyboard test's screenshot is the
+README's (docs/web-page.png; set RAGKV_SCREENSHOT=path to write it there).
 """
 
 from __future__ import annotations
@@ -64,21 +66,46 @@ def files(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def page(server):
+def browser():
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        context = browser.new_context(viewport={"width": 1100, "height": 760})
-        page = context.new_page()
-        page.set_default_timeout(TIMEOUT_MS)
-        expect.set_options(timeout=TIMEOUT_MS)
-        page.dialogs = []
-        page.on("dialog", lambda dialog: (page.dialogs.append(dialog.message), dialog.dismiss()))
-        page.errors = []
-        page.on("pageerror", lambda error: page.errors.append(str(error)))
-        page.goto(server.url + "/")
-        yield page
-        context.close()
+        yield browser
         browser.close()
+
+
+@pytest.fixture
+def page(browser, server):
+    """A page of its own for each test: a new context keeps no settings or conversations."""
+    context = browser.new_context(viewport={"width": 1100, "height": 760})
+    page = context.new_page()
+    page.set_default_timeout(TIMEOUT_MS)
+    expect.set_options(timeout=TIMEOUT_MS)
+    page.dialogs = []
+    page.on("dialog", lambda dialog: (page.dialogs.append(dialog.message), dialog.dismiss()))
+    page.errors = []
+    page.on("pageerror", lambda error: page.errors.append(str(error)))
+    page.goto(server.url + "/")
+    yield page
+    context.close()
+
+
+def _documents(server, key: str, *paths: Path) -> None:
+    """Leaves the tenant with exactly these documents (uploaded through the API)."""
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {key}"}, timeout=300) as http:
+        for document in http.get("/v1/documents").json()["data"]:
+            assert http.delete(f"/v1/documents/{document['id']}").status_code in (200, 204)
+        for path in paths:
+            response = http.post("/v1/documents", files={"file": (path.name, path.read_bytes())})
+            assert response.status_code == 201, response.text
+
+
+@pytest.fixture
+def alpha(page, server, files):
+    """The alpha tenant with the PDF and the DOCX, its key saved on the page."""
+    _documents(server, ALPHA, files["report.pdf"], files["notes.docx"])
+    _save_settings(page, ALPHA, **{"top-k": 2, "max-tokens": 16})
+    expect(page.locator("#status")).to_have_text("Settings saved.")
+    return page
 
 
 def _save_settings(page, key: str, **fields) -> None:
@@ -133,7 +160,8 @@ def test_a_wrong_api_key_is_refused(page):
     expect(page.locator("#doc-table tbody tr")).to_have_count(0)
 
 
-def test_upload_a_pdf_and_a_docx_and_see_them_listed(page, files):
+def test_upload_a_pdf_and_a_docx_and_see_them_listed(page, server, files):
+    _documents(server, ALPHA)
     _save_settings(page, ALPHA, **{"top-k": 2, "max-tokens": 16})
     expect(page.locator("#status")).to_have_text("Settings saved.")
     page.click("#tab-documents")
@@ -150,7 +178,8 @@ def test_upload_a_pdf_and_a_docx_and_see_them_listed(page, files):
     expect(refused).to_contain_text("empty")
 
 
-def test_an_answer_streams_and_a_citation_opens_its_pages(page, server):
+def test_an_answer_streams_and_a_citation_opens_its_pages(alpha, server):
+    page = alpha
     page.click("#tab-chat")
     # count the distinct texts the answer shows while it streams
     page.evaluate(
@@ -187,7 +216,10 @@ def test_an_answer_streams_and_a_citation_opens_its_pages(page, server):
     assert cited["name"] == "report.pdf" and cited["page"] <= 2 <= cited["page_end"]
 
 
-def test_a_follow_up_reads_the_conversation_from_the_cache(page):
+def test_a_follow_up_reads_the_conversation_from_the_cache(alpha):
+    page = alpha
+    _ask(page, "When does the ferry to Inish More leave?")
+    expect(page.locator("#messages li.assistant .cost")).to_have_count(1)
     _ask(page, "And at what time on weekends?")
     expect(page.locator("#messages li.assistant")).to_have_count(2)
     cost = page.locator("#messages li.assistant").last.locator(".cost")
@@ -197,7 +229,9 @@ def test_a_follow_up_reads_the_conversation_from_the_cache(page):
     expect(page.locator("#conversation-list li")).to_have_count(1)
 
 
-def test_compare_with_the_full_prefill_shows_both_answers_and_times(page):
+def test_compare_with_the_full_prefill_shows_both_answers_and_times(alpha):
+    page = alpha
+    page.click("#tab-chat")
     page.fill("#question", "How many storms did the lighthouse keeper log?")
     page.click("#compare")
     sides = page.locator("#messages li.compare .side")
@@ -208,18 +242,25 @@ def test_compare_with_the_full_prefill_shows_both_answers_and_times(page):
         expect(sides.nth(index).locator(".cost")).to_contain_text("total")
 
 
-def test_a_new_conversation_is_listed_beside_the_first(page):
+def test_a_new_conversation_is_listed_beside_the_first(alpha):
+    page = alpha
+    _ask(page, "When does the ferry to Inish More leave?")
+    expect(page.locator("#messages li.assistant .cost")).to_have_count(1)
     page.click("#new-conversation")
     expect(page.locator("#messages li")).to_have_count(0)
     _ask(page, "What was approved in May?")
     expect(page.locator("#messages li.assistant .cost")).to_have_count(1)
     expect(page.locator("#conversation-list li")).to_have_count(2)
     page.locator("#conversation-list button").nth(1).click()  # back to the first: its turns
-    expect(page.locator("#messages li.assistant")).to_have_count(3)
+    expect(page.locator("#messages li.assistant")).to_have_count(1)
+    expect(page.locator("#messages li.user")).to_contain_text("Inish More")
 
 
-def test_reuploading_a_known_name_asks_and_replaces(page, files):
-    path = files["notes.docx"]
+def test_reuploading_a_known_name_asks_and_replaces(alpha, tmp_path):
+    page = alpha
+    page.click("#tab-documents")
+    expect(_row(page, "notes.docx")).to_have_count(1)
+    path = tmp_path / "notes.docx"  # a new version under the same name
     path.write_bytes(docx_bytes(["Meeting notes. The library roof repair was postponed to June."]))
     before = _row(page, "notes.docx").get_attribute("data-id")
     _upload(page, path)
@@ -231,7 +272,9 @@ def test_reuploading_a_known_name_asks_and_replaces(page, files):
     assert _row(page, "notes.docx").get_attribute("data-id") == before  # replaced in place
 
 
-def test_metadata_is_edited_in_place(page):
+def test_metadata_is_edited_in_place(alpha):
+    page = alpha
+    page.click("#tab-documents")
     row = _row(page, "notes.docx")
     row.get_by_role("button", name="Edit the metadata of notes.docx").click()
     page.fill("#metadata-text", "not json")
@@ -259,7 +302,8 @@ def _drop(page, path: Path, name: str) -> None:
     )
 
 
-def test_documents_full_of_markup_render_as_text(page, files):
+def test_documents_full_of_markup_render_as_text(alpha, files):
+    page = alpha
     _drop(page, files[MARKUP_NAME], MARKUP_NAME)
     expect(page.locator("#uploads li.done").first).to_contain_text("ingested")
     expect(_row(page, MARKUP_NAME)).to_have_count(1)
@@ -274,16 +318,19 @@ def test_documents_full_of_markup_render_as_text(page, files):
     assert page.evaluate("window.__xss") is None and not page.dialogs and not page.errors
 
 
-def test_deleting_a_document_removes_its_row(page):
+def test_deleting_a_document_removes_its_row(alpha):
+    page = alpha
     page.click("#tab-documents")
     _row(page, "notes.docx").get_by_role("button", name="Delete notes.docx").click()
     page.get_by_role("button", name="Delete", exact=True).click()
     expect(page.locator("#status")).to_have_text("Deleted notes.docx.")
     expect(_row(page, "notes.docx")).to_have_count(0)
-    expect(page.locator("#doc-table tbody tr")).to_have_count(2)
+    expect(page.locator("#doc-table tbody tr")).to_have_count(1)
 
 
-def test_another_tenant_sees_none_of_it(page):
+def test_another_tenant_sees_none_of_it(alpha, server):
+    page = alpha
+    _documents(server, BETA)
     _save_settings(page, BETA)
     expect(page.locator("#status")).to_have_text("Settings saved.")
     page.click("#tab-documents")
@@ -295,13 +342,15 @@ def test_another_tenant_sees_none_of_it(page):
     expect(page.locator("#status")).to_have_text("Settings saved.")
 
 
-def test_keyboard_and_a_phone_screen(page, tmp_path):
+def test_keyboard_and_a_phone_screen(alpha, tmp_path):
+    page = alpha
+    _ask(page, "When does the ferry to Inish More leave?")
+    expect(page.locator("#messages li.assistant .cost")).to_have_count(1)
     page.click("#tab-documents")
     page.focus("#tab-documents")
     page.keyboard.press("ArrowRight")
     expect(page.locator("#chat")).to_be_visible()
     expect(page.locator("#tab-chat")).to_be_focused()
-    page.locator("#conversation-list button").nth(1).click()
     shot = Path(os.environ.get("RAGKV_SCREENSHOT") or tmp_path / "web-page.png")
     page.screenshot(path=str(shot))
     assert shot.stat().st_size > 10_000
@@ -319,6 +368,7 @@ def test_keyboard_and_a_phone_screen(page, tmp_path):
 
 
 def test_post_replaces_a_document_of_the_same_name_only_when_asked(server):
+    _documents(server, BETA)
     with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {BETA}"}, timeout=300) as http:
 
         def post(text: str, **extra) -> dict:
