@@ -55,8 +55,10 @@ def test_a_quantised_cache_is_refused():
         PagedLayout(_cpu_like_write, torch.zeros(2, 1, 32, 8, dtype=torch.uint8), 1, 4)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def parts(tmp_path_factory):
+    """A tiny model over a store of its own per test: what one test saves, another does
+    not find (the tests run in any order)."""
     root = tmp_path_factory.mktemp("vllm-reuse")
     (root / "model").mkdir()
     folder = make_tiny_model("llama-sparse", root / "model", tokenizer=True, head_dim=32)
