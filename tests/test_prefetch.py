@@ -17,6 +17,7 @@ from ragkv.app.request import Fetched, Prepared, Request
 from ragkv.app.scheduler import Scheduler, SchedulerConfig
 from ragkv.app.server.prefetch import Prefetcher
 from ragkv.app.usage import TokenUsage
+from ragkv.engine import pacing
 from ragkv.engine.generation import GenerationConfig
 from ragkv.store.errors import StoreUnavailableError
 from ragkv.store.keys import ChunkKey
@@ -97,6 +98,29 @@ def test_a_slow_store_read_does_not_delay_the_running_decodes(prefetch):
     scheduler.run_until_done()
     assert running.sink.completion is not None and slow.sink.completion is not None
     assert slow_store.reads == 1 and prefetch.held_bytes == 0
+
+
+def test_a_preparation_in_pieces_keeps_the_worker_stepping(prefetch):
+    """With nothing else running, a preparation paused between pieces is work to do: the
+    worker, which sleeps while `has_ready_work` is false, must step it to its end."""
+    pieces = []
+
+    def prepare(request: Request) -> Prepared:
+        for _ in range(3):  # a long prefill: three pieces of the step's budget
+            pieces.append(len(pieces))
+            pacing.spent(64)
+        return Prepared(FakeCache(8), logits(0), TokenUsage(prompt_tokens=192), "none")
+
+    sink = CollectingSink()
+    sink.cancelled = False
+    request = Request("test", prepare, GenerationConfig(max_new_tokens=2), sink)
+    scheduler, _ = _scheduler(prefetch, max_num_batched_tokens=64)
+    scheduler.add(request)
+    steps = 0
+    while scheduler.has_ready_work and steps < 20:
+        scheduler.step()
+        steps += 1
+    assert len(pieces) == 3 and steps > 1 and sink.completion is not None
 
 
 def test_without_a_prefetch_stage_the_fetch_runs_in_the_prepare():

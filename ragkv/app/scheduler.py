@@ -162,11 +162,12 @@ class Scheduler:
 
     @property
     def has_ready_work(self) -> bool:
-        """A step would do something now: requests run, or one waiting is fetched (or gone)."""
-        if self.prefetch is None:
+        """A step would do something now: requests run, a preparation is under way in pieces,
+        or one waiting is fetched (or gone)."""
+        if self.prefetch is None or self.running or self.preparing is not None:
             return self.has_work
         with self._lock:
-            return bool(self.running) or any(r.ready or r.sink.cancelled for r in self.waiting)
+            return any(r.ready or r.sink.cancelled for r in self.waiting)
 
     @property
     def has_idle_work(self) -> bool:
