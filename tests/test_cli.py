@@ -87,6 +87,9 @@ def test_reingest_reuses_and_delete_removes(home):
     assert deleted.returncode == 0 and doc_id in deleted.stdout
     shown = ragkv(home, "docs", "show", doc_id)
     assert shown.returncode == 2 and "no document" in shown.stderr
+    # the module's other tests, in any order, read the whole corpus
+    restored = ragkv(home, "ingest", str(CORPUS / "orchard.txt"), "--no-progress")
+    assert restored.returncode == 0, restored.stderr
 
 
 def test_errors_are_messages_not_tracebacks(tmp_path):
