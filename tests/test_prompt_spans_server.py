@@ -12,7 +12,10 @@ import httpx
 import openai
 import pytest
 
-pytestmark = pytest.mark.model
+# The tests share one server and its store, and several read what an earlier one pasted
+# (a first paste computes, a second reuses): they keep their file order when the suite is
+# shuffled, until each pastes what it needs itself.
+pytestmark = [pytest.mark.model, pytest.mark.random_order(disabled=True)]
 
 PASSAGES = [
     f"{name} was founded in {year} by {who}; its {thing} was rebuilt in {rebuilt} after a fire, and the "
