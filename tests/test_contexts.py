@@ -390,8 +390,9 @@ def test_each_tenant_keeps_its_shared_contexts_within_its_budget(redis_url):
 
 
 def test_redis_keeps_sessions_only_with_ttls(redis_url):
-    sessions = _redis_sessions(redis_url)
     client = redis.Redis.from_url(redis_url)
+    client.flushdb()  # another test's sessions of the same names may be there
+    sessions = _redis_sessions(redis_url)
     for n in range(5):
         sessions.put(_context(f"anon{n}", _ids(8)))
     assert not client.keys("ragkv:session:t1:anon*")  # anonymous contexts never reach Redis

@@ -101,26 +101,31 @@ def test_a_slow_store_read_does_not_delay_the_running_decodes(prefetch):
 
 
 def test_a_preparation_in_pieces_keeps_the_worker_stepping(prefetch):
-    """With nothing else running, a preparation paused between pieces is work to do: the
-    worker, which sleeps while `has_ready_work` is false, must step it to its end."""
+    """A preparation paused beside a decode that then ends is work to do: the worker, which
+    sleeps while `has_ready_work` is false, must step it to its end (with nothing left to
+    decode beside it, the rest runs in that one step)."""
     pieces = []
 
     def prepare(request: Request) -> Prepared:
-        for _ in range(3):  # a long prefill: three pieces of the step's budget
+        for _ in range(4):  # a long prefill: four pieces of the step's budget
             pieces.append(len(pieces))
             pacing.spent(64)
-        return Prepared(FakeCache(8), logits(0), TokenUsage(prompt_tokens=192), "none")
+        return Prepared(FakeCache(8), logits(0), TokenUsage(prompt_tokens=256), "none")
 
+    short = _request(max_new_tokens=2)
     sink = CollectingSink()
     sink.cancelled = False
     request = Request("test", prepare, GenerationConfig(max_new_tokens=2), sink)
     scheduler, _ = _scheduler(prefetch, max_num_batched_tokens=64)
-    scheduler.add(request)
+    scheduler.add(short, request)
     steps = 0
     while scheduler.has_ready_work and steps < 20:
         scheduler.step()
         steps += 1
-    assert len(pieces) == 3 and steps > 1 and sink.completion is not None
+        if short.sink.completion is not None and request not in scheduler.running and sink.completion is None:
+            assert scheduler.preparing is not None  # paused, with nothing decoding
+    assert short.sink.completion is not None and sink.completion is not None
+    assert len(pieces) == 4 and scheduler.prefill_pieces == 1  # one pause beside the decode, then whole
 
 
 def test_without_a_prefetch_stage_the_fetch_runs_in_the_prepare():

@@ -233,6 +233,7 @@ _SHARED_CONTEXTS = (  # (name, help): ragkv_shared_context_<name>
     ("publish_seconds", "Seconds from a context's snapshot to its publication, summed"),
 )
 _REDIS_UP = "1 if Redis answers PING"
+_PIECES = "Steps that ran a piece of a prefill or recompute cut by --max-num-batched-tokens while answers decoded"
 
 
 def scrape_readings(state: AppState) -> Iterator[Reading]:
@@ -254,6 +255,7 @@ def scrape_readings(state: AppState) -> Iterator[Reading]:
     state.metrics.active_jobs.set(stats.worker.active)
     if stats.scheduler is not None:
         state.metrics.vllm.set_scheduler(state.model_id, stats.scheduler)
+        yield "counter", "ragkv_prefill_pieces", _PIECES, {}, float(stats.scheduler.prefill_pieces)
 
 
 def _store_readings(stats: ServerStats) -> Iterator[Reading]:

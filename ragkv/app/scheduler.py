@@ -62,10 +62,11 @@ class SchedulerConfig:
     release_window_rows: bool = True
     """Dense decodes let the sliding-window layers (Gemma 3) drop rows their window no longer
     reaches (CausalLM.decode_batch), so those layers' KV stops growing with the context."""
-    max_num_batched_tokens: int = 0
+    max_num_batched_tokens: int = 512
     """Tokens one step computes: a preparation's prefill (or fusion recompute) runs a piece
     of at most this less the step's decode rows per step, beside the running decodes
-    (ragkv.app.prefill_steps); 0 = each preparation runs whole in one step."""
+    (ragkv.app.prefill_steps); with none decoding it runs whole; 0 = each preparation runs
+    whole in one step."""
 
     def __post_init__(self) -> None:
         for name in ("max_running", "max_waiting", "token_budget"):
@@ -95,6 +96,10 @@ class Prefetch(Protocol):
     def submit(self, request: Request) -> None: ...
 
     def release(self, request: Request) -> None: ...
+
+
+WHOLE = 1 << 40
+"""A step's room when no request decodes beside the preparation: all of what is left."""
 
 
 def admits(request: Request, running: Sequence[Request], config: SchedulerConfig) -> bool:
@@ -153,6 +158,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.preparing: SteppedPreparation | None = None
         """The preparation under way, a piece per step (max_num_batched_tokens > 0)."""
+        self.prefill_pieces = 0
+        """Steps that ran a piece of a preparation which then paused for the next step (the
+        steps where running requests decoded beside a part of a long prefill or recompute)."""
         self._lock = threading.Lock()
         """Guards `waiting`: `add` may run on another thread than `step`."""
 
@@ -254,7 +262,11 @@ class Scheduler:
         if preparation is None:
             return None
         try:
-            if not preparation.advance(self.config.max_num_batched_tokens - decode_rows):
+            # with no answer decoding there is no one to keep waiting: the rest runs whole
+            # (no request starts decoding while a preparation is under way)
+            room = self.config.max_num_batched_tokens - decode_rows if decode_rows > 0 else WHOLE
+            if not preparation.advance(room):
+                self.prefill_pieces += 1
                 return None
         except BaseException as error:  # the request's own failure: reported to it, the others go on
             self.preparing = None

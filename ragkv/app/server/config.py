@@ -85,12 +85,13 @@ class ServerConfig:
     token_budget: int = 65536
     """KV rows (prompt + answer) the running requests may hold together; a waiting request
     is prepared only when its estimate fits."""
-    max_num_batched_tokens: int = 0
-    """Tokens one scheduler step computes (vLLM's name): a prompt's prefill, the text
-    before its passages and a fusion's recompute run in pieces of at most this less the
-    step's decode rows, one piece per step beside the running decodes, so answers being
-    streamed go on while a long prompt is prepared. 0 = each preparation whole in one
-    step (the default until the pieces are tested against the whole prefill)."""
+    max_num_batched_tokens: int = 512
+    """Tokens one scheduler step computes (vLLM's name): while answers are decoding, a
+    prompt's prefill, the text before its passages and a fusion's recompute run in pieces
+    of at most this less the step's decode rows, one piece per step beside the decodes, so
+    answers being streamed go on while a long prompt is prepared (with none decoding, the
+    preparation runs whole). 0 = each preparation whole in one step. The default is the
+    measured one (BENCHMARKS.md, arrivals)."""
     max_queued: int = 64
     """Requests waiting in the scheduler (and, in a queue of their own, deletions, embeddings
     and ingestions waiting for the model worker); beyond this the API answers 503."""

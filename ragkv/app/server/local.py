@@ -12,16 +12,18 @@ model loads on enter, the worker stops and everything closes on exit.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 from ragkv.app.query import Answer
 from ragkv.app.rag import QueryConfig
+from ragkv.app.request import RequestOutput
 from ragkv.app.server.client import EngineClient
 from ragkv.app.server.config import ServerConfig
 from ragkv.app.server.documents import IngestedDocument, Ingestion
 from ragkv.app.server.request_stream import RequestStream
 from ragkv.app.server.task import Task
+from ragkv.engine.generation import GenerationConfig
 
 T = TypeVar("T")
 
@@ -80,6 +82,13 @@ class LocalClient:
             return Answer.of(done)
 
         return self._run(answer)
+
+    def complete(
+        self, prompts: Sequence[str | list[int]], generation: GenerationConfig, *, prompt_spans: bool = False
+    ) -> list[RequestOutput]:
+        """Plain completions of the default tenant, one per prompt, sent together
+        (EngineClient.complete)."""
+        return self._run(lambda client: _completions(client.complete(prompts, generation, prompt_spans=prompt_spans)))
 
     def new_document(self, tenant: str, text: str, name: str, **options) -> Ingestion:
         """EngineClient.new_document (replace_same_name, metadata, pages)."""

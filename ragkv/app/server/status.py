@@ -38,6 +38,8 @@ class SchedulerLoad:
     """Model requests queued at the scheduler (not ingestion or other tasks)."""
     kv_cache_usage: float
     """Fraction (0 to 1) of the scheduler's KV token budget the running requests hold."""
+    prefill_pieces: int = 0
+    """Steps so far that ran a piece of a preparation cut by max_num_batched_tokens."""
 
 
 @dataclass(frozen=True)
@@ -84,4 +86,9 @@ def scheduler_load(worker: ModelWorker) -> SchedulerLoad | None:
         if prepared is not None:
             rows += prepared.cache.length
     usage = min(rows / scheduler.config.token_budget, 1.0)
-    return SchedulerLoad(running=len(running), waiting=len(scheduler.waiting), kv_cache_usage=usage)
+    return SchedulerLoad(
+        running=len(running),
+        waiting=len(scheduler.waiting),
+        kv_cache_usage=usage,
+        prefill_pieces=scheduler.prefill_pieces,
+    )
