@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from ragkv.engine.pass_cost import PassCost
+
 VOCAB = 16
 EOS = VOCAB - 1
 
@@ -28,6 +30,9 @@ def logits(token: int) -> torch.Tensor:
 class FakeModel:
     """`decode_batch` as the scheduler calls it: each row's next token is its last plus one
     (never end-of-sequence), and its cache grows by one row."""
+
+    pass_cost = PassCost(context_scale=float("inf"))
+    """Every token of a preparation's reported work costs one, at any context."""
 
     def __init__(self, trace: list[str] | None = None):
         self.batches: list[int] = []

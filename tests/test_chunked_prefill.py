@@ -31,10 +31,10 @@ class FixedPieces:
         self.size = size
         self.pieces: list[int] = []
 
-    def piece_tokens(self) -> int:
+    def piece_tokens(self, start: int) -> int:
         return self.size
 
-    def spent(self, tokens: float) -> None:
+    def spent(self, tokens: float, context: float) -> None:
         self.pieces.append(int(tokens))
 
 

@@ -109,7 +109,7 @@ def test_a_preparation_in_pieces_keeps_the_worker_stepping(prefetch):
     def prepare(request: Request) -> Prepared:
         for _ in range(4):  # a long prefill: four pieces of the step's budget
             pieces.append(len(pieces))
-            pacing.spent(64)
+            pacing.spent(64, 0.0)
         return Prepared(FakeCache(8), logits(0), TokenUsage(prompt_tokens=256), "none")
 
     short = _request(max_new_tokens=2)

@@ -24,31 +24,34 @@ import torch
 
 from ragkv.app.request import Request
 from ragkv.engine import pacing
+from ragkv.engine.pass_cost import PassCost
 
 
 class StepPacer:
-    """Counts the work of one step's piece; pauses the preparation once the room is spent."""
+    """Counts the work of one step's piece, each token weighed by what it costs at its
+    context (PassCost); pauses the preparation once the room is spent."""
 
-    def __init__(self) -> None:
+    def __init__(self, cost: PassCost) -> None:
+        self.cost = cost
         self.room = 0.0
         self.pieces = 0
         """Pauses so far (steps the preparation spanned, less one)."""
         self._driver: greenlet.greenlet | None = None
 
-    def piece_tokens(self) -> int:
-        return max(1, int(self.room))
+    def piece_tokens(self, start: int) -> int:
+        return self.cost.tokens_within(max(1.0, self.room), start)
 
-    def spent(self, tokens: float) -> None:
-        self.room -= tokens
+    def spent(self, tokens: float, context: float) -> None:
+        self.room -= self.cost.cost(tokens, context)
         if self.room <= 0 and self._driver is not None:
             self.pieces += 1
             self._driver.switch()
 
 
 class SteppedPreparation:
-    def __init__(self, request: Request, tokenizer):
+    def __init__(self, request: Request, tokenizer, cost: PassCost):
         self.request = request
-        self.pacer = StepPacer()
+        self.pacer = StepPacer(cost)
         self._tokenizer = tokenizer
         self._greenlet = greenlet.greenlet(self._run)
         self._greenlet.gr_context = contextvars.copy_context()

@@ -214,7 +214,7 @@ class Scheduler:
         if plan.prepare is not None and not self.config.max_num_batched_tokens:
             self._prepare(plan.prepare)
         elif plan.prepare is not None:
-            self.preparing = SteppedPreparation(plan.prepare, self.tokenizer)
+            self.preparing = SteppedPreparation(plan.prepare, self.tokenizer, self.model.pass_cost)
         ready = self._prepare_piece(len(plan.decode) - (plan.prepare is not None))
         rows = [r for r in plan.decode if r in self.running]  # a prepare that failed is gone
         rows += [ready] if ready is not None and ready not in rows else []

@@ -7,6 +7,7 @@ attention that reads selected cache rows). Nothing here patches transformers.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from ragkv.engine.compiled_decode import COMPILED_PREFILL_ROWS, CompiledDecoder,
 from ragkv.engine.kv_cache import KVCache
 from ragkv.engine.model_spec import ModelSpec
 from ragkv.engine.numerics import Numerics
+from ragkv.engine.pass_cost import PassCost
 from ragkv.engine.rope import Rotary
 from ragkv.engine.weights import ModelWeights, load_weights
 from ragkv.kernels.decode_attention import decode_attention as batched_decode_attention
@@ -190,6 +192,11 @@ class CausalLM:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.weights.lm_head(rms_norm(hidden, self.weights.final_norm, self.spec.rms_norm_eps))
 
+    @functools.cached_property
+    def pass_cost(self) -> PassCost:
+        """What its prompt rows cost at a context length (a step budget's weights)."""
+        return PassCost.of(self.spec)
+
     def new_cache(self, capacity: int) -> KVCache:
         return KVCache.allocate(self.spec, capacity, self.dtype, self.device)
 
@@ -214,10 +221,11 @@ class CausalLM:
             return self._prefill(token_ids, cache)
         done, logits = 0, None
         while done < token_ids.numel():
-            piece = token_ids[done : done + max(1, pacer.piece_tokens())]
+            start = cache.length
+            piece = token_ids[done : done + max(1, pacer.piece_tokens(start))]
             logits = self._prefill(piece, cache)
             done += piece.numel()
-            pacer.spent(piece.numel())
+            pacer.spent(piece.numel(), start + piece.numel() / 2)
         if logits is None:
             return self._prefill(token_ids, cache)  # no tokens: what a whole prefill does
         return logits

@@ -206,7 +206,8 @@ class FusionStrategy(ABC):
             else:
                 attention = attend(model, layer, projection, rows, cache, layout, columns)
                 hidden = model.finish_layer(layer, hidden, attention)
-            pacing.spent(rows.numel() / model.spec.num_layers)  # a driver may run other work between layers
+            # a driver may run other work between layers; each row attends to those before it
+            pacing.spent(rows.numel() / model.spec.num_layers, float(rows.float().mean()))
         if int(rows[-1]) != layout.length - 1:
             raise RuntimeError(f"{self.name}: the last question row must be recomputed")
         logits = model.logits(hidden[-1:])[0]

@@ -88,7 +88,8 @@ class ServerConfig:
     max_num_batched_tokens: int = 512
     """Tokens one scheduler step computes (vLLM's name): while answers are decoding, a
     prompt's prefill, the text before its passages and a fusion's recompute run in pieces
-    of at most this less the step's decode rows, one piece per step beside the decodes, so
+    of at most this less the step's decode rows (a token late in a long prompt counted as
+    the work its attention adds there: ragkv.engine.pass_cost), one piece per step beside the decodes, so
     answers being streamed go on while a long prompt is prepared (with none decoding, the
     preparation runs whole). 0 = each preparation whole in one step. The default is the
     measured one (BENCHMARKS.md, arrivals)."""
