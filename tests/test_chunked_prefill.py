@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fusion_cases import fused_case
 
 from ragkv.app.runtime import RuntimeConfig
 from ragkv.app.server.config import ServerConfig
 from ragkv.app.server.local import LocalClient
 from ragkv.engine import EngineConfig, pacing
 from ragkv.engine.generation import GenerationConfig
+from ragkv.fusion import build_strategy
 
 pytestmark = pytest.mark.model
 
@@ -62,6 +64,25 @@ def test_a_prefill_in_pieces_gives_the_whole_prefills_logits_and_rows(engine, si
         k_whole, v_whole = whole.layer(layer, ids.numel())
         assert torch.allclose(k_cut, k_whole, atol=1e-3, rtol=0), (layer, (k_cut - k_whole).abs().max())
         assert torch.allclose(v_cut, v_whole, atol=1e-3, rtol=0), (layer, (v_cut - v_whole).abs().max())
+
+
+@pytest.mark.parametrize("spec", ["probe", "a3", "epic", "cacheblend:ratio=1"])
+def test_a_fusion_in_pieces_of_rows_gives_the_whole_fusions_logits_and_rows(engine, spec):
+    """Pieces of one token's work: 30 rows of each layer at a time (several per layer, the
+    check layer's selection before them), against the same fusion with no pacer."""
+    fusion_input, _ = fused_case(engine)
+    strategy = build_strategy(spec)
+    whole = strategy.fuse(engine.model, fusion_input, engine.chunk_prefix_cache())
+    pacer = FixedPieces(1)
+    with pacing.paced(pacer):
+        cut = strategy.fuse(engine.model, fusion_input, engine.chunk_prefix_cache())
+    layers = engine.model.spec.num_layers
+    assert len(pacer.pieces) > 1.5 * layers  # more pieces than layers: layers were cut by rows
+    assert torch.equal(cut.final_rows, whole.final_rows)
+    torch.testing.assert_close(cut.logits, whole.logits, atol=2e-4, rtol=0)
+    rows = whole.layout.length
+    torch.testing.assert_close(cut.cache.keys[:, :, :rows], whole.cache.keys[:, :, :rows], atol=2e-4, rtol=0)
+    torch.testing.assert_close(cut.cache.values[:, :, :rows], whole.cache.values[:, :, :rows], atol=2e-4, rtol=0)
 
 
 def test_no_pacer_means_one_whole_prefill(engine):

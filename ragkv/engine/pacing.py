@@ -6,10 +6,11 @@ variable: each greenlet, thread or task sees its own). Two kinds of pass consult
   `CausalLM.prefill`  split into pieces of at most `Pacer.piece_tokens(start)` tokens,
                       each appended to the cache after the rows before it (the same causal
                       attention a whole prefill computes), with `Pacer.spent` after each;
-  a fusion's recompute  reports each layer's rows as `rows / num_layers` tokens of work
-                      (its rows all pass a layer together, since a check layer's row
-                      selection reads every row, so it pauses between layers, never
-                      within a layer's rows).
+  a fusion's recompute  runs each layer's attention and the rest of the layer in pieces
+                      of rows (`layer_pieces`), `rows / num_layers` tokens of work each:
+                      the layer's K/V of every row is written first, so a piece's queries
+                      read what a whole pass reads (and a check layer's row selection,
+                      which reads every row, comes before its pieces).
 Each report names the rows the tokens attend to on average, so a pacer can weigh a token
 late in a long prompt by what it costs there (ragkv.engine.pass_cost).
 With no pacer installed (the default) nothing pauses and nothing is split.
@@ -47,6 +48,22 @@ def spent(tokens: float, context: float) -> None:
     pacer = _current.get()
     if pacer is not None:
         pacer.spent(tokens, context)
+
+
+def layer_pieces(rows: int, num_layers: int, context: float) -> Iterator[slice]:
+    """Slices of one layer's `rows`, each as large as the installed pacer's room takes (one
+    slice of all without a pacer); a piece is reported as spent when the next is asked for
+    (or the slices end), so the caller computes it first."""
+    pacer = _current.get()
+    start = 0
+    while start < rows:
+        size = rows - start
+        if pacer is not None:
+            size = min(size, max(1, pacer.piece_tokens(int(context)) * num_layers))
+        yield slice(start, start + size)
+        start += size
+        if pacer is not None:
+            pacer.spent(size / num_layers, context)
 
 
 @contextlib.contextmanager

@@ -200,14 +200,13 @@ class FusionStrategy(ABC):
             else:
                 cache.keys[layer, :, rows] = projection.k
                 cache.values[layer, :, rows] = projection.v
+            context = float(rows.float().mean())  # each row attends to those before it
             if layer + 1 == model.spec.num_layers:
                 # every row's K/V is written; only the last row's output is read (the logits)
                 hidden = model.finish_last_row(layer, hidden, projection, rows, cache, layout.length)
+                pacing.spent(rows.numel() / model.spec.num_layers, context)
             else:
-                attention = attend(model, layer, projection, rows, cache, layout, columns)
-                hidden = model.finish_layer(layer, hidden, attention)
-            # a driver may run other work between layers; each row attends to those before it
-            pacing.spent(rows.numel() / model.spec.num_layers, float(rows.float().mean()))
+                hidden = _finish_in_pieces(model, layer, projection, rows, hidden, cache, layout, columns, context)
         if int(rows[-1]) != layout.length - 1:
             raise RuntimeError(f"{self.name}: the last question row must be recomputed")
         logits = model.logits(hidden[-1:])[0]
@@ -294,6 +293,32 @@ def attend(
         return documents
     question = model.attend(layer, projection.of_rows(slice(before, None)), rows[before:], cache, layout.length)
     return torch.cat((documents, question), dim=1)
+
+
+def _finish_in_pieces(
+    model: CausalLM,
+    layer: int,
+    projection: Projection,
+    rows: torch.Tensor,
+    hidden: torch.Tensor,
+    cache: KVCache,
+    layout: Layout,
+    columns: torch.Tensor | None,
+    context: float,
+) -> torch.Tensor:
+    """The rows' attention and the rest of `layer`, in pieces of rows a pacer sizes (one
+    piece without one). Every row's K/V of the layer is in the cache already, so a piece's
+    queries read the same rows a whole pass would; the rest of the layer is per row."""
+    finished = None
+    for part in pacing.layer_pieces(rows.numel(), model.spec.num_layers, context):
+        if part.start == 0 and part.stop == rows.numel():
+            attention = attend(model, layer, projection, rows, cache, layout, columns)
+            finished = model.finish_layer(layer, hidden, attention)
+            continue
+        finished = torch.empty_like(hidden) if finished is None else finished
+        attention = attend(model, layer, projection.of_rows(part), rows[part], cache, layout, columns)
+        finished[part] = model.finish_layer(layer, hidden[part], attention)
+    return finished
 
 
 def fresh_buffers(model: CausalLM, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
