@@ -228,6 +228,15 @@ class ChunkStore(ABC):
                 protected_bytes=usage.protected_bytes if usage else None,
             )
 
+    def tenant_bytes(self) -> dict[str, int] | None:
+        """Blob bytes per tenant a key names (``""``: shared chunks), as counted with every
+        write; ``None`` where the backend does not count them or cannot be asked."""
+        return None
+
+    def recount(self) -> dict[str, int] | None:
+        """Rebuild the per-tenant counts from a full scan; returns them (``None``: not counted)."""
+        return None
+
     @property
     def capacity_bytes(self) -> int | None:
         """The most bytes of chunks this store keeps (the eviction order is the backend's); None: unbounded."""

@@ -11,6 +11,10 @@ used first among those never read since they were written, then among the rest (
 LRU, :mod:`store.recency`; ``protected_share=0`` is plain LRU). Chunks this process read most recently
 are never evicted, so one query's working set survives its own write-backs; an evicted
 chunk is a plain miss, which the query path recomputes and puts back.
+
+Each tenant's bytes (the tenant a key names) are counted in the same transaction as every
+put, delete and eviction (:mod:`store.tenant_bytes`), so they hold across restarts;
+:meth:`LMDBStore.recount` rebuilds them from a full scan.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from ragkv.store.recency import (
     TouchLog,
     now_stamp,
 )
+from ragkv.store.tenant_bytes import TENANTS_DB, TenantBytes, scan_sizes
 
 CHUNKS_DB = "chunks"
 _KEY_BATCH = 1024  # keys listed per read transaction by iter_keys
@@ -73,8 +78,10 @@ class LMDBStore(BlobStore):
             self._recency = RecencyIndex(
                 self._env.db(USE_DB), self._env.db(LRU_DB), self._env.db(SEGMENT_DB), protected_bytes=protected
             )
+            self._tenants = TenantBytes(self._env.db(TENANTS_DB))
             if capacity_bytes is not None:
                 self._env.write(lambda txn: self._recency.track_untracked(txn, self._db))
+            self._env.write(self._count_if_uncounted)
         except BaseException:
             self._env.close()
             raise
@@ -96,6 +103,21 @@ class LMDBStore(BlobStore):
     def __repr__(self) -> str:
         return f"LMDBStore({self._env.path!r})" if not self._closed else "LMDBStore(<closed>)"
 
+    def tenant_bytes(self) -> dict[str, int]:
+        """Blob bytes per tenant, as counted with every write (``""``: shared chunks)."""
+        self._check_open()
+        with self._env.read() as txn:
+            return self._tenants.all(txn)
+
+    def recount(self) -> dict[str, int]:
+        """Rebuild the per-tenant counts from a full scan of the chunks; returns them."""
+        self._check_open()
+        return self._env.write(lambda txn: self._tenants.recount(txn, scan_sizes(txn, self._db)))
+
+    def _count_if_uncounted(self, txn) -> None:
+        if not self._tenants.kept(txn):
+            self._tenants.recount(txn, scan_sizes(txn, self._db))
+
     def _get_raw_many(self, keys: list[bytes]) -> list[RawBlob | None]:
         with self._env.read() as txn:
             # The memoryviews die with the transaction: copy each hit out once.
@@ -113,6 +135,8 @@ class LMDBStore(BlobStore):
         def put_all(txn) -> int:
             stamp = now_stamp()
             for key, blob in pairs:
+                old = txn.get(key, db=self._db)
+                self._tenants.changed(txn, key, 0 if old is None else len(old), len(blob))
                 txn.put(key, blob, db=self._db)
                 self._recency.written(txn, key, stamp, len(blob))  # small puts; kept even without a capacity
             if self._capacity is None:
@@ -125,7 +149,7 @@ class LMDBStore(BlobStore):
     def _delete_raw(self, key: bytes) -> bool:
         def delete(txn) -> bool:
             self._recency.forget(txn, key)
-            return txn.delete(key, db=self._db)
+            return self._delete_counted(txn, key)
 
         return self._env.write(delete)
 
@@ -147,13 +171,20 @@ class LMDBStore(BlobStore):
             return 0
         evicted = 0
         for key in self._recency.pop_oldest(txn, written | self._touches.pinned()):
-            evicted += bool(txn.delete(key, db=self._db))
+            evicted += self._delete_counted(txn, key)
             if self._bytes_in(txn) <= self._capacity:
                 return evicted
         logger.warning(
             "LMDB store %s holds more than its capacity of %d bytes: the rest is in use", self._env.path, self._capacity
         )
         return evicted
+
+    def _delete_counted(self, txn, key: bytes) -> bool:
+        old = txn.get(key, db=self._db)
+        if old is None:
+            return False
+        self._tenants.changed(txn, key, len(old), 0)
+        return txn.delete(key, db=self._db)
 
     def _bytes_in(self, txn) -> int:
         stat = txn.stat(self._db)

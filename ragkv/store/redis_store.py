@@ -13,7 +13,11 @@ With a Redis Cluster URL (``redis+cluster://host:port,host:port/``) the blobs sp
 the masters by key slot; a read of many chunks is one MGET per slot, and a master that
 dies fails the reads and writes that touch it like a single server that dies (misses and
 dropped writes, then the back-off). Use a dedicated cluster: ``entries`` sums every
-master's ``DBSIZE``.
+master's ``DBSIZE`` (less the tenant counters).
+
+Blobs are written and deleted by Lua scripts that also adjust their tenant's byte counter
+(:mod:`store.redis_tenants`), so per-tenant bytes hold across restarts of ragkv and agree
+with the blobs whichever replica wrote them.
 """
 
 from __future__ import annotations
@@ -28,8 +32,10 @@ from redis.exceptions import ClusterDownError, RedisClusterException
 
 from ragkv.store.base import BlobStore, RawBlob, StoreUsage
 from ragkv.store.errors import StoreUnavailableError
+from ragkv.store.keys import KEY_NAMESPACE, tenant_of
 from ragkv.store.redis_client import SCHEMES, where
 from ragkv.store.redis_link import RedisLink
+from ragkv.store.redis_tenants import DELETE, PUT, counter_key, counter_keys
 
 _SCHEMES = SCHEMES
 _DOWN = (redis.ConnectionError, redis.TimeoutError, ClusterDownError, RedisClusterException)
@@ -113,14 +119,55 @@ class RedisStore(BlobStore):
     def _put_raw_many(self, pairs: list[tuple[bytes, RawBlob]]) -> None:
         with self._call():
             pipe = self._client.pipeline(transaction=False)
+            expiry = b"" if self._ttl_ms is None else b"%d" % self._ttl_ms
             for key, blob in pairs:
                 # redis-py sends memoryviews as-is (no copy) but rejects bytearray.
-                pipe.set(key, memoryview(blob), px=self._ttl_ms)
+                # EVAL by name: a cluster pipeline has no eval() but routes EVAL by its keys' slot.
+                pipe.execute_command("EVAL", PUT, 2, key, self._counter(key), tenant_of(key), memoryview(blob), expiry)
             pipe.execute()
 
     def _delete_raw(self, key: bytes) -> bool:
         with self._call():
-            return bool(self._client.delete(key))
+            return bool(self._client.eval(DELETE, 2, key, self._counter(key), tenant_of(key)))
+
+    def _counter(self, key: bytes) -> bytes:
+        return counter_key(key, self._link.cluster)
+
+    def tenant_bytes(self) -> dict[str, int] | None:
+        """Blob bytes per tenant, as the write scripts counted them (``""``: shared chunks);
+        ``None`` while Redis is unreachable."""
+        self._check_open()
+        return self._attempt("tenant bytes", self._read_counters, fallback=None)
+
+    def _read_counters(self) -> dict[str, int]:
+        with self._call():
+            pipe = self._client.pipeline(transaction=False)
+            for key in counter_keys(self._link.cluster):
+                pipe.hgetall(key)
+            totals: dict[str, int] = {}
+            for fields in pipe.execute():
+                for tenant, size in fields.items():
+                    name = tenant.decode("ascii")
+                    totals[name] = totals.get(name, 0) + int(size)
+            return {tenant: size for tenant, size in totals.items() if size > 0}
+
+    def recount(self) -> dict[str, int]:
+        """Rebuild the counters from a full scan of the blobs; returns them. Writes made
+        during the scan may be counted twice or not at all: run it while writes are quiet."""
+        self._check_open()
+        with self._call():
+            per_counter: dict[bytes, dict[str, int]] = {}
+            for key in self._client.scan_iter(match=_glob_escape(KEY_NAMESPACE) + b"*", count=_SCAN_BATCH):
+                size = self._client.strlen(key)
+                fields = per_counter.setdefault(self._counter(key), {})
+                fields[tenant_of(key)] = fields.get(tenant_of(key), 0) + size
+            pipe = self._client.pipeline(transaction=False)
+            for counter in counter_keys(self._link.cluster):
+                pipe.delete(counter)
+            for counter, fields in per_counter.items():
+                pipe.hset(counter, mapping={t: n for t, n in fields.items() if n})
+            pipe.execute()
+        return self._read_counters()
 
     def _contains_raw(self, key: bytes) -> bool:
         with self._call():
@@ -136,10 +183,18 @@ class RedisStore(BlobStore):
                 masters = RedisCluster.PRIMARIES
                 memory = self._client.info("memory", target_nodes=masters)
                 return StoreUsage(
-                    entries=self._client.dbsize(target_nodes=masters),
+                    entries=self._client.dbsize(target_nodes=masters) - self._counters_held(),
                     bytes=sum(info["used_memory"] for info in memory.values()),
                 )
-            return StoreUsage(entries=self._client.dbsize(), bytes=self._client.info("memory")["used_memory"])
+            entries = self._client.dbsize() - self._counters_held()
+            return StoreUsage(entries=entries, bytes=self._client.info("memory")["used_memory"])
+
+    def _counters_held(self) -> int:
+        """How many counter hashes exist (DBSIZE counts them beside the blobs)."""
+        pipe = self._client.pipeline(transaction=False)
+        for key in counter_keys(self._link.cluster):
+            pipe.exists(key)
+        return sum(pipe.execute())
 
     def _iter_raw_keys(self, prefix: bytes) -> Iterator[bytes]:
         # SCAN may list a key twice; acceptable for garbage collection.

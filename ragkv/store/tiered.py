@@ -75,6 +75,14 @@ class TieredStore(ChunkStore):
             tiers=tiers,
         )
 
+    def tenant_bytes(self) -> dict[str, int] | None:
+        """The first tier's counts (the one whose capacity bounds the store)."""
+        return self._tiers[0].tenant_bytes()
+
+    def recount(self) -> dict[str, int] | None:
+        counts = [tier.recount() for tier in self._tiers]
+        return counts[0]
+
     def _load(self, keys: list[ChunkKey]) -> list[Loaded | None]:
         found: list[Loaded | None] = [self._lru.get(key.to_bytes()) for key in keys]
         served = [key.to_bytes() for key, item in zip(keys, found) if item is not None]
