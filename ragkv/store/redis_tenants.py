@@ -36,15 +36,15 @@ return delta
 """KEYS: chunk, counter hash; ARGV: tenant, blob, expiry in ms or ''."""
 
 DELETE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 local old = redis.call('STRLEN', KEYS[1])
-if old == 0 then return 0 end
 redis.call('DEL', KEYS[1])
-if redis.call('HINCRBY', KEYS[2], ARGV[1], -old) <= 0 then
+if old > 0 and redis.call('HINCRBY', KEYS[2], ARGV[1], -old) <= 0 then
   redis.call('HDEL', KEYS[2], ARGV[1])
 end
 return 1
 """
-"""KEYS: chunk, counter hash; ARGV: tenant."""
+"""KEYS: chunk, counter hash; ARGV: tenant. An empty blob (corrupt) is deleted too."""
 
 
 @functools.cache
