@@ -39,7 +39,7 @@ def _check_field(name: str, value: object) -> None:
         )
 
 
-def _check_tenant(value: object) -> None:
+def check_tenant(value: object) -> None:
     if not isinstance(value, str) or (value and not _TENANT_RE.fullmatch(value)):
         raise ValueError(f"ChunkKey.tenant must be '' (shared) or 1-64 characters of [A-Za-z0-9._-]; got {value!r}")
 
@@ -68,7 +68,7 @@ class ChunkKey:
         _check_field("model_fingerprint", self.model_fingerprint)
         _check_field("chunk_hash", self.chunk_hash)
         _check_version(self.format_version)
-        _check_tenant(self.tenant)
+        check_tenant(self.tenant)
         if self.chunk_hash.startswith(TENANT_MARK.decode()):
             raise ValueError(f"ChunkKey.chunk_hash must not start with {TENANT_MARK!r}; got {self.chunk_hash!r}")
 

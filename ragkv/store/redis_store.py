@@ -139,6 +139,10 @@ class RedisStore(BlobStore):
         self._check_open()
         return self._attempt("tenant bytes", self._read_counters, fallback=None)
 
+    def _tenant_bytes_of_stats(self) -> dict[str, int] | None:
+        # A cluster keeps a counter hash per slot: too many reads for every stats call.
+        return None if self._link.cluster else self.tenant_bytes()
+
     def _read_counters(self) -> dict[str, int]:
         with self._call():
             pipe = self._client.pipeline(transaction=False)
