@@ -82,14 +82,20 @@ class ChunkEviction:
         spent: set[str] = set()  # tenants with nothing left to evict
         capacity = self._capacity
         while pages_bytes(txn, self._db) > capacity:
-            order = [tenant for tenant in fair_share_order(self._tenants.all(txn)) if tenant not in spent]
+            counts = self._tenants.all(txn)
+            order = [tenant for tenant in fair_share_order(counts) if tenant not in spent]
             if not order:
-                logger.warning(
-                    "LMDB store holds more than its capacity of %d bytes: the rest is in use", self._capacity
-                )
+                logger.warning("LMDB store holds more than its capacity of %d bytes: the rest is in use", capacity)
                 return
-            key = next(self._recency.pop_oldest_of(txn, order[0], keep), None)
-            if key is None:
-                spent.add(order[0])
-            else:
-                evicted[order[0]] += self.delete(txn, key)
+            tenant, runner_up = order[0], order[1] if len(order) > 1 else None
+            spent.add(tenant)  # unless it gives up a chunk below
+            # One cursor walk while the tenant stays first (the runner-up's bytes do not change meanwhile).
+            for key in self._recency.pop_oldest_of(txn, tenant, keep):
+                spent.discard(tenant)
+                evicted[tenant] += self.delete(txn, key)
+                if pages_bytes(txn, self._db) <= capacity:
+                    return
+                if runner_up is not None and fair_share_order(
+                    {tenant: self._tenants.of(txn, tenant), runner_up: counts[runner_up]}
+                ) != [tenant, runner_up]:
+                    break
