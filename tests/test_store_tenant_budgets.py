@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 import torch
 
-from ragkv.store import ChunkKey, LMDBStore, RedisStore, hash_tokens
+from ragkv.store import ChunkKey, LMDBStore, RedisStore, TieredStore, hash_tokens
 from ragkv.store.recency import SEGMENT_DB, TENANT_LRU_DB
 from ragkv.store.tenant_budgets import TenantBudgets, fair_share_order
 
@@ -44,23 +44,36 @@ def capped(path, geometry: tuple[int, int], held: int | None = HELD) -> LMDBStor
 
 
 def reference(writes: list[tuple[str, int]], held: int | None, budgets: dict[str, int]) -> set[tuple[str, int]]:
+    return simulated(writes, held, budgets)[0]
+
+
+def simulated(
+    writes: list[tuple[str, int]], held: int | None, budgets: dict[str, int]
+) -> tuple[set[tuple[str, int]], Counter[str]]:
     """The rule, on chunk counts: after each write, a tenant over its budget (in chunks) loses
     its oldest; while more than `held` chunks are kept, the tenant with most chunks (ties:
-    the first by name) loses its oldest; the chunk just written is never taken."""
+    the first by name) loses its oldest; the chunk just written is never taken. The chunks
+    kept, and those evicted per tenant."""
     kept: list[tuple[str, int]] = []
+    evicted: Counter[str] = Counter()
+
+    def evict(tenant: str, written: tuple[str, int]) -> None:
+        kept.remove(next(item for item in kept if item[0] == tenant and item != written))
+        evicted[tenant] += 1
+
     for written in writes:
         if written in kept:
             kept.remove(written)
         kept.append(written)
         tenant = written[0]
         while tenant in budgets and sum(t == tenant for t, _ in kept) > budgets[tenant]:
-            kept.remove(next(item for item in kept if item[0] == tenant and item != written))
+            evict(tenant, written)
         while held is not None and len(kept) > held:
             counts = Counter(t for t, _ in kept)
             candidates = sorted((t for t in counts if any(i[0] == t and i != written for i in kept)),
                                 key=lambda t: (-counts[t], t))  # fmt: skip
-            kept.remove(next(item for item in kept if item[0] == candidates[0] and item != written))
-    return set(kept)
+            evict(candidates[0], written)
+    return set(kept), evicted
 
 
 def survivors(store: LMDBStore) -> set[tuple[str, int]]:
@@ -211,3 +224,22 @@ def test_a_redis_store_refuses_budgets_it_cannot_keep() -> None:
     with pytest.raises(ValueError, match="no per-tenant budgets"):
         store.set_tenant_budgets(TenantBudgets(default=10))
     store.set_tenant_budgets(TenantBudgets())  # none asked: nothing to refuse
+
+
+def test_a_tiered_store_keeps_budgets_in_its_lmdb_tier_and_sums_its_evictions(tmp_path) -> None:
+    geometry = chunk_geometry(tmp_path)
+    writes = sequence(17, ["a", "b"], [3, 1], 40)
+    tiered = TieredStore([capped(tmp_path / "kv", geometry)], lru_bytes=1 << 20)
+    with tiered:
+        tiered.set_tenant_budgets(TenantBudgets(tenants={"b": 2 * geometry[1]}))
+        for tenant, i in writes:
+            tiered.put(key(tenant, i), blob())
+        kept, evicted = simulated(writes, HELD, {"b": 2})
+        assert survivors(tiered.tiers[0]) == kept
+        tiered.get_many([key(t, i) for t, i in sorted(kept)])
+        stats = tiered.stats()
+        for tenant in ("a", "b"):
+            figures = stats.tenant(tenant)
+            assert figures.evictions == stats.tiers[0].tenant(tenant).evictions == evicted[tenant] > 0
+            assert (figures.hits, figures.misses) == (sum(t == tenant for t, _ in kept), 0)
+            assert figures.bytes == scanned(tiered.tiers[0])[tenant]
