@@ -6,9 +6,10 @@ warm read costs one copy into the decode buffer.  The store lives in the
 other ragkv sub-databases in the same directory.
 
 With ``capacity_bytes`` the chunks sub-database is kept at most that large: every write
-transaction that would exceed it deletes chunks in the same transaction, least recently
-used first among those never read since they were written, then among the rest (segmented
-LRU, :mod:`store.recency`; ``protected_share=0`` is plain LRU). Chunks this process read most recently
+transaction that would exceed it deletes chunks in the same transaction, those of the
+tenant most above its fair share (below), and of its chunks the least recently used first
+among those never read since they were written, then among the rest (segmented LRU,
+:mod:`store.recency`; ``protected_share=0`` is plain LRU). Chunks this process read most recently
 are never evicted, so one query's working set survives its own write-backs; an evicted
 chunk is a plain miss, which the query path recomputes and puts back.
 

@@ -81,7 +81,7 @@ def key_of_order(order: bytes) -> bytes:
 
 
 class RecencyIndex:
-    """Reads and writes the three sub-databases inside a caller's transaction.
+    """Reads and writes the four sub-databases inside a caller's transaction.
 
     ``protected_bytes`` bounds the protected segment (0: plain LRU, nothing is protected);
     without ``tenant_lru_db`` no per-tenant order is kept."""
@@ -133,25 +133,10 @@ class RecencyIndex:
         raw = txn.get(_PROTECTED_BYTES, db=self._segment_db)
         return 0 if raw is None else _SIZE.unpack(bytes(raw))[0]
 
-    def pop_oldest(self, txn, keep: frozenset[bytes]) -> Iterator[bytes]:
-        """Forget and yield chunk keys, probation's least recently used first, then the
-        protected segment's, skipping `keep`, for as long as the caller iterates (it
-        deletes each chunk it is given)."""
-        cursor = txn.cursor(db=self._lru_db)
-        positioned = cursor.first()
-        while positioned:
-            order = bytes(cursor.key())
-            key = key_of_order(order)
-            if key in keep:
-                positioned = cursor.next()
-                continue
-            cursor.delete()  # moves the cursor to the next entry
-            self._drop_use(txn, key, order, None)
-            yield key
-            positioned = bool(cursor.key())
-
     def pop_oldest_of(self, txn, tenant: str, keep: frozenset[bytes]) -> Iterator[bytes]:
-        """:meth:`pop_oldest` for the chunks of one tenant (the tenant their keys name)."""
+        """Forget and yield the chunk keys of one tenant (the tenant their keys name),
+        probation's least recently used first, then the protected segment's, skipping `keep`,
+        for as long as the caller iterates (it deletes each chunk it is given)."""
         prefix = _tenant_prefix(tenant)
         cursor = txn.cursor(db=self._tenant_db)
         positioned = cursor.set_range(prefix)
@@ -168,7 +153,9 @@ class RecencyIndex:
             use = self._use(txn, key)
             if use is not None and use.order(key) == order:  # else a stale entry, now dropped
                 txn.delete(order, db=self._lru_db)
-                self._drop_use(txn, key, None, use)
+                txn.delete(key, db=self._use_db)
+                if use.protected:
+                    self._add_protected(txn, -use.size)
                 yield key
             positioned = bool(cursor.key())
 
@@ -184,16 +171,6 @@ class RecencyIndex:
             added += 1
         txn.put(_TENANT_ORDER_KEPT, b"1", db=self._segment_db)
         return added
-
-    def _drop_use(self, txn, key: bytes, order: bytes | None, use: Use | None) -> None:
-        """Forget the use record of a chunk whose entry in one order a cursor just deleted
-        (`order`: in the global one, so drop its per-tenant entry; else `use` is known)."""
-        use = self._use(txn, key) if use is None else use
-        txn.delete(key, db=self._use_db)
-        if order is not None and self._tenant_db is not None:
-            txn.delete(_tenant_prefix(tenant_of(key)) + order, db=self._tenant_db)
-        if use is not None and use.protected:
-            self._add_protected(txn, -use.size)
 
     def track_untracked(self, txn, chunks_db: object) -> int:
         """Give chunks with no recorded use (written before recency was kept) the oldest stamp."""
