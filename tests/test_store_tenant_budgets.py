@@ -10,6 +10,7 @@ import random
 from collections import Counter
 
 import pytest
+import redis
 import torch
 
 from ragkv.store import ChunkKey, LMDBStore, RedisStore, TieredStore, hash_tokens
@@ -219,13 +220,6 @@ def test_fair_share_order_is_by_bytes_then_name() -> None:
     assert fair_share_order({"b": 5, "a": 5, "c": 9, "d": 0}) == ["c", "a", "b"]
 
 
-def test_a_redis_store_refuses_budgets_it_cannot_keep() -> None:
-    store = RedisStore.__new__(RedisStore)  # no server needed: the refusal comes first
-    with pytest.raises(ValueError, match="no per-tenant budgets"):
-        store.set_tenant_budgets(TenantBudgets(default=10))
-    store.set_tenant_budgets(TenantBudgets())  # none asked: nothing to refuse
-
-
 def test_a_tiered_store_keeps_budgets_in_its_lmdb_tier_and_sums_its_evictions(tmp_path) -> None:
     geometry = chunk_geometry(tmp_path)
     writes = sequence(17, ["a", "b"], [3, 1], 40)
@@ -243,3 +237,68 @@ def test_a_tiered_store_keeps_budgets_in_its_lmdb_tier_and_sums_its_evictions(tm
             assert figures.evictions == stats.tiers[0].tenant(tenant).evictions == evicted[tenant] > 0
             assert (figures.hits, figures.misses) == (sum(t == tenant for t, _ in kept), 0)
             assert figures.bytes == scanned(tiered.tiers[0])[tenant]
+
+
+def redis_sized(url: str) -> int:
+    """Blob bytes of one chunk in a Redis store."""
+    with RedisStore(url) as probe:
+        probe.put(key("probe", 0), blob())
+        size = probe.blob_size(key("probe", 0))
+        probe.delete(key("probe", 0))
+    return size
+
+
+@pytest.fixture
+def redis_store(redis_url) -> RedisStore:
+    client = redis.Redis.from_url(redis_url)
+    client.flushdb()
+    client.close()
+    with RedisStore(redis_url) as store:
+        yield store
+
+
+@pytest.mark.redis
+def test_a_redis_tenant_over_its_budget_evicts_its_own_chunks_in_the_write_script(redis_store, redis_url) -> None:
+    size = redis_sized(redis_url)
+    budgets = {"a": 3, "": 2}
+    redis_store.set_tenant_budgets(TenantBudgets(tenants={t: n * size + size // 2 for t, n in budgets.items()}))
+    writes = sequence(23, ["a", "b", ""], [4, 1, 2], 60)
+    for tenant, i in writes[:30]:
+        redis_store.put(key(tenant, i), blob())
+    with RedisStore(redis_url) as reopened:  # the order lives in Redis: another process goes on
+        reopened.set_tenant_budgets(redis_store.tenant_budgets)
+        for tenant, i in writes[30:]:
+            reopened.put(key(tenant, i), blob())
+        kept, evicted = simulated(writes, None, budgets)
+        assert survivors(reopened) == kept
+        assert (
+            reopened.tenant_bytes()
+            == scanned(reopened)
+            == {t: n * size for t, n in Counter(t for t, _ in kept).items()}
+        )
+        counted = {t: redis_store.stats().tenant(t).evictions + reopened.stats().tenant(t).evictions for t in budgets}
+        assert counted == {t: evicted[t] for t in budgets} and "b" not in evicted
+        assert reopened.stats().entries == len(kept)  # the orders and sizes are no entries
+        assert reopened.recount() == scanned(reopened)
+
+
+@pytest.mark.redis
+def test_a_redis_read_moves_a_chunk_up_its_tenants_order(redis_store, redis_url) -> None:
+    size = redis_sized(redis_url)
+    redis_store.set_tenant_budgets(TenantBudgets(default=3 * size))
+    for i in range(3):
+        redis_store.put(key("a", i), blob())
+    assert redis_store.get(key("a", 0)) is not None  # 0 is now the most recently used
+    redis_store.put(key("a", 3), blob())
+    redis_store.recount()  # a recount keeps each chunk's last use
+    redis_store.put(key("a", 4), blob())
+    assert survivors(redis_store) == {("a", 0), ("a", 3), ("a", 4)}
+
+
+@pytest.mark.redis
+def test_a_redis_cluster_refuses_budgets(redis_cluster_url) -> None:
+    with RedisStore(redis_cluster_url) as store:
+        assert not store.keeps_tenant_budgets
+        with pytest.raises(ValueError, match="no per-tenant budgets"):
+            store.set_tenant_budgets(TenantBudgets(default=10))
+        store.set_tenant_budgets(TenantBudgets())  # none asked: nothing to refuse

@@ -80,7 +80,7 @@ def test_the_storage_gives_the_lmdb_store_its_budgets(tmp_path) -> None:
     [
         ({"store_tenant_budget": 0}, "store_tenant_budget must be a positive number of bytes"),
         ({"store_tenant_budgets": (("beta", -1),)}, "store budget of tenant 'beta'"),
-        ({"store_tenant_budget": 10, "store_url": "redis://127.0.0.1:1/0"}, "kept by the LMDB store"),
+        ({"store_tenant_budget": 10, "store_url": "redis+cluster://127.0.0.1:1/"}, "a Redis Cluster chunk store"),
     ],
 )
 def test_bad_budget_settings_are_refused(tmp_path, fields, message) -> None:
@@ -92,7 +92,7 @@ def test_bad_budget_settings_are_refused(tmp_path, fields, message) -> None:
     ("args", "message"),
     [
         (["--store-tenant-budget", "0"], "store_tenant_budget must be a positive number of bytes"),
-        (["--store-tenant-budget", "5", "--store", "redis://127.0.0.1:1/0"], "kept by the LMDB store"),
+        (["--store-tenant-budget", "5", "--store", "redis+cluster://127.0.0.1:1/"], "a Redis Cluster chunk store"),
     ],
 )
 def test_serve_refuses_bad_budget_options_with_a_message(tmp_path, capsys, args, message) -> None:

@@ -36,9 +36,9 @@ class StorageConfig:
     """With a capacity: the share of it kept for chunks read again since they were written,
     evicted last (0: plain LRU). None = the store's default, 0.65 (store.recency)."""
     store_tenant_budget: int | None = None
-    """Bytes of chunk KV each tenant may keep in the LMDB store: past it the tenant's own
-    least recently used chunks are evicted, never another's (a key's store_budget_bytes in
-    the API keys file sets its tenant's own). None = no budget; a full store still evicts
+    """Bytes of chunk KV each tenant may keep in the store (LMDB, or one Redis server): past
+    it the tenant's own least recently used chunks are evicted, never another's (a key's
+    store_budget_bytes in the API keys file sets its tenant's own). None = no budget; a full store still evicts
     from the tenant most above its fair share of --store-capacity."""
     store_tenant_budgets: tuple[tuple[str, int], ...] = ()
     """(tenant, bytes): tenants' own budgets, replacing store_tenant_budget (from the API
@@ -65,7 +65,7 @@ class StorageConfig:
         return self.store_url or f"lmdb://{self.lmdb_path.resolve()}"
 
 
-_REDIS_SCHEMES = ("redis://", "rediss://", "redis+cluster://", "rediss+cluster://")
+_CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
 
 
 def _positive_bytes(value: object) -> bool:
@@ -78,8 +78,8 @@ def _check_budgets(config: StorageConfig) -> None:
     for tenant, budget in config.store_tenant_budgets:
         if not _positive_bytes(budget):
             raise ValueError(f"the store budget of tenant {tenant!r} must be a positive number of bytes, got {budget}")
-    if config.has_tenant_budgets and (config.store_url or "").startswith(_REDIS_SCHEMES):
+    if config.has_tenant_budgets and (config.store_url or "").startswith(_CLUSTER_SCHEMES):
         raise ValueError(
-            "per-tenant store budgets are kept by the LMDB store (lmdb:// or tiered+lmdb://); "
-            "a Redis chunk store only counts each tenant's bytes"
+            "per-tenant store budgets are kept by an LMDB store or a single Redis server; "
+            "a Redis Cluster chunk store only counts each tenant's bytes"
         )

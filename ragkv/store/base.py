@@ -47,6 +47,7 @@ PutItem = (
 """An item for :meth:`ChunkStore.put_many`: ``(key, tensors)`` or ``(key, tensors, metadata)``."""
 
 _T = TypeVar("_T")
+_NO_BUDGETS = TenantBudgets()
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ class ChunkStore(ABC):
     a cache such as Redis: no). A required write must reach a durable tier."""
 
     keeps_tenant_budgets: ClassVar[bool] = False
-    """Whether :meth:`set_tenant_budgets` bounds each tenant's bytes here (LMDB)."""
+    """Whether :meth:`set_tenant_budgets` bounds each tenant's bytes here (LMDB, one Redis server)."""
 
     def __init__(self, *, mac_key: bytes | None = None) -> None:
         if mac_key is not None and (not isinstance(mac_key, bytes) or len(mac_key) < 16):
@@ -245,11 +246,18 @@ class ChunkStore(ABC):
         """The per-tenant bytes :meth:`stats` reports (a backend where they are costly to read says None)."""
         return self.tenant_bytes()
 
+    @property
+    def tenant_budgets(self) -> TenantBudgets:
+        """The budgets this store keeps (none unless set)."""
+        return _NO_BUDGETS
+
     def set_tenant_budgets(self, budgets: TenantBudgets) -> None:
         """Bound each tenant's bytes (:class:`store.tenant_budgets.TenantBudgets`); a store
         that does not keep budgets refuses any."""
         if budgets.any:
-            raise ValueError(f"a {self.backend} chunk store keeps no per-tenant budgets (an LMDB store does)")
+            raise ValueError(
+                f"a {self.backend} chunk store here keeps no per-tenant budgets (LMDB and a single Redis server do)"
+            )
 
     def recount(self) -> dict[str, int] | None:
         """Rebuild the per-tenant counts from a full scan; returns them (``None``: not counted)."""
