@@ -125,12 +125,15 @@ SHARED_SERVER_KEYS = {
     "web-beta": "beta-web-key-02",
     "render": "render-key-00001",
 }
-# tenant -> (API key, its limits in the keys file) of `shared_server`: tests/test_api_rate_limits.py's
+# tenant -> (API key, its fields in the keys file) of `shared_server`: tests/test_api_rate_limits.py's
 SHARED_SERVER_LIMITED_KEYS = {
     "rate-a": ("rate-limited-key-a", {"max_requests_per_second": 1 / 3600}),  # one request an hour
     "rate-b": ("rate-limited-key-b", {"max_requests_per_second": 1 / 3600}),
     "one-at-a-time": ("one-at-a-time-key", {"max_concurrent_requests": 1}),
     "unlimited-peer": ("unlimited-peer-key", {}),
+    # tests/test_api_store_tenants.py's: a tenant whose store budget holds no more than its last write
+    "store-budget": ("store-budget-key-1", {"store_budget_bytes": 1}),
+    "store-free": ("store-free-key-001", {}),
 }
 
 
@@ -153,6 +156,8 @@ def shared_server(tmp_path_factory) -> Iterator[SimpleNamespace]:
     process = ServerProcess(args, log_path=root / "serve.log").start(timeout_s=600)  # a loaded CI machine is slow
     try:
         limited = {tenant: key for tenant, (key, _) in SHARED_SERVER_LIMITED_KEYS.items()}
-        yield SimpleNamespace(url=process.url, key={**SHARED_SERVER_KEYS, **limited}, process=process)
+        yield SimpleNamespace(
+            url=process.url, key={**SHARED_SERVER_KEYS, **limited}, process=process, data_dir=root / "data"
+        )
     finally:
         process.stop()

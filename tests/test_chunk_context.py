@@ -38,7 +38,7 @@ def _runtime(folder, home, neighbours: int) -> Runtime:
 
 
 def _stored_kv(runtime: Runtime, chunk_hash: str) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-    tensors = runtime.store.get(ChunkKeys.of(runtime.engine).key(chunk_hash))
+    tensors = runtime.store.get(ChunkKeys.of(runtime.engine).key("t", chunk_hash))
     keys, values = runtime.engine.kv_format.unpack(tensors)
     return tensors["tokens"].tolist(), keys.float(), values.float()
 

@@ -73,7 +73,7 @@ def test_ingest_stores_every_chunk_and_registers_the_document(ingestor, engine):
     record = ingestor.registry.get("default", result.doc_id)
     assert record.metadata == {"source": "test"} and len(record.chunks) == result.chunks
     for chunk in record.chunks:
-        tensors = ingestor.store.get(ingestor.chunk_key(chunk.chunk_hash))
+        tensors = ingestor.store.get(ingestor.chunk_key("default", chunk.chunk_hash))
         assert tensors is not None
         assert tensors["tokens"].tolist() == engine.tokenize(LIGHTHOUSE)[chunk.token_start : chunk.token_end]
         keys, _ = engine.kv_format.unpack(tensors)
@@ -94,7 +94,7 @@ def test_shared_chunks_are_computed_once_and_survive_deleting_one_user(ingestor)
     assert second.reused_chunks >= first.chunks - 1
     ingestor.delete(first.doc_id)
     record = ingestor.registry.get("default", second.doc_id)
-    assert all(ingestor.store.contains(ingestor.chunk_key(c.chunk_hash)) for c in record.chunks)
+    assert all(ingestor.store.contains(ingestor.chunk_key("default", c.chunk_hash)) for c in record.chunks)
     ingestor.delete(second.doc_id)
     assert _blob_count(ingestor) == 0
     with pytest.raises(NotFoundError):
@@ -177,7 +177,7 @@ def test_a_dead_cache_tier_is_skipped_when_the_durable_tier_took_the_write(make_
     result = ingestor.ingest_text(LIGHTHOUSE, "a.txt")
     assert result.computed_chunks == result.chunks > 0
     record = ingestor.registry.get("default", result.doc_id)
-    assert all(lmdb.contains(ingestor.chunk_key(chunk.chunk_hash)) for chunk in record.chunks)
+    assert all(lmdb.contains(ingestor.chunk_key("default", chunk.chunk_hash)) for chunk in record.chunks)
 
 
 def test_tenants_get_their_own_chunks_and_ids_by_default(ingestor):
@@ -190,6 +190,8 @@ def test_tenants_get_their_own_chunks_and_ids_by_default(ingestor):
         for tenant, doc in (("alice", alice.doc_id), ("bob", bob.doc_id))
     }
     assert not hashes["alice"] & hashes["bob"]
+    stored = {key.tenant for key in ingestor.store.iter_keys()}
+    assert stored == {"alice", "bob"}  # each tenant's rows under a key that names it
 
 
 def test_cross_tenant_sharing_when_the_deployment_opts_in(make_ingestor):
@@ -199,15 +201,16 @@ def test_cross_tenant_sharing_when_the_deployment_opts_in(make_ingestor):
     assert bob.reused_chunks == bob.chunks and bob.computed_chunks == 0 and bob.doc_id == alice.doc_id
     ingestor.delete(alice.doc_id, tenant="alice")  # bob's document still holds the shared chunks
     assert all(
-        ingestor.store.contains(ingestor.chunk_key(c.chunk_hash))
+        ingestor.store.contains(ingestor.chunk_key("bob", c.chunk_hash))
         for c in ingestor.registry.get("bob", bob.doc_id).chunks
     )
+    assert {key.tenant for key in ingestor.store.iter_keys()} == {""}  # shared rows name no tenant
 
 
 def test_deleting_a_document_removes_every_models_blobs(ingestor):
     result = ingestor.ingest_text(ORCHARD, "orchard.txt")
     record = ingestor.registry.get("default", result.doc_id)
-    tensors = ingestor.store.get(ingestor.chunk_key(record.chunks[0].chunk_hash))
+    tensors = ingestor.store.get(ingestor.chunk_key("default", record.chunks[0].chunk_hash))
     other_model = ChunkKey("another-model", record.chunks[0].chunk_hash, KV_FORMAT_VERSION)
     ingestor.store.put(other_model, tensors)  # what a recompute by another model leaves
     ingestor.delete(result.doc_id)
@@ -216,7 +219,9 @@ def test_deleting_a_document_removes_every_models_blobs(ingestor):
 
 def test_gc_removes_unreferenced_blobs_only(ingestor):
     kept = ingestor.ingest_text(LIGHTHOUSE, "a.txt")
-    tensors = ingestor.store.get(ingestor.chunk_key(ingestor.registry.get("default", kept.doc_id).chunks[0].chunk_hash))
+    tensors = ingestor.store.get(
+        ingestor.chunk_key("default", ingestor.registry.get("default", kept.doc_id).chunks[0].chunk_hash)
+    )
     for index in range(3):
         ingestor.store.put(ChunkKey(ingestor.engine.fingerprint, f"{index:032x}", KV_FORMAT_VERSION), tensors)
     live = ChunkKey(ingestor.engine.fingerprint, "f" * 32, KV_FORMAT_VERSION)

@@ -89,9 +89,9 @@ def test_replace_keeps_the_id_reuses_unchanged_chunks_and_retires_the_old_ones(m
     assert second.reused_chunks == len(shared) and second.computed_chunks == len(new.chunks) - len(shared)
     assert len(ingestor.registry.list("default")) == 1 and ingestor.registry.text("default", first.doc_id) == VERSION_2
     # the old version's own chunks left the store and retrieval; the new ones are in both
-    retired = {ingestor.chunk_key(c.chunk_hash).to_bytes() for c in old.chunks if c.chunk_hash not in shared}
+    retired = {ingestor.chunk_key("default", c.chunk_hash).to_bytes() for c in old.chunks if c.chunk_hash not in shared}
     assert retired and not retired & stored_keys(ingestor)
-    assert {ingestor.chunk_key(c.chunk_hash).to_bytes() for c in new.chunks} <= stored_keys(ingestor)
+    assert {ingestor.chunk_key("default", c.chunk_hash).to_bytes() for c in new.chunks} <= stored_keys(ingestor)
     assert keys_before - retired <= stored_keys(ingestor)
     found = searched(ingestor, "hare", first.doc_id)
     assert found and all("hares moved north" in text or "Section 5" not in text for text in found)
@@ -216,7 +216,7 @@ def test_a_kill_inside_an_update_leaves_one_version_whole(tmp_path, engine, embe
         assert registry.text("default", doc_id) == expected and [r.doc_id for r in registry.list("default")] == [doc_id]
         assert record.num_tokens == len(engine.tokenize(expected))
         rag = RagPipeline(engine, store, registry, embedder)
-        keys = {rag.chunk_key(c.chunk_hash).to_bytes() for c in record.chunks}
+        keys = {rag.chunk_key("default", c.chunk_hash).to_bytes() for c in record.chunks}
         assert {key.to_bytes() for key in store.iter_keys()} == keys  # all of this version, nothing else
         for chunk in record.chunks:
             assert registry.refcount(chunk.chunk_hash) == 1
@@ -242,7 +242,9 @@ def test_identical_text_fills_a_new_store_and_the_next_question_misses_nothing(m
     rag = RagPipeline(ingestor.engine, other, ingestor.registry, ingestor.embedder)
     retrieved = rag.retrieve("how many otters were counted?", "default", 4, None)
     assert retrieved and rag.load_chunks("default", retrieved)[1] == []  # no miss, nothing recomputed
-    assert {k.to_bytes() for k in other.iter_keys()} == {rag.chunk_key(c.chunk_hash).to_bytes() for c in record.chunks}
+    assert {k.to_bytes() for k in other.iter_keys()} == {
+        rag.chunk_key("default", c.chunk_hash).to_bytes() for c in record.chunks
+    }
     third = ingestor.ingest_text(VERSION_1, "survey.txt")
     assert third.computed_chunks == 0 and third.reused_chunks == third.chunks
 
@@ -353,6 +355,6 @@ def test_ingestion_batches_chunks_by_tokens(make_ingestor):
     record = ingestor.registry.get("default", result.doc_id)
     for chunk in record.chunks:
         assert (
-            ingestor.store.get(ingestor.chunk_key(chunk.chunk_hash))["tokens"].numel()
+            ingestor.store.get(ingestor.chunk_key("default", chunk.chunk_hash))["tokens"].numel()
             == chunk.token_end - chunk.token_start
         )

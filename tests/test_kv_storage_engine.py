@@ -92,7 +92,9 @@ def test_an_evicted_chunk_is_recomputed_and_put_back(engine, embedder, tmp_path)
         doc_ids = [ingestor.ingest_text(text, f"t{i}.txt").doc_id for i, text in enumerate(TEXTS)]
         assert store.stats().evictions > 0
         record = ingestor.registry.get("default", doc_ids[0])
-        evicted = [chunk for chunk in record.chunks if not store.contains(ingestor.chunk_key(chunk.chunk_hash))]
+        evicted = [
+            chunk for chunk in record.chunks if not store.contains(ingestor.chunk_key("default", chunk.chunk_hash))
+        ]
         assert evicted, "the first document's chunks should have been evicted by the later ones"
 
         rag = RagPipeline(engine, store, ingestor.registry, embedder)
@@ -100,7 +102,7 @@ def test_an_evicted_chunk_is_recomputed_and_put_back(engine, embedder, tmp_path)
         loaded, recomputed = rag.load_chunks("default", retrieved)
         assert recomputed == list(range(len(evicted)))
         for chunk, got in zip(evicted, loaded):
-            assert store.contains(ingestor.chunk_key(chunk.chunk_hash))  # put back
+            assert store.contains(ingestor.chunk_key("default", chunk.chunk_hash))  # put back
             tokens = engine.tokenize(TEXTS[0])[chunk.token_start : chunk.token_end]
             expected = LoadedChunk(tokens, *engine.kv_format.unpack(engine.encode_chunk(tokens)))
             assert got.token_ids == tokens

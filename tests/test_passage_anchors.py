@@ -177,7 +177,7 @@ def test_placed_rows_equal_the_rows_stored_from_the_first_prompt(engine, passage
     covered = sum(p.end - p.start for p in plan.placed)
     assert covered >= 0.8 * sum(len(engine.tokenize(s)) for s in SENTENCES)
     for piece in plan.placed:
-        stored = passages.store.get_many([passages.keys.chunk_keys.key(piece.run)])[0]
+        stored = passages.store.get_many([passages.keys.chunk_keys.key("alice", piece.run)])[0]
         run_ids = stored["tokens"].tolist()
         pieces_ids = second[piece.start : piece.end]
         offset = next(i for i in range(len(run_ids)) if run_ids[i : i + len(pieces_ids)] == pieces_ids)

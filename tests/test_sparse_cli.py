@@ -81,7 +81,7 @@ def test_calibrate_stores_the_codebook_and_backfills_codes(setup, capsys):
         hashes = {chunk.chunk_hash for record in records for chunk in record.chunks}
         assert backfilled == len(hashes) > 0
         for chunk_hash in hashes:
-            tensors = runtime.store.get(runtime.rag.chunk_key(chunk_hash))
+            tensors = runtime.store.get(runtime.rag.chunk_key("default", chunk_hash))
             keys = runtime.engine.kv_format.dense_keys(tensors, torch.float32)
             assert torch.equal(codebook.codes_of(tensors), codebook.encode(keys))
 

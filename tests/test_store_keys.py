@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from ragkv.store import ChunkKey, hash_tokens, key_prefix
+from ragkv.store.keys import tenant_of
 
 
 def test_key_bytes_round_trip() -> None:
@@ -18,9 +19,28 @@ def test_key_bytes_round_trip() -> None:
     assert ChunkKey.from_bytes(memoryview(key.to_bytes())) == key
 
 
+def test_a_key_names_its_tenant() -> None:
+    key = ChunkKey("m", "0f" * 16, 3, "alice")
+    assert key.to_bytes() == b"kv/3/m/@alice/" + b"0f" * 16
+    assert ChunkKey.from_bytes(key.to_bytes()) == key
+    assert tenant_of(key.to_bytes()) == "alice"
+    shared = ChunkKey("m", "0f" * 16, 3)
+    assert tenant_of(shared.to_bytes()) == "" and ChunkKey.from_bytes(shared.to_bytes()).tenant == ""
+    assert key.to_bytes() != shared.to_bytes() != ChunkKey("m", "0f" * 16, 3, "bob").to_bytes()
+    assert key.to_bytes().startswith(key_prefix(3, "m"))
+    assert tenant_of(b"other/1/m/@alice/h") == ""
+
+
+@pytest.mark.parametrize("tenant", ["a/b", "x" * 65, "é", None, "a b"])
+def test_invalid_tenants_are_rejected(tenant) -> None:
+    with pytest.raises(ValueError):
+        ChunkKey("m", "ab", 1, tenant)
+
+
 @pytest.mark.parametrize(
     "fields",
     [
+        ("m", "@ab", 1),
         ("", "ab", 1),
         ("a/b", "ab", 1),
         ("m", "ab/c", 1),
@@ -37,7 +57,21 @@ def test_invalid_fields_are_rejected(fields) -> None:
         ChunkKey(*fields)
 
 
-@pytest.mark.parametrize("raw", [b"", b"kv/", b"kv/1/m", b"kv/x/m/h", b"other/1/m/h", b"kv/1/m/h/extra", b"kv/0/m/h"])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"",
+        b"kv/",
+        b"kv/1/m",
+        b"kv/x/m/h",
+        b"other/1/m/h",
+        b"kv/1/m/h/extra",
+        b"kv/0/m/h",
+        b"kv/1/m/@/h",
+        b"kv/1/m/@a/@h",
+        b"kv/1/m/@a/h/x",
+    ],
+)
 def test_malformed_key_bytes_are_rejected(raw: bytes) -> None:
     with pytest.raises(ValueError):
         ChunkKey.from_bytes(raw)

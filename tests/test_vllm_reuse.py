@@ -149,6 +149,6 @@ def test_spans_saved_from_vllm_are_found_by_their_anchors_inside_another_passage
     assert plan is not None and not set(plan.digests) & set(saved.digests)
     assert plan.placed and {piece.run for piece in plan.placed} <= set(saved.digests)
     for piece in plan.placed:  # the placed rows are a stretch of the saved span's tokens
-        run = planner.store.get(planner.keys.chunk_keys.key(piece.run))["tokens"].tolist()
+        run = planner.store.get(planner.keys.chunk_keys.key("default", piece.run))["tokens"].tolist()
         stretch = edited[piece.start : piece.end]
         assert any(run[i : i + len(stretch)] == stretch for i in range(len(run) - len(stretch) + 1))

@@ -13,7 +13,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from ragkv.api.access_log import AccessLogMiddleware
-from ragkv.api.auth import Authenticator, load_api_keys, load_key_limits
+from ragkv.api.auth import Authenticator, load_api_keys, load_key_limits, load_store_budgets
 from ragkv.api.config import ServeConfig
 from ragkv.api.errors import install_error_handlers
 from ragkv.api.json_response import SafeJSONResponse
@@ -31,6 +31,7 @@ log = logging.getLogger("ragkv.api")
 
 def create_app(config: ServeConfig = ServeConfig()) -> FastAPI:
     metrics = Metrics()
+    config = config.with_store_budgets(load_store_budgets(config.api_keys_file))
     authenticator = Authenticator(
         load_api_keys(config.api_keys_file), load_key_limits(config.api_keys_file, config.key_limits), config.key_limits
     )

@@ -1,7 +1,8 @@
 """API keys: `Authorization: Bearer <key>`; each key belongs to one tenant.
 
 Keys come from a JSON file ({"key": "tenant", ...}, or a key's entry an object with its
-tenant and its own limits: ragkv.api.rate_limits) and/or $RAGKV_API_KEYS
+tenant, its own limits (ragkv.api.rate_limits) and its tenant's store budget in bytes,
+"store_budget_bytes") and/or $RAGKV_API_KEYS
 ("key:tenant,key:tenant"). With no keys configured the API is open and every request is
 tenant "default". A tenant sees only its own documents, jobs and sessions: another
 tenant's ids answer 404, as if they did not exist.
@@ -25,6 +26,8 @@ from ragkv.app.request_types import check_tenant
 
 DEFAULT_TENANT = "default"
 ENV_VAR = "RAGKV_API_KEYS"
+STORE_BUDGET_FIELD = "store_budget_bytes"
+"""A key's field in the keys file: its tenant's own budget of chunk-store bytes."""
 
 
 def _read_keys_file(path: Path) -> dict:
@@ -41,7 +44,8 @@ def _read_keys_file(path: Path) -> dict:
     if not shaped:
         raise ValueError(
             f"API keys file {path} must be a JSON object mapping key -> tenant "
-            '(or key -> {"tenant": ..., "max_requests_per_second": ..., "max_concurrent_requests": ...})'
+            '(or key -> {"tenant": ..., "max_requests_per_second": ..., "max_concurrent_requests": ..., '
+            '"store_budget_bytes": ...})'
         )
     return data
 
@@ -74,9 +78,32 @@ def load_key_limits(path: Path | None, default: KeyLimits) -> dict[str, KeyLimit
     limits = {}
     for number, (key, value) in enumerate(_read_keys_file(path).items(), 1):
         if isinstance(value, dict):
-            fields = {name: v for name, v in value.items() if name != "tenant"}
+            fields = {name: v for name, v in value.items() if name not in ("tenant", STORE_BUDGET_FIELD)}
             limits[key] = KeyLimits.parse(fields, default, f"API keys file {path}, entry {number}")
     return limits
+
+
+def load_store_budgets(path: Path | None) -> dict[str, int]:
+    """tenant -> its store budget in bytes, from the keys file entries that set one
+    (ValueError when not a positive integer, or when two keys of a tenant disagree)."""
+    if path is None:
+        return {}
+    budgets: dict[str, int] = {}
+    for number, value in enumerate(_read_keys_file(path).values(), 1):
+        if not isinstance(value, dict) or STORE_BUDGET_FIELD not in value:
+            continue
+        budget, tenant = value[STORE_BUDGET_FIELD], value["tenant"]
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise ValueError(
+                f"API keys file {path}, entry {number}: {STORE_BUDGET_FIELD} must be a positive integer "
+                f"(bytes), got {budget!r}"
+            )
+        if budgets.setdefault(tenant, budget) != budget:
+            raise ValueError(
+                f"API keys file {path}, entry {number}: tenant {tenant!r} has two {STORE_BUDGET_FIELD} "
+                f"({budgets[tenant]} and {budget}); give its keys one"
+            )
+    return budgets
 
 
 @dataclass(frozen=True)

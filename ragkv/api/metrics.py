@@ -207,6 +207,17 @@ _STORE_TIER = (  # (kind, name, help, the tier's field)
         "protected_bytes",
     ),
 )
+_STORE_TENANT = (  # (kind, name, help, the tenant's field); tenant "" is chunks shared across tenants
+    ("gauge", "ragkv_store_tenant_bytes", "Bytes of chunk KV each tenant holds in the store", "bytes"),
+    ("counter", "ragkv_store_tenant_hits", "Chunk lookups of each tenant the store answered", "hits"),
+    ("counter", "ragkv_store_tenant_misses", "Chunk lookups of each tenant the store missed", "misses"),
+    (
+        "counter",
+        "ragkv_store_tenant_evictions",
+        "Chunks of each tenant evicted, past its budget or its fair share of --store-capacity",
+        "evictions",
+    ),
+)
 _PROMPT_SPANS = (  # (name, help): ragkv_prompt_span_<name>, a field of the passage counters
     ("hits", "Passages found in prompts whose KV the store held"),
     ("misses", "Passages found in prompts computed for the request (then stored)"),
@@ -264,6 +275,10 @@ def _store_readings(stats: ServerStats) -> Iterator[Reading]:
         labels = {"tier": f"{index}:{tier.backend}"}
         for kind, name, help_text, field in _STORE_TIER:
             yield kind, name, help_text, labels, getattr(tier, field)
+    for tenant in store.tenants:
+        for kind, name, help_text, field in _STORE_TENANT:
+            if getattr(tenant, field) is not None:
+                yield kind, name, help_text, {"tenant": tenant.tenant}, getattr(tenant, field)
     if store.lru is not None:
         yield "gauge", "ragkv_store_lru_bytes", "Bytes in the in-process chunk LRU", {}, store.lru.bytes
     for name, help_text in _PROMPT_SPANS:

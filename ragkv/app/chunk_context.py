@@ -65,12 +65,19 @@ class _Chunk:
 
 
 class ChunkContextualizer:
-    def __init__(self, engine: Engine, store: ChunkStore, registry: DocumentRegistry, neighbours: int):
+    def __init__(
+        self,
+        engine: Engine,
+        store: ChunkStore,
+        registry: DocumentRegistry,
+        neighbours: int,
+        share_across_tenants: bool = False,
+    ):
         """`neighbours`: chunks placed before each chunk (IngestConfig.context_neighbours)."""
         if neighbours < 1:
             raise ValueError("a contextualizer needs at least one neighbour")
         self.engine, self.store, self.registry, self.neighbours = engine, store, registry, neighbours
-        self.keys = ChunkKeys.of(engine)
+        self.keys = ChunkKeys.of(engine, share_across_tenants)
         # the fusion needs a last segment it computes; one newline-like token costs nothing
         self._tail = engine.tokenize("\n")[-1:] or [0]
 
@@ -86,7 +93,7 @@ class ChunkContextualizer:
         self._records: dict[tuple[str, str], DocumentRecord] = {}
         plans = [plan for doc_id in doc_ids for plan in self._plans(tenant, doc_id)]
         needed = {c.chunk_hash for chunk, context in plans for c in (chunk, *context)}
-        stored = dict(zip(needed, self.store.get_many([self.keys.key(h) for h in needed])))
+        stored = dict(zip(needed, self.store.get_many([self.keys.key(tenant, h) for h in needed])))
         results = []
         for chunk, context in plans:
             placed = [stored[c.chunk_hash] for c in context if stored[c.chunk_hash] is not None]
@@ -97,7 +104,7 @@ class ChunkContextualizer:
             yield len(results)
         tokens = context_tokens = 0
         for chunk, placed, tensors in results:
-            self.store.put(self.keys.key(chunk.chunk_hash), tensors)
+            self.store.put(self.keys.key(tenant, chunk.chunk_hash), tensors)
             tokens += int(tensors["tokens"].numel())
             context_tokens += sum(int(t["tokens"].numel()) for t in placed)
         return ContextResult(len(results), tokens, context_tokens, time.perf_counter() - started)

@@ -110,19 +110,28 @@ def tensor_bytes(entries) -> int:
 
 
 class RagPipeline:
-    def __init__(self, engine: Engine, store: ChunkStore, registry: DocumentRegistry, embedder: Embedder):
+    def __init__(
+        self,
+        engine: Engine,
+        store: ChunkStore,
+        registry: DocumentRegistry,
+        embedder: Embedder,
+        *,
+        share_across_tenants: bool = False,
+    ):
         self.engine = engine
         self.store = store
         self.registry = registry
         self.embedder = embedder
+        self.share_across_tenants = share_across_tenants
 
     @functools.cached_property
     def keys(self) -> ChunkKeys:
         # Lazy: a retrieval-only pipeline (no engine) never makes a key.
-        return ChunkKeys.of(self.engine)
+        return ChunkKeys.of(self.engine, self.share_across_tenants)
 
-    def chunk_key(self, chunk_hash: str) -> ChunkKey:
-        return self.keys.key(chunk_hash)
+    def chunk_key(self, tenant: str, chunk_hash: str) -> ChunkKey:
+        return self.keys.key(tenant, chunk_hash)
 
     def retrieve(
         self,
@@ -153,7 +162,7 @@ class RagPipeline:
     def read_chunks(self, retrieved: list[tuple[DocumentRecord, ChunkRecord, float]]) -> list:
         """The stored tensors of the retrieved chunks (None for each the store lacks): the
         store reads of a query, no model."""
-        return self.store.get_many([self.chunk_key(chunk.chunk_hash) for _, chunk, _ in retrieved])
+        return self.store.get_many([self.chunk_key(record.tenant, chunk.chunk_hash) for record, chunk, _ in retrieved])
 
     def load_chunks(
         self,
@@ -172,7 +181,7 @@ class RagPipeline:
             if tensors is None:
                 token_ids = self._chunk_tokens(tenant, record, chunk)
                 tensors = self.engine.encode_chunk(token_ids)
-                self.store.put(self.chunk_key(chunk.chunk_hash), tensors)
+                self.store.put(self.chunk_key(record.tenant, chunk.chunk_hash), tensors)
                 recomputed.append(index)
             loaded.append(LoadedChunk(tensors["tokens"].tolist(), *self.engine.kv_format.unpack(tensors)))
             if stored is not None:

@@ -50,17 +50,16 @@ class Runtime:
         self.ingestor = Ingestor(
             self.engine, self.store, self.registry, self.embedder, self.storage.journal, config.ingest
         )
+        shared = config.ingest.share_chunks_across_tenants
         self.fills = WriteBehindStore(self.store)
         """The store as queries and pasted passages see it: what they compute for it (a
         chunk the store lacked, a new passage) is written behind, off the model thread."""
-        self.rag = RagPipeline(self.engine, self.fills, self.registry, self.embedder)
-        self.passages = PromptPassages(
-            self.engine, self.fills, share_across_tenants=config.ingest.share_chunks_across_tenants
-        )
+        self.rag = RagPipeline(self.engine, self.fills, self.registry, self.embedder, share_across_tenants=shared)
+        self.passages = PromptPassages(self.engine, self.fills, share_across_tenants=shared)
         """Passages pasted into prompts, found and reused from the store (chat, completions)."""
         neighbours = config.ingest.context_neighbours
         self.contextualizer = (
-            ChunkContextualizer(self.engine, self.store, self.registry, neighbours) if neighbours else None
+            ChunkContextualizer(self.engine, self.store, self.registry, neighbours, shared) if neighbours else None
         )
         """Recomputes new documents' chunk K/V in context (IngestConfig.context_neighbours)."""
 

@@ -13,6 +13,7 @@ from ragkv.ingest.registry_url import open_registry
 from ragkv.ingest.store_binding import check_store
 from ragkv.store.base import ChunkStore
 from ragkv.store.lmdb_env import LMDBEnvironment
+from ragkv.store.tenant_budgets import TenantBudgets
 from ragkv.store.url import open_store
 
 
@@ -43,6 +44,14 @@ class Storage:
         except BaseException:
             self.env.close()
             raise
+        if config.has_tenant_budgets:
+            try:
+                budgets = TenantBudgets(config.store_tenant_budget, dict(config.store_tenant_budgets))
+                self.store.set_tenant_budgets(budgets)
+            except BaseException:
+                self.store.close()
+                self.env.close()
+                raise
         try:
             # The retrieval index is a cache derived from the registry: written even when read_only.
             self.registry: DocumentRegistry = open_registry(

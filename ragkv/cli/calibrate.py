@@ -171,7 +171,7 @@ def backfill_codes(runtime, tenant: str) -> int:
             if chunk.chunk_hash in done:
                 continue
             done.add(chunk.chunk_hash)
-            key = runtime.rag.chunk_key(chunk.chunk_hash)
+            key = runtime.rag.chunk_key(record.tenant, chunk.chunk_hash)
             tensors = store.get(key)
             if tensors is None or codebook.codes_of(tensors) is not None:
                 continue

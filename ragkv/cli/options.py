@@ -64,6 +64,7 @@ def storage_config(args: argparse.Namespace):
         store_secret=_store_secret(args),
         store_capacity=args.store_capacity,
         store_protected_share=args.store_protected_share,
+        store_tenant_budget=args.store_tenant_budget,
         **_registry(args),
     )
 
@@ -86,6 +87,7 @@ def runtime_config(args: argparse.Namespace, **ingest_overrides):
         store_secret=_store_secret(args),
         store_capacity=args.store_capacity,
         store_protected_share=args.store_protected_share,
+        store_tenant_budget=args.store_tenant_budget,
         engine=config_from_args(EngineConfig, args),
         ingest=config_from_args(IngestConfig, args, **ingest_overrides),
     )

@@ -108,8 +108,8 @@ class Ingestor:
                 f"{context} positions (with its {len(engine.chunk_prefix_ids)}-token chunk prefix)",
             )
 
-    def chunk_key(self, chunk_hash: str) -> ChunkKey:
-        return self.keys.key(chunk_hash)
+    def chunk_key(self, tenant: str, chunk_hash: str) -> ChunkKey:
+        return self.keys.key(tenant, chunk_hash)
 
     def ingest_text(self, text: str, name: str, **options) -> IngestResult:
         """Ingest a document in one call (`ingest_steps` run to its end; same options)."""
@@ -150,13 +150,13 @@ class Ingestor:
 
         chunks = chunk_document(self.engine.tokenizer, text, self.config.chunk_tokens)
         hashes = [self.keys.digest(tenant, chunk.token_ids) for chunk in chunks]
-        todo = self._missing(chunks, hashes)
+        todo = self._missing(tenant, chunks, hashes)
         added: list[ChunkKey] = []
         timings = {"precompute": 0.0, "store_write": 0.0}
         # The old version's keys are journalled too: if the process dies after the replace
         # commits but before their blobs are deleted, the next start-up deletes the orphans.
-        retiring = [self.chunk_key(c.chunk_hash) for c in old.chunks] if old else []
-        noted = [self.chunk_key(h) for _, h in todo] + retiring
+        retiring = [self.chunk_key(tenant, c.chunk_hash) for c in old.chunks] if old else []
+        noted = [key for _, key in todo] + retiring
         journal_entry = self.journal.begin(noted) if noted else None
         try:
             stored_bytes, stored_tokens = yield from self._precompute(name, todo, added, timings, progress)
@@ -239,7 +239,7 @@ class Ingestor:
             return
         _, orphans = self.registry.replace(record, text, embeddings)
         for chunk_hash in orphans:  # other models' blobs of them are left to `ragkv store gc`
-            self.store.delete(self.chunk_key(chunk_hash))
+            self.store.delete(self.chunk_key(record.tenant, chunk_hash))
 
     def _fill_existing(
         self, record: DocumentRecord, text: str, tenant: str, started: float, progress: Progress | None
@@ -253,7 +253,7 @@ class Ingestor:
             log.warning("%s: registered by another model's tokenizer; its chunk KV is not filled in", record.name)
             todo = []
         else:
-            todo = self._missing(chunks, hashes)
+            todo = self._missing(tenant, chunks, hashes)
         added: list[ChunkKey] = []
         timings = {"precompute": 0.0, "store_write": 0.0}
         stored_bytes = stored_tokens = 0
@@ -264,7 +264,7 @@ class Ingestor:
                 len(todo),
                 len(chunks),
             )
-            journal_entry = self.journal.begin(self.chunk_key(h) for _, h in todo)
+            journal_entry = self.journal.begin(key for _, key in todo)
             try:
                 stored_bytes, stored_tokens = yield from self._precompute(record.name, todo, added, timings, progress)
             except BaseException:
@@ -286,10 +286,10 @@ class Ingestor:
             stored_tokens=stored_tokens,
         )
 
-    def _missing(self, chunks, hashes) -> list:
-        """(chunk, hash) of the chunks the store lacks, each once (a chunk can repeat)."""
-        todo = [(chunk, h) for chunk, h in zip(chunks, hashes) if not self.store.contains(self.chunk_key(h))]
-        return list({h: (chunk, h) for chunk, h in todo}.values())
+    def _missing(self, tenant: str, chunks, hashes) -> list:
+        """(chunk, key) of the chunks the store lacks, each once (a chunk can repeat)."""
+        keyed = [(chunk, self.chunk_key(tenant, h)) for chunk, h in zip(chunks, hashes)]
+        return list({key: (chunk, key) for chunk, key in keyed if not self.store.contains(key)}.values())
 
     def _precompute(self, name, unique, added, timings, progress) -> Generator[int, None, tuple[int, int]]:
         """Encode and store each chunk of `unique` (in batches of up to the configured tokens:
@@ -317,16 +317,15 @@ class Ingestor:
         return stored_bytes, stored_tokens
 
     def _encode_batch(self, batch, added, timings):
-        """Encode one batch of (chunk, hash) and put each blob; yields (chunk, bytes written)."""
+        """Encode one batch of (chunk, key) and put each blob; yields (chunk, bytes written)."""
         t0 = time.perf_counter()
         if len(batch) == 1:
             encoded = [self.engine.encode_chunk(batch[0][0].token_ids)]
         else:
             encoded = self.engine.encode_chunks([chunk.token_ids for chunk, _ in batch])
         timings["precompute"] += time.perf_counter() - t0
-        for (chunk, chunk_hash), tensors in zip(batch, encoded):
+        for (chunk, key), tensors in zip(batch, encoded):
             t1 = time.perf_counter()
-            key = self.chunk_key(chunk_hash)
             added.append(key)  # first: a put that fails half-way may still have written
             written = self.store.put(key, tensors, required=True)
             timings["store_write"] += time.perf_counter() - t1

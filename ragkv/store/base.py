@@ -34,6 +34,8 @@ from ragkv.store.burst_log import BurstLog
 from ragkv.store.errors import CorruptBlobError, StoreError, StoreUnavailableError
 from ragkv.store.keys import KEY_NAMESPACE, ChunkKey
 from ragkv.store.stats import StoreStats
+from ragkv.store.tenant_budgets import TenantBudgets
+from ragkv.store.tenant_stats import TenantCounters
 
 logger = logging.getLogger("ragkv.store")
 
@@ -45,6 +47,7 @@ PutItem = (
 """An item for :meth:`ChunkStore.put_many`: ``(key, tensors)`` or ``(key, tensors, metadata)``."""
 
 _T = TypeVar("_T")
+_NO_BUDGETS = TenantBudgets()
 
 
 @dataclass(frozen=True)
@@ -114,12 +117,16 @@ class ChunkStore(ABC):
     """Whether a write here survives the process and a restart of the backend (LMDB: yes;
     a cache such as Redis: no). A required write must reach a durable tier."""
 
+    keeps_tenant_budgets: ClassVar[bool] = False
+    """Whether :meth:`set_tenant_budgets` bounds each tenant's bytes here (LMDB, one Redis server)."""
+
     def __init__(self, *, mac_key: bytes | None = None) -> None:
         if mac_key is not None and (not isinstance(mac_key, bytes) or len(mac_key) < 16):
             raise ValueError("mac_key must be at least 16 bytes (see store.blob.mac_key_of)")
         self._mac_key = mac_key
         self._counter_lock = threading.Lock()
         self._hits = self._misses = self._corrupt = self._errors = self._evictions = 0
+        self._tenant_counts = TenantCounters()
         self._closed = False
         self._burst_log = BurstLog(logger, f"{self.backend} store")
         self._last_error: BaseException | None = None
@@ -214,6 +221,7 @@ class ChunkStore(ABC):
 
     def stats(self) -> StoreStats:
         usage = self._attempt("stats", self._usage, fallback=None) if not self._closed else None
+        held = self._attempt("tenant bytes", self._tenant_bytes_of_stats, fallback=None) if not self._closed else None
         with self._counter_lock:
             return StoreStats(
                 backend=self.backend,
@@ -226,7 +234,34 @@ class ChunkStore(ABC):
                 evictions=self._evictions,
                 capacity_bytes=self.capacity_bytes,
                 protected_bytes=usage.protected_bytes if usage else None,
+                tenants=self._tenant_counts.snapshot(held),
             )
+
+    def tenant_bytes(self) -> dict[str, int] | None:
+        """Blob bytes per tenant a key names (``""``: shared chunks), as counted with every
+        write; ``None`` where the backend does not count them or cannot be asked."""
+        return None
+
+    def _tenant_bytes_of_stats(self) -> dict[str, int] | None:
+        """The per-tenant bytes :meth:`stats` reports (a backend where they are costly to read says None)."""
+        return self.tenant_bytes()
+
+    @property
+    def tenant_budgets(self) -> TenantBudgets:
+        """The budgets this store keeps (none unless set)."""
+        return _NO_BUDGETS
+
+    def set_tenant_budgets(self, budgets: TenantBudgets) -> None:
+        """Bound each tenant's bytes (:class:`store.tenant_budgets.TenantBudgets`); a store
+        that does not keep budgets refuses any."""
+        if budgets.any:
+            raise ValueError(
+                f"a {self.backend} chunk store here keeps no per-tenant budgets (LMDB and a single Redis server do)"
+            )
+
+    def recount(self) -> dict[str, int] | None:
+        """Rebuild the per-tenant counts from a full scan; returns them (``None``: not counted)."""
+        return None
 
     @property
     def capacity_bytes(self) -> int | None:
@@ -254,10 +289,12 @@ class ChunkStore(ABC):
         if not keys:
             return []
         loaded = self._load(keys)
-        hits = sum(1 for item in loaded if item is not None)
+        found = [item is not None for item in loaded]
+        hits = sum(found)
         with self._counter_lock:
             self._hits += hits
             self._misses += len(keys) - hits
+            self._tenant_counts.looked_up([key.tenant for key in keys], found)
         return loaded
 
     # The guarded forms of the primitives: what composite stores call on their tiers.
@@ -292,6 +329,11 @@ class ChunkStore(ABC):
     def _count_evictions(self, evicted: int) -> None:
         with self._counter_lock:
             self._evictions += evicted
+
+    def _count_tenant_evictions(self, evicted: Mapping[str, int]) -> None:
+        with self._counter_lock:
+            self._evictions += sum(evicted.values())
+            self._tenant_counts.evicted(evicted)
 
     def _check_open(self) -> None:
         if self._closed:

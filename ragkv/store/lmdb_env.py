@@ -41,7 +41,9 @@ from ragkv.store.errors import StoreError
 logger = logging.getLogger("ragkv.store")
 
 DEFAULT_MAP_SIZE = 64 << 30
-MAX_DBS = 16
+MAX_DBS = 32
+"""Named sub-databases one environment may open (chunks, their recency and tenant counts,
+the registry, jobs, journal, codebooks...); each costs a little on open, so headroom is cheap."""
 
 _T = TypeVar("_T")
 

@@ -6,37 +6,46 @@ warm read costs one copy into the decode buffer.  The store lives in the
 other ragkv sub-databases in the same directory.
 
 With ``capacity_bytes`` the chunks sub-database is kept at most that large: every write
-transaction that would exceed it deletes chunks in the same transaction, least recently
-used first among those never read since they were written, then among the rest (segmented
-LRU, :mod:`store.recency`; ``protected_share=0`` is plain LRU). Chunks this process read most recently
+transaction that would exceed it deletes chunks in the same transaction, those of the
+tenant most above its fair share (below), and of its chunks the least recently used first
+among those never read since they were written, then among the rest (segmented LRU,
+:mod:`store.recency`; ``protected_share=0`` is plain LRU). Chunks this process read most recently
 are never evicted, so one query's working set survives its own write-backs; an evicted
 chunk is a plain miss, which the query path recomputes and puts back.
+
+Each tenant's bytes (the tenant a key names) are counted in the same transaction as every
+put, delete and eviction (:mod:`store.tenant_bytes`), so they hold across restarts;
+:meth:`LMDBStore.recount` rebuilds them from a full scan. The same transaction bounds them:
+a tenant a write takes past its budget evicts its own chunks, and a store over its capacity
+evicts from the tenant holding most above its fair share (:mod:`store.lmdb_eviction`).
 """
 
 from __future__ import annotations
 
-import logging
 import os
+from collections import Counter
 from collections.abc import Iterator
 
 from ragkv.store.base import BlobStore, RawBlob, StoreUsage
 from ragkv.store.lmdb_env import DEFAULT_MAP_SIZE, LMDBEnvironment
+from ragkv.store.lmdb_eviction import ChunkEviction, pages_bytes
 from ragkv.store.recency import (
     DEFAULT_PROTECTED_SHARE,
     LRU_DB,
     SEGMENT_DB,
+    TENANT_LRU_DB,
     USE_DB,
     RecencyIndex,
     TouchLog,
     now_stamp,
 )
+from ragkv.store.tenant_budgets import TenantBudgets
+from ragkv.store.tenant_bytes import TENANTS_DB, TenantBytes, scan_sizes
 
 CHUNKS_DB = "chunks"
 _KEY_BATCH = 1024  # keys listed per read transaction by iter_keys
 _TOUCH_BATCH = 256  # reads remembered before their last-use stamps are written
 _PINNED = 64  # most recently read chunks that eviction leaves alone (>= one query's top_k)
-
-logger = logging.getLogger("ragkv.store")
 
 
 class LMDBStore(BlobStore):
@@ -45,6 +54,7 @@ class LMDBStore(BlobStore):
 
     backend = "lmdb"
     durable = True
+    keeps_tenant_budgets = True
 
     def __init__(
         self,
@@ -71,10 +81,18 @@ class LMDBStore(BlobStore):
             self._db = self._env.db(CHUNKS_DB)
             protected = int(protected_share * capacity_bytes) if capacity_bytes is not None else 0
             self._recency = RecencyIndex(
-                self._env.db(USE_DB), self._env.db(LRU_DB), self._env.db(SEGMENT_DB), protected_bytes=protected
+                self._env.db(USE_DB),
+                self._env.db(LRU_DB),
+                self._env.db(SEGMENT_DB),
+                protected_bytes=protected,
+                tenant_lru_db=self._env.db(TENANT_LRU_DB),
             )
+            self._tenants = TenantBytes(self._env.db(TENANTS_DB))
+            self._eviction = ChunkEviction(self._db, self._recency, self._tenants, capacity_bytes)
+            self._env.write(self._recency.keep_tenant_order)
             if capacity_bytes is not None:
                 self._env.write(lambda txn: self._recency.track_untracked(txn, self._db))
+            self._env.write(self._count_if_uncounted)
         except BaseException:
             self._env.close()
             raise
@@ -96,6 +114,35 @@ class LMDBStore(BlobStore):
     def __repr__(self) -> str:
         return f"LMDBStore({self._env.path!r})" if not self._closed else "LMDBStore(<closed>)"
 
+    @property
+    def tenant_budgets(self) -> TenantBudgets:
+        return self._eviction.budgets
+
+    def set_tenant_budgets(self, budgets: TenantBudgets) -> None:
+        """Bound each tenant's bytes from the next write on (a tenant over its budget now is
+        brought within it by its next write)."""
+        if not isinstance(budgets, TenantBudgets):
+            raise TypeError(f"budgets must be a TenantBudgets; got {type(budgets).__name__}")
+        self._check_open()
+        if budgets.any and self._capacity is None:
+            self._env.write(lambda txn: self._recency.track_untracked(txn, self._db))
+        self._eviction.budgets = budgets
+
+    def tenant_bytes(self) -> dict[str, int]:
+        """Blob bytes per tenant, as counted with every write (``""``: shared chunks)."""
+        self._check_open()
+        with self._env.read() as txn:
+            return self._tenants.all(txn)
+
+    def recount(self) -> dict[str, int]:
+        """Rebuild the per-tenant counts from a full scan of the chunks; returns them."""
+        self._check_open()
+        return self._env.write(lambda txn: self._tenants.recount(txn, scan_sizes(txn, self._db)))
+
+    def _count_if_uncounted(self, txn) -> None:
+        if not self._tenants.kept(txn):
+            self._tenants.recount(txn, scan_sizes(txn, self._db))
+
     def _get_raw_many(self, keys: list[bytes]) -> list[RawBlob | None]:
         with self._env.read() as txn:
             # The memoryviews die with the transaction: copy each hit out once.
@@ -105,27 +152,30 @@ class LMDBStore(BlobStore):
 
     def _note_used(self, keys: list[bytes]) -> None:
         """Record reads of `keys` (also those an upper tier served from memory)."""
-        if self._capacity is not None and keys:
+        if self._eviction.bounded and keys:
             if self._touches.record(keys) >= _TOUCH_BATCH:
                 self._env.write(self._write_touches)
 
     def _put_raw_many(self, pairs: list[tuple[bytes, RawBlob]]) -> None:
-        def put_all(txn) -> int:
+        def put_all(txn) -> Counter[str]:
             stamp = now_stamp()
             for key, blob in pairs:
+                old = txn.get(key, db=self._db)
+                self._tenants.changed(txn, key, 0 if old is None else len(old), len(blob))
                 txn.put(key, blob, db=self._db)
                 self._recency.written(txn, key, stamp, len(blob))  # small puts; kept even without a capacity
-            if self._capacity is None:
-                return 0
+            if not self._eviction.bounded:
+                return Counter()
             self._write_touches(txn)
-            return self._evict(txn, frozenset(key for key, _ in pairs))
+            written = frozenset(key for key, _ in pairs)
+            return self._eviction.evict(txn, written, written | self._touches.pinned())
 
-        self._count_evictions(self._env.write(put_all))
+        self._count_tenant_evictions(self._env.write(put_all))
 
     def _delete_raw(self, key: bytes) -> bool:
         def delete(txn) -> bool:
             self._recency.forget(txn, key)
-            return txn.delete(key, db=self._db)
+            return self._eviction.delete(txn, key)
 
         return self._env.write(delete)
 
@@ -140,25 +190,6 @@ class LMDBStore(BlobStore):
             self._touches.restore(pending)
             raise
 
-    def _evict(self, txn, written: frozenset[bytes]) -> int:
-        """Delete chunks, probation's least recently used first, until the chunks fit the
-        capacity; how many."""
-        if self._bytes_in(txn) <= self._capacity:
-            return 0
-        evicted = 0
-        for key in self._recency.pop_oldest(txn, written | self._touches.pinned()):
-            evicted += bool(txn.delete(key, db=self._db))
-            if self._bytes_in(txn) <= self._capacity:
-                return evicted
-        logger.warning(
-            "LMDB store %s holds more than its capacity of %d bytes: the rest is in use", self._env.path, self._capacity
-        )
-        return evicted
-
-    def _bytes_in(self, txn) -> int:
-        stat = txn.stat(self._db)
-        return (stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]) * stat["psize"]
-
     def _contains_raw(self, key: bytes) -> bool:
         with self._env.read() as txn:
             return txn.get(key, db=self._db) is not None
@@ -172,7 +203,7 @@ class LMDBStore(BlobStore):
         with self._env.read() as txn:
             protected = self._recency.protected_bytes(txn) if self._capacity is not None else None
             return StoreUsage(
-                entries=txn.stat(self._db)["entries"], bytes=self._bytes_in(txn), protected_bytes=protected
+                entries=txn.stat(self._db)["entries"], bytes=pages_bytes(txn, self._db), protected_bytes=protected
             )
 
     def _iter_raw_keys(self, prefix: bytes) -> Iterator[bytes]:
@@ -195,6 +226,6 @@ class LMDBStore(BlobStore):
             start = batch[-1] + b"\x00"  # smallest key after the last one seen
 
     def _close(self) -> None:
-        if self._capacity is not None:
+        if self._eviction.bounded:
             self._env.write(self._write_touches)
         self._env.close()

@@ -10,9 +10,11 @@ segment is bounded (``protected_share`` of the capacity): past it, its least rec
 chunk is demoted to probation's young end, so a popularity shift is followed within a few
 store turnovers. ``protected_share=0`` is plain LRU.
 
-Three small sub-databases beside the chunks: ``chunk_use`` maps a chunk key to its use
+Four small sub-databases beside the chunks: ``chunk_use`` maps a chunk key to its use
 record, ``chunk_lru`` holds ``order + key`` so a cursor walks probation oldest first, then
-the protected segment oldest first, and ``chunk_segments`` holds the protected segment's
+the protected segment oldest first, ``chunk_tenant_lru`` the same entries behind the tenant
+the key names (``tenant/``), so one tenant's oldest chunk is one seek away (per-tenant
+budgets and fair shares evict by it), and ``chunk_segments`` holds the protected segment's
 bytes. A probation record is the 8-byte stamp of its last use (the format stores written
 before segments existed), so its order is the stamp; a protected record is ``0xff + stamp
 + size``, its order ``0xff + stamp`` (no wall-clock stamp starts with 0xff for centuries).
@@ -31,14 +33,22 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+from ragkv.store.keys import tenant_of
+
 USE_DB = "chunk_use"
 LRU_DB = "chunk_lru"
+TENANT_LRU_DB = "chunk_tenant_lru"
 SEGMENT_DB = "chunk_segments"
 DEFAULT_PROTECTED_SHARE = 0.65
 _STAMP = struct.Struct(">Q")  # big-endian, so byte order is time order
 _SIZE = struct.Struct(">Q")
 _PROTECTED = b"\xff"
 _PROTECTED_BYTES = b"protected_bytes"
+_TENANT_ORDER_KEPT = b"tenant_order"
+
+
+def _tenant_prefix(tenant: str) -> bytes:
+    return tenant.encode("ascii") + b"/"  # no tenant name holds a '/'
 
 
 def now_stamp() -> bytes:
@@ -71,16 +81,25 @@ def key_of_order(order: bytes) -> bytes:
 
 
 class RecencyIndex:
-    """Reads and writes the three sub-databases inside a caller's transaction.
+    """Reads and writes the four sub-databases inside a caller's transaction.
 
-    ``protected_bytes`` bounds the protected segment (0: plain LRU, nothing is protected)."""
+    ``protected_bytes`` bounds the protected segment (0: plain LRU, nothing is protected);
+    without ``tenant_lru_db`` no per-tenant order is kept."""
 
-    def __init__(self, use_db: object, lru_db: object, segment_db: object, protected_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        use_db: object,
+        lru_db: object,
+        segment_db: object,
+        protected_bytes: int = 0,
+        tenant_lru_db: object | None = None,
+    ) -> None:
         if isinstance(protected_bytes, bool) or not isinstance(protected_bytes, int) or protected_bytes < 0:
             raise ValueError(f"protected_bytes must be a non-negative int; got {protected_bytes!r}")
         self._use_db = use_db
         self._lru_db = lru_db
         self._segment_db = segment_db
+        self._tenant_db = tenant_lru_db
         self._protected_cap = protected_bytes
 
     def written(self, txn, key: bytes, stamp: bytes, size: int) -> None:
@@ -114,25 +133,44 @@ class RecencyIndex:
         raw = txn.get(_PROTECTED_BYTES, db=self._segment_db)
         return 0 if raw is None else _SIZE.unpack(bytes(raw))[0]
 
-    def pop_oldest(self, txn, keep: frozenset[bytes]) -> Iterator[bytes]:
-        """Forget and yield chunk keys, probation's least recently used first, then the
-        protected segment's, skipping `keep`, for as long as the caller iterates (it
-        deletes each chunk it is given)."""
-        cursor = txn.cursor(db=self._lru_db)
-        positioned = cursor.first()
+    def pop_oldest_of(self, txn, tenant: str, keep: frozenset[bytes]) -> Iterator[bytes]:
+        """Forget and yield the chunk keys of one tenant (the tenant their keys name),
+        probation's least recently used first, then the protected segment's, skipping `keep`,
+        for as long as the caller iterates (it deletes each chunk it is given)."""
+        prefix = _tenant_prefix(tenant)
+        cursor = txn.cursor(db=self._tenant_db)
+        positioned = cursor.set_range(prefix)
         while positioned:
-            order = bytes(cursor.key())
+            entry = bytes(cursor.key())
+            if not entry.startswith(prefix):
+                return
+            order = entry[len(prefix) :]
             key = key_of_order(order)
             if key in keep:
                 positioned = cursor.next()
                 continue
-            cursor.delete()  # moves the cursor to the next entry
+            cursor.delete()
             use = self._use(txn, key)
-            txn.delete(key, db=self._use_db)
-            if use is not None and use.protected:
-                self._add_protected(txn, -use.size)
-            yield key
+            if use is not None and use.order(key) == order:  # else a stale entry, now dropped
+                txn.delete(order, db=self._lru_db)
+                txn.delete(key, db=self._use_db)
+                if use.protected:
+                    self._add_protected(txn, -use.size)
+                yield key
             positioned = bool(cursor.key())
+
+    def keep_tenant_order(self, txn) -> int:
+        """Build the per-tenant order from the use records once (a store written before it was
+        kept); how many entries it added."""
+        if self._tenant_db is None or txn.get(_TENANT_ORDER_KEPT, db=self._segment_db) is not None:
+            return 0
+        added = 0
+        for key, raw in txn.cursor(db=self._use_db).iternext():
+            key = bytes(key)
+            txn.put(_tenant_prefix(tenant_of(key)) + Use.decode(bytes(raw)).order(key), b"", db=self._tenant_db)
+            added += 1
+        txn.put(_TENANT_ORDER_KEPT, b"1", db=self._segment_db)
+        return added
 
     def track_untracked(self, txn, chunks_db: object) -> int:
         """Give chunks with no recorded use (written before recency was kept) the oldest stamp."""
@@ -149,13 +187,18 @@ class RecencyIndex:
         return None if raw is None else Use.decode(bytes(raw))
 
     def _replace(self, txn, key: bytes, old: Use | None, new: Use | None) -> None:
+        tenant = None if self._tenant_db is None else _tenant_prefix(tenant_of(key))
         if old is not None:
             txn.delete(old.order(key), db=self._lru_db)
+            if tenant is not None:
+                txn.delete(tenant + old.order(key), db=self._tenant_db)
         if new is None:
             txn.delete(key, db=self._use_db)
         else:
             txn.put(key, new.encode(), db=self._use_db)
             txn.put(new.order(key), b"", db=self._lru_db)
+            if tenant is not None:
+                txn.put(tenant + new.order(key), b"", db=self._tenant_db)
         delta = (new.size if new is not None and new.protected else 0) - (old.size if old and old.protected else 0)
         if delta:
             self._add_protected(txn, delta)

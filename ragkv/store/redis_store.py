@@ -13,11 +13,17 @@ With a Redis Cluster URL (``redis+cluster://host:port,host:port/``) the blobs sp
 the masters by key slot; a read of many chunks is one MGET per slot, and a master that
 dies fails the reads and writes that touch it like a single server that dies (misses and
 dropped writes, then the back-off). Use a dedicated cluster: ``entries`` sums every
-master's ``DBSIZE``.
+master's ``DBSIZE`` (less the tenant counters).
+
+Blobs are written and deleted by Lua scripts that also adjust their tenant's byte counter
+(:mod:`store.redis_tenants`), so per-tenant bytes hold across restarts of ragkv and agree
+with the blobs whichever replica wrote them.
 """
 
 from __future__ import annotations
 
+import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from urllib.parse import urlsplit
@@ -28,8 +34,21 @@ from redis.exceptions import ClusterDownError, RedisClusterException
 
 from ragkv.store.base import BlobStore, RawBlob, StoreUsage
 from ragkv.store.errors import StoreUnavailableError
+from ragkv.store.keys import KEY_NAMESPACE, tenant_of
 from ragkv.store.redis_client import SCHEMES, where
 from ragkv.store.redis_link import RedisLink
+from ragkv.store.redis_tenants import (
+    COUNTER_KEY,
+    DELETE,
+    DELETE_BOUNDED,
+    PUT,
+    PUT_BOUNDED,
+    counter_key,
+    counter_keys,
+    order_key,
+    sizes_key,
+)
+from ragkv.store.tenant_budgets import TenantBudgets
 
 _SCHEMES = SCHEMES
 _DOWN = (redis.ConnectionError, redis.TimeoutError, ClusterDownError, RedisClusterException)
@@ -84,7 +103,22 @@ class RedisStore(BlobStore):
             url, connect_timeout_s=connect_timeout_s, op_timeout_s=op_timeout_s, retry_after_s=retry_after_s
         )
         self._client = self._link.client
+        self._budgets = TenantBudgets()
         super().__init__(mac_key=mac_key)
+
+    @property
+    def keeps_tenant_budgets(self) -> bool:  # type: ignore[override]
+        """A single server keeps them; a cluster only counts (a script touches one slot)."""
+        return not self._link.cluster
+
+    @property
+    def tenant_budgets(self) -> TenantBudgets:
+        return self._budgets
+
+    def set_tenant_budgets(self, budgets: TenantBudgets) -> None:
+        if not self.keeps_tenant_budgets:
+            super().set_tenant_budgets(budgets)
+        self._budgets = budgets
 
     def __repr__(self) -> str:
         return f"RedisStore({self._where!r})"  # never the URL: it may hold a password
@@ -108,19 +142,107 @@ class RedisStore(BlobStore):
         with self._call():
             if self._link.cluster:  # one MGET per slot: a cluster refuses keys of several slots in one
                 return self._client.mget_nonatomic(keys)
-            return self._client.mget(keys)
+            if not self._budgets.any:
+                return self._client.mget(keys)
+            pipe = self._client.pipeline(transaction=False)
+            pipe.mget(keys)
+            stamp = time.time() * 1000
+            for tenant in {tenant_of(key) for key in keys}:  # the reads move the chunks up their tenant's order
+                pipe.zadd(order_key(tenant), {key: stamp for key in keys if tenant_of(key) == tenant}, xx=True)
+            return pipe.execute()[0]
 
     def _put_raw_many(self, pairs: list[tuple[bytes, RawBlob]]) -> None:
         with self._call():
             pipe = self._client.pipeline(transaction=False)
+            expiry = b"" if self._ttl_ms is None else b"%d" % self._ttl_ms
+            stamp = b"%d" % (time.time() * 1000)
             for key, blob in pairs:
                 # redis-py sends memoryviews as-is (no copy) but rejects bytearray.
-                pipe.set(key, memoryview(blob), px=self._ttl_ms)
-            pipe.execute()
+                # EVAL by name: a cluster pipeline has no eval() but routes EVAL by its keys' slot.
+                tenant = tenant_of(key)
+                if self._link.cluster:
+                    pipe.execute_command("EVAL", PUT, 2, key, self._counter(key), tenant, memoryview(blob), expiry)
+                else:
+                    budget = self._budgets.of(tenant)
+                    keys = (key, self._counter(key), order_key(tenant), sizes_key(tenant))
+                    args = (tenant, memoryview(blob), expiry, stamp, b"" if budget is None else b"%d" % budget)
+                    pipe.execute_command("EVAL", PUT_BOUNDED, 4, *keys, *args)
+            results = pipe.execute()
+            if not self._link.cluster:
+                self._count_tenant_evictions(Counter({tenant_of(key): n for (key, _), n in zip(pairs, results) if n}))
 
     def _delete_raw(self, key: bytes) -> bool:
         with self._call():
-            return bool(self._client.delete(key))
+            tenant = tenant_of(key)
+            if self._link.cluster:
+                return bool(self._client.eval(DELETE, 2, key, self._counter(key), tenant))
+            keys = (key, self._counter(key), order_key(tenant), sizes_key(tenant))
+            return bool(self._client.eval(DELETE_BOUNDED, 4, *keys, tenant))
+
+    def _counter(self, key: bytes) -> bytes:
+        return counter_key(key, self._link.cluster)
+
+    def tenant_bytes(self) -> dict[str, int] | None:
+        """Blob bytes per tenant, as the write scripts counted them (``""``: shared chunks);
+        ``None`` while Redis is unreachable."""
+        self._check_open()
+        return self._attempt("tenant bytes", self._read_counters, fallback=None)
+
+    def _tenant_bytes_of_stats(self) -> dict[str, int] | None:
+        # A cluster keeps a counter hash per slot: too many reads for every stats call.
+        return None if self._link.cluster else self.tenant_bytes()
+
+    def _read_counters(self) -> dict[str, int]:
+        with self._call():
+            pipe = self._client.pipeline(transaction=False)
+            for key in counter_keys(self._link.cluster):
+                pipe.hgetall(key)
+            totals: dict[str, int] = {}
+            for fields in pipe.execute():
+                for tenant, size in fields.items():
+                    name = tenant.decode("ascii")
+                    totals[name] = totals.get(name, 0) + int(size)
+            return {tenant: size for tenant, size in totals.items() if size > 0}
+
+    def recount(self) -> dict[str, int]:
+        """Rebuild the counters (and a single server's use orders and sizes) from a full
+        scan of the blobs; returns them. Writes made during the scan may be counted twice or
+        not at all: run it while writes are quiet."""
+        self._check_open()
+        with self._call():
+            per_counter: dict[bytes, dict[str, int]] = {}
+            sizes: dict[bytes, int] = {}
+            for key in self._client.scan_iter(match=_glob_escape(KEY_NAMESPACE) + b"*", count=_SCAN_BATCH):
+                sizes[key] = size = self._client.strlen(key)
+                fields = per_counter.setdefault(self._counter(key), {})
+                fields[tenant_of(key)] = fields.get(tenant_of(key), 0) + size
+            if not self._link.cluster:
+                self._rebuild_orders(sizes)
+            pipe = self._client.pipeline(transaction=False)
+            for counter in counter_keys(self._link.cluster):
+                pipe.delete(counter)
+            for counter, fields in per_counter.items():
+                pipe.hset(counter, mapping={t: n for t, n in fields.items() if n})
+            pipe.execute()
+        return self._read_counters()
+
+    def _rebuild_orders(self, sizes: dict[bytes, int]) -> None:
+        """Each tenant's use order and sizes from the scanned blobs (a chunk keeps its last
+        use; one with none, written before orders were kept, goes first)."""
+        tenants = set(self._read_counters()) | {tenant_of(key) for key in sizes}
+        keys = list(sizes)
+        pipe = self._client.pipeline(transaction=False)
+        for key in keys:
+            pipe.zscore(order_key(tenant_of(key)), key)
+        stamps = pipe.execute() if keys else []
+        pipe = self._client.pipeline(transaction=False)
+        for tenant in tenants:
+            pipe.delete(order_key(tenant), sizes_key(tenant))
+        for key, stamp in zip(keys, stamps):
+            if sizes[key]:
+                pipe.zadd(order_key(tenant_of(key)), {key: stamp or 0})
+                pipe.hset(sizes_key(tenant_of(key)), key, sizes[key])
+        pipe.execute()
 
     def _contains_raw(self, key: bytes) -> bool:
         with self._call():
@@ -136,10 +258,27 @@ class RedisStore(BlobStore):
                 masters = RedisCluster.PRIMARIES
                 memory = self._client.info("memory", target_nodes=masters)
                 return StoreUsage(
-                    entries=self._client.dbsize(target_nodes=masters),
+                    entries=self._client.dbsize(target_nodes=masters) - self._counters_held(),
                     bytes=sum(info["used_memory"] for info in memory.values()),
                 )
-            return StoreUsage(entries=self._client.dbsize(), bytes=self._client.info("memory")["used_memory"])
+            entries = self._client.dbsize() - self._counters_held()
+            return StoreUsage(entries=entries, bytes=self._client.info("memory")["used_memory"])
+
+    def _counters_held(self) -> int:
+        """How many counter hashes (and a single server's orders and sizes of the tenants
+        counted) exist: DBSIZE counts them beside the blobs."""
+        pipe = self._client.pipeline(transaction=False)
+        for key in counter_keys(self._link.cluster):
+            pipe.exists(key)
+        held = sum(pipe.execute())
+        if not self._link.cluster:
+            tenants = self._client.hkeys(COUNTER_KEY)
+            held += (
+                self._client.exists(*[k for t in tenants for k in (order_key(t.decode()), sizes_key(t.decode()))])
+                if tenants
+                else 0
+            )
+        return held
 
     def _iter_raw_keys(self, prefix: bytes) -> Iterator[bytes]:
         # SCAN may list a key twice; acceptable for garbage collection.

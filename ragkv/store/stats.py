@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from ragkv.store.tenant_stats import TenantStats
+
 
 def _check_counts(obj: object, names: tuple[str, ...]) -> None:
     for name in names:
@@ -54,6 +56,7 @@ class StoreStats:
     ``evictions`` counts chunks deleted to stay within ``capacity_bytes``
     (``None``: the store is unbounded); each one costs a recompute on its next use.
     ``protected_bytes``: of a capped LMDB store, the chunks read since written (evicted last).
+    ``tenants``: each tenant's bytes, lookups and evictions, by tenant name.
     """
 
     backend: str
@@ -68,6 +71,7 @@ class StoreStats:
     protected_bytes: int | None = None
     lru: LRUStats | None = None
     tiers: tuple[StoreStats, ...] = ()
+    tenants: tuple[TenantStats, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.backend, str) or not self.backend:
@@ -77,12 +81,21 @@ class StoreStats:
             raise TypeError("StoreStats.lru must be an LRUStats or None")
         if not isinstance(self.tiers, tuple) or not all(isinstance(t, StoreStats) for t in self.tiers):
             raise TypeError("StoreStats.tiers must be a tuple of StoreStats")
+        if not isinstance(self.tenants, tuple) or not all(isinstance(t, TenantStats) for t in self.tenants):
+            raise TypeError("StoreStats.tenants must be a tuple of TenantStats")
+
+    def tenant(self, name: str) -> TenantStats | None:
+        """The figures of tenant `name` (None: none seen)."""
+        return next((t for t in self.tenants if t.tenant == name), None)
 
     def to_dict(self) -> dict[str, object]:
-        """JSON-ready form; ``lru``/``tiers`` appear only for composite stores."""
+        """JSON-ready form; ``lru``/``tiers`` appear only for composite stores, ``tenants``
+        only once a tenant was seen."""
         out: dict[str, object] = {name: getattr(self, name) for name in ("backend", *_STORE_COUNTS)}
         if self.lru is not None:
             out["lru"] = self.lru.to_dict()
         if self.tiers:
             out["tiers"] = [tier.to_dict() for tier in self.tiers]
+        if self.tenants:
+            out["tenants"] = {t.tenant: t.to_dict() for t in self.tenants}
         return out

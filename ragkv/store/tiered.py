@@ -24,6 +24,8 @@ from ragkv.store.errors import StoreUnavailableError
 from ragkv.store.keys import ChunkKey
 from ragkv.store.lru import ByteLRU
 from ragkv.store.stats import StoreStats
+from ragkv.store.tenant_budgets import TenantBudgets
+from ragkv.store.tenant_stats import merged_evictions
 
 DEFAULT_LRU_BYTES = 256 << 20
 
@@ -73,7 +75,28 @@ class TieredStore(ChunkStore):
             protected_bytes=tiers[0].protected_bytes,
             lru=self._lru.stats(),
             tiers=tiers,
+            tenants=merged_evictions(own.tenants, (tier.tenants for tier in tiers)),
         )
+
+    @property
+    def keeps_tenant_budgets(self) -> bool:  # type: ignore[override]
+        return any(tier.keeps_tenant_budgets for tier in self._tiers)
+
+    def set_tenant_budgets(self, budgets: TenantBudgets) -> None:
+        """The budgets of the tiers that keep them (LMDB); the others keep counting only."""
+        if not self.keeps_tenant_budgets:
+            super().set_tenant_budgets(budgets)
+        for tier in self._tiers:
+            if tier.keeps_tenant_budgets:
+                tier.set_tenant_budgets(budgets)
+
+    def tenant_bytes(self) -> dict[str, int] | None:
+        """The first tier's counts (the one whose capacity bounds the store)."""
+        return self._tiers[0].tenant_bytes()
+
+    def recount(self) -> dict[str, int] | None:
+        counts = [tier.recount() for tier in self._tiers]
+        return counts[0]
 
     def _load(self, keys: list[ChunkKey]) -> list[Loaded | None]:
         found: list[Loaded | None] = [self._lru.get(key.to_bytes()) for key in keys]

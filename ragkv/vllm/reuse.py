@@ -64,7 +64,8 @@ class Planner:
     def prefix_key(self, token_ids: list[int]) -> ChunkKey:
         """The key of a prompt's rows but its last (what a repeat of it loads)."""
         namespace = self.keys.chunk_keys.namespace(self.config.tenant)
-        return ChunkKey(self.prefix_space, hash_tokens(token_ids[:-1], f"prefix/{namespace}"), KV_FORMAT_VERSION)
+        digest = hash_tokens(token_ids[:-1], f"prefix/{namespace}")
+        return ChunkKey(self.prefix_space, digest, KV_FORMAT_VERSION, namespace)
 
     def decide(self, token_ids: list[int], computed: int) -> Decision:
         provided = len(token_ids) - 1

@@ -31,4 +31,4 @@ class SpanKeys:
         # a span needs a prefix before it (the template's opening at least) to be fused into
         spans = [span for span in self.finder.spans(token_ids, start) if span.start > 0]
         digests = [self.chunk_keys.digest(tenant, token_ids[span.start : span.end]) for span in spans]
-        return FoundSpans(spans, digests, [self.chunk_keys.key(d) for d in digests])
+        return FoundSpans(spans, digests, [self.chunk_keys.key(tenant, d) for d in digests])

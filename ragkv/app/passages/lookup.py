@@ -65,7 +65,7 @@ class PassageLookup:
                 runs[digest] = (tokens, tensors)
                 matches.append(_Match(span.start, span.end, digest, 0))
         records = [(p, AnchorRecord.of(t)) for p, t in zip(positions, fetched[len(found.keys) :])]
-        self._fetch_runs({r.run for _, r in records if r is not None and r.run not in runs}, runs)
+        self._fetch_runs(tenant, {r.run for _, r in records if r is not None and r.run not in runs}, runs)
         matches += self._extend(ids, records, runs, low, high, matches)
         placed = self._placed(_disjoint(matches, self.anchors.min_match), runs)
         if not found.spans and not placed:
@@ -79,11 +79,11 @@ class PassageLookup:
             return []
         return (anchor_positions(ids[low:high], self.anchors) + low).tolist()
 
-    def _fetch_runs(self, digests: set[str], runs: dict[str, tuple[np.ndarray, dict]]) -> None:
+    def _fetch_runs(self, tenant: str, digests: set[str], runs: dict[str, tuple[np.ndarray, dict]]) -> None:
         wanted = sorted(digests)
         if not wanted:
             return
-        for digest, tensors in zip(wanted, self.store.get_many([self.keys.chunk_keys.key(d) for d in wanted])):
+        for digest, tensors in zip(wanted, self.store.get_many([self.keys.chunk_keys.key(tenant, d) for d in wanted])):
             tokens = _run_tokens(tensors)
             if tokens is not None:
                 runs[digest] = (tokens, tensors)

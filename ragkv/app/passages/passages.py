@@ -198,7 +198,7 @@ class PromptPassages:
         records. `keys` are pre-RoPE, [layers, H, len, D]."""
         digest = digest or self.keys.chunk_keys.digest(tenant, run_ids)
         blob = self.engine.stored_chunk(run_ids, keys, values)
-        return [(self.keys.chunk_keys.key(digest), blob), *self._anchor_records(tenant, run_ids, digest)]
+        return [(self.keys.chunk_keys.key(tenant, digest), blob), *self._anchor_records(tenant, run_ids, digest)]
 
     def _anchor_records(self, tenant: str, run_ids: list[int], digest: str) -> list[tuple[ChunkKey, dict]]:
         window = self.anchors.window

@@ -4,7 +4,7 @@ sessions and live fidelity. The HTTP server's config extends it (api.config.Serv
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ragkv.app.runtime import RuntimeConfig
@@ -104,6 +104,13 @@ class ServerConfig:
     """Share of fused requests whose first token is compared, when the server is idle, with a
     full prefill of the same prompt (histogram ragkv_fusion_first_token_kl); never delays a
     waiting request by more than one piece of that prefill. 0 = off."""
+
+    def with_store_budgets(self, budgets: dict[str, int]) -> ServerConfig:
+        """This config, its store keeping `budgets` (tenant -> bytes; the API keys file's)
+        beside the default budget (ValueError where the store cannot keep them)."""
+        if not budgets:
+            return self
+        return replace(self, runtime=replace(self.runtime, store_tenant_budgets=tuple(sorted(budgets.items()))))
 
     def __post_init__(self) -> None:
         for name in ("session_ttl_s", "session_memory_mb", "anonymous_memory_mb", "session_lock_ttl_s"):
