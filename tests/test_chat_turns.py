@@ -17,7 +17,7 @@ from ragkv.app.generate import CollectingSink, complete, run_alone
 from ragkv.app.rag import QueryConfig
 from ragkv.app.scheduler import Scheduler
 from ragkv.engine.generation import GenerationConfig
-from ragkv.ingest.errors import InputError
+from ragkv.errors import InputError
 
 pytestmark = pytest.mark.model
 

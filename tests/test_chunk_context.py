@@ -12,9 +12,9 @@ from tiny_models import make_tiny_model
 
 from ragkv.app.runtime import Runtime, RuntimeConfig
 from ragkv.engine import EngineConfig
+from ragkv.errors import InputError
 from ragkv.ingest.chunk_keys import ChunkKeys
 from ragkv.ingest.config import IngestConfig
-from ragkv.ingest.errors import InputError
 
 CHUNK_TOKENS = 32
 TEXTS = {

@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 
 from ragkv.engine.fingerprint import KV_FORMAT_VERSION
+from ragkv.errors import InputError
 from ragkv.ingest.chunker import chunk_document
 from ragkv.ingest.cleanup import collect_garbage
 from ragkv.ingest.embedder import Embedder
-from ragkv.ingest.errors import InputError, NotFoundError
+from ragkv.ingest.errors import NotFoundError
 from ragkv.ingest.journal import IngestJournal
 from ragkv.ingest.loaders import document_text
 from ragkv.ingest.pipeline import IngestConfig, Ingestor

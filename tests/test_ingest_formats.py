@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from document_files import PAGE_FACTS, docx_bytes, pdf_bytes, scanned_pdf_bytes
 
-from ragkv.ingest.errors import InputError
+from ragkv.errors import InputError
 from ragkv.ingest.formats import CONTAINER_FACTOR
 from ragkv.ingest.loaders import load_document, load_path
 from ragkv.ingest.registry import DocumentRecord

@@ -19,8 +19,9 @@ from document_files import PAGE_FACTS, docx_bytes, pdf_bytes
 
 from ragkv.app.rag import RagPipeline
 from ragkv.app.storage import Storage, StorageConfig
+from ragkv.errors import InputError
 from ragkv.ingest.embedder import Embedder
-from ragkv.ingest.errors import InputError, NotFoundError
+from ragkv.ingest.errors import NotFoundError
 from ragkv.ingest.journal import IngestJournal
 from ragkv.ingest.loaders import load_document
 from ragkv.ingest.pipeline import IngestConfig, Ingestor

@@ -2,6 +2,8 @@
 
 Engine (ragkv.engine, ragkv.fusion, ragkv.sparse) and leaves (ragkv.kernels, ragkv.store)
 never import the application (ragkv.app), ingestion, the API, the CLI or the benchmarks.
+The one exception is the shared errors module (ragkv.errors), which every layer may import
+and which imports nothing of ragkv.
 Checked on the source's import statements (including imports inside functions), so a
 lazy import cannot slip past.
 """
@@ -22,6 +24,8 @@ PACKAGE = REPO / "ragkv"
 ENGINE = ("ragkv.engine", "ragkv.fusion", "ragkv.sparse")
 LEAVES = ("ragkv.kernels", "ragkv.store")
 APPLICATION = ("ragkv.app", "ragkv.ingest", "ragkv.api", "ragkv.cli", "ragkv.bench", "ragkv.vllm")
+SHARED_ERRORS = "ragkv.errors"
+"""The one module outside the layers: the error for unusable input that every layer raises."""
 
 # What each layer may import from ragkv; anything else of ragkv is a violation.
 ALLOWED = {
@@ -106,9 +110,16 @@ def test_imports_point_one_way():
         for imported in sorted(ragkv_imports(path)):
             if imported == "ragkv" or imported.count(".") == 1 and imported.split(".")[1] in {"__version__"}:
                 continue
-            if not within(imported, ALLOWED[layer]):
+            if not within(imported, ALLOWED[layer] + (SHARED_ERRORS,)):
                 violations.append(f"{module} imports {imported}")
     assert not violations, "\n".join(violations)
+
+
+def test_the_shared_errors_module_is_the_only_module_outside_a_layer():
+    """Besides the package's own entry points, no module sits beside the layers."""
+    top_level = sorted(module_name(path) for path in PACKAGE.glob("*.py"))
+    assert top_level == ["ragkv", "ragkv.__main__", SHARED_ERRORS], top_level
+    assert ragkv_imports(PACKAGE / "errors.py") == set()
 
 
 def test_the_checker_sees_a_violation(tmp_path):

@@ -19,9 +19,9 @@ from ragkv.app.request import FinishReason
 from ragkv.app.scheduler import Scheduler, SchedulerConfig
 from ragkv.app.server.prefetch import Prefetcher
 from ragkv.engine.generation import GenerationConfig
+from ragkv.errors import InputError
 from ragkv.fusion import FusionConfig
 from ragkv.ingest.embedder import Embedder
-from ragkv.ingest.errors import InputError
 from ragkv.ingest.journal import IngestJournal
 from ragkv.ingest.pipeline import IngestConfig, Ingestor
 from ragkv.ingest.registry_lmdb import LMDBDocumentRegistry

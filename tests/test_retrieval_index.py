@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import redis
 
-from ragkv.ingest.errors import InputError
+from ragkv.errors import InputError
 from ragkv.ingest.index.bm25 import match_expression
 from ragkv.ingest.index.dense import DenseConfig, DenseHit, DenseIndex
 from ragkv.ingest.index.filters import MetadataFilter

@@ -19,8 +19,8 @@ from ragkv.app.request import Fetched, Prepared, Request, RequestOutput, Request
 from ragkv.app.usage import TokenUsage
 from ragkv.engine import Engine
 from ragkv.engine.generation import GenerationConfig
+from ragkv.errors import InputError
 from ragkv.fusion import FusionConfig
-from ragkv.ingest.errors import InputError
 
 
 def prompt_ids(

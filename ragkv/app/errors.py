@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from ragkv.app.chat.contexts import SessionBusyError, SessionStoreUnavailableError
 from ragkv.app.request import RequestCancelled
-from ragkv.ingest.errors import InputError, NotFoundError, RegistryUnavailableError
+from ragkv.errors import InputError
+from ragkv.ingest.errors import NotFoundError, RegistryUnavailableError
 from ragkv.store.errors import StoreUnavailableError
 
 

@@ -4,7 +4,7 @@ and completions refuse the same way (400 context_length_exceeded in the API)."""
 from __future__ import annotations
 
 from ragkv.engine import Engine
-from ragkv.ingest.errors import InputError
+from ragkv.errors import InputError
 
 
 def check_context_length(

@@ -24,7 +24,7 @@ from ragkv.app.request import (
 )
 from ragkv.app.usage import TokenUsage
 from ragkv.engine import Engine
-from ragkv.ingest.errors import InputError
+from ragkv.errors import InputError
 from ragkv.sparse.wiring import sparse_attention
 
 CHUNK_TOKENS_ESTIMATE = 512

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from ragkv.app.limits import check_context_length
 from ragkv.engine import Engine
 from ragkv.engine.generation import GenerationConfig
+from ragkv.errors import InputError
 from ragkv.fusion import FusionConfig, FusionInput, FusionResult, LoadedChunk
 from ragkv.fusion.layout import Layout
 from ragkv.ingest.chunk_keys import ChunkKeys
 from ragkv.ingest.embedder import Embedder
-from ragkv.ingest.errors import InputError
 from ragkv.ingest.index.filters import MetadataFilter
 from ragkv.ingest.index.hybrid import DEFAULT_RETRIEVAL, check_mode
 from ragkv.ingest.registry import ChunkRecord, DocumentRecord, DocumentRegistry, check_tenant

@@ -18,8 +18,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ragkv.app.storage import Storage
+    from ragkv.errors import InputError
     from ragkv.ingest.cleanup import delete_document
-    from ragkv.ingest.errors import InputError
 
     if args.action in ("show", "delete") and not args.doc_id:
         raise InputError("missing_id", f"`ragkv docs {args.action}` needs a document id")

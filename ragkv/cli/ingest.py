@@ -159,7 +159,7 @@ class Checked:
 
 def check_files(files: list[Path], max_bytes: int, summary: Summary, write) -> list[Checked]:
     """Read and check every file without the model; refusals go into `summary`."""
-    from ragkv.ingest.errors import InputError
+    from ragkv.errors import InputError
     from ragkv.ingest.loaders import load_path
 
     usable, kept = [], 0
@@ -178,8 +178,8 @@ def check_files(files: list[Path], max_bytes: int, summary: Summary, write) -> l
 
 def run(args: argparse.Namespace) -> int:
     from ragkv.cli.config_args import config_from_args
+    from ragkv.errors import InputError
     from ragkv.ingest.config import IngestConfig
-    from ragkv.ingest.errors import InputError
     from ragkv.ingest.loaders import expand_paths
 
     found = expand_paths(args.paths)
@@ -207,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _ingest(args: argparse.Namespace, usable: list[Checked], summary: Summary) -> None:
     from ragkv.app.server.local import LocalClient
-    from ragkv.ingest.errors import InputError
+    from ragkv.errors import InputError
     from ragkv.ingest.loaders import load_path
 
     config = client_config(args)

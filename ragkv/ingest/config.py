@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ragkv.errors import InputError
 from ragkv.ingest.chunker import DEFAULT_CHUNK_TOKENS
-from ragkv.ingest.errors import InputError
 from ragkv.ingest.validation import DEFAULT_MAX_DOCUMENT_BYTES
 
 MAX_CONTEXT_NEIGHBOURS = 8

@@ -1,15 +1,8 @@
-"""Errors that mean the caller's input is unusable (the API maps them to 4xx), and the
-registry's server being unreachable (a StoreError: the server's fault, not the input's)."""
+"""Ingestion's own errors: a document (or job) id that does not exist, and the registry's
+server being unreachable (a StoreError: the server's fault, not the input's). Bad input is
+`ragkv.errors.InputError`, shared by every layer."""
 
 from ragkv.store.errors import StoreError
-
-
-class InputError(ValueError):
-    """Input rejected before anything was written. `reason` is a short machine-readable code."""
-
-    def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason = reason
 
 
 class NotFoundError(KeyError):

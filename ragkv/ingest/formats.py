@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import logging
 
-from ragkv.ingest.errors import InputError
+from ragkv.errors import InputError
 
 log = logging.getLogger("ragkv.ingest")
 

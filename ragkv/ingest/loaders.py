@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from html.parser import HTMLParser
 from pathlib import Path
 
-from ragkv.ingest.errors import InputError
+from ragkv.errors import InputError
 from ragkv.ingest.formats import CONTAINER_FACTOR, CONTAINER_SUFFIXES, DOCX_SUFFIXES, PDF_SUFFIXES, docx_text, pdf_pages
 from ragkv.ingest.validation import DEFAULT_MAX_DOCUMENT_BYTES, check_text, decode_document
 

@@ -22,12 +22,12 @@ from typing import TypeVar
 from tqdm import tqdm
 
 from ragkv.engine import Engine
+from ragkv.errors import InputError
 from ragkv.ingest.chunk_keys import ChunkKeys
 from ragkv.ingest.chunker import chunk_document
 from ragkv.ingest.cleanup import delete_document
 from ragkv.ingest.config import IngestConfig
 from ragkv.ingest.embedder import Embedder
-from ragkv.ingest.errors import InputError
 from ragkv.ingest.journal import IngestJournal
 from ragkv.ingest.registry import ChunkRecord, DocumentRecord, DocumentRegistry, check_tenant
 from ragkv.ingest.validation import check_text

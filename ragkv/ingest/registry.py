@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ragkv.ingest.errors import InputError
+from ragkv.errors import InputError
 
 if TYPE_CHECKING:
     from ragkv.ingest.index.retrieval import RetrievalIndex

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ragkv.ingest.errors import InputError
+from ragkv.errors import InputError
 
 DEFAULT_MAX_DOCUMENT_BYTES = 16 * 1024 * 1024
 

@@ -16,7 +16,7 @@ import json
 import math
 from dataclasses import dataclass
 
-from ragkv.ingest.errors import InputError
+from ragkv.errors import InputError
 
 _RANGES = {
     "$gt": lambda a, b: a > b,
