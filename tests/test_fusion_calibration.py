@@ -13,11 +13,11 @@ from tiny_models import make_tiny_model
 from ragkv.api.launcher import ServerProcess
 from ragkv.app.fusion_calibration import (
     FusionCalibrationConfig,
-    attach_calibration,
     calibrate_fusion,
     grid,
     load_calibration,
     save_calibration,
+    stored_fusion_settings,
 )
 from ragkv.app.runtime import Runtime, RuntimeConfig
 from ragkv.cli.main import main
@@ -82,11 +82,11 @@ def test_calibrated_ratio_is_stored_used_and_reported(tiny, tmp_path, capsys):
     with Runtime(RuntimeConfig(data_dir=home, engine=_engine_config(tiny))) as runtime:
         stored = load_calibration(runtime.env, runtime.engine.fingerprint, "probe")
         assert stored is not None and stored.ratio == 1.0
-        assert runtime.engine.fusion_calibrated == {"probe": CalibratedFusion(1.0, 0.0)}
-        assert FusionConfig().build(runtime.engine.fusion_calibrated).ratio == 1.0
+        assert runtime.calibrated.fusion == {"probe": CalibratedFusion(1.0, 0.0)}
+        assert FusionConfig().build(runtime.calibrated.fusion).ratio == 1.0
         # a request's own ratio, or a spec naming one, wins over the calibrated one
-        assert FusionConfig(ratio=0.2).build(runtime.engine.fusion_calibrated).ratio == 0.2
-        assert FusionConfig("probe:ratio=0.3").build(runtime.engine.fusion_calibrated).ratio == 0.3
+        assert FusionConfig(ratio=0.2).build(runtime.calibrated.fusion).ratio == 0.2
+        assert FusionConfig("probe:ratio=0.3").build(runtime.calibrated.fusion).ratio == 0.3
     # a grid where no ratio meets the target stores nothing and says so
     assert (
         main(
@@ -184,11 +184,11 @@ def test_an_answer_refresh_is_chosen_stored_and_applied_when_only_it_meets_the_t
 
     with Runtime(RuntimeConfig(data_dir=tmp_path, engine=_engine_config(tiny))) as runtime:
         save_calibration(runtime.env, engine.fingerprint, calibration)
-        attach_calibration(runtime.engine, runtime.env)
-        assert runtime.engine.fusion_calibrated == {"probe": CalibratedFusion(0.0, 1.0)}
-        built = FusionConfig().build(runtime.engine.fusion_calibrated)
+        settings = stored_fusion_settings(runtime.env, runtime.engine.fingerprint)
+        assert settings == {"probe": CalibratedFusion(0.0, 1.0)}
+        built = FusionConfig().build(settings)
         assert (built.ratio, built.refresh_ratio) == (0.0, 1.0)
         # a request naming its own ratio, or a spec naming the refresh, keeps its own
-        assert FusionConfig(ratio=0.2).build(runtime.engine.fusion_calibrated).refresh_ratio == 0.0
-        spec = FusionConfig("probe:refresh_ratio=0.05").build(runtime.engine.fusion_calibrated)
+        assert FusionConfig(ratio=0.2).build(settings).refresh_ratio == 0.0
+        spec = FusionConfig("probe:refresh_ratio=0.05").build(settings)
         assert (spec.ratio, spec.refresh_ratio) == (0.0, 0.05)

@@ -344,7 +344,9 @@ def test_ingestion_batches_chunks_by_tokens(make_ingestor):
     ingestor = make_ingestor()
     calls = []
     encode_chunks = ingestor.engine.encode_chunks
-    ingestor.engine.encode_chunks = lambda chunks: calls.append([len(c) for c in chunks]) or encode_chunks(chunks)
+    ingestor.engine.encode_chunks = lambda chunks, codebook=None: (
+        calls.append([len(c) for c in chunks]) or encode_chunks(chunks, codebook)
+    )
     try:
         ingestor.config = IngestConfig(chunk_tokens=32, show_progress=False, encode_batch_tokens=160)
         result = ingestor.ingest_text(VERSION_1, "survey.txt")

@@ -207,6 +207,48 @@ def test_no_function_of_the_api_or_the_application_is_long():
     assert not found, "\n".join(found)
 
 
+def engine_attribute_writes(path: Path) -> list[str]:
+    """Where `path` sets an attribute on an engine (`engine.x = ...`, `self.engine.x = ...`,
+    `setattr(engine, ...)`): state the application would attach to the Engine."""
+
+    def is_engine(node: ast.AST) -> bool:
+        return (
+            isinstance(node, ast.Name)
+            and node.id == "engine"
+            or isinstance(node, ast.Attribute)
+            and node.attr == "engine"
+        )
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and is_engine(node.value):
+            found.append(f"{path}:{node.lineno} .{node.attr}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr":
+            if node.args and is_engine(node.args[0]):
+                found.append(f"{path}:{node.lineno} setattr")
+    return found
+
+
+def test_nothing_outside_the_engine_attaches_state_to_it():
+    """The Engine carries what it builds; what calibration stored is the application's
+    (ragkv.app.calibrated.Calibrated, owned by the Runtime)."""
+    found = [
+        hit
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if not within(module_name(path), ("ragkv.engine",))
+        for hit in engine_attribute_writes(path)
+    ]
+    assert not found, "\n".join(found)
+
+
+def test_the_attachment_check_sees_one(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "def f(engine, runtime):\n    engine.codebook = 1\n    runtime.engine.x = 2\n    setattr(engine, 'y', 3)\n"
+    )
+    assert len(engine_attribute_writes(probe)) == 3
+
+
 def test_no_endpoint_imports_another_endpoint():
     """ragkv/api/<endpoint>/ (a folder with a router.py) imports ragkv.api's shared modules and
     ragkv.api.common, never another endpoint's folder."""

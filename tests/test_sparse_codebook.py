@@ -9,7 +9,7 @@ import pytest
 import torch
 from tiny_models import make_tiny_model
 
-from ragkv.app.codebooks import CODEBOOK_DB, attach_codebook, load_codebook, save_codebook
+from ragkv.app.codebooks import CODEBOOK_DB, load_codebook, save_codebook, stored_codebook
 from ragkv.app.generate import decode
 from ragkv.engine import Engine, EngineConfig
 from ragkv.engine.generation import GenerationConfig
@@ -93,9 +93,7 @@ def test_codebook_round_trips_through_lmdb(tmp_path, engine, codebook):
         other = make_codebook(engine, seed=2)
         save_codebook(env, engine.fingerprint, other)  # recalibrating replaces it
         assert load_codebook(env, engine.fingerprint).id == other.id
-        attached = attach_codebook(engine, env)
-        assert engine.codebook is attached and attached.id == other.id
-        engine.codebook = None
+        assert stored_codebook(engine, env).id == other.id
         # a damaged blob is refused, never half-read
         db = env.db(CODEBOOK_DB)
         key = f"a2ats/{engine.fingerprint}".encode()
@@ -108,26 +106,19 @@ def test_codebook_round_trips_through_lmdb(tmp_path, engine, codebook):
 
 
 def ingest_chunks(engine, tmp_path, codebook, count=3):
-    """Encode chunks with `codebook` attached, write them to an LMDB store and read them back."""
-    engine.codebook = codebook
-    try:
-        store = open_store(f"lmdb://{tmp_path / 'store'}")
-        generator = torch.Generator().manual_seed(4)
-        texts = [
-            " ".join(str(int(x)) for x in torch.randint(0, 10_000, (40,), generator=generator)) for _ in range(count)
-        ]
-        stored = []
-        for _index, text in enumerate(texts):
-            tokens = engine.tokenize(text)
-            tensors = engine.encode_chunk(tokens)
-            from ragkv.store.keys import ChunkKey, hash_tokens
+    """Encode chunks with `codebook`, write them to an LMDB store and read them back."""
+    from ragkv.store.keys import ChunkKey, hash_tokens
 
-            key = ChunkKey(engine.fingerprint, hash_tokens(tokens), 1)
-            store.put(key, tensors)
-            stored.append(store.get(key))
-        store.close()
-    finally:
-        engine.codebook = None
+    store = open_store(f"lmdb://{tmp_path / 'store'}")
+    generator = torch.Generator().manual_seed(4)
+    texts = [" ".join(str(int(x)) for x in torch.randint(0, 10_000, (40,), generator=generator)) for _ in range(count)]
+    stored = []
+    for text in texts:
+        tokens = engine.tokenize(text)
+        key = ChunkKey(engine.fingerprint, hash_tokens(tokens), 1)
+        store.put(key, engine.encode_chunk(tokens, codebook))
+        stored.append(store.get(key))
+    store.close()
     chunks = [LoadedChunk(t["tokens"].tolist(), *engine.kv_format.unpack(t)) for t in stored]
     return chunks, stored
 
@@ -153,22 +144,18 @@ def test_codes_stored_at_ingestion_equal_codes_at_query_time(tmp_path, engine, c
         # the codes of the keys exactly as a query reads them back from the store
         assert torch.equal(tensors["codes"], codebook.encode(dense(chunk.keys, torch.float32)))
     config = SparseConfig(selector="a2ats", budget=1.0)
-    engine.codebook = codebook
-    try:
-        codes = sparse_chunk_codes(engine, config, chunks, stored)
-        assert all(torch.equal(c, t["codes"]) for c, t in zip(codes, stored))
-        result = fuse(engine, chunks, "pie")  # chunk rows keep their stored K/V at every layer
-        selector = config.build(PromptState.from_fusion(engine.model, result, codes), codebook)
-        model, spec = engine.model, engine.spec
-        for layer in range(spec.num_layers):
-            for (start, end), tensors in zip(result.layout.chunk_spans, stored):
-                assert torch.equal(selector.codes.rows(layer, start, end), tensors["codes"][layer])
-                # recomputing from the fused cache (keys rotated to their global positions) agrees
-                pre = unrotate_keys(model, result.cache.keys[layer, :, start:end], torch.arange(start, end))
-                agree = (codebook.encode_layer(layer, pre) == tensors["codes"][layer]).float().mean()
-                assert agree >= 0.99
-    finally:
-        engine.codebook = None
+    codes = sparse_chunk_codes(engine, codebook, config, chunks, stored)
+    assert all(torch.equal(c, t["codes"]) for c, t in zip(codes, stored))
+    result = fuse(engine, chunks, "pie")  # chunk rows keep their stored K/V at every layer
+    selector = config.build(PromptState.from_fusion(engine.model, result, codes), codebook)
+    model, spec = engine.model, engine.spec
+    for layer in range(spec.num_layers):
+        for (start, end), tensors in zip(result.layout.chunk_spans, stored):
+            assert torch.equal(selector.codes.rows(layer, start, end), tensors["codes"][layer])
+            # recomputing from the fused cache (keys rotated to their global positions) agrees
+            pre = unrotate_keys(model, result.cache.keys[layer, :, start:end], torch.arange(start, end))
+            agree = (codebook.encode_layer(layer, pre) == tensors["codes"][layer]).float().mean()
+            assert agree >= 0.99
 
 
 @pytest.mark.model
@@ -177,20 +164,12 @@ def test_changed_codebook_never_serves_stale_codes(tmp_path, engine, codebook):
     newer = make_codebook(engine, seed=7)
     assert newer.id != codebook.id
     assert newer.codes_of(stored[0]) is None and codebook.codes_of(stored[0]) is not None
-    engine.codebook = newer
-    try:
-        codes = sparse_chunk_codes(engine, SparseConfig(selector="a2ats"), chunks, stored)
-    finally:
-        engine.codebook = None
+    codes = sparse_chunk_codes(engine, newer, SparseConfig(selector="a2ats"), chunks, stored)
     for chunk, got in zip(chunks, codes):
         assert torch.equal(got, newer.encode(dense(chunk.keys, torch.float32)))
     # chunks stored without codes (ingested before calibration) get them computed too
     bare = [{k: v for k, v in t.items() if k not in ("codes", "codebook_id")} for t in stored]
-    engine.codebook = codebook
-    try:
-        codes = sparse_chunk_codes(engine, SparseConfig(selector="a2ats"), chunks, bare)
-    finally:
-        engine.codebook = None
+    codes = sparse_chunk_codes(engine, codebook, SparseConfig(selector="a2ats"), chunks, bare)
     assert all(torch.equal(got, t["codes"]) for got, t in zip(codes, stored))
 
 
@@ -225,17 +204,13 @@ def test_a_fused_prompt_decodes_with_the_configured_selector(tmp_path, engine, c
 
     def answer(sparse):
         result = fuse(engine, chunks, "a3")
-        codes = sparse_chunk_codes(engine, sparse, chunks, stored)
-        attention = sparse_attention(engine, sparse, result, codes)  # what a query request decodes with
+        codes = sparse_chunk_codes(engine, codebook, sparse, chunks, stored)
+        attention = sparse_attention(engine, codebook, sparse, result, codes)  # what a query request decodes with
         return decode(engine, result.cache, result.logits, generation, attention).token_ids
 
-    engine.codebook = codebook
-    try:
-        dense = answer(None)
-        for selector in ("dense", "oracle", "a2ats", "pqcache", "lrqk"):
-            assert answer(SparseConfig(selector=selector, budget=1.0, window=8)) == dense, selector
-        assert len(answer(SparseConfig(selector="a2ats", budget=0.3, window=8, snapkv_capacity=80))) >= 1
-    finally:
-        engine.codebook = None
+    dense = answer(None)
+    for selector in ("dense", "oracle", "a2ats", "pqcache", "lrqk"):
+        assert answer(SparseConfig(selector=selector, budget=1.0, window=8)) == dense, selector
+    assert len(answer(SparseConfig(selector="a2ats", budget=0.3, window=8, snapkv_capacity=80))) >= 1
     with pytest.raises(ValueError, match="calibrate"):
-        sparse_chunk_codes(engine, SparseConfig(selector="a2ats"), chunks, stored)
+        sparse_chunk_codes(engine, None, SparseConfig(selector="a2ats"), chunks, stored)

@@ -97,13 +97,13 @@ class TwinOptions(A2ATSOptions):
 
 def test_the_codebook_is_asked_for_by_the_selectors_hook_not_its_name():
     assert {name for name, options in SELECTORS.items() if options.needs_codebook} == {"a2ats"}
-    no_codebook = SimpleNamespace(codebook=None)
-    assert sparse_chunk_codes(no_codebook, SparseConfig(selector="pqcache"), [], None) is None
+    engine = SimpleNamespace()  # never read: the selector's hook decides before any model work
+    assert sparse_chunk_codes(engine, None, SparseConfig(selector="pqcache"), [], None) is None
     twin = SparseConfig()
     object.__setattr__(twin, "options", TwinOptions())
     with pytest.raises(ValueError, match="the twin selector needs an A2ATS codebook"):
-        sparse_chunk_codes(no_codebook, twin, [], None)
+        sparse_chunk_codes(engine, None, twin, [], None)
     with pytest.raises(ValueError, match="the twin selector needs an A2ATS codebook") as refused:
-        check_sparse(no_codebook, QueryConfig(sparse=twin))
+        check_sparse(None, QueryConfig(sparse=twin))
     assert refused.value.reason == "no_codebook"
-    check_sparse(no_codebook, QueryConfig(sparse=SparseConfig(selector="lrqk")))
+    check_sparse(None, QueryConfig(sparse=SparseConfig(selector="lrqk")))

@@ -30,6 +30,7 @@ from ragkv.fusion.layout import Layout
 from ragkv.ingest.chunk_keys import ChunkKeys
 from ragkv.ingest.pipeline import run_steps
 from ragkv.ingest.registry import DocumentRecord, DocumentRegistry
+from ragkv.sparse.codebook import A2ATSCodebook
 from ragkv.store.base import ChunkStore
 
 log = logging.getLogger(__name__)
@@ -72,12 +73,15 @@ class ChunkContextualizer:
         registry: DocumentRegistry,
         neighbours: int,
         share_across_tenants: bool = False,
+        codebook: A2ATSCodebook | None = None,
     ):
-        """`neighbours`: chunks placed before each chunk (IngestConfig.context_neighbours)."""
+        """`neighbours`: chunks placed before each chunk (IngestConfig.context_neighbours);
+        `codebook`: the model's A2ATS codebook, whose codes the rewritten blobs carry."""
         if neighbours < 1:
             raise ValueError("a contextualizer needs at least one neighbour")
         self.engine, self.store, self.registry, self.neighbours = engine, store, registry, neighbours
         self.keys = ChunkKeys.of(engine, share_across_tenants)
+        self.codebook = codebook
         # the fusion needs a last segment it computes; one newline-like token costs nothing
         self._tail = engine.tokenize("\n")[-1:] or [0]
 
@@ -148,11 +152,15 @@ class ChunkContextualizer:
         return chosen[::-1]
 
     def _in_context(self, token_ids: list[int], context: list[dict]) -> dict[str, torch.Tensor]:
-        return stored_in_context(self.engine, token_ids, context, self._tail)
+        return stored_in_context(self.engine, token_ids, context, self._tail, self.codebook)
 
 
 def stored_in_context(
-    engine: Engine, token_ids: list[int], context: list[dict], tail: list[int] | None = None
+    engine: Engine,
+    token_ids: list[int],
+    context: list[dict],
+    tail: list[int] | None = None,
+    codebook: A2ATSCodebook | None = None,
 ) -> dict[str, torch.Tensor]:
     """The stored blob of the chunk `token_ids` computed after the stored chunks `context`
     (blobs, in prompt order; their K/V placed, not recomputed). `ragkv calibrate fusion`
@@ -165,4 +173,4 @@ def stored_in_context(
     fusion_input = FusionInput(prefix, chunks, tail, chunk_precompute_offset=len(prefix))
     result = _PlacedContext().fuse(engine.model, fusion_input, engine.chunk_prefix_cache())
     keys, values = result.fresh_chunk_kv(len(chunks) - 1)
-    return engine.stored_chunk(token_ids, keys, values)
+    return engine.stored_chunk(token_ids, keys, values, codebook)

@@ -29,10 +29,9 @@ def load_codebook(env: LMDBEnvironment, fingerprint: str) -> A2ATSCodebook | Non
         return None if raw is None else A2ATSCodebook.from_tensors(*decode_blob(raw))
 
 
-def attach_codebook(engine, env: LMDBEnvironment) -> A2ATSCodebook | None:
-    """Give `engine` its model's stored codebook (if any): encode_chunk then stores codes."""
+def stored_codebook(engine, env: LMDBEnvironment) -> A2ATSCodebook | None:
+    """`engine`'s model's stored codebook (if any), checked against the model's shape."""
     codebook = load_codebook(env, engine.fingerprint)
     if codebook is not None:
         codebook.check_model(engine.spec)
-    engine.codebook = codebook
     return codebook

@@ -84,7 +84,7 @@ def completion_request(
         started = time.perf_counter()
         plan = request.fetched.plan if request.fetched is not None else None
         if plan is not None:
-            strategy = passages.fusion.build(engine.fusion_calibrated)
+            strategy = passages.fusion.build(passages.passages.calibrated.fusion)
             fused = passages.passages.prepare_prompt(
                 passages.tenant, token_ids, strategy, generation.max_new_tokens, plan=plan
             )

@@ -172,14 +172,14 @@ def load_calibration(env: LMDBEnvironment, fingerprint: str, strategy: str) -> F
     return None if raw is None else FusionCalibration.from_json(bytes(raw))
 
 
-def attach_calibration(engine, env: LMDBEnvironment) -> dict[str, CalibratedFusion]:
-    """Give `engine` the calibrated settings of every strategy calibrated for its model
-    (engine.fusion_calibrated: requests that name no ratio use them) and log each."""
+def stored_fusion_settings(env: LMDBEnvironment, fingerprint: str) -> dict[str, CalibratedFusion]:
+    """The calibrated settings of every strategy calibrated for the model with `fingerprint`
+    (requests that name no ratio use them), each logged."""
     from ragkv.fusion.registry import STRATEGY_NAMES
 
     chosen = {}
     for name in STRATEGY_NAMES:
-        calibration = load_calibration(env, engine.fingerprint, name)
+        calibration = load_calibration(env, fingerprint, name)
         if calibration is not None and calibration.settings is not None:
             chosen[name] = calibration.settings
             log.info(
@@ -191,7 +191,6 @@ def attach_calibration(engine, env: LMDBEnvironment) -> dict[str, CalibratedFusi
                 calibration.target_kl,
                 calibration.samples,
             )
-    engine.fusion_calibrated = chosen
     return chosen
 
 

@@ -25,6 +25,7 @@ from ragkv.app.request import (
 from ragkv.app.usage import TokenUsage
 from ragkv.engine import Engine
 from ragkv.errors import InputError
+from ragkv.sparse.codebook import A2ATSCodebook
 from ragkv.sparse.wiring import sparse_attention
 
 CHUNK_TOKENS_ESTIMATE = 512
@@ -51,8 +52,9 @@ def check_input_tokens(engine: Engine, text: str, limit: int | None, what: str) 
     return count
 
 
-def check_sparse(engine: Engine, config: QueryConfig) -> None:
-    if config.sparse is not None and config.sparse.options.needs_codebook and engine.codebook is None:
+def check_sparse(codebook: A2ATSCodebook | None, config: QueryConfig) -> None:
+    """A selector that needs the model's A2ATS codebook is refused when there is none."""
+    if config.sparse is not None and config.sparse.options.needs_codebook and codebook is None:
         raise InputError(
             "no_codebook",
             f"the {config.sparse.name} selector needs an A2ATS codebook for this model, "
@@ -60,11 +62,14 @@ def check_sparse(engine: Engine, config: QueryConfig) -> None:
         )
 
 
-def question_prompt_ids(engine: Engine, question: str, config: QueryConfig, max_input_tokens: int | None) -> list[int]:
+def question_prompt_ids(
+    rag: RagPipeline, question: str, config: QueryConfig, max_input_tokens: int | None
+) -> list[int]:
     """The ids of a question's prompt, checked as `query_request` checks it, without the
     chunks retrieval puts between its prefix and its question segment."""
+    engine = rag.engine
     check_input_tokens(engine, question, max_input_tokens, "the question")
-    check_sparse(engine, config)
+    check_sparse(rag.calibrated.codebook, config)
     segments = engine.prompt.rag_segments(question)
     ids = segments.prefix_ids + segments.question_ids
     check_context_length(engine, len(ids), config.generation.max_new_tokens, "the prompt", "lower max_tokens")
@@ -84,7 +89,7 @@ def query_request(
 ) -> Request:
     engine = rag.engine
     question_tokens = check_input_tokens(engine, question, max_input_tokens, "the question")
-    check_sparse(engine, config)
+    check_sparse(rag.calibrated.codebook, config)
 
     def fetch(request: Request) -> QueryFetch:
         inputs = rag.fetch(question, tenant, config)
@@ -96,7 +101,7 @@ def query_request(
         request.timings.retrieve = prepared.timings["retrieve"]
         request.timings.load = prepared.timings["load"]
         request.timings.fuse = prepared.timings["fuse"]
-        attention = sparse_attention(engine, config.sparse, fusion, prepared.chunk_codes)
+        attention = sparse_attention(engine, rag.calibrated.codebook, config.sparse, fusion, prepared.chunk_codes)
         usage = TokenUsage.of_fusion(fusion, recomputed_chunks=prepared.recomputed_chunks)
         return Prepared(
             fusion.cache,

@@ -11,6 +11,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from ragkv.app.calibrated import Calibrated
 from ragkv.app.limits import check_context_length
 from ragkv.engine import Engine
 from ragkv.engine.generation import GenerationConfig
@@ -118,12 +119,14 @@ class RagPipeline:
         embedder: Embedder,
         *,
         share_across_tenants: bool = False,
+        calibrated: Calibrated | None = None,
     ):
         self.engine = engine
         self.store = store
         self.registry = registry
         self.embedder = embedder
         self.share_across_tenants = share_across_tenants
+        self.calibrated = calibrated or Calibrated()
 
     @functools.cached_property
     def keys(self) -> ChunkKeys:
@@ -180,7 +183,7 @@ class RagPipeline:
         for index, ((record, chunk, _), tensors) in enumerate(zip(retrieved, entries)):
             if tensors is None:
                 token_ids = self._chunk_tokens(tenant, record, chunk)
-                tensors = self.engine.encode_chunk(token_ids)
+                tensors = self.engine.encode_chunk(token_ids, self.calibrated.codebook)
                 self.store.put(self.chunk_key(record.tenant, chunk.chunk_hash), tensors)
                 recomputed.append(index)
             loaded.append(LoadedChunk(tensors["tokens"].tolist(), *self.engine.kv_format.unpack(tensors)))
@@ -236,12 +239,12 @@ class RagPipeline:
         )
         self.check_fits(Layout.of(fusion_input), config)
         fuse_started = time.perf_counter()
-        strategy = config.fusion.build(self.engine.fusion_calibrated)
+        strategy = config.fusion.build(self.calibrated.fusion)
         result = strategy.fuse(
             self.engine.model, fusion_input, self.engine.chunk_prefix_cache(), config.generation.max_new_tokens
         )
         timings["fuse"] = time.perf_counter() - fuse_started
-        chunk_codes = sparse_chunk_codes(self.engine, config.sparse, chunks, stored)
+        chunk_codes = sparse_chunk_codes(self.engine, self.calibrated.codebook, config.sparse, chunks, stored)
         hashes = [chunk.chunk_hash for _, chunk, _ in inputs.retrieved]
         return PreparedQuery(result, inputs.citations, timings, strategy.name, hashes, chunk_codes, tuple(missing))
 

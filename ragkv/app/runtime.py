@@ -6,9 +6,10 @@ from __future__ import annotations
 from collections.abc import Generator
 from dataclasses import dataclass, field
 
+from ragkv.app.calibrated import Calibrated
 from ragkv.app.chunk_context import ChunkContextualizer, ContextResult
-from ragkv.app.codebooks import attach_codebook
-from ragkv.app.fusion_calibration import attach_calibration
+from ragkv.app.codebooks import stored_codebook
+from ragkv.app.fusion_calibration import stored_fusion_settings
 from ragkv.app.passages import PromptPassages
 from ragkv.app.rag import RagPipeline
 from ragkv.app.status import DefaultFusion, StoreStatus, default_fusion, store_status
@@ -44,22 +45,42 @@ class Runtime:
 
     def _open_model(self, config: RuntimeConfig) -> None:
         self.engine = Engine(config.engine)
-        attach_codebook(self.engine, self.env)  # a calibrated A2ATS codebook makes ingestion store codes
-        attach_calibration(self.engine, self.env)  # calibrated fusion ratios (ragkv calibrate fusion)
+        self.calibrated = Calibrated(
+            stored_codebook(self.engine, self.env), stored_fusion_settings(self.env, self.engine.fingerprint)
+        )
+        """What `ragkv calibrate` stored for this model: a codebook makes every stored chunk
+        carry its A2ATS codes; fusion settings serve requests that name no ratio."""
         self.embedder = Embedder()
         self.ingestor = Ingestor(
-            self.engine, self.store, self.registry, self.embedder, self.storage.journal, config.ingest
+            self.engine,
+            self.store,
+            self.registry,
+            self.embedder,
+            self.storage.journal,
+            config.ingest,
+            codebook=self.calibrated.codebook,
         )
         shared = config.ingest.share_chunks_across_tenants
         self.fills = WriteBehindStore(self.store)
         """The store as queries and pasted passages see it: what they compute for it (a
         chunk the store lacked, a new passage) is written behind, off the model thread."""
-        self.rag = RagPipeline(self.engine, self.fills, self.registry, self.embedder, share_across_tenants=shared)
-        self.passages = PromptPassages(self.engine, self.fills, share_across_tenants=shared)
+        self.rag = RagPipeline(
+            self.engine,
+            self.fills,
+            self.registry,
+            self.embedder,
+            share_across_tenants=shared,
+            calibrated=self.calibrated,
+        )
+        self.passages = PromptPassages(self.engine, self.fills, share_across_tenants=shared, calibrated=self.calibrated)
         """Passages pasted into prompts, found and reused from the store (chat, completions)."""
         neighbours = config.ingest.context_neighbours
         self.contextualizer = (
-            ChunkContextualizer(self.engine, self.store, self.registry, neighbours, shared) if neighbours else None
+            ChunkContextualizer(
+                self.engine, self.store, self.registry, neighbours, shared, codebook=self.calibrated.codebook
+            )
+            if neighbours
+            else None
         )
         """Recomputes new documents' chunk K/V in context (IngestConfig.context_neighbours)."""
 
@@ -81,7 +102,7 @@ class Runtime:
         return store_status(self.store)
 
     def default_fusion(self) -> DefaultFusion:
-        return default_fusion(self.engine)
+        return default_fusion(self.calibrated.fusion)
 
     def close(self) -> None:
         fills = getattr(self, "fills", None)  # absent when the model failed to open

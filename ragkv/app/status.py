@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ragkv.engine import Engine
-from ragkv.fusion import FusionConfig
+from ragkv.fusion import CalibratedFusion, FusionConfig
 from ragkv.store.base import ChunkStore
 from ragkv.store.redis_store import RedisStore
 from ragkv.store.tiered import TieredStore
@@ -50,9 +49,9 @@ def store_status(store: ChunkStore) -> StoreStatus:
     return StoreStatus(store.backend, all(up) if up else None, isinstance(store, TieredStore))
 
 
-def default_fusion(engine: Engine) -> DefaultFusion:
-    """The default strategy and the ratio it runs at (calibrated for this model by `ragkv
+def default_fusion(calibrated: dict[str, CalibratedFusion]) -> DefaultFusion:
+    """The default strategy and the ratio it runs at (`calibrated` for this model by `ragkv
     calibrate fusion`, or the strategy's default)."""
-    strategy = FusionConfig().build(engine.fusion_calibrated)
+    strategy = FusionConfig().build(calibrated)
     refresh = getattr(strategy, "refresh_ratio", 0.0)
-    return DefaultFusion(strategy.name, strategy.ratio, strategy.name in engine.fusion_calibrated, refresh)
+    return DefaultFusion(strategy.name, strategy.ratio, strategy.name in calibrated, refresh)

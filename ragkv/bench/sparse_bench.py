@@ -59,6 +59,7 @@ from ragkv.fusion import DEFAULT_STRATEGY, FusionConfig, FusionInput, FusionResu
 from ragkv.fusion.layout import LoadedChunk
 from ragkv.sparse import PromptState, SparseConfig
 from ragkv.sparse.base import Selector
+from ragkv.sparse.codebook import A2ATSCodebook
 from ragkv.sparse.oracle import attention_mass
 from ragkv.sparse.wiring import sparse_attention, sparse_chunk_codes
 from ragkv.store.blob import decode_blob, encode_blob
@@ -108,12 +109,18 @@ def rag_prompt(engine: Engine, example: Example) -> tuple[list[int], int, int]:
 
 
 def build(
-    config: SparseConfig | None, engine: Engine, cache: KVCache, ids, prefix_len: int, question_start: int
+    config: SparseConfig | None,
+    engine: Engine,
+    codebook: A2ATSCodebook | None,
+    cache: KVCache,
+    ids,
+    prefix_len: int,
+    question_start: int,
 ) -> Selector | None:
     if config is None:
         return None
     prompt = PromptState.from_prefill(engine.model, cache, ids, prefix_len, question_start)
-    return config.build(prompt, engine.codebook)
+    return config.build(prompt, codebook)
 
 
 def decode_answer(engine: Engine, cache: KVCache, logits: torch.Tensor, attention, max_new_tokens: int) -> str:
@@ -137,11 +144,13 @@ def selector_config(spec: str, budget: float, base: SparseConfig = SparseConfig(
     return dataclasses.replace(base, selector=selector, budget=budget, **values)
 
 
-def ingested_chunks(engine: Engine, example: Example) -> tuple[list[LoadedChunk], list[dict]]:
+def ingested_chunks(
+    engine: Engine, codebook: A2ATSCodebook | None, example: Example
+) -> tuple[list[LoadedChunk], list[dict]]:
     """Each passage as the store holds it after ingestion (encoded, through the blob format),
     and as the query path loads it."""
     stored = [
-        decode_blob(encode_blob(engine.encode_chunk(ids))).tensors
+        decode_blob(encode_blob(engine.encode_chunk(ids, codebook))).tensors
         for ids in (engine.tokenize(passage) for passage in example.passages)
         if ids
     ]
@@ -151,10 +160,10 @@ def ingested_chunks(engine: Engine, example: Example) -> tuple[list[LoadedChunk]
 class UserPrompt:
     """One example's fused prompt on the user path: built once, each selector decodes a copy."""
 
-    def __init__(self, engine: Engine, example: Example, fusion: str, extra: int):
-        self.engine, self.extra = engine, extra
+    def __init__(self, engine: Engine, codebook: A2ATSCodebook | None, example: Example, fusion: str, extra: int):
+        self.engine, self.codebook, self.extra = engine, codebook, extra
         segments = engine.prompt.rag_segments(example.question)
-        self.chunks, self.stored = ingested_chunks(engine, example)
+        self.chunks, self.stored = ingested_chunks(engine, codebook, example)
         fusion_input = FusionInput(
             segments.prefix_ids,
             self.chunks,
@@ -168,20 +177,21 @@ class UserPrompt:
         self.cache, self.logits = self.result.cache, self.result.logits
 
     def attention(self, config: SparseConfig, cache: KVCache):
-        codes = sparse_chunk_codes(self.engine, config, self.chunks, self.stored)
-        return sparse_attention(self.engine, config, dataclasses.replace(self.result, cache=cache), codes)
+        codes = sparse_chunk_codes(self.engine, self.codebook, config, self.chunks, self.stored)
+        fused = dataclasses.replace(self.result, cache=cache)
+        return sparse_attention(self.engine, self.codebook, config, fused, codes)
 
 
 class PrefillPrompt:
     """One example's prompt as a plain prefill of [prefix | passages | question]."""
 
-    def __init__(self, engine: Engine, example: Example, extra: int):
-        self.engine = engine
+    def __init__(self, engine: Engine, codebook: A2ATSCodebook | None, example: Example, extra: int):
+        self.engine, self.codebook = engine, codebook
         self.ids, self.prefix_len, self.question_start = rag_prompt(engine, example)
         self.cache, self.logits = engine.prefill(self.ids, extra)
 
     def attention(self, config: SparseConfig, cache: KVCache):
-        return build(config, self.engine, cache, self.ids, self.prefix_len, self.question_start)
+        return build(config, self.engine, self.codebook, cache, self.ids, self.prefix_len, self.question_start)
 
 
 PATHS = ("user", "prefill")
@@ -189,6 +199,7 @@ PATHS = ("user", "prefill")
 
 def run_quality(
     engine: Engine,
+    codebook: A2ATSCodebook | None,
     examples: Sequence[Example],
     configs: dict[str, SparseConfig],
     max_new_tokens: int,
@@ -206,9 +217,9 @@ def run_quality(
     for number, example in enumerate(examples, start=1):
         progress(f"quality: example {number}/{len(examples)}: {'fusion ' + fusion if path == 'user' else 'prefill'}")
         prompt = (
-            UserPrompt(engine, example, fusion, max_new_tokens + 1)
+            UserPrompt(engine, codebook, example, fusion, max_new_tokens + 1)
             if path == "user"
-            else PrefillPrompt(engine, example, max_new_tokens + 1)
+            else PrefillPrompt(engine, codebook, example, max_new_tokens + 1)
         )
         cache, logits = prompt.cache, prompt.logits
         prompt_tokens.append(cache.length)
@@ -278,6 +289,7 @@ def prefix_cache(cache: KVCache, rows: int, extra: int) -> KVCache:
 
 def run_speed(
     engine: Engine,
+    codebook: A2ATSCodebook | None,
     examples: Sequence[Example],
     configs: dict[str, SparseConfig],
     lengths: Sequence[int],
@@ -306,7 +318,7 @@ def run_speed(
             cache = prefix_cache(full, length, steps + 1)
             setup_started = time.perf_counter()
             # the last rows stand in for the question window (SnapKV, LRQK's query sample)
-            attention = build(config, engine, cache, ids[:length], prefix_len, length - QUESTION_WINDOW)
+            attention = build(config, engine, codebook, cache, ids[:length], prefix_len, length - QUESTION_WINDOW)
             setup_s = time.perf_counter() - setup_started
             runs[name] = (cache, attention, setup_s, decode_path(model, attention, cache), [])
         progress(f"speed: {length} tokens: {steps} interleaved decode steps")
@@ -340,7 +352,9 @@ def decode_path(model, attention: Selector | None, cache: KVCache) -> str:
     return "compiled" if attention is None or attention.compiled_plan(cache) is not None else "python"
 
 
-def aux_memory(engine: Engine, configs: dict[str, SparseConfig], examples: Sequence[Example]) -> dict:
+def aux_memory(
+    engine: Engine, codebook: A2ATSCodebook | None, configs: dict[str, SparseConfig], examples: Sequence[Example]
+) -> dict:
     """Per-token and fixed auxiliary bytes of each selector, built on a short prompt."""
     ids, prefix_len, question_start = rag_prompt(engine, examples[0])
     ids = ids[-min(len(ids), 512) :]
@@ -349,7 +363,7 @@ def aux_memory(engine: Engine, configs: dict[str, SparseConfig], examples: Seque
     out = {}
     for name, config in configs.items():
         work = cache.clone(1)
-        selector = build(config, engine, work, ids, 0, len(ids) - 1)
+        selector = build(config, engine, codebook, work, ids, 0, len(ids) - 1)
         out[name] = {
             "aux_bytes_per_token": selector.aux_bytes_per_token,
             "aux_fraction_of_kv_fp16": selector.aux_bytes_per_token / kv,
@@ -360,6 +374,7 @@ def aux_memory(engine: Engine, configs: dict[str, SparseConfig], examples: Seque
 
 def run_sparse_bench(
     engine: Engine,
+    codebook: A2ATSCodebook | None,
     examples: Sequence[Example],
     speed_examples: Sequence[Example],
     *,
@@ -379,16 +394,14 @@ def run_sparse_bench(
         "budget": budget,
         "sinks": base.sinks,
         "window": base.window,
-        "codebook": {"id": engine.codebook.id, "size": engine.codebook.size, **engine.codebook.info}
-        if engine.codebook
-        else None,
-        "memory": aux_memory(engine, configs, examples or speed_examples),
+        "codebook": {"id": codebook.id, "size": codebook.size, **codebook.info} if codebook else None,
+        "memory": aux_memory(engine, codebook, configs, examples or speed_examples),
     }
     if examples:
-        results["quality"] = run_quality(engine, examples, configs, max_new_tokens, progress, path, fusion)
+        results["quality"] = run_quality(engine, codebook, examples, configs, max_new_tokens, progress, path, fusion)
     if context_lengths:
         results["speed"] = run_speed(
-            engine, speed_examples, configs, context_lengths, timing_steps, warmup_steps, progress
+            engine, codebook, speed_examples, configs, context_lengths, timing_steps, warmup_steps, progress
         )
     return results
 

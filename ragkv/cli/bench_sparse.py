@@ -77,16 +77,18 @@ def run(args: argparse.Namespace) -> dict:
     held_out = everything[args.limit :] or everything
     engine = Engine(config_from_args(EngineConfig, args))
     lmdb_path = runtime_config(args).lmdb_path
+    codebook = None
     if lmdb_path.is_dir():
         with LMDBEnvironment(lmdb_path) as env:
-            engine.codebook = load_codebook(env, engine.fingerprint)
-    if engine.codebook is None and any(config.options.needs_codebook for config in configs):
+            codebook = load_codebook(env, engine.fingerprint)
+    if codebook is None and any(config.options.needs_codebook for config in configs):
         _progress("no stored A2ATS codebook for this model: calibrating on held-out passages (not stored)")
         texts = [passage for example in held_out[:40] for passage in example.passages]
         config = CalibrationConfig(codebook_size=args.codebook_size, tokens=args.calibration_tokens)
-        engine.codebook = calibrate(engine.model, engine.tokenize, texts, engine.chunk_prefix_ids, config, _progress)
+        codebook = calibrate(engine.model, engine.tokenize, texts, engine.chunk_prefix_ids, config, _progress)
     results = run_sparse_bench(
         engine,
+        codebook,
         examples,
         everything,
         selectors=args.selectors,

@@ -148,7 +148,7 @@ def run_codebook(args: argparse.Namespace) -> int:
         engine = runtime.engine
         codebook = calibrate(engine.model, engine.tokenize, texts, engine.chunk_prefix_ids, config, _progress)
         save_codebook(runtime.env, engine.fingerprint, codebook)
-        engine.codebook = codebook
+        runtime.calibrated.codebook = codebook
         updated = 0 if args.no_backfill else backfill_codes(runtime, args.tenant)
     print(
         f"codebook {codebook.id}: {codebook.size} centroids x {codebook.shape[0]} layers "
@@ -160,10 +160,10 @@ def run_codebook(args: argparse.Namespace) -> int:
 
 
 def backfill_codes(runtime, tenant: str) -> int:
-    """Give the tenant's stored chunks codes under the engine's codebook (stale ones replaced)."""
+    """Give the tenant's stored chunks codes under the model's codebook (stale ones replaced)."""
     import torch
 
-    engine, store, codebook = runtime.engine, runtime.store, runtime.engine.codebook
+    engine, store, codebook = runtime.engine, runtime.store, runtime.calibrated.codebook
     done: set[str] = set()
     updated = 0
     for record in runtime.registry.list(tenant):

@@ -21,7 +21,7 @@ from ragkv.engine.model_files import resolve_model_dir, served_name
 from ragkv.engine.prompt import ChatPrompt
 
 if TYPE_CHECKING:
-    from ragkv.fusion.config import CalibratedFusion
+    from ragkv.sparse.codebook import A2ATSCodebook
 
 log = logging.getLogger("ragkv.engine")
 
@@ -65,12 +65,6 @@ class Engine:
         self.model.compiled_decoder()
         self.load_seconds = time.perf_counter() - started
         self._chunk_prefix_cache: KVCache | None = None
-        self.fusion_calibrated: dict[str, CalibratedFusion] = {}
-        """Settings calibrated per fusion strategy (ragkv calibrate fusion), used by requests
-        that name no ratio."""
-        self.codebook = None
-        """A2ATS codebook (ragkv.sparse.A2ATSCodebook) of this model, when one is attached:
-        encode_chunk then stores each chunk's codes with it."""
         log.info(
             "engine ready in %.1f s (%s; fingerprint %s)", self.load_seconds, self.model.numerics, self.fingerprint
         )
@@ -92,26 +86,30 @@ class Engine:
             self._chunk_prefix_cache = cache
         return self._chunk_prefix_cache
 
-    def encode_chunk(self, token_ids: list[int]) -> dict[str, torch.Tensor]:
+    def encode_chunk(self, token_ids: list[int], codebook: A2ATSCodebook | None = None) -> dict[str, torch.Tensor]:
         """The stored form of a chunk: pre-RoPE keys/values [layers, kv_heads, T, D] in the
         storage format (ragkv.engine.kv_storage), the token ids they were computed from, and
-        with a codebook attached its A2ATS codes [layers, kv_heads, T] int16."""
+        given a `codebook` (ragkv.sparse.A2ATSCodebook) its A2ATS codes [layers, kv_heads, T] int16."""
         keys, values = self.model.chunk_kv(torch.tensor(token_ids), self.chunk_prefix_cache())
-        return self.stored_chunk(token_ids, keys, values)
+        return self.stored_chunk(token_ids, keys, values, codebook)
 
-    def encode_chunks(self, chunks: list[list[int]]) -> list[dict[str, torch.Tensor]]:
+    def encode_chunks(
+        self, chunks: list[list[int]], codebook: A2ATSCodebook | None = None
+    ) -> list[dict[str, torch.Tensor]]:
         """`encode_chunk` of several chunks in one model pass (CausalLM.chunk_kv_many), in order."""
         pairs = self.model.chunk_kv_many([torch.tensor(ids) for ids in chunks], self.chunk_prefix_cache())
-        return [self.stored_chunk(ids, keys, values) for ids, (keys, values) in zip(chunks, pairs)]
+        return [self.stored_chunk(ids, keys, values, codebook) for ids, (keys, values) in zip(chunks, pairs)]
 
-    def stored_chunk(self, token_ids: list[int], keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
+    def stored_chunk(
+        self, token_ids: list[int], keys: torch.Tensor, values: torch.Tensor, codebook: A2ATSCodebook | None = None
+    ) -> dict[str, torch.Tensor]:
         # the store keeps host memory: a GPU's K/V is packed there, then copied out once
         packed = {name: tensor.cpu() for name, tensor in self.kv_format.pack(keys, values).items()}
         tensors = {**packed, "tokens": torch.tensor(token_ids, dtype=torch.int32)}
-        if self.codebook is not None:
+        if codebook is not None:
             # "codes" + "codebook_id", from the keys as stored (what a query reads back), in
             # float32 like the query side, so codes never depend on the compute dtype
-            tensors.update(self.codebook.chunk_tensors(self.kv_format.dense_keys(tensors, torch.float32)))
+            tensors.update(codebook.chunk_tensors(self.kv_format.dense_keys(tensors, torch.float32)))
         return tensors
 
     def prefill(self, token_ids: list[int], extra_capacity: int = 0) -> tuple[KVCache, torch.Tensor]:

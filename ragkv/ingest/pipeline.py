@@ -31,6 +31,7 @@ from ragkv.ingest.embedder import Embedder
 from ragkv.ingest.journal import IngestJournal
 from ragkv.ingest.registry import ChunkRecord, DocumentRecord, DocumentRegistry, check_tenant
 from ragkv.ingest.validation import check_text
+from ragkv.sparse.codebook import A2ATSCodebook
 from ragkv.store.base import ChunkStore
 from ragkv.store.keys import ChunkKey
 
@@ -92,8 +93,12 @@ class Ingestor:
         embedder: Embedder,
         journal: IngestJournal,
         config: IngestConfig = IngestConfig(),
+        *,
+        codebook: A2ATSCodebook | None = None,
     ):
         self.engine = engine
+        self.codebook = codebook
+        """The model's A2ATS codebook, when calibrated: each stored chunk then carries its codes."""
         self.journal = journal
         self.store = store
         self.registry = registry
@@ -320,9 +325,9 @@ class Ingestor:
         """Encode one batch of (chunk, key) and put each blob; yields (chunk, bytes written)."""
         t0 = time.perf_counter()
         if len(batch) == 1:
-            encoded = [self.engine.encode_chunk(batch[0][0].token_ids)]
+            encoded = [self.engine.encode_chunk(batch[0][0].token_ids, self.codebook)]
         else:
-            encoded = self.engine.encode_chunks([chunk.token_ids for chunk, _ in batch])
+            encoded = self.engine.encode_chunks([chunk.token_ids for chunk, _ in batch], self.codebook)
         timings["precompute"] += time.perf_counter() - t0
         for (chunk, key), tensors in zip(batch, encoded):
             t1 = time.perf_counter()

@@ -10,14 +10,13 @@ from ragkv.sparse.prompt import PromptState
 
 
 def sparse_chunk_codes(
-    engine, config: SparseConfig | None, chunks, stored: list[dict] | None
+    engine, codebook, config: SparseConfig | None, chunks, stored: list[dict] | None
 ) -> list[torch.Tensor] | None:
-    """Per retrieved chunk, its A2ATS codes under the engine's codebook: the stored codes
-    when their codebook id matches the active codebook, else computed now from the
+    """Per retrieved chunk, its A2ATS codes under the model's `codebook`: the stored codes
+    when their codebook id matches `codebook`, else computed now from the
     chunk's stored pre-RoPE keys (never stale). None unless the selector needs the codebook."""
     if config is None or not config.options.needs_codebook:
         return None
-    codebook = engine.codebook
     if codebook is None:
         raise ValueError(
             f"the {config.name} selector needs an A2ATS codebook for this model: run `ragkv calibrate` first"
@@ -32,10 +31,10 @@ def sparse_chunk_codes(
     return codes
 
 
-def sparse_attention(engine, config: SparseConfig | None, fusion, chunk_codes=None):
+def sparse_attention(engine, codebook, config: SparseConfig | None, fusion, chunk_codes=None):
     """The DecodeAttention for a fused prompt (None = dense). SnapKV, when configured,
     compacts fusion.cache here: the first token's logits are already computed."""
     if config is None:
         return None
     prompt = PromptState.from_fusion(engine.model, fusion, chunk_codes or ())
-    return config.build(prompt, engine.codebook)
+    return config.build(prompt, codebook)

@@ -394,7 +394,7 @@ class _Turn:
         """The new tokens with their pasted passages fused in: the text before the first
         passage is prefilled onto the reused rows, then fused into in place."""
         self._room(len(work.ids))
-        strategy = self.turn.config.fusion.build(self.engine.fusion_calibrated)
+        strategy = self.turn.config.fusion.build(self.turns.passages.calibrated.fusion)
         fused = self.turns.passages.prepare_prompt(
             self.turn.tenant, work.ids, strategy, self._max_new, plan=work.passages, prefix_cache=cache
         )
@@ -422,7 +422,7 @@ class _Turn:
         )
         request.timings.load = time.perf_counter() - load_started
         fuse_started = time.perf_counter()
-        strategy = self.turn.config.fusion.build(engine.fusion_calibrated)
+        strategy = self.turn.config.fusion.build(self.turns.rag.calibrated.fusion)
         prefix_len = len(engine.chunk_prefix_ids)
         fusion_input = FusionInput(work.prefix_ids, chunks, work.question_ids, prefix_len, work.question_text)
         self._room(Layout.of(fusion_input).length)

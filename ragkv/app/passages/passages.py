@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ragkv.app.calibrated import Calibrated
 from ragkv.app.passages.anchors import AnchorConfig, AnchorRecord, anchor_positions
 from ragkv.app.passages.counters import SpanCounters
 from ragkv.app.passages.finder import SpanConfig
@@ -83,9 +84,11 @@ class PromptPassages:
         config: SpanConfig = SpanConfig(),
         share_across_tenants: bool = False,
         anchors: AnchorConfig = AnchorConfig(),
+        calibrated: Calibrated | None = None,
     ):
         self.engine = engine
         self.store = store
+        self.calibrated = calibrated or Calibrated()
         self.keys = SpanKeys(engine.tokenizer, engine.fingerprint, config, share_across_tenants)
         self.finder = self.keys.finder
         self.anchors = anchors
@@ -197,7 +200,7 @@ class PromptPassages:
         or vLLM through the connector): its blob under its chunk key, and its anchor
         records. `keys` are pre-RoPE, [layers, H, len, D]."""
         digest = digest or self.keys.chunk_keys.digest(tenant, run_ids)
-        blob = self.engine.stored_chunk(run_ids, keys, values)
+        blob = self.engine.stored_chunk(run_ids, keys, values, self.calibrated.codebook)
         return [(self.keys.chunk_keys.key(tenant, digest), blob), *self._anchor_records(tenant, run_ids, digest)]
 
     def _anchor_records(self, tenant: str, run_ids: list[int], digest: str) -> list[tuple[ChunkKey, dict]]:

@@ -71,7 +71,7 @@ class ModelWork:
         return RequestStream("query", [request], self.observer.stream_ended)
 
     def question_ids(self, question: str, config: QueryConfig) -> list[int]:
-        return question_prompt_ids(self.runtime.engine, question, config, self.max_input_tokens)
+        return question_prompt_ids(self.runtime.rag, question, config, self.max_input_tokens)
 
     # -- /v1/chat/completions -------------------------------------------------------
 
