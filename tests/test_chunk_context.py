@@ -1,4 +1,4 @@
-"""Chunks that carry context (ragkv.app.chunk_context) on a tiny model with a real LMDB store
+"""Chunks that carry context (ragkv.ingest.chunk_context) on a tiny model with a real LMDB store
 and index: a chunk's stored K/V, recomputed in context, is what the model computes for
 its rows after the context (the oracle: `chunk_kv` after a prefix cache holding the
 context), and each chunk's context is its document's preceding chunk, then its nearest

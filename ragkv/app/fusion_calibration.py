@@ -24,13 +24,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ragkv.app.chunk_context import stored_in_context
 from ragkv.app.generate import decode, forced_answer_ids
 from ragkv.engine.generation import GenerationConfig
 from ragkv.fusion import CalibratedFusion, FusionInput, FusionStrategy, LoadedChunk, build_strategy
 from ragkv.fusion.config import has_option
 from ragkv.fusion.fidelity import TeacherForced, next_token_kl, teacher_forced_logits
 from ragkv.fusion.registry import DEFAULT_STRATEGY
+from ragkv.ingest.chunk_context import stored_in_context
 from ragkv.ingest.chunker import chunk_document
 from ragkv.store.lmdb_env import LMDBEnvironment
 

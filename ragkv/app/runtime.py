@@ -7,7 +7,6 @@ from collections.abc import Generator
 from dataclasses import dataclass, field
 
 from ragkv.app.calibrated import Calibrated
-from ragkv.app.chunk_context import ChunkContextualizer, ContextResult
 from ragkv.app.codebooks import stored_codebook
 from ragkv.app.fusion_calibration import stored_fusion_settings
 from ragkv.app.passages import PromptPassages
@@ -15,6 +14,7 @@ from ragkv.app.rag import RagPipeline
 from ragkv.app.status import DefaultFusion, StoreStatus, default_fusion, store_status
 from ragkv.app.storage import Storage, StorageConfig
 from ragkv.engine import Engine, EngineConfig
+from ragkv.ingest.chunk_context import ChunkContextualizer, ContextResult
 from ragkv.ingest.embedder import Embedder
 from ragkv.ingest.pipeline import IngestConfig, Ingestor
 from ragkv.store.write_behind import WriteBehindStore

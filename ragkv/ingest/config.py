@@ -33,7 +33,7 @@ class IngestConfig:
     context_neighbours: int = 2
     """After a document is ingested, recompute each chunk's stored K/V with this many chunks
     placed before it: its document's preceding chunk, then its nearest chunks by embedding
-    (ragkv.app.chunk_context); 0 = after the RAG prefix alone. Costs a fusion per chunk at
+    (ragkv.ingest.chunk_context); 0 = after the RAG prefix alone. Costs a fusion per chunk at
     ingestion (about twice the ingestion time); fused answers then start from rows that saw
     related text, at the same query cost and store size. 2 by default: the fusion table on
     held-out examples (BENCHMARKS.md) measured the largest gain in agreement with the full

@@ -25,8 +25,7 @@ import torch
 
 from ragkv.engine.core import Engine
 from ragkv.fusion import FusionInput, LoadedChunk
-from ragkv.fusion.base import FusionStrategy
-from ragkv.fusion.layout import Layout
+from ragkv.fusion.pie import Pie
 from ragkv.ingest.chunk_keys import ChunkKeys
 from ragkv.ingest.pipeline import run_steps
 from ragkv.ingest.registry import DocumentRecord, DocumentRegistry
@@ -45,17 +44,6 @@ class ContextResult:
     context_tokens: int
     """Tokens placed before them, summed over the chunks (read, not computed)."""
     seconds: float
-
-
-@dataclass
-class _PlacedContext(FusionStrategy):
-    """Place every stored row at its position; compute only the rows without stored K/V
-    (the chunk) and the one-token tail the fusion needs."""
-
-    name = "placed_context"
-
-    def initial_rows(self, layout: Layout) -> torch.Tensor:
-        return layout.question_rows
 
 
 @dataclass(frozen=True)
@@ -171,6 +159,8 @@ def stored_in_context(
     chunks.append(LoadedChunk(token_ids))
     prefix = list(engine.chunk_prefix_ids)
     fusion_input = FusionInput(prefix, chunks, tail, chunk_precompute_offset=len(prefix))
-    result = _PlacedContext().fuse(engine.model, fusion_input, engine.chunk_prefix_cache())
+    # pie places every stored row and computes only the rows without stored K/V: the
+    # chunk itself, and the one-token tail the fusion needs
+    result = Pie().fuse(engine.model, fusion_input, engine.chunk_prefix_cache())
     keys, values = result.fresh_chunk_kv(len(chunks) - 1)
     return engine.stored_chunk(token_ids, keys, values, codebook)
