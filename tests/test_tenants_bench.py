@@ -141,3 +141,36 @@ def test_bad_options_exit_with_a_message(options, message, tmp_path, capsys):
     args = build_parser().parse_args(["bench", "tenants", "--data", str(data), *options])
     with pytest.raises(SystemExit, match=message):
         bench_tenants.run(args)
+
+
+@pytest.mark.model
+def test_a_tiny_run_against_a_real_server_counts_both_tenants_and_keeps_the_cap():
+    from ragkv.bench.datasets import load_examples
+    from ragkv.bench.tenants_bench import run_tenants
+
+    config = TenantsConfig(
+        dataset=DATA,
+        a_questions=2,
+        last=1,
+        a_pool=2,
+        passages=1,
+        b_rate=2.0,
+        passage_words=80,
+        max_tokens=2,
+        capacity_mb=2.0,
+        modes=("flood",),
+        budgets=(False,),
+    )
+    result = run_tenants(config, load_examples(DATA), progress=lambda message: None)
+    (run,) = result.runs
+    assert result.capacity_bytes == 2 * 2**20 and result.uncapped_alone is None
+    assert (run.alone.a_requests, run.alone.b_requests, run.alone.a_errors) == (2, 0, 0)
+    beside = run.beside_b
+    assert (beside.a_requests, beside.b_requests, beside.a_errors, beside.b_errors) == (2, 4, 0, 0)
+    # B's flood of one-off passages (each some hundreds of KiB of KV) overflows 2 MiB: the
+    # store evicted, and holds no more than its cap (every tenant's bytes, shared as "")
+    assert sum(beside.evictions.values()) > 0
+    assert 0 < sum(beside.tenant_bytes.values()) <= result.capacity_bytes
+    assert beside.tenant_bytes.get("A", 0) > 0 and beside.tenant_bytes.get("B", 0) > 0
+    assert 0 <= run.alone.a_hit_rate_all <= 1.05 and beside.a_ttft_p50_all_s > 0
+    json.dumps(result.to_json())  # the figures a --json file holds

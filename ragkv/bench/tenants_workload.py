@@ -24,20 +24,22 @@ MODES = ("recurring", "flood")
 @dataclass(frozen=True)
 class TenantsConfig:
     dataset: Path
-    a_questions: int = 20
+    a_questions: int = 10
     """A's questions in each phase (A alone, then A beside B)."""
-    a_pool: int = 12
+    a_pool: int = 8
     """Passages A's questions draw from."""
-    passages: int = 3
+    passages: int = 2
     """Passages pasted into each prompt, A's and B's."""
-    last: int = 10
+    last: int = 5
     """A's hit rate is taken over its last `last` questions of a phase."""
     b_rate: float = 4.0
     """B's requests per A question."""
     b_repeats: int = 2
     """Recurring mode: how many times B asks about each of its sets."""
-    passage_words: int = 120
-    """Passages cut to this many words (0: whole), so a cold prompt is short on a CPU."""
+    passage_words: int = 0
+    """Passages cut to this many words (0: whole). Whole by default: the span finder finds
+    a cut passage's stored KV less often than a whole one's, which would lower A's hit
+    rate alone and beside B alike and hide what B's traffic takes."""
     max_tokens: int = 4
     capacity_mb: float | None = None
     """The store's cap; None = capacity_pools x A's pool bytes, measured on an uncapped start."""

@@ -14,14 +14,14 @@ from ragkv.cli.options import add_verbose_option
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", type=Path, required=True, help="CacheBlend-style JSON (e.g. musique_dev.json)")
     parser.add_argument("--model", default=None, help="the served model (default: the packaged one)")
-    parser.add_argument("--a-questions", type=int, default=20, help="A's questions per phase (default: 20)")
-    parser.add_argument("--a-pool", type=int, default=12, help="passages A's questions draw from (default: 12)")
-    parser.add_argument("--passages", type=int, default=3, help="passages pasted per prompt (default: 3)")
-    parser.add_argument("--last", type=int, default=10, help="A's hit rate over its last N questions (default: 10)")
+    parser.add_argument("--a-questions", type=int, default=10, help="A's questions per phase (default: 10)")
+    parser.add_argument("--a-pool", type=int, default=8, help="passages A's questions draw from (default: 8)")
+    parser.add_argument("--passages", type=int, default=2, help="passages pasted per prompt (default: 2)")
+    parser.add_argument("--last", type=int, default=5, help="A's hit rate over its last N questions (default: 5)")
     parser.add_argument("--b-rate", type=float, default=4.0, help="B's requests per A question (default: 4)")
     parser.add_argument("--b-repeats", type=int, default=2, help="recurring B: asks per set (default: 2)")
     parser.add_argument(
-        "--passage-words", type=int, default=120, help="passages cut to this many words, 0 whole (default: 120)"
+        "--passage-words", type=int, default=0, help="passages cut to this many words, 0 whole (default: 0)"
     )
     parser.add_argument("--max-tokens", type=int, default=4, help="tokens per answer (default: 4)")
     parser.add_argument(
