@@ -174,3 +174,10 @@ def test_a_tiny_run_against_a_real_server_counts_both_tenants_and_keeps_the_cap(
     assert beside.tenant_bytes.get("A", 0) > 0 and beside.tenant_bytes.get("B", 0) > 0
     assert 0 <= run.alone.a_hit_rate_all <= 1.05 and beside.a_ttft_p50_all_s > 0
     json.dumps(result.to_json())  # the figures a --json file holds
+
+
+def test_a_pool_prompts_paste_the_whole_pool_once():
+    traffic = Traffic(_config(a_pool=5, passages=2), _examples(), len)
+    contents = [p.body["messages"][0]["content"] for p in traffic.a_pool_prompts()]
+    assert len(contents) == 3
+    assert all(sum(p in c for c in contents) == 1 for p in traffic.a_pool)

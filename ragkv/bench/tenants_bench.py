@@ -2,10 +2,11 @@
 
 A real `ragkv serve` per configuration (B's mode x budgets on or off), each on a fresh
 store capped at `--store-capacity`, with an API keys file naming tenants A and B (with
-budgets, each key's `store_budget_bytes`). In each: A asks its questions alone (its pool
-is stored, then found), then asks as many again while B sends `b_rate` requests to each
-of A's (tenants_workload). Requests go one at a time, B's between A's: A's TTFT then
-measures what the store gives it, not two prefills sharing the cores. Figures per run:
+budgets, each key's `store_budget_bytes`). In each: A pastes its whole pool once, asks
+its questions alone, then as many again while B sends `b_rate` requests to each of A's
+(tenants_workload): both phases find A's pool stored and differ only by B. Requests go
+one at a time, B's between A's: A's TTFT then measures what the store gives it, not two
+prefills sharing the cores. Figures per run:
 A's hit rate and TTFT p50 over its last questions, alone and beside B, their change and
 ratio, B's requests and each tenant's evictions and bytes from /metrics. With no capacity
 given, one uncapped start of A alone measures A's stored bytes, and the cap is
@@ -185,14 +186,15 @@ def _tokens_counter(config: TenantsConfig) -> Callable[[str], int]:
 
 
 def _one_server(config: TenantsConfig, traffic: Traffic, capacity: int | None, budget: int | None, mode):
-    """A fresh server: A alone, then (with a mode) A beside B. The warm-up request is B's,
-    on a passage no phase pastes, so it takes nothing from A's figures."""
+    """A fresh server: A's pool stored, A alone, then (with a mode) A beside B. The first
+    request is B's, on a passage no phase pastes, so start-up costs fall on no figure."""
     with tempfile.TemporaryDirectory(prefix="ragkv-tenants-") as scratch:
         server = serve(config, Path(scratch), capacity, budget)
         try:
             traffic.restart()
             with httpx.Client(base_url=server.url, timeout=1800) as http:
-                ask(http, traffic.warm_up())
+                for prompt in [traffic.warm_up(), *traffic.a_pool_prompts()]:
+                    ask(http, prompt)
             alone = run_phase(server.url, traffic.phase(None), config.last)
             beside = run_phase(server.url, traffic.phase(mode), config.last) if mode else None
         finally:

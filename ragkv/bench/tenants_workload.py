@@ -169,6 +169,12 @@ class Traffic:
         reusable = sum(self.tokens(p) for p in passages)
         return Prompt(tenant, body(passages, question, self.config.max_tokens), reusable)
 
+    def a_pool_prompts(self) -> list[Prompt]:
+        """A's pool pasted once, `passages` at a time: asked before A's figures are taken,
+        so A alone is measured with its pool stored, as A beside B is."""
+        size = self.config.passages
+        return [self._prompt("A", self.a_pool[i : i + size]) for i in range(0, len(self.a_pool), size)]
+
     def a_prompts(self) -> list[Prompt]:
         """A's questions of one phase: shuffled subsets of its pool."""
         count = self.config.passages
