@@ -102,14 +102,18 @@ def run(args: argparse.Namespace) -> dict:
 
 def _print_table(result) -> None:
     print(f"store cap {result.capacity_bytes / 2**20:.2f} MiB")
-    print("mode       budgets  A hit alone  A hit beside B  change   TTFT ratio  B reqs  evictions A/B  goals")
+    print(
+        "mode       budgets  A hit alone  beside B  change  A TTFT p50 alone  beside B  ratio  B reqs  "
+        "evicted A/B  goals"
+    )
     for run in result.runs:
-        evicted = run.beside_b.evictions
+        alone, beside = run.alone, run.beside_b
+        evicted = beside.evictions
         print(
-            f"{run.mode:<10} {'on' if run.budgets else 'off':<8} {_fmt(run.alone.a_hit_rate_last):>11}  "
-            f"{_fmt(run.beside_b.a_hit_rate_last):>14}  {_fmt(run.hit_rate_change):>6}   "
-            f"{_fmt(run.ttft_ratio):>10}  {run.beside_b.b_requests:>6}  "
-            f"{evicted.get('A', 0):.0f}/{evicted.get('B', 0):.0f}{'':>9}{run.meets_goals}"
+            f"{run.mode:<10} {'on' if run.budgets else 'off':<8} {_fmt(alone.a_hit_rate_last):>11}  "
+            f"{_fmt(beside.a_hit_rate_last):>8}  {_fmt(run.hit_rate_change):>6}  "
+            f"{_fmt(alone.a_ttft_p50_last_s):>14} s  {_fmt(beside.a_ttft_p50_last_s):>6} s  {_fmt(run.ttft_ratio):>5}  "
+            f"{beside.b_requests:>6}  {evicted.get('A', 0):>5.0f}/{evicted.get('B', 0):<5.0f}  {run.meets_goals}"
         )
 
 
