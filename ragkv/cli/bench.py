@@ -1,5 +1,5 @@
 """`ragkv bench store | fusion | sparse | decode | kernels | geometry | retrieval | ingest | soak | arrivals |
-passages | eviction | vllm-connector`: argument parsing and result tables (each kind but store, fusion and
+passages | eviction | tenants | vllm-connector`: argument parsing and result tables (each kind but store, fusion and
 conversation in its own module: ragkv.cli.bench_<kind>; vllm-connector: ragkv.cli.bench_vllm)."""
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from ragkv.cli import (
     bench_retrieval,
     bench_soak,
     bench_sparse,
+    bench_tenants,
     bench_vllm,
 )
 from ragkv.cli.command import Command, CommandParser
@@ -203,6 +204,13 @@ def configure(bench: argparse.ArgumentParser) -> None:
     )
     bench_eviction.configure(eviction)
 
+    tenants = kinds.add_parser(
+        "tenants",
+        help="two tenants on a capped store: A's hit rate and TTFT while B pastes new passage sets, "
+        "with and without per-tenant budgets",
+    )
+    bench_tenants.configure(tenants)
+
     vllm_connector = kinds.add_parser(
         "vllm-connector",
         help="vLLM with RagkvConnector against vLLM alone: TTFT, first-token KL, a repeated prompt token for token",
@@ -225,6 +233,7 @@ def run(args: argparse.Namespace) -> int:
         "ingest": bench_ingest.run,
         "passages": bench_passages.run,
         "eviction": bench_eviction.run,
+        "tenants": bench_tenants.run,
         "vllm-connector": bench_vllm.run,
     }
     results = handlers[args.bench](args)
