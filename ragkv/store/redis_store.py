@@ -22,6 +22,7 @@ with the blobs whichever replica wrote them.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -54,6 +55,24 @@ _SCHEMES = SCHEMES
 _DOWN = (redis.ConnectionError, redis.TimeoutError, ClusterDownError, RedisClusterException)
 """Errors that mean the server (or a cluster master) is unreachable: start backing off."""
 _SCAN_BATCH = 1000
+
+
+class _UseClock:
+    """Microseconds since the epoch, strictly increasing within this process: the scores of
+    a tenant's use order (a sorted set), so writes in the same millisecond keep their order
+    instead of falling back to the members' byte order."""
+
+    def __init__(self) -> None:
+        self._last = 0
+        self._lock = threading.Lock()
+
+    def __call__(self) -> int:
+        with self._lock:
+            self._last = max(self._last + 1, time.time_ns() // 1000)
+            return self._last
+
+
+_use_clock = _UseClock()
 
 
 def _check_positive(name: str, value: float | None, *, optional: bool = False) -> None:
@@ -146,7 +165,7 @@ class RedisStore(BlobStore):
                 return self._client.mget(keys)
             pipe = self._client.pipeline(transaction=False)
             pipe.mget(keys)
-            stamp = time.time() * 1000
+            stamp = _use_clock()
             for tenant in {tenant_of(key) for key in keys}:  # the reads move the chunks up their tenant's order
                 pipe.zadd(order_key(tenant), {key: stamp for key in keys if tenant_of(key) == tenant}, xx=True)
             return pipe.execute()[0]
@@ -155,7 +174,6 @@ class RedisStore(BlobStore):
         with self._call():
             pipe = self._client.pipeline(transaction=False)
             expiry = b"" if self._ttl_ms is None else b"%d" % self._ttl_ms
-            stamp = b"%d" % (time.time() * 1000)
             for key, blob in pairs:
                 # redis-py sends memoryviews as-is (no copy) but rejects bytearray.
                 # EVAL by name: a cluster pipeline has no eval() but routes EVAL by its keys' slot.
@@ -165,6 +183,7 @@ class RedisStore(BlobStore):
                 else:
                     budget = self._budgets.of(tenant)
                     keys = (key, self._counter(key), order_key(tenant), sizes_key(tenant))
+                    stamp = b"%d" % _use_clock()
                     args = (tenant, memoryview(blob), expiry, stamp, b"" if budget is None else b"%d" % budget)
                     pipe.execute_command("EVAL", PUT_BOUNDED, 4, *keys, *args)
             results = pipe.execute()
