@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -14,8 +15,6 @@ from ragkv.bench.tenants_bench import phase_figures, run_figures, tenant_reading
 from ragkv.bench.tenants_workload import Answer, TenantsConfig, Traffic, interleave
 from ragkv.cli import bench_tenants
 from ragkv.cli.main import build_parser
-
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique_dev.json"
 
 
 def _examples(count: int = 20, passages: int = 4) -> list[Example]:
@@ -144,12 +143,22 @@ def test_bad_options_exit_with_a_message(options, message, tmp_path, capsys):
 
 
 @pytest.mark.model
-def test_a_tiny_run_against_a_real_server_counts_both_tenants_and_keeps_the_cap():
+def test_a_tiny_run_against_a_real_server_counts_both_tenants_and_keeps_the_cap(tmp_path):
     from ragkv.bench.datasets import load_examples
     from ragkv.bench.tenants_bench import run_tenants
 
+    # a data set of its own (the dev set is not in the checkout): distinct passages of common words
+    words = "the harbour board built a lantern in the old town by the river and kept its plans".split()
+    rng = random.Random(0)
+    ctxs = [
+        [{"title": "", "text": " ".join(rng.choice(words) for _ in range(90))} for _ in range(10)] for _ in range(6)
+    ]
+    data = tmp_path / "set.json"
+    data.write_text(
+        json.dumps([{"question": f"Who built {e}?", "answers": ["a"], "ctxs": c} for e, c in enumerate(ctxs)])
+    )
     config = TenantsConfig(
-        dataset=DATA,
+        dataset=data,
         a_questions=2,
         last=1,
         a_pool=2,
@@ -161,7 +170,7 @@ def test_a_tiny_run_against_a_real_server_counts_both_tenants_and_keeps_the_cap(
         modes=("flood",),
         budgets=(False,),
     )
-    result = run_tenants(config, load_examples(DATA), progress=lambda message: None)
+    result = run_tenants(config, load_examples(data), progress=lambda message: None)
     (run,) = result.runs
     assert result.capacity_bytes == 2 * 2**20 and result.uncapped_alone is None
     assert (run.alone.a_requests, run.alone.b_requests, run.alone.a_errors) == (2, 0, 0)
