@@ -38,6 +38,11 @@ class StepPacer:
         """Pauses so far (steps the preparation spanned, less one)."""
         self._driver: greenlet.greenlet | None = None
 
+    def start_step(self, room: int, driver: greenlet.greenlet) -> None:
+        """A new step's room; `driver` is switched back to once it is spent."""
+        self.room = float(max(1, room))
+        self._driver = driver
+
     def piece_tokens(self, start: int) -> int:
         return self.cost.tokens_within(max(1.0, self.room), start)
 
@@ -67,9 +72,8 @@ class SteppedPreparation:
     def advance(self, room: int) -> bool:
         """Run the preparation until `room` tokens of work are spent or it ends; True once
         it ended. Its failure is raised here."""
-        self.pacer.room = float(max(1, room))
         driver = greenlet.getcurrent()
-        self.pacer._driver = driver
+        self.pacer.start_step(room, driver)
         self._greenlet.parent = driver
         with torch.inference_mode():
             self._greenlet.switch()

@@ -178,6 +178,7 @@ class FusionStrategy(ABC):
         if whole_pass(layout, int(fresh.numel())):
             rows = torch.arange(layout.length, device=model.device)
         initial_rows = rows
+        context = _mean_position(rows)
         timings["select_rows"] = time.perf_counter() - started - timings["place_kv"]
         hidden = model.embed(layout.token_ids.to(model.device)[rows])
         columns = self.document_columns(model, layout)
@@ -197,10 +198,10 @@ class FusionStrategy(ABC):
                 rows, hidden = rows[keep], hidden[keep]
                 projection = projection.of_rows(keep)
                 recomputed_after_check = rows
+                context = _mean_position(rows)
             else:
                 cache.keys[layer, :, rows] = projection.k
                 cache.values[layer, :, rows] = projection.v
-            context = float(rows.float().mean())  # each row attends to those before it
             if layer + 1 == model.spec.num_layers:
                 # every row's K/V is written; only the last row's output is read (the logits)
                 hidden = model.finish_last_row(layer, hidden, projection, rows, cache, layout.length)
@@ -293,6 +294,12 @@ def attend(
         return documents
     question = model.attend(layer, projection.of_rows(slice(before, None)), rows[before:], cache, layout.length)
     return torch.cat((documents, question), dim=1)
+
+
+def _mean_position(rows: torch.Tensor) -> float:
+    """The rows each recomputed row attends to on average (those before it), for a pacer's
+    weighing; read only under one (on a GPU it waits for the device)."""
+    return float(rows.float().mean()) if pacing.current() is not None else 0.0
 
 
 def _finish_in_pieces(
