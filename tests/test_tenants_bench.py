@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from ragkv.bench.datasets import Example
-from ragkv.bench.tenants_bench import phase_figures, run_figures, tenant_readings
+from ragkv.bench.tenants_bench import ServerFigures, phase_figures, run_figures, tenant_readings
 from ragkv.bench.tenants_workload import Answer, TenantsConfig, Traffic, interleave
 from ragkv.cli import bench_tenants
 from ragkv.cli.main import build_parser
@@ -103,11 +103,42 @@ def test_run_figures_judge_the_goals():
     held = phase_figures([_answer("A", 77, 100, 2.3)], 1, 1.0, empty, empty)
     lost = phase_figures([_answer("A", 60, 100, 2.1)], 1, 1.0, empty, empty)
     slow = phase_figures([_answer("A", 80, 100, 2.5)], 1, 1.0, empty, empty)
-    assert run_figures("flood", False, 1, None, alone, held).meets_goals is True
-    run = run_figures("flood", False, 1, None, alone, lost)
+    assert run_figures("flood", False, 1, None, ServerFigures(alone, held)).meets_goals is True
+    run = run_figures("flood", False, 1, None, ServerFigures(alone, lost))
     assert run.hit_rate_change == -0.2 and run.meets_goals is False
-    run = run_figures("recurring", True, 1, 1, alone, slow)
+    run = run_figures("recurring", True, 1, 1, ServerFigures(alone, slow))
     assert run.ttft_ratio == 1.25 and run.meets_goals is False
+    assert run.cold_ratio is None and run.cold_meets_goal is None  # no cold prompts sent
+
+
+def test_run_figures_judge_a_cold_prompt_at_the_cap_against_the_empty_store():
+    empty = {"bytes": {}, "evictions": {}}
+    alone = phase_figures([_answer("A", 80, 100, 2.0)], 1, 1.0, empty, empty)
+    full = {"bytes": {"A": 70.0, "B": 30.0}, "evictions": {}}
+    beside = phase_figures([_answer("A", 80, 100, 2.0)], 1, 1.0, empty, full)
+    cold = [_answer("B", 0, 100, t) for t in (4.0, 3.0, 9.0)]  # p50 4.0
+    held = ServerFigures(alone, beside, cold, [_answer("B", 0, 100, t) for t in (4.2, 4.3, 1.0)])
+    run = run_figures("flood", False, 1, None, held)
+    assert (run.cold_ttft_p50_empty_s, run.cold_ttft_p50_at_cap_s, run.cold_ratio) == (4.0, 4.2, 1.05)
+    assert run.cold_meets_goal is True and run.store_bytes_at_cap == 100.0
+    slow = ServerFigures(alone, beside, cold, [_answer("B", 0, 100, t) for t in (4.8, 4.6, 5.0)])
+    assert run_figures("flood", False, 1, None, slow).cold_meets_goal is False
+
+
+def test_cold_prompts_paste_sets_no_other_prompt_pastes():
+    config = _config(b_rate=2.0, cold=3)
+    traffic = Traffic(config, _examples(), len)
+    empty, at_cap = traffic.cold_prompts(at_capacity=False), traffic.cold_prompts(at_capacity=True)
+    assert len(empty) == len(at_cap) == 3
+
+    def pasted(prompts):
+        return [tuple(p.body["messages"][0]["content"].split("\n\n")[1:]) for p in prompts]
+
+    cold_sets = pasted(empty) + pasted(at_cap)
+    passages = [p for s in cold_sets for p in s]
+    assert all(len(s) == 2 for s in cold_sets) and len(set(passages)) == 12
+    others = pasted(traffic.b_prompts("flood")) + pasted([traffic.warm_up()]) + pasted(traffic.a_prompts())
+    assert not set(passages) & {p for s in others for p in s}
 
 
 def test_tenant_readings_parse_the_prometheus_text():
@@ -131,6 +162,7 @@ def test_tenant_readings_parse_the_prometheus_text():
         (["--store-capacity-mb", "-1"], "capacity_mb must be > 0"),
         (["--budget-share", "1.5"], "budget_share"),
         (["--a-questions", "400"], "distinct passages"),
+        (["--a-questions", "30", "--cold", "30"], "cold prompts"),
     ],
 )
 def test_bad_options_exit_with_a_message(options, message, tmp_path, capsys):
@@ -166,6 +198,7 @@ def test_a_tiny_run_against_a_real_server_counts_both_tenants_and_keeps_the_cap(
         b_rate=2.0,
         passage_words=80,
         max_tokens=2,
+        cold=1,
         capacity_mb=2.0,
         modes=("flood",),
         budgets=(False,),
@@ -182,6 +215,7 @@ def test_a_tiny_run_against_a_real_server_counts_both_tenants_and_keeps_the_cap(
     assert 0 < sum(beside.tenant_bytes.values()) <= result.capacity_bytes
     assert beside.tenant_bytes.get("A", 0) > 0 and beside.tenant_bytes.get("B", 0) > 0
     assert 0 <= run.alone.a_hit_rate_all <= 1.05 and beside.a_ttft_p50_all_s > 0
+    assert run.cold_ttft_p50_empty_s > 0 and run.cold_ttft_p50_at_cap_s > 0 and run.cold_ratio > 0
     json.dumps(result.to_json())  # the figures a --json file holds
 
 

@@ -32,6 +32,8 @@ HIT_RATE_GOAL = 0.05
 """The issue's goals: A's hit rate beside B within this of A alone, ..."""
 TTFT_GOAL = 1.2
 """... and its TTFT p50 within this ratio."""
+COLD_GOAL = 1.1
+"""A cold prompt into the store at its cap: TTFT p50 within this ratio of one into the empty store."""
 
 
 @dataclass
@@ -64,6 +66,14 @@ class RunFigures:
     """A's hit rate over its last questions beside B less alone."""
     ttft_ratio: float | None
     meets_goals: bool | None
+    cold_ttft_p50_empty_s: float | None = None
+    """Cold prompts (new passages) sent into the empty store, after the warm-up ..."""
+    cold_ttft_p50_at_cap_s: float | None = None
+    """... and as many into the store at its cap, after A beside B."""
+    cold_ratio: float | None = None
+    cold_meets_goal: bool | None = None
+    store_bytes_at_cap: float | None = None
+    """Every tenant's bytes when the cold prompts at the cap are sent."""
 
 
 @dataclass
@@ -99,13 +109,41 @@ def phase_figures(answers: list[Answer], last: int, wall_s: float, before: dict,
     )
 
 
-def run_figures(mode: str, budgets: bool, capacity: int, budget: int | None, alone, beside) -> RunFigures:
+@dataclass
+class ServerFigures:
+    """What one server's run measured (beside_b and cold_at_cap only with a mode)."""
+
+    alone: PhaseFigures
+    beside_b: PhaseFigures | None = None
+    cold_empty: list[Answer] = field(default_factory=list)
+    cold_at_cap: list[Answer] = field(default_factory=list)
+
+
+def run_figures(mode: str, budgets: bool, capacity: int, budget: int | None, server: ServerFigures) -> RunFigures:
+    alone, beside = server.alone, server.beside_b
     change = None
     if alone.a_hit_rate_last is not None and beside.a_hit_rate_last is not None:
         change = round(beside.a_hit_rate_last - alone.a_hit_rate_last, 4)
     slower = ratio(beside.a_ttft_p50_last_s, alone.a_ttft_p50_last_s)
     goals = None if change is None or slower is None else abs(change) <= HIT_RATE_GOAL and slower <= TTFT_GOAL
-    return RunFigures(mode, budgets, capacity, budget, alone, beside, change, slower, goals)
+    empty, at_cap = ttft_p50(server.cold_empty), ttft_p50(server.cold_at_cap)
+    cold = ratio(at_cap, empty)
+    return RunFigures(
+        mode,
+        budgets,
+        capacity,
+        budget,
+        alone,
+        beside,
+        change,
+        slower,
+        goals,
+        cold_ttft_p50_empty_s=empty,
+        cold_ttft_p50_at_cap_s=at_cap,
+        cold_ratio=cold,
+        cold_meets_goal=None if cold is None else cold <= COLD_GOAL,
+        store_bytes_at_cap=sum(beside.tenant_bytes.values()) if beside else None,
+    )
 
 
 def tenant_readings(text: str) -> dict:
@@ -186,20 +224,26 @@ def _tokens_counter(config: TenantsConfig) -> Callable[[str], int]:
 
 
 def _one_server(config: TenantsConfig, traffic: Traffic, capacity: int | None, budget: int | None, mode):
-    """A fresh server: A's pool stored, A alone, then (with a mode) A beside B. The first
-    request is B's, on a passage no phase pastes, so start-up costs fall on no figure."""
+    """A fresh server: cold prompts into the empty store, A's pool stored, A alone, then
+    (with a mode) A beside B and cold prompts into the store at its cap. The first request
+    is B's, on a passage no phase pastes, so start-up costs fall on no figure."""
     with tempfile.TemporaryDirectory(prefix="ragkv-tenants-") as scratch:
         server = serve(config, Path(scratch), capacity, budget)
         try:
             traffic.restart()
             with httpx.Client(base_url=server.url, timeout=1800) as http:
-                for prompt in [traffic.warm_up(), *traffic.a_pool_prompts()]:
+                ask(http, traffic.warm_up())
+                cold_empty = [ask(http, prompt) for prompt in traffic.cold_prompts(at_capacity=False)]
+                for prompt in traffic.a_pool_prompts():
                     ask(http, prompt)
-            alone = run_phase(server.url, traffic.phase(None), config.last)
-            beside = run_phase(server.url, traffic.phase(mode), config.last) if mode else None
+            figures = ServerFigures(run_phase(server.url, traffic.phase(None), config.last), cold_empty=cold_empty)
+            if mode:
+                figures.beside_b = run_phase(server.url, traffic.phase(mode), config.last)
+                with httpx.Client(base_url=server.url, timeout=1800) as http:
+                    figures.cold_at_cap = [ask(http, prompt) for prompt in traffic.cold_prompts(at_capacity=True)]
         finally:
             server.stop()
-    return alone, beside
+    return figures
 
 
 def run_tenants(config: TenantsConfig, examples, progress: Callable[[str], None]) -> TenantsResult:
@@ -207,7 +251,7 @@ def run_tenants(config: TenantsConfig, examples, progress: Callable[[str], None]
     result = TenantsResult(config={**asdict(config), "dataset": str(config.dataset)})
     if config.capacity_mb is None:
         progress("uncapped store: A alone, to size the cap by A's stored bytes ...")
-        result.uncapped_alone, _ = _one_server(config, traffic, None, None, None)
+        result.uncapped_alone = _one_server(config, traffic, None, None, None).alone
         a_bytes = result.uncapped_alone.tenant_bytes.get("A", 0)
         if not a_bytes:
             raise RuntimeError("A's questions stored nothing: no cap can be sized from them")
@@ -219,11 +263,18 @@ def run_tenants(config: TenantsConfig, examples, progress: Callable[[str], None]
         budget = int(config.budget_share * result.capacity_bytes) if budgets else None
         for mode in config.modes:
             progress(f"{mode}, budgets {'on' if budgets else 'off'}: cap {result.capacity_bytes} bytes ...")
-            alone, beside = _one_server(config, traffic, result.capacity_bytes, budget, mode)
-            run = run_figures(mode, budgets, result.capacity_bytes, budget, alone, beside)
+            run = run_figures(
+                mode,
+                budgets,
+                result.capacity_bytes,
+                budget,
+                _one_server(config, traffic, result.capacity_bytes, budget, mode),
+            )
             progress(
-                f"  A hit rate last {config.last}: alone {alone.a_hit_rate_last}, beside B {beside.a_hit_rate_last} "
-                f"(change {run.hit_rate_change}); TTFT p50 ratio {run.ttft_ratio}; evictions {beside.evictions}"
+                f"  A hit rate last {config.last}: alone {run.alone.a_hit_rate_last}, beside B "
+                f"{run.beside_b.a_hit_rate_last} (change {run.hit_rate_change}); TTFT p50 ratio {run.ttft_ratio}; "
+                f"evictions {run.beside_b.evictions}; cold TTFT p50 empty {run.cold_ttft_p50_empty_s} s, at cap "
+                f"{run.cold_ttft_p50_at_cap_s} s (ratio {run.cold_ratio})"
             )
             result.runs.append(run)
     return result

@@ -41,6 +41,9 @@ class TenantsConfig:
     a cut passage's stored KV less often than a whole one's, which would lower A's hit
     rate alone and beside B alike and hide what B's traffic takes."""
     max_tokens: int = 4
+    cold: int = 5
+    """Cold prompts (passages no one pasted) sent into the empty store before A's pool, and
+    as many again once the store is at its cap: what eviction adds to a cold prompt."""
     capacity_mb: float | None = None
     """The store's cap; None = capacity_pools x A's pool bytes, measured on an uncapped start."""
     capacity_pools: float = 3.0
@@ -61,8 +64,8 @@ class TenantsConfig:
             raise ValueError(
                 f"need b_rate > 0 and b_repeats >= 2 (recurring sets), got {self.b_rate}, {self.b_repeats}"
             )
-        if self.passage_words < 0 or self.max_tokens < 1:
-            raise ValueError("need passage_words >= 0 and max_tokens >= 1")
+        if self.passage_words < 0 or self.max_tokens < 1 or self.cold < 0:
+            raise ValueError("need passage_words >= 0, max_tokens >= 1 and cold >= 0")
         if self.capacity_mb is not None and not self.capacity_mb > 0:
             raise ValueError(f"capacity_mb must be > 0, got {self.capacity_mb}")
         if not self.capacity_pools > 0 or not 0 < self.budget_share <= 1:
@@ -147,11 +150,12 @@ class Traffic:
         self.questions = [e.question for e in examples]
         pool = passage_pool(examples, config.passage_words, config.seed)
         self.a_pool, self.b_pool = pool[: config.a_pool], pool[config.a_pool :]
-        needed = config.b_requests() * config.passages
+        needed = (config.b_requests() + 2 * config.cold) * config.passages
         if len(self.b_pool) <= needed:  # one more for the warm-up
             raise ValueError(
-                f"{config.dataset} holds {len(pool)} distinct passages; B's flood needs {needed} beyond A's "
-                f"{config.a_pool}: ask fewer questions, a lower b_rate or fewer passages"
+                f"{config.dataset} holds {len(pool)} distinct passages; B's flood and the cold prompts need "
+                f"{needed} beyond A's {config.a_pool}: ask fewer questions, a lower b_rate, fewer cold prompts "
+                "or fewer passages"
             )
         self.restart()
 
@@ -163,6 +167,13 @@ class Traffic:
         """B's prompt on a passage no phase pastes: the server's first request, so its
         start-up costs fall on no figure."""
         return self._prompt("B", self.b_pool[-1:])
+
+    def cold_prompts(self, at_capacity: bool) -> list[Prompt]:
+        """B's prompts on sets no other prompt pastes, taken from the pool's end (before the
+        warm-up's passage): one list for the empty store, another for the store at its cap."""
+        size, count = self.config.passages, self.config.cold
+        end = len(self.b_pool) - 1 - (count * size if at_capacity else 0)
+        return [self._prompt("B", self.b_pool[end - (i + 1) * size : end - i * size]) for i in range(count)]
 
     def _prompt(self, tenant: str, passages: list[str]) -> Prompt:
         question = self.questions[self.rng.randrange(len(self.questions))]

@@ -25,6 +25,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-tokens", type=int, default=4, help="tokens per answer (default: 4)")
     parser.add_argument(
+        "--cold",
+        type=int,
+        default=5,
+        help="cold prompts sent into the empty store and as many at its cap (default: 5)",
+    )
+    parser.add_argument(
         "--store-capacity-mb",
         type=float,
         default=None,
@@ -69,6 +75,7 @@ def config_of(args: argparse.Namespace):
             b_repeats=args.b_repeats,
             passage_words=args.passage_words,
             max_tokens=args.max_tokens,
+            cold=args.cold,
             capacity_mb=args.store_capacity_mb,
             capacity_pools=args.capacity_pools,
             budget_share=args.budget_share,
@@ -104,7 +111,7 @@ def _print_table(result) -> None:
     print(f"store cap {result.capacity_bytes / 2**20:.2f} MiB")
     print(
         "mode       budgets  A hit alone  beside B  change  A TTFT p50 alone  beside B  ratio  B reqs  "
-        "evicted A/B  goals"
+        "evicted A/B  goals  cold TTFT empty  at cap  ratio"
     )
     for run in result.runs:
         alone, beside = run.alone, run.beside_b
@@ -113,7 +120,9 @@ def _print_table(result) -> None:
             f"{run.mode:<10} {'on' if run.budgets else 'off':<8} {_fmt(alone.a_hit_rate_last):>11}  "
             f"{_fmt(beside.a_hit_rate_last):>8}  {_fmt(run.hit_rate_change):>6}  "
             f"{_fmt(alone.a_ttft_p50_last_s):>14} s  {_fmt(beside.a_ttft_p50_last_s):>6} s  {_fmt(run.ttft_ratio):>5}  "
-            f"{beside.b_requests:>6}  {evicted.get('A', 0):>5.0f}/{evicted.get('B', 0):<5.0f}  {run.meets_goals}"
+            f"{beside.b_requests:>6}  {evicted.get('A', 0):>5.0f}/{evicted.get('B', 0):<5.0f}  {run.meets_goals!s:<5}  "
+            f"{_fmt(run.cold_ttft_p50_empty_s):>13} s  {_fmt(run.cold_ttft_p50_at_cap_s):>6} s  "
+            f"{_fmt(run.cold_ratio):>5}"
         )
 
 
