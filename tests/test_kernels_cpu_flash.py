@@ -1,4 +1,5 @@
-"""selective_attention on torch's CPU flash kernel (backend "cpu_flash") against the reference."""
+"""selective_attention on the CPU flash backend ("cpu_flash": the compiled bf16 loop where
+it builds, torch's CPU flash kernel in blocks elsewhere) against the reference."""
 
 import pytest
 import torch
@@ -11,13 +12,25 @@ from ragkv.kernels.selective_attention import reads_cache_in_place
 BF16 = dict(atol=2e-2, rtol=2e-2)
 
 
-@pytest.fixture(params=["compiled", "loop"])
+def own_kernel_here() -> bool:
+    module = cpu_extension.load()
+    return module is not None and hasattr(module, "bf16_flash")
+
+
+@pytest.fixture(params=["bf16_flash", "compiled", "loop"])
 def blocks_path(request, monkeypatch):
-    """The blocks run by the compiled extension (where it builds) or by the Python loop."""
+    """The compiled bf16 loop (where the compiler targets AVX512-BF16), torch's flash kernel
+    in blocks run by the compiled extension (where it builds) or by the Python loop."""
     if request.param == "loop":
         monkeypatch.setattr(cpu_extension, "load", lambda: None)
     elif cpu_extension.load() is None:
         pytest.skip("the compiled CPU kernels are not built here")
+    elif request.param == "bf16_flash":
+        if not own_kernel_here():
+            pytest.skip("the compiled bf16 loop needs AVX512-BF16")
+        monkeypatch.setattr(cpu_extension, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512_bf16"}))
+    else:
+        monkeypatch.setattr(cpu_flash, "own_kernel_runs", lambda q, k: False)
     return request.param
 
 
@@ -48,7 +61,7 @@ def test_matches_reference_on_unsorted_rows(hkv, group, n, t, blocks_path):
     torch.testing.assert_close(out.float(), expected(q, k, v, positions, 0.125), **BF16)
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_sorted_blocks_with_and_without_a_prefix_part(d, blocks_path):
     """Sorted rows as the engine passes them: the first block starts at position 0 (no
     unmasked part), later blocks merge an unmasked prefix with their masked span; one block
@@ -74,6 +87,37 @@ def test_all_rows_equals_causal_sdpa(blocks_path):
     out = selective_attention(q, k, v, torch.arange(t), 0.2, backend="cpu_flash")
     full = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, scale=0.2, enable_gqa=True)
     torch.testing.assert_close(out.float(), full, **BF16)
+
+
+def test_rows_past_the_last_position_are_never_read(blocks_path):
+    """A cache buffer's rows past the rows' last position hold anything (torch.empty): NaN there
+    must not reach the output, whatever block the last position ends."""
+    for t in (63, 64, 65, 130):
+        q, k, v, g = make_inputs(3, 3, 20, t, 64, seed=t, spare=70)
+        base_k, base_v = k.clone(), v.clone()
+        positions = torch.randint(0, t, (20,), generator=g).sort().values
+        positions[-1] = t - 1
+        k.as_strided((3, 70, 64), (k.stride(0), k.stride(1), 1), t * k.stride(1)).fill_(float("nan"))
+        v.as_strided((3, 70, 64), (v.stride(0), v.stride(1), 1), t * v.stride(1)).fill_(float("nan"))
+        out = selective_attention(q, k, v, positions, 0.125, backend="cpu_flash")
+        torch.testing.assert_close(out.float(), expected(q, base_k, base_v, positions, 0.125), **BF16)
+
+
+def test_a_whole_prefill_goes_through_the_own_kernel_where_it_runs(monkeypatch):
+    """The engine's causal attention from row 0 takes the compiled bf16 loop where it runs
+    (torch's SDPA elsewhere), and both match the float32 causal attention."""
+    from ragkv.engine.attention import causal_attention
+    t = 200
+    q, k, v, _ = make_inputs(3, 3, t, t, 64, seed=8)
+    calls = []
+    real = selective_attention
+    monkeypatch.setattr(
+        "ragkv.engine.attention.selective_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    )
+    out = causal_attention(q, k, v, torch.arange(t), 0.125)
+    full = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, scale=0.125, enable_gqa=True)
+    torch.testing.assert_close(out.float(), full, **BF16)
+    assert bool(calls) == cpu_flash.own_kernel_runs(q, k)
 
 
 def test_offered_for_bfloat16_caches_only():

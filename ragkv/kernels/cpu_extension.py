@@ -36,6 +36,7 @@ HEADERS = tuple(
         "a2ats.h",
         "a2ats_plan.h",
         "attention.h",
+        "bf16_flash.h",
         "cache_views.h",
         "claimed_items.h",
         "decode_model.h",

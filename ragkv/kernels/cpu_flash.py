@@ -9,6 +9,12 @@ stacked as rows of one call, so each key block is read once per KV head, as in G
 
 Where the compiled CPU kernels are built, their `flash_blocks` runs the blocks (one parallel
 region per call, `cpu/flash_blocks.h`); elsewhere a loop here does, one flash call at a time.
+
+On AVX512-BF16 without AMX (Zen 4), torch's flash kernel multiplies bf16 no faster than
+float32, so there the compiled `bf16_flash` (`cpu/bf16_flash.h`: the flash loop in
+`vdpbf16ps` dot products) runs instead, for head dims that are a multiple of 64, whole
+causal prefills included (`own_kernel_runs`). On AMX CPUs torch's kernel stays: its
+matmuls run on the tile units there, which no AVX512 loop matches (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -28,6 +34,19 @@ entries in their span (rows are spread over the whole prompt)."""
 def fast_here() -> bool:
     """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16, AMX)."""
     return REQUIRED_FLAGS <= cpu_extension.cpu_flags()
+
+
+def own_kernel_runs(q_rows: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether `selective_attention` runs the compiled bf16 kernel on these inputs (so a
+    causal prefill from row 0 should go through it too, not through torch's SDPA)."""
+    if q_rows.dtype != torch.bfloat16 or k_cache.dtype != torch.bfloat16 or q_rows.shape[-1] % 64:
+        return False
+    if "amx_bf16" in cpu_extension.cpu_flags():
+        return False
+    from ragkv.kernels.dispatch import compiled  # dispatch imports this module
+
+    module = compiled()
+    return module is not None and hasattr(module, "bf16_flash")
 
 
 def available() -> bool:
@@ -54,7 +73,9 @@ def selective_attention(
     from ragkv.kernels.dispatch import compiled  # dispatch imports this module
 
     module = compiled()
-    if module is not None:
+    if own_kernel_runs(q_rows, k_cache):
+        out = module.bf16_flash(q_rows, k_cache, v_cache, bounds, scale)
+    elif module is not None:
         out = module.flash_blocks(q_rows, k_cache, v_cache, bounds, scale, BLOCK_ROWS)
     else:
         out = _blocks(q_rows, k_cache, v_cache, positions, bounds, scale)

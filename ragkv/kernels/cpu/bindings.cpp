@@ -17,6 +17,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "causal-by-position attention of many query rows over one cache layer", no_gil);
   m.def("flash_blocks", &ragkv::flash_blocks_op,
         "causal-by-position attention of sorted query rows in blocks of torch's CPU flash kernel", no_gil);
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+  m.def("bf16_flash", &ragkv::bf16_flash_op,
+        "causal-by-position attention of sorted bf16 query rows in AVX512-BF16 dot products", no_gil);
+#endif
   m.def("a2ats_attention", &ragkv::a2ats_attention_op, "A2ATS sparse decode attention over one cache layer", no_gil);
   py::class_<ragkv::A2atsPlan>(m, "A2atsPlan")
       .def(py::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, bool>(), arg("codes"),

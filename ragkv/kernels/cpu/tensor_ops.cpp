@@ -4,6 +4,7 @@
 #include "attention.h"
 #include "cache_views.h"
 #include "packed_linear.h"
+#include "bf16_flash.h"
 #include "flash_blocks.h"
 #include "selective_attention.h"
 
@@ -66,6 +67,23 @@ at::Tensor flash_blocks_op(const at::Tensor& q, const at::Tensor& keys, const at
                 "positions must be ascending and in range");
   return flash_blocks(q, keys, values, positions, scale, block_rows);
 }
+
+#ifdef RAGKV_HAS_BF16_FLASH
+at::Tensor bf16_flash_op(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                         const std::vector<int64_t>& positions, double scale) {
+  TORCH_CHECK(q.dim() == 3 && keys.dim() == 3 && values.sizes() == keys.sizes(), "q [Hq, N, D], keys/values [Hkv, T, D]");
+  TORCH_CHECK(q.size(0) % keys.size(0) == 0 && q.size(2) == keys.size(2), "query heads must be a multiple of KV heads");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && keys.scalar_type() == at::kBFloat16 &&
+                  values.scalar_type() == at::kBFloat16, "q, keys and values must be bfloat16");
+  TORCH_CHECK(q.size(2) % 64 == 0, "head_dim must be a multiple of 64");
+  TORCH_CHECK(keys.stride(2) == 1 && values.stride(2) == 1, "cache rows must be contiguous");
+  TORCH_CHECK(static_cast<int64_t>(positions.size()) == q.size(1), "one position per query row");
+  for (size_t i = 0; i < positions.size(); ++i)
+    TORCH_CHECK(positions[i] >= 0 && positions[i] < keys.size(1) && (i == 0 || positions[i - 1] <= positions[i]),
+                "positions must be ascending and in range");
+  return bf16_flash(q, keys, values, positions, scale);
+}
+#endif
 
 // q [Hq, D] over one cache layer keys/values [Hkv, capacity, D] of `length` rows with the
 // A2ATS state of `layer`. Returns (out [Hq, D] float32, chosen rows [Hkv, k] int64, ascending).

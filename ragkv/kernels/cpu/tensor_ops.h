@@ -29,6 +29,13 @@ at::Tensor selective_attention_op(const at::Tensor& q, const at::Tensor& keys, c
 at::Tensor flash_blocks_op(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                            const std::vector<int64_t>& positions, double scale, int64_t block_rows);
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+// The same in bfloat16 dot products (bf16_flash.h): q, keys, values bfloat16, head_dim a
+// multiple of 64. Only where the compiler targets AVX512-BF16.
+at::Tensor bf16_flash_op(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                         const std::vector<int64_t>& positions, double scale);
+#endif
+
 // q [Hq, D] over one cache layer keys/values [Hkv, capacity, D] of `length` rows with the
 // A2ATS state of `layer`. Returns (out [Hq, D] float32, chosen rows [Hkv, k] int64, ascending).
 std::tuple<at::Tensor, at::Tensor> a2ats_attention_op(const at::Tensor& q, const at::Tensor& keys,
