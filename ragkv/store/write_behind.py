@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
+from ragkv.store.background import lower_this_thread
 from ragkv.store.base import ChunkStore, PutItem, Tensors, _unpack_item
 from ragkv.store.keys import ChunkKey
 
@@ -113,6 +114,7 @@ class WriteBehindStore:
         self._thread.join()
 
     def _run(self) -> None:
+        lower_this_thread()  # encoding and writing blobs must not take a core from the model's steps
         while True:
             with self._cond:
                 while not self._queue and not self._closed:

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from ragkv.app.chat.context_blob import KV_CODES, compact_dtype, context_tensors, decode_context, encode_context_tensors
 from ragkv.app.chat.contexts import BLOCK_TOKENS, Context, Match, block_hashes
 from ragkv.app.chat.conversation import common_prefix
+from ragkv.store.background import lower_this_thread
 from ragkv.store.errors import CorruptBlobError
 from ragkv.store.redis_client import ERRORS, hash_tag
 from ragkv.store.redis_link import RedisLink
@@ -191,6 +192,7 @@ class SharedContexts:
                     pass
 
     def _publish_loop(self) -> None:
+        lower_this_thread()  # encoding a context must not take a core from the model's steps
         while True:
             item = self._queue.get()
             if item is None:
