@@ -41,13 +41,8 @@ inline float exp_nonpositive(float x) {
   const float y = x * 1.44269504088896341f;
   const float n = std::floor(y);
   const float f = y - n;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
+  float p = kExp2Polynomial[0];
+  for (int i = 1; i < 7; ++i) p = p * f + kExp2Polynomial[i];
   int32_t bits;
   std::memcpy(&bits, &p, sizeof(bits));
   bits += static_cast<int32_t>(n) << 23;
@@ -192,13 +187,8 @@ inline __m256 exp_nonpositive8(__m256 x) {
   const __m256 y = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
   const __m256 n = _mm256_floor_ps(y);
   const __m256 f = _mm256_sub_ps(y, n);
-  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  __m256 p = _mm256_set1_ps(kExp2Polynomial[0]);
+  for (int i = 1; i < 7; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Polynomial[i]));
   const __m256i exponent = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
   return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), exponent));
 }

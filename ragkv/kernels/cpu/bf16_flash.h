@@ -42,19 +42,14 @@ constexpr float kLog2e = 1.44269504088896341f;
 
 struct Bf16Flash {};  // owner of the thread buffers below
 
-// 2^x for x <= 0: integer part by scalef, fraction by a degree-6 polynomial (relative
-// error ~2e-7, far below the bf16 rounding the probabilities get next).
+// 2^x for x <= 0: integer part by scalef, fraction by vec.h's polynomial (its error is far
+// below the bf16 rounding the probabilities get next).
 inline __m512 exp2_nonpositive(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  __m512 p = _mm512_set1_ps(kExp2Polynomial[0]);
+  for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Polynomial[i]));
   return _mm512_scalef_ps(p, n);
 }
 

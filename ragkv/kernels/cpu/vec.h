@@ -27,6 +27,12 @@ T* thread_buffer(int64_t size) {
   return buffer.data();
 }
 
+// 2^f on [0, 1) as a degree-6 polynomial, highest power first (relative error ~2e-7): the
+// fractional part of every exp the kernels compute (softmax arguments, as 2^(x log2 e)).
+constexpr float kExp2Polynomial[7] = {1.535336188319500e-4f, 1.339887440266574e-3f, 9.618437357674640e-3f,
+                                      5.550332471162809e-2f, 2.402264791363012e-1f, 6.931472028550421e-1f,
+                                      1.0f};
+
 inline float load_float(const float* p, int64_t i) { return p[i]; }
 
 inline float load_float(const at::BFloat16* p, int64_t i) {
