@@ -107,6 +107,7 @@ def test_a_whole_prefill_goes_through_the_own_kernel_where_it_runs(monkeypatch):
     """The engine's causal attention from row 0 takes the compiled bf16 loop where it runs
     (torch's SDPA elsewhere), and both match the float32 causal attention."""
     from ragkv.engine.attention import causal_attention
+
     t = 200
     q, k, v, _ = make_inputs(3, 3, t, t, 64, seed=8)
     calls = []
