@@ -110,7 +110,7 @@ inline void value_tile(const uint16_t* probabilities, const uint32_t* value_bloc
 }
 
 template <int R>
-inline void tiles(int64_t rows, const uint16_t* const* q, const uint32_t* key_block, int64_t pairs, float scale,
+inline void tiles(const uint16_t* const* q, const uint32_t* key_block, int64_t pairs, float scale,
                   float* scores, const uint16_t* probabilities, const uint32_t* value_block, int64_t dim, float* out,
                   bool values) {
   if (values)
@@ -119,7 +119,8 @@ inline void tiles(int64_t rows, const uint16_t* const* q, const uint32_t* key_bl
     score_tile<R>(q, key_block, pairs, scale, scores);
 }
 
-// Run `fn` over the rows [0, rows) in register tiles (the last one shorter).
+// The scores (or, with `values`, the outputs) of rows [0, rows) in register tiles (the last
+// one shorter).
 inline void for_tiles(int64_t rows, bool values, const uint16_t* const* q, const uint32_t* key_block, int64_t pairs,
                       float scale, float* scores, const uint16_t* probabilities, const uint32_t* value_block,
                       int64_t dim, float* out) {
@@ -130,12 +131,12 @@ inline void for_tiles(int64_t rows, bool values, const uint16_t* const* q, const
     const uint16_t* tp = probabilities + r * kKeys;
     float* to = out + r * dim;
     switch (n) {
-      case 6: tiles<6>(n, tq, key_block, pairs, scale, ts, tp, value_block, dim, to, values); break;
-      case 5: tiles<5>(n, tq, key_block, pairs, scale, ts, tp, value_block, dim, to, values); break;
-      case 4: tiles<4>(n, tq, key_block, pairs, scale, ts, tp, value_block, dim, to, values); break;
-      case 3: tiles<3>(n, tq, key_block, pairs, scale, ts, tp, value_block, dim, to, values); break;
-      case 2: tiles<2>(n, tq, key_block, pairs, scale, ts, tp, value_block, dim, to, values); break;
-      default: tiles<1>(n, tq, key_block, pairs, scale, ts, tp, value_block, dim, to, values); break;
+      case 6: tiles<6>(tq, key_block, pairs, scale, ts, tp, value_block, dim, to, values); break;
+      case 5: tiles<5>(tq, key_block, pairs, scale, ts, tp, value_block, dim, to, values); break;
+      case 4: tiles<4>(tq, key_block, pairs, scale, ts, tp, value_block, dim, to, values); break;
+      case 3: tiles<3>(tq, key_block, pairs, scale, ts, tp, value_block, dim, to, values); break;
+      case 2: tiles<2>(tq, key_block, pairs, scale, ts, tp, value_block, dim, to, values); break;
+      default: tiles<1>(tq, key_block, pairs, scale, ts, tp, value_block, dim, to, values); break;
     }
   }
 }
