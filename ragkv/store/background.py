@@ -25,10 +25,9 @@ a core the model's threads also want, so its writes still end under load."""
 def lower_this_thread(niceness: int = BACKGROUND_NICENESS) -> bool:
     """Raise the calling thread's nice value by `niceness` (Linux, where a thread has its
     own); False where the platform does not allow it."""
-    get_native_id = getattr(threading, "get_native_id", None)
-    if get_native_id is None or not hasattr(os, "setpriority"):
+    if not hasattr(os, "setpriority"):  # not on Windows
         return False
-    thread = get_native_id()
+    thread = threading.get_native_id()
     try:
         current = os.getpriority(os.PRIO_PROCESS, thread)
         os.setpriority(os.PRIO_PROCESS, thread, min(19, current + niceness))
