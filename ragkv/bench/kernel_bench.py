@@ -29,12 +29,13 @@ OP_BACKENDS: dict[str, tuple[str, ...]] = {
     "apply_rope": ("torch", "triton"),
     "code_score_topk": ("torch", "triton"),
     "sparse_decode_attention": ("torch", "triton", "flashinfer"),
-    "selective_attention": ("torch", "triton"),
+    "selective_attention": ("torch", "triton", "bf16_flash", "cpu_flash", "cpp"),
     "dense_decode": ("torch", "triton", "flashinfer"),
 }
-"""The backends each op is timed with. dense_decode is `kernels.decode_attention` for one
-request, except its flashinfer entry: FlashInfer's own single-request decode
-(`single_decode_with_kv_cache`), the baseline sparse decode must beat."""
+"""The backends each op is timed with (those of CPU_BACKENDS only on CPU tensors). dense_decode
+is `kernels.decode_attention` for one request, except its flashinfer entry: FlashInfer's own
+single-request decode (`single_decode_with_kv_cache`), the baseline sparse decode must beat."""
+CPU_BACKENDS = frozenset({"bf16_flash", "cpu_flash", "cpp"})
 
 STEP_MODES = ("dense-torch", "dense-triton", "dense-flashinfer", "sparse-triton", "sparse-flashinfer")
 """Attention in the random-weight step: dense over every row (`kernels.decode_attention`, or
@@ -332,9 +333,14 @@ def bench_backends(op: str, inputs: OpInputs, device: torch.device) -> list[Kern
                 _shape(op, inputs),
                 error=f"reference: {type(exc).__name__}: {exc}",
             )
-            for backend in OP_BACKENDS[op]
+            for backend in backends_of(op, device)
         ]
-    return [bench_op(op, backend, inputs, expected, device) for backend in OP_BACKENDS[op]]
+    return [bench_op(op, backend, inputs, expected, device) for backend in backends_of(op, device)]
+
+
+def backends_of(op: str, device: torch.device) -> tuple[str, ...]:
+    """The backends `op` is timed with on `device`."""
+    return tuple(b for b in OP_BACKENDS[op] if device.type == "cpu" or b not in CPU_BACKENDS)
 
 
 class RandomLlama:

@@ -13,9 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from ragkv.engine.numerics import attention_compute_dtype
-from ragkv.kernels import cpu_flash
 from ragkv.kernels.decode_attention import decode_attention as batched_decode_attention
-from ragkv.kernels.selective_attention import reads_cache_in_place, selective_attention
+from ragkv.kernels.selective_attention import reads_cache_in_place, selective_attention, takes_whole_prefills
 
 
 def causal_attention(
@@ -41,8 +40,8 @@ def causal_attention(
     if rows == 1 and first >= cached - 1:
         return decode_attention(q, keys, values, scale)
     whole_prefix = rows == cached and first == 0 and last == cached - 1
-    # a prefill from row 0 is SDPA's fused causal kernel, unless the flash backend runs its own bf16 loop
-    if (not whole_prefix or cpu_flash.own_kernel_runs(q, keys)) and reads_cache_in_place(q, keys, values):
+    # a prefill from row 0 is SDPA's fused causal kernel, unless the bf16 flash loop runs here
+    if (not whole_prefix or takes_whole_prefills(q, keys, values)) and reads_cache_in_place(q, keys, values):
         return selective_attention(q, keys, values, positions, scale)
     compute = attention_compute_dtype(keys.dtype, keys.device)
     if compute != keys.dtype:

@@ -3,8 +3,9 @@
 Every op has a torch reference (:mod:`kernels.reference`); most have a Triton
 kernel, sparse decode also a FlashInfer path, and dense batched decode attention a
 compiled CPU kernel (``cpu/``, built by :mod:`kernels.cpu_extension`); selective
-attention also runs on torch's CPU flash kernel (:mod:`kernels.cpu_flash`). Each launcher
-takes ``backend="auto"|"torch"|"triton"|"flashinfer"|"cpu_flash"|"cpp"``; see
+attention also runs on torch's CPU flash kernel (:mod:`kernels.cpu_flash`) and on a compiled
+AVX512-BF16 flash loop (:mod:`kernels.bf16_flash`). Each launcher takes
+``backend="auto"|"torch"|"triton"|"flashinfer"|"bf16_flash"|"cpu_flash"|"cpp"``; see
 :mod:`kernels.dispatch` for how "auto" chooses. triton and flashinfer are optional
 imports.
 """

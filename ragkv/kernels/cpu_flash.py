@@ -10,11 +10,8 @@ stacked as rows of one call, so each key block is read once per KV head, as in G
 Where the compiled CPU kernels are built, their `flash_blocks` runs the blocks (one parallel
 region per call, `cpu/flash_blocks.h`); elsewhere a loop here does, one flash call at a time.
 
-On AVX512-BF16 without AMX (Zen 4), torch's flash kernel multiplies bf16 no faster than
-float32, so there the compiled `bf16_flash` (`cpu/bf16_flash.h`: the flash loop in
-`vdpbf16ps` dot products) runs instead, for head dims that are a multiple of 64, whole
-causal prefills included (`own_kernel_runs`). On AMX CPUs torch's kernel stays: its
-matmuls run on the tile units there, which no AVX512 loop matches (BENCHMARKS.md).
+On AVX512-BF16 without AMX (Zen 4) torch's flash kernel multiplies bf16 no faster than
+float32: "auto" runs the compiled `bf16_flash` backend there instead (ragkv.kernels.bf16_flash).
 """
 
 from __future__ import annotations
@@ -22,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from ragkv.kernels import cpu_extension
+from ragkv.kernels.row_order import by_position
 
 REQUIRED_FLAGS = frozenset({"avx512_bf16"})
 """CPU flags under which "auto" picks this path: without them oneDNN emulates bfloat16
@@ -34,19 +32,6 @@ entries in their span (rows are spread over the whole prompt)."""
 def fast_here() -> bool:
     """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16, AMX)."""
     return REQUIRED_FLAGS <= cpu_extension.cpu_flags()
-
-
-def own_kernel_runs(q_rows: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether `selective_attention` runs the compiled bf16 kernel on these inputs (so a
-    causal prefill from row 0 should go through it too, not through torch's SDPA)."""
-    if q_rows.dtype != torch.bfloat16 or k_cache.dtype != torch.bfloat16 or q_rows.shape[-1] % 64:
-        return False
-    if "amx_bf16" in cpu_extension.cpu_flags():
-        return False
-    from ragkv.kernels.dispatch import compiled  # dispatch imports this module
-
-    module = compiled()
-    return module is not None and hasattr(module, "bf16_flash")
 
 
 def available() -> bool:
@@ -63,27 +48,17 @@ def selective_attention(
 ) -> torch.Tensor:
     """q_rows [Hq, N, D] attend to cache rows j <= row_positions[i] of k_cache, v_cache
     [Hkv, T, D] (one dtype, last dim contiguous); any row order. Returns [Hq, N, D]."""
-    n = q_rows.shape[1]
-    positions = row_positions.long()
-    order = None
-    if n > 1 and bool((positions[1:] < positions[:-1]).any()):
-        order = torch.argsort(positions, stable=True)
-        q_rows, positions = q_rows[:, order], positions[order]
-    bounds = positions.tolist()
     from ragkv.kernels.dispatch import compiled  # dispatch imports this module
 
     module = compiled()
-    if own_kernel_runs(q_rows, k_cache):
-        out = module.bf16_flash(q_rows, k_cache, v_cache, bounds, scale)
-    elif module is not None:
-        out = module.flash_blocks(q_rows, k_cache, v_cache, bounds, scale, BLOCK_ROWS)
-    else:
-        out = _blocks(q_rows, k_cache, v_cache, positions, bounds, scale)
-    if order is not None:
-        unsorted = torch.empty_like(out)
-        unsorted[:, order] = out
-        return unsorted
-    return out
+
+    def run(q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        bounds = positions.tolist()
+        if module is not None:
+            return module.flash_blocks(q, k_cache, v_cache, bounds, scale, BLOCK_ROWS)
+        return _blocks(q, k_cache, v_cache, positions, bounds, scale)
+
+    return by_position(q_rows, row_positions, run)
 
 
 def _blocks(

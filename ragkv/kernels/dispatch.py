@@ -4,15 +4,17 @@ Each launcher asks :func:`select_backend` once and then runs exactly one
 implementation, so the rules for "which code runs" live in one place:
 
 * ``"auto"`` picks Triton for CUDA tensors when Triton imports, then FlashInfer
-  (only for ops that have it) for CUDA tensors when FlashInfer imports, then torch's
-  CPU flash-attention kernel (``"cpu_flash"``, only for ops that have it) on CPUs with
-  AVX512-BF16, then the compiled CPU kernel (``"cpp"``, only for ops that have it) for
-  CPU tensors when it builds on this machine, else the torch path. Triton never runs
+  (only for ops that have it) for CUDA tensors when FlashInfer imports, then the compiled
+  AVX512-BF16 flash loop (``"bf16_flash"``, only for ops that have it) where it was built
+  and the CPU has no AMX, then torch's CPU flash-attention kernel (``"cpu_flash"``, only for
+  ops that have it) on CPUs with AVX512-BF16, then the compiled CPU kernel (``"cpp"``, only
+  for ops that have it) for CPU tensors when it builds on this machine, else the torch path. Triton never runs
   CPU tensors under ``"auto"``: its CPU interpreter is a testing tool, far slower than
   torch.
 * ``"triton"`` additionally runs on CPU tensors when ``TRITON_INTERPRET=1`` is set,
   which is how the test-suite exercises the kernels without a GPU; likewise
-  ``"cpu_flash"`` runs on any CPU when forced (correct, but slow without AVX512-BF16).
+  ``"cpu_flash"`` runs on any CPU when forced (correct, but slow without AVX512-BF16), and
+  ``"bf16_flash"`` on AMX CPUs too.
 * Forcing a backend the op lacks, or one that cannot run here, raises
   :class:`BackendUnavailableError` instead of silently falling back, so a test that
   asks for Triton really tests Triton.
@@ -31,16 +33,17 @@ from typing import Literal
 
 import torch
 
-from ragkv.kernels import cpu_extension, cpu_flash
+from ragkv.kernels import bf16_flash, cpu_extension, cpu_flash
 
-Backend = Literal["auto", "torch", "triton", "flashinfer", "cpu_flash", "cpp"]
-BACKENDS: tuple[str, ...] = ("auto", "torch", "triton", "flashinfer", "cpu_flash", "cpp")
+Backend = Literal["auto", "torch", "triton", "flashinfer", "bf16_flash", "cpu_flash", "cpp"]
+BACKENDS: tuple[str, ...] = ("auto", "torch", "triton", "flashinfer", "bf16_flash", "cpu_flash", "cpp")
 
 # Order in which "auto" tries the accelerated backends. Triton comes first because
 # it is the path the test-suite verifies (under the interpreter); the device decides
-# between the GPU ones and the CPU ones; where both CPU ones apply, torch's flash kernel
-# (bfloat16 matmuls on AMX/AVX512-BF16) outruns the compiled float32 FMA kernel.
-_AUTO_ORDER: tuple[str, ...] = ("triton", "flashinfer", "cpu_flash", "cpp")
+# between the GPU ones and the CPU ones. Of the CPU ones, the bf16 dot-product loop outruns
+# torch's flash kernel where there is no AMX, and torch's flash kernel (bfloat16 matmuls on
+# AMX/AVX512-BF16) outruns the compiled float32 FMA kernel.
+_AUTO_ORDER: tuple[str, ...] = ("triton", "flashinfer", "bf16_flash", "cpu_flash", "cpp")
 
 
 def compiled() -> ModuleType | None:
@@ -83,6 +86,14 @@ def _unusable_reason(backend: str, device: torch.device, forced: bool) -> str | 
             return f"the compiled CPU kernels need CPU tensors, got {device.type}"
         if compiled() is None:
             return "the compiled CPU kernels could not be built here (see the log)"
+        return None
+    if backend == "bf16_flash":
+        if device.type != "cpu":
+            return f"the compiled bf16 flash loop needs CPU tensors, got {device.type}"
+        if not bf16_flash.built(compiled()):
+            return "the compiled CPU kernels were not built for AVX512-BF16 here"
+        if not forced and not bf16_flash.preferred_here():
+            return "this CPU has AMX, where torch's flash kernel is faster"
         return None
     if backend == "cpu_flash":
         if device.type != "cpu":

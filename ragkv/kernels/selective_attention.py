@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from ragkv.kernels import cpu_extension, cpu_flash, torch_cpu
+from ragkv.kernels import bf16_flash, cpu_extension, cpu_flash, torch_cpu
 from ragkv.kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check_dtype, check_shape, common_device, require
 from ragkv.kernels.dispatch import Backend, compiled, select_backend
 
@@ -29,9 +29,10 @@ def _tile_sizes(dtype: torch.dtype, head_dim: int) -> tuple[int, int]:
 
 
 def _kernels(q_rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[str, ...]:
-    """The accelerated backends for these inputs: Triton always, torch's CPU flash kernel
-    for bfloat16 caches with contiguous rows, the compiled CPU kernel for float32/bfloat16
-    caches with contiguous rows and head_dim a multiple of 16."""
+    """The accelerated backends for these inputs: Triton always, the compiled bf16 flash loop
+    for bfloat16 caches with contiguous rows and head_dim a multiple of 64, torch's CPU flash
+    kernel for bfloat16 caches with contiguous rows, the compiled CPU kernel for
+    float32/bfloat16 caches with contiguous rows and head_dim a multiple of 16."""
     rows_contiguous = k_cache.stride(2) == 1 and v_cache.stride(2) == 1
     flash = k_cache.dtype == torch.bfloat16 and rows_contiguous
     cpp = (
@@ -41,15 +42,26 @@ def _kernels(q_rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor)
         and k_cache.stride(2) == 1
         and v_cache.stride() == k_cache.stride()
     )
-    return ("triton",) + (("cpu_flash",) if flash else ()) + (("cpp",) if cpp else ())
+    own = ("bf16_flash",) if bf16_flash.takes(q_rows, k_cache, v_cache) else ()
+    return ("triton",) + own + (("cpu_flash",) if flash else ()) + (("cpp",) if cpp else ())
 
 
 def reads_cache_in_place(q_rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether backend "auto" runs a CPU kernel that reads a bfloat16 cache as stored (the
-    compiled one widens it in registers, torch's flash kernel multiplies bfloat16 and
-    accumulates in float32), so callers need not widen it."""
-    kernels = _kernels(q_rows, k_cache, v_cache)
-    return select_backend("selective_attention", "auto", q_rows.device, kernels) in ("cpu_flash", "cpp")
+    compiled one widens it in registers, the flash ones multiply bfloat16 and accumulate in
+    float32), so callers need not widen it."""
+    return _auto(q_rows, k_cache, v_cache) in ("bf16_flash", "cpu_flash", "cpp")
+
+
+def takes_whole_prefills(q_rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether backend "auto" runs a kernel that should also take a causal prefill from row
+    0 (rows = cache rows), in place of torch's fused causal SDPA: the bf16 flash loop, which
+    outruns that kernel where it runs."""
+    return _auto(q_rows, k_cache, v_cache) == "bf16_flash"
+
+
+def _auto(q_rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str:
+    return select_backend("selective_attention", "auto", q_rows.device, _kernels(q_rows, k_cache, v_cache))
 
 
 def selective_attention(
@@ -69,8 +81,9 @@ def selective_attention(
         row_positions: [N] int, absolute position of each query row, in [0, T)
             (precondition, unchecked); any order, duplicates allowed.
         scale: softmax scale, usually 1/sqrt(D).
-        backend: "auto", "torch", "triton", "cpu_flash" (CPU; bfloat16 caches) or "cpp"
-            (CPU; float32/bfloat16 caches, head_dim a multiple of 16).
+        backend: "auto", "torch", "triton", "bf16_flash" (CPU built for AVX512-BF16;
+            bfloat16 caches, head_dim a multiple of 64), "cpu_flash" (CPU; bfloat16 caches)
+            or "cpp" (CPU; float32/bfloat16 caches, head_dim a multiple of 16).
 
     Returns out [Hq, N, D] in q_rows' dtype: row i attends to rows j <= row_positions[i].
     """
@@ -93,6 +106,8 @@ def selective_attention(
     chosen = select_backend("selective_attention", backend, device, kernels=_kernels(q_rows, k_cache, v_cache))
     if chosen == "torch":
         return torch_cpu.selective_attention(q_rows, k_cache, v_cache, row_positions, scale)
+    if chosen == "bf16_flash":
+        return bf16_flash.selective_attention(compiled(), q_rows, k_cache, v_cache, row_positions, scale)
     if chosen == "cpu_flash":
         return cpu_flash.selective_attention(q_rows, k_cache, v_cache, row_positions, scale)
     if chosen == "cpp":
