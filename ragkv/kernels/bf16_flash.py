@@ -44,7 +44,12 @@ def takes(q_rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) ->
 
 
 def selective_attention(
-    module, q_rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, row_positions: torch.Tensor, scale: float
+    module,
+    q_rows: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    row_positions: torch.Tensor,
+    scale: float,
 ) -> torch.Tensor:
     """q_rows [Hq, N, D] attend to cache rows j <= row_positions[i] of k_cache, v_cache
     [Hkv, T, D]; any row order. Returns [Hq, N, D]. `module`: the compiled kernels."""
