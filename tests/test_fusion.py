@@ -111,7 +111,7 @@ def test_full_places_no_stored_kv(case):
         A3(ratio=0.2),
         A3(ratio=0.2, exclude_sinks=True, head_aggregation="normalized"),
         A3(ratio=0.2, deviation_share=0.0, boundary_tokens=2, query_tokens="text"),
-        Probe(ratio=0.2, min_rows=0),
+        Probe(ratio=0.2, min_rows=0, escalate_kl=0),
     ],
 )
 def test_selective_strategies_spend_exactly_their_budget(case, strategy):

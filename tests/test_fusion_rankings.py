@@ -144,7 +144,9 @@ def test_probe_recomputes_the_tokens_the_question_attends_to_over_the_reused_cac
         last_row / last_row.sum(dim=1, keepdim=True)
     )
     scores = shares.sum(dim=0) if layer_aggregation == "sum" else shares.max(dim=0).values
-    strategy = Probe(ratio=RATIO, layer_aggregation=layer_aggregation, last_row_weight=last_row_weight, min_rows=0)
+    strategy = Probe(
+        ratio=RATIO, layer_aggregation=layer_aggregation, last_row_weight=last_row_weight, min_rows=0, escalate_kl=0
+    )
     chosen, _, _, budget = _chosen_document_rows(engine, strategy, fusion_input)
     assert budget == len(chosen) == round(RATIO * (end - start)) > 0
     assert chosen == _top(scores, start, budget)

@@ -130,7 +130,7 @@ def test_fresh_kv_is_the_pre_rope_kv_in_the_prompts_context(engine):
 def test_mixed_fresh_and_stored_chunks_stay_near_the_full_prefill(engine):
     fusion_input, ids = _fresh_input(engine, [2, 0, 3, 1], fresh={1, 3})
     _, reference = engine.prefill(ids)
-    strategy = build_strategy("probe:min_rows=0")
+    strategy = build_strategy("probe:min_rows=0,escalate_kl=0")  # its budget exactly
     fusion = strategy.fuse(engine.model, fusion_input, _prefix_cache(engine, fusion_input.prefix_ids))
     fresh_rows = set(fusion.layout.fresh_rows.tolist())
     assert fresh_rows <= set(fusion.final_rows.tolist())  # computed at every layer

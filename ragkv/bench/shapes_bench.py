@@ -124,6 +124,8 @@ class ShapeRow:
     """Reusable tokens placed from the store, over the reusable tokens."""
     cached_share: float
     """Prompt rows taken from the store and not recomputed, over the prompt."""
+    escalated: bool
+    """Whether the probe recomputed further (its first token moved more than `escalate_kl`)."""
     first_token_kl: float
     top1_equal: bool
     teacher_forced_agreement: float
@@ -174,6 +176,7 @@ def run_shapes(
                         f"{shape} {number + 1}/{len(examples) - 1}: {row.prompt_tokens} tokens, reusable "
                         f"{row.reusable_share:.2f}, served {row.served_share:.3f}, KL {row.first_token_kl:.4f}, "
                         f"TF {row.teacher_forced_agreement:.3f}, {row.full_ttft_s / row.ttft_s:.1f}x"
+                        + (", escalated" if row.escalated else "")
                     )
                     checkpoint(_results(engine, strategy, rows))
             finally:
@@ -210,6 +213,7 @@ def _measure(engine, passages, strategy, pair: PromptPair, number: int, max_new_
         reusable_share=float(reusable.sum() / len(second)),
         served_share=float(served.sum() / max(1, reusable.sum())),
         cached_share=fused.usage.cached_tokens / len(second),
+        escalated=bool(fusion.selection.get("escalated", 0.0)),
         first_token_kl=next_token_kl(reference.logits, fusion.logits),
         top1_equal=int(fusion.logits.argmax()) == int(reference.logits.argmax()),
         teacher_forced_agreement=forced.agreement,
@@ -235,6 +239,7 @@ def _results(engine: Engine, strategy: FusionStrategy, rows: dict[str, list[Shap
             "served_share": served / max(reusable, 1e-9),
             "served_share_worst": min(r.served_share for r in shape_rows),
             "cached_share": statistics.fmean(r.cached_share for r in shape_rows),
+            "escalated_share": statistics.fmean(r.escalated for r in shape_rows),
             "first_token_kl": statistics.fmean(r.first_token_kl for r in shape_rows),
             "first_token_kl_median": statistics.median(r.first_token_kl for r in shape_rows),
             "top1_agreement": statistics.fmean(r.top1_equal for r in shape_rows),

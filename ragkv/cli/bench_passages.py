@@ -229,10 +229,10 @@ def _shapes(args, engine, examples, strategy, shapes, progress, checkpoint) -> d
         progress=progress,
         checkpoint=checkpoint,
     )
-    print(f"{'shape':<14} {'reusable':>8} {'served':>7} {'KL':>7} {'TF':>6} {'speed-up':>8}")
+    print(f"{'shape':<14} {'reusable':>8} {'served':>7} {'KL':>7} {'TF':>6} {'speed-up':>8} {'escalated':>9}")
     for name, row in results["shapes"].items():
         print(
             f"{name:<14} {row['reusable_share']:>8.2f} {row['served_share']:>7.3f} {row['first_token_kl']:>7.4f} "
-            f"{row['teacher_forced_agreement']:>6.3f} {row['speedup_total']:>7.1f}x"
+            f"{row['teacher_forced_agreement']:>6.3f} {row['speedup_total']:>7.1f}x {row['escalated_share']:>9.2f}"
         )
     return results

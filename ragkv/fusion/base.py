@@ -42,6 +42,20 @@ def whole_pass(layout: Layout, fresh_rows: int) -> bool:
 
 
 @dataclass
+class Preview:
+    """What a strategy saw of the prompt while choosing its rows, kept on the result for its
+    `after_fuse` (the probe's escalation); empty where it ran no pass over the placed cache."""
+
+    logits: torch.Tensor | None = None
+    """The last question row's next-token logits over the placed cache, before the recompute."""
+    columns: torch.Tensor | None = None
+    """The cache rows the pass read (ascending; None: every row): not the fresh chunks' rows,
+    which were not computed yet, nor the middle of a long prefix."""
+    scores: torch.Tensor | None = None
+    """Each reused document row's score (Layout.reused_document_rows order)."""
+
+
+@dataclass
 class FusionResult:
     cache: KVCache
     logits: torch.Tensor
@@ -60,6 +74,7 @@ class FusionResult:
     fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None
     """Pre-RoPE keys and values [layers, kv_heads, rows, D] of the fresh chunks' rows
     (Layout.fresh_rows), as computed here: what the store keeps of a new passage."""
+    preview: Preview = field(default_factory=Preview)
 
     def fresh_chunk_kv(self, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-RoPE keys and values of one fresh chunk (an index into the fusion's chunks)."""
@@ -109,10 +124,13 @@ class FusionStrategy(ABC):
     def initial_rows(self, layout: Layout) -> torch.Tensor:
         """Rows recomputed from layer 0 (the question rows must be among them)."""
 
-    def rows_for(self, model: CausalLM, cache: KVCache, layout: Layout, report: dict[str, float]) -> torch.Tensor:
+    def rows_for(
+        self, model: CausalLM, cache: KVCache, layout: Layout, report: dict[str, float], preview: Preview
+    ) -> torch.Tensor:
         """The rows recomputed from layer 0 once the reused KV is placed in `cache`:
         `initial_rows` unless the strategy looks at that cache first (it may write the
-        question rows' K/V there; the recompute overwrites them)."""
+        question rows' K/V there, which the recompute overwrites, and note in `preview` what
+        it saw)."""
         return self.initial_rows(layout)
 
     reuses_stored_kv: bool = True
@@ -171,8 +189,9 @@ class FusionStrategy(ABC):
         timings["place_kv"] = time.perf_counter() - started
 
         report: dict[str, float] = {}
+        preview = Preview()
         fresh = layout.fresh_rows.to(model.device)
-        rows = self.rows_for(model, cache, layout, report).to(model.device)
+        rows = self.rows_for(model, cache, layout, report, preview).to(model.device)
         if fresh.numel():
             rows = torch.cat((rows, fresh)).unique(sorted=True)
         if whole_pass(layout, int(fresh.numel())):
@@ -228,6 +247,7 @@ class FusionStrategy(ABC):
             timings,
             report,
             fresh_kv,
+            preview,
         )
         return self.after_fuse(model, result)
 

@@ -33,7 +33,7 @@ import torch
 
 from ragkv.engine.kv_cache import KVCache
 from ragkv.engine.model import CausalLM
-from ragkv.fusion.base import FusionResult, FusionStrategy, check_ratio, ratio_budget, top_k_rows
+from ragkv.fusion.base import FusionResult, FusionStrategy, Preview, check_ratio, ratio_budget, top_k_rows
 from ragkv.fusion.layout import Layout
 
 LAYER_AGGREGATIONS = ("sum", "max")
@@ -81,6 +81,15 @@ class Probe(FusionStrategy):
     refresh_rerun: bool = False
     """Run the probe's own document rows again in the refresh pass, so they read the
     refreshed rows' new K/V instead of their stale one (their recompute is paid twice)."""
+    escalate_kl: float = 0.02
+    """When the recompute moved the first token's distribution by more than this KL (nats)
+    from the one the selection pass saw over the placed cache, the answer leans on stale
+    rows more than `ratio` mends: the fuse recomputes the top `escalate_ratio` of the
+    document rows by the same scores, in one more pass (ragkv.fusion.escalation). A prompt
+    whose question comes before its passages is one: every passage row of its full prefill
+    read that question. 0 = never."""
+    escalate_ratio: float = 0.5
+    """The document rows recomputed, in all, once escalated."""
 
     def __post_init__(self) -> None:
         check_ratio(self.ratio)
@@ -101,17 +110,24 @@ class Probe(FusionStrategy):
             raise ValueError(f"refresh_ratio must be in [0, 1], got {self.refresh_ratio}")
         if self.draft_tokens < 1:
             raise ValueError(f"draft_tokens must be >= 1, got {self.draft_tokens}")
+        if not self.escalate_kl >= 0.0:
+            raise ValueError(f"escalate_kl must be >= 0, got {self.escalate_kl}")
+        if not 0.0 <= self.escalate_ratio <= 1.0:
+            raise ValueError(f"escalate_ratio must be in [0, 1], got {self.escalate_ratio}")
 
     def rows_after_prompt(self) -> int:
         return self.draft_tokens if self.refresh_ratio else 0  # the answer refresh's drafts
 
     def after_fuse(self, model: CausalLM, result: FusionResult) -> FusionResult:
-        if not self.refresh_ratio:
-            return result
-        # imported here: the refresh reuses this module's attention pass
+        # imported here: both reuse this module's attention pass
         from ragkv.fusion.answer_refresh import refresh_for_answer
+        from ragkv.fusion.escalation import escalate_if_moved
 
         columns = self.document_columns(model, result.layout)
+        if self.escalate_kl:
+            result = escalate_if_moved(model, result, self.escalate_kl, self.escalate_ratio, columns)
+        if not self.refresh_ratio:
+            return result
         return refresh_for_answer(model, result, self.refresh_ratio, self.draft_tokens, columns, self.refresh_rerun)
 
     def initial_rows(self, layout: Layout) -> torch.Tensor:
@@ -122,7 +138,9 @@ class Probe(FusionStrategy):
         columns = probe_columns(layout, self.prefix_window, model.spec.sliding_window)
         return None if columns is None else columns[columns < layout.question_start]
 
-    def rows_for(self, model: CausalLM, cache: KVCache, layout: Layout, report: dict[str, float]) -> torch.Tensor:
+    def rows_for(
+        self, model: CausalLM, cache: KVCache, layout: Layout, report: dict[str, float], preview: Preview
+    ) -> torch.Tensor:
         candidates = layout.reused_document_rows
         if self.min_rows >= candidates.numel():  # every document row: nothing to choose
             report["attention_covered"] = report["recomputed_share"] = 1.0
@@ -131,9 +149,11 @@ class Probe(FusionStrategy):
         if layout.fresh_chunks:  # not computed yet: the pass reads only placed rows
             columns = torch.arange(layout.length) if columns is None else columns
             columns = columns[~torch.isin(columns, layout.fresh_rows)]
-        question, last_row = question_attention_by_layer(model, cache, layout, columns)
+        question, last_row, preview.logits = question_attention_by_layer(model, cache, layout, columns)
+        preview.columns = columns
         shares = question + self.last_row_weight * last_row
         scores = shares.sum(dim=0) if self.layer_aggregation == "sum" else shares.max(dim=0).values
+        preview.scores = scores
         chosen = top_k_rows(scores, self.budget(scores, layout))
         report["attention_covered"] = float(scores[chosen].sum() / scores.sum().clamp_min(1e-12))
         report["recomputed_share"] = chosen.numel() / max(1, candidates.numel())
@@ -165,14 +185,15 @@ def probe_columns(layout: Layout, prefix_window: int, model_window: int | None) 
 @torch.inference_mode()
 def question_attention_by_layer(
     model: CausalLM, cache: KVCache, layout: Layout, columns: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Two [layers, document tokens] tensors: the share of the question rows' attention
     (summed over rows and heads) that each document token receives at each layer, and the
     same for the last question row alone, with the question run over the cache as placed
-    (only its rows `columns` when given: ascending, holding every document and question row).
-    Writes the question rows' K/V into `cache`."""
+    (only its rows `columns` when given: ascending, holding every document and question row);
+    and the last row's next-token logits there. Writes the question rows' K/V into `cache`."""
     rows = layout.question_rows.to(model.device)
-    return attention_shares_by_layer(model, cache, layout, layout.token_ids.to(model.device)[rows], rows, columns)
+    ids = layout.token_ids.to(model.device)[rows]
+    return attention_shares_by_layer(model, cache, layout, ids, rows, columns, with_logits=True)
 
 
 def attention_shares_by_layer(
@@ -182,11 +203,14 @@ def attention_shares_by_layer(
     token_ids: torch.Tensor,
     rows: torch.Tensor,
     columns: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    *,
+    with_logits: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Run `token_ids` at cache rows `rows` (ascending, the last row last) through every
     layer over the cache up to the last row (only its rows `columns` when given), writing
     their K/V; per layer, the share of their attention, and of the last row's alone, that
-    each document token of `layout` receives: two [layers, document tokens] tensors."""
+    each document token of `layout` receives: two [layers, document tokens] tensors, and
+    with `with_logits` the last row's next-token logits as a third."""
     length = int(rows[-1]) + 1
     hidden = model.embed(token_ids)
     positions = torch.arange(length, device=model.device) if columns is None else columns.to(model.device)
@@ -207,7 +231,11 @@ def attention_shares_by_layer(
             shares.append(document / document.sum().clamp_min(1e-12))
         if layer + 1 < model.spec.num_layers:
             hidden = model.finish_layer(layer, hidden, attention)
-    return torch.stack(every_row), torch.stack(last_row)
+    shares = torch.stack(every_row), torch.stack(last_row)
+    if not with_logits:
+        return shares
+    last = model.finish_layer(layer, hidden[-1:], attention[:, -1:])  # only the last row's output is read
+    return *shares, model.logits(last)[0]
 
 
 def attention_with_column_mass(
