@@ -93,3 +93,10 @@ def test_with_new_passages_the_comparison_reads_the_previews_rows_and_leaves_the
     torch.testing.assert_close(checked.cache.values[:, :, :rows], plain.cache.values[:, :, :rows], atol=0, rtol=0)
     # over every row the fused logits would differ from the preview by the fresh chunk's share too
     assert checked.selection["preview_kl"] < next_token_kl(checked.logits, checked.preview.logits)
+
+
+def test_a_fuse_that_recomputed_more_than_the_escalated_share_is_not_checked(case):
+    engine, fusion_input, _ = case
+    result = _fuse(engine, Probe(ratio=0.6, min_rows=0, escalate_kl=1e-12, escalate_ratio=0.5), fusion_input)
+    assert "preview_kl" not in result.selection
+    assert result.recomputed_tokens == round(0.6 * result.layout.num_document_tokens)

@@ -45,12 +45,14 @@ def escalate_if_moved(
     preview, layout = result.preview, result.layout
     if preview.logits is None or preview.scores is None:
         return result
-    moved = next_token_kl(_after(model, result), preview.logits)
-    report = {**result.selection, "preview_kl": moved, "escalated": 0.0}
     reused = layout.reused_document_rows
     budget = ratio_budget(ratio, layout)
     recomputed = result.final_rows.cpu()
-    if moved <= threshold or budget <= int(torch.isin(reused, recomputed).sum()):
+    if budget <= int(torch.isin(reused, recomputed).sum()):  # no more to recompute (a whole pass)
+        return result
+    moved = next_token_kl(_after(model, result), preview.logits)
+    report = {**result.selection, "preview_kl": moved, "escalated": 0.0}
+    if moved <= threshold:
         return dataclasses.replace(result, selection=report)
     started = time.perf_counter()
     chosen = reused[top_k_rows(preview.scores.cpu(), budget).cpu()]
