@@ -66,7 +66,10 @@ def test_a_prefill_in_pieces_gives_the_whole_prefills_logits_and_rows(engine, si
         assert torch.allclose(v_cut, v_whole, atol=1e-3, rtol=0), (layer, (v_cut - v_whole).abs().max())
 
 
-@pytest.mark.parametrize("spec", ["probe", "a3", "epic", "cacheblend:ratio=1"])
+@pytest.mark.parametrize(
+    "spec",
+    ["probe", "a3", "epic", "cacheblend:ratio=1", "probe:escalate_kl=1e-12", "probe:refresh_ratio=0.1,draft_tokens=4"],
+)
 def test_a_fusion_in_pieces_of_rows_gives_the_whole_fusions_logits_and_rows(engine, spec):
     """Pieces of one token's work: 30 rows of each layer at a time (several per layer, the
     check layer's selection before them), against the same fusion with no pacer."""
@@ -83,6 +86,22 @@ def test_a_fusion_in_pieces_of_rows_gives_the_whole_fusions_logits_and_rows(engi
     rows = whole.layout.length
     torch.testing.assert_close(cut.cache.keys[:, :, :rows], whole.cache.keys[:, :, :rows], atol=2e-4, rtol=0)
     torch.testing.assert_close(cut.cache.values[:, :, :rows], whole.cache.values[:, :, :rows], atol=2e-4, rtol=0)
+
+
+def test_the_escalated_pass_is_paced_too(engine):
+    """The probe's second pass (escalation) runs in the pacer's pieces as its first does: a
+    long pass beside running answers must not stall them."""
+    fusion_input, _ = fused_case(engine)
+    counts = {}
+    for threshold in (0.0, 1e-12):
+        pacer = FixedPieces(1)
+        with pacing.paced(pacer):
+            result = build_strategy(f"probe:min_rows=0,escalate_kl={threshold}").fuse(
+                engine.model, fusion_input, engine.chunk_prefix_cache()
+            )
+        counts[threshold] = len(pacer.pieces)
+    assert result.selection["escalated"] == 1.0
+    assert counts[1e-12] > counts[0.0] + 1.5 * engine.model.spec.num_layers
 
 
 def test_no_pacer_means_one_whole_prefill(engine):

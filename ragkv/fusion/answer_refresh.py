@@ -25,9 +25,10 @@ import time
 
 import torch
 
+from ragkv.engine import pacing
 from ragkv.engine.kv_cache import KVCache
 from ragkv.engine.model import CausalLM
-from ragkv.fusion.base import FusionResult, attend, ratio_budget, top_k_rows
+from ragkv.fusion.base import FusionResult, finish_in_pieces, mean_position, ratio_budget, top_k_rows
 from ragkv.fusion.layout import Layout
 from ragkv.fusion.probe import attention_shares_by_layer
 
@@ -117,14 +118,18 @@ def recompute(
     model: CausalLM, cache: KVCache, layout: Layout, rows: torch.Tensor, columns: torch.Tensor | None
 ) -> torch.Tensor:
     """Run `rows` (ascending, ending with the last question row) from layer 0 over `cache`,
-    writing their K/V at every layer; the last row's next-token logits."""
+    writing their K/V at every layer; the last row's next-token logits. Paced as the fuse
+    is: under a scheduler's pacer each layer runs in the pieces it sizes, so running
+    answers keep stepping beside a long second pass."""
     hidden = model.embed(layout.token_ids.to(model.device)[rows])
+    context = mean_position(rows)
     for layer in range(model.spec.num_layers):
         projection = model.project(layer, hidden, rows)
         cache.keys[layer, :, rows] = projection.k
         cache.values[layer, :, rows] = projection.v
         if layer + 1 == model.spec.num_layers:
             hidden = model.finish_last_row(layer, hidden, projection, rows, cache, layout.length)
+            pacing.spent(rows.numel() / model.spec.num_layers, context)
         else:
-            hidden = model.finish_layer(layer, hidden, attend(model, layer, projection, rows, cache, layout, columns))
+            hidden = finish_in_pieces(model, layer, projection, rows, hidden, cache, layout, columns, context)
     return model.logits(hidden[-1:])[0]

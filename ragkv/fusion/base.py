@@ -197,7 +197,7 @@ class FusionStrategy(ABC):
         if whole_pass(layout, int(fresh.numel())):
             rows = torch.arange(layout.length, device=model.device)
         initial_rows = rows
-        context = _mean_position(rows)
+        context = mean_position(rows)
         timings["select_rows"] = time.perf_counter() - started - timings["place_kv"]
         hidden = model.embed(layout.token_ids.to(model.device)[rows])
         columns = self.document_columns(model, layout)
@@ -217,7 +217,7 @@ class FusionStrategy(ABC):
                 rows, hidden = rows[keep], hidden[keep]
                 projection = projection.of_rows(keep)
                 recomputed_after_check = rows
-                context = _mean_position(rows)
+                context = mean_position(rows)
             else:
                 cache.keys[layer, :, rows] = projection.k
                 cache.values[layer, :, rows] = projection.v
@@ -226,7 +226,7 @@ class FusionStrategy(ABC):
                 hidden = model.finish_last_row(layer, hidden, projection, rows, cache, layout.length)
                 pacing.spent(rows.numel() / model.spec.num_layers, context)
             else:
-                hidden = _finish_in_pieces(model, layer, projection, rows, hidden, cache, layout, columns, context)
+                hidden = finish_in_pieces(model, layer, projection, rows, hidden, cache, layout, columns, context)
         if int(rows[-1]) != layout.length - 1:
             raise RuntimeError(f"{self.name}: the last question row must be recomputed")
         logits = model.logits(hidden[-1:])[0]
@@ -316,13 +316,13 @@ def attend(
     return torch.cat((documents, question), dim=1)
 
 
-def _mean_position(rows: torch.Tensor) -> float:
+def mean_position(rows: torch.Tensor) -> float:
     """The rows each recomputed row attends to on average (those before it), for a pacer's
     weighing; read only under one (on a GPU it waits for the device)."""
     return float(rows.float().mean()) if pacing.current() is not None else 0.0
 
 
-def _finish_in_pieces(
+def finish_in_pieces(
     model: CausalLM,
     layer: int,
     projection: Projection,

@@ -23,6 +23,11 @@ The question is not the answer: the answer's later tokens read rows the question
 pick. With `refresh_ratio`, a few greedy draft tokens decoded over the fused cache choose
 a further share of the rows left stale, recomputed in a second, smaller pass
 (ragkv.fusion.answer_refresh).
+
+The selection pass also gives the first token as the placed cache alone predicts it. With
+`escalate_kl` set, when the recompute moves it further than that, the fuse recomputes up to
+`escalate_ratio` of the document rows (ragkv.fusion.escalation): a question placed before
+its passages needs it, since every passage row of its full prefill read that question.
 """
 
 from __future__ import annotations
@@ -81,14 +86,15 @@ class Probe(FusionStrategy):
     refresh_rerun: bool = False
     """Run the probe's own document rows again in the refresh pass, so they read the
     refreshed rows' new K/V instead of their stale one (their recompute is paid twice)."""
-    escalate_kl: float = 0.05
+    escalate_kl: float = 0.0
     """When the recompute moved the first token's distribution by more than this KL (nats)
     from the one the selection pass saw over the placed cache, the answer leans on stale
     rows more than `ratio` mends: the fuse recomputes the top `escalate_ratio` of the
     document rows by the same scores, in one more pass (ragkv.fusion.escalation). A prompt
     whose question comes before its passages is one: every passage row of its full prefill
-    read that question. Chosen on dev examples 0-4, where such prompts moved by 0.04-0.17
-    and the others by at most 0.044 (BENCHMARKS.md). 0 = never."""
+    read that question; 0.05, set on dev examples 0-4, tells such prompts from the others
+    at ~6K tokens (BENCHMARKS.md). 0 = never, the default: shorter prompts of reordered
+    passages move as far and would lose half their reuse."""
     escalate_ratio: float = 0.5
     """The document rows recomputed, in all, once escalated."""
 
