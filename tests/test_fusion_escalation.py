@@ -28,7 +28,7 @@ def _fuse(engine, strategy, fusion_input):
 def test_the_preview_is_the_question_over_the_placed_cache(case):
     """The selection pass's logits equal a fuse that recomputes the question rows alone."""
     engine, fusion_input, _ = case
-    preview = _fuse(engine, Probe(ratio=0.2, min_rows=0, escalate_kl=0), fusion_input).preview
+    preview = _fuse(engine, Probe(ratio=0.2, min_rows=0, escalate_kl=1e9), fusion_input).preview
     question_only = _fuse(engine, Probe(ratio=0.0, min_rows=0, escalate_kl=0), fusion_input)
     torch.testing.assert_close(preview.logits, question_only.logits, **CLOSE)
     assert preview.scores.numel() == question_only.layout.num_reused_document_tokens

@@ -156,7 +156,8 @@ class Probe(FusionStrategy):
         if layout.fresh_chunks:  # not computed yet: the pass reads only placed rows
             columns = torch.arange(layout.length) if columns is None else columns
             columns = columns[~torch.isin(columns, layout.fresh_rows)]
-        question, last_row, preview.logits = question_attention_by_layer(model, cache, layout, columns)
+        question, last_row, logits = question_attention_by_layer(model, cache, layout, columns, self.escalate_kl > 0)
+        preview.logits = logits
         preview.columns = columns
         shares = question + self.last_row_weight * last_row
         scores = shares.sum(dim=0) if self.layer_aggregation == "sum" else shares.max(dim=0).values
@@ -191,15 +192,18 @@ def probe_columns(layout: Layout, prefix_window: int, model_window: int | None) 
 
 @torch.inference_mode()
 def question_attention_by_layer(
-    model: CausalLM, cache: KVCache, layout: Layout, columns: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    model: CausalLM, cache: KVCache, layout: Layout, columns: torch.Tensor | None = None, with_logits: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Two [layers, document tokens] tensors: the share of the question rows' attention
     (summed over rows and heads) that each document token receives at each layer, and the
     same for the last question row alone, with the question run over the cache as placed
     (only its rows `columns` when given: ascending, holding every document and question row);
-    and the last row's next-token logits there. Writes the question rows' K/V into `cache`."""
+    and the last row's next-token logits there (None without `with_logits`: only the
+    escalation reads them, and the LM head is not free). Writes the question rows' K/V into `cache`."""
     rows = layout.question_rows.to(model.device)
     ids = layout.token_ids.to(model.device)[rows]
+    if not with_logits:
+        return *attention_shares_by_layer(model, cache, layout, ids, rows, columns), None
     return attention_shares_by_layer(model, cache, layout, ids, rows, columns, with_logits=True)
 
 
